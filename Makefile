@@ -1,0 +1,36 @@
+# megalite: make install | pretrain | test | bench | lint | clean
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?= -q -m "not slow" --durations=15
+
+.PHONY: install pretrain test test-all bench lint clean
+
+install: $(STAMP)
+
+# Re-runs only when setup.py changes; the torch check guards against a CUDA build sneaking in.
+$(STAMP): setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), f'torch {v} installed; megalite pins 2.13.0'; print('torch', v)"
+	touch $(STAMP)
+
+pretrain: install
+	bash scripts/pretrain_tiny_cpu.sh
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+test-all: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) tools/benchmark.py all
+
+lint: install
+	$(PY) -m ruff check megalite tests tools pretrain
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache data/cache runs checkpoints
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

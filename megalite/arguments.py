@@ -1,0 +1,154 @@
+"""Megatron-LM command-line flags and YAML files -> :class:`MegaliteConfig`.
+
+The parser is generated from the config dataclasses: each field ``foo_bar`` becomes
+``--foo-bar`` (or the ``flag`` its metadata names), so flags are declared once, in
+``megalite/config.py``. ``--config FILE.yaml`` takes the same keys with underscores, either
+flat (``tensor_model_parallel_size: 2``) or grouped by section (``parallel: {...}``);
+flags given on the command line override the file.
+
+Unknown flags fail with the closest known flag as a suggestion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import typing
+from typing import Any, Optional, Sequence
+
+from megalite.config import SECTIONS, ConfigError, MegaliteConfig
+
+
+class ArgumentError(ConfigError):
+    """An unknown flag, a malformed value or a bad YAML file."""
+
+
+def _base_type(tp: Any) -> Any:
+    """int for Optional[int], etc. Annotations are strings under __future__ annotations."""
+    if isinstance(tp, str):
+        tp = eval(tp, vars(typing) | {"Optional": Optional})  # noqa: S307 - our own source
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def _fields():
+    """(section name, dataclass field, python type) for every CLI field."""
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("cli", True):
+                yield section, f, _base_type(hints[f.name])
+
+
+def flag_of(field: dataclasses.Field) -> str:
+    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megalite", allow_abbrev=False, argument_default=argparse.SUPPRESS,
+        exit_on_error=False,
+        description="megalite: Megatron-LM compatible flags. Defaults are shown per flag.")
+    parser.add_argument("--config", metavar="FILE.yaml",
+                        help="YAML file with the same keys (underscored); flags override it.")
+    groups = {name: parser.add_argument_group(name) for name in SECTIONS}
+    for section, f, ftype in _fields():
+        meta = f.metadata
+        names = [flag_of(f), *meta.get("aliases", ())]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f"{meta.get('help', '')} (default: {default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text}
+        if ftype is bool:
+            kwargs["action"] = meta.get("action") or "store_true"
+        else:
+            kwargs["type"] = str if ftype is list else ftype
+            if meta.get("choices"):
+                kwargs["choices"] = meta["choices"]
+            if meta.get("nargs"):
+                kwargs["nargs"] = meta["nargs"]
+        groups[section].add_argument(*names, **kwargs)
+    return parser
+
+
+def all_flags() -> list[str]:
+    flags = ["--config"]
+    for _, f, _ in _fields():
+        flags += [flag_of(f), *f.metadata.get("aliases", ())]
+    return flags
+
+
+def _suggest(unknown: str) -> str:
+    name = unknown.split("=", 1)[0]
+    close = difflib.get_close_matches(name, all_flags(), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else "; see --help for the list of flags"
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Flat ``{field: value}`` from a YAML file (flat or grouped by section)."""
+    import yaml
+
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except FileNotFoundError:
+        raise ArgumentError(f"--config {path}: file not found") from None
+    except yaml.YAMLError as e:
+        raise ArgumentError(f"--config {path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ArgumentError(f"--config {path}: expected a mapping of keys to values")
+    known = {f.name: section for section, f, _ in _fields()}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        key = key.replace("-", "_")
+        if key in SECTIONS and isinstance(value, dict):
+            for sub, v in value.items():
+                flat[sub.replace("-", "_")] = v
+        else:
+            flat[key] = value
+    for key in flat:
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ArgumentError(f"--config {path}: unknown key '{key}'{hint}")
+    return flat
+
+
+def config_from_values(values: dict[str, Any]) -> MegaliteConfig:
+    """Build (and section-validate) the config from ``{field_name: value}``."""
+    per_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    owner = {f.name: section for section, f, _ in _fields()}
+    for key, value in values.items():
+        per_section[owner[key]][key] = value
+    return MegaliteConfig(**{name: SECTIONS[name](**kw) for name, kw in per_section.items()})
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> MegaliteConfig:
+    """Parse Megatron-style flags (and ``--config``) into a section-validated config.
+
+    Cross-section checks need the world size: call ``cfg.validate(world_size)`` after.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        ns, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ArgumentError(str(e)) from None
+    if unknown:
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
+        raise ArgumentError(f"unknown argument {flag}{_suggest(flag)}")
+    cli = vars(ns)
+    values = load_yaml(cli.pop("config")) if cli.get("config") else {}
+    cli.pop("config", None)
+    values.update(cli)
+    return config_from_values(values)
+
+
+def main_parse(argv: Optional[Sequence[str]] = None) -> MegaliteConfig:
+    """``parse_args`` for entrypoints: a bad flag prints one line and exits with code 2."""
+    try:
+        return parse_args(argv)
+    except ConfigError as e:
+        print(f"megalite: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

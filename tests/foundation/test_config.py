@@ -1,0 +1,87 @@
+"""Config validation: one clear error per problem."""
+
+import pytest
+
+from megalite.config import (ConfigError, MegaliteConfig, ModelConfig, OptimConfig,
+                             ParallelConfig, TrainConfig)
+
+
+def make(world=1, model=None, parallel=None, train=None):
+    cfg = MegaliteConfig(model=ModelConfig(**(model or {})),
+                         parallel=ParallelConfig(**(parallel or {})),
+                         train=TrainConfig(**(train or {})))
+    return cfg.validate(world)
+
+
+@pytest.mark.parametrize("kwargs, world, message", [
+    (dict(model=dict(num_attention_heads=12, hidden_size=48),
+          parallel=dict(tensor_model_parallel_size=5)), 10,
+     r"num_attention_heads \(12\) must be divisible by tensor_model_parallel_size \(5\)"),
+    (dict(parallel=dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)), 6,
+     r"world size \(6\) must be divisible by tensor_model_parallel_size \(2\) x "
+     r"pipeline_model_parallel_size \(2\) x context_parallel_size \(1\) = 4"),
+    (dict(train=dict(micro_batch_size=2, global_batch_size=6)), 2,
+     r"global_batch_size \(6\) must be divisible by micro_batch_size \(2\) x data parallel "
+     r"size \(2\)"),
+    (dict(model=dict(num_attention_heads=8, group_query_attention=True, num_query_groups=2),
+          parallel=dict(tensor_model_parallel_size=4)), 4,
+     r"num_query_groups \(2\) must be divisible by tensor_model_parallel_size \(4\)"),
+    (dict(model=dict(ffn_hidden_size=66), parallel=dict(tensor_model_parallel_size=4)), 4,
+     r"ffn_hidden_size \(66\) must be divisible"),
+    (dict(model=dict(seq_length=30), parallel=dict(tensor_model_parallel_size=4,
+                                                   sequence_parallel=True)), 4,
+     r"seq_length \(30\) must be divisible by tensor_model_parallel_size \(4\)"),
+    (dict(model=dict(num_layers=3), parallel=dict(pipeline_model_parallel_size=2)), 2,
+     r"num_layers \(3\) must be divisible by pipeline_model_parallel_size \(2\)"),
+    (dict(model=dict(num_layers=4), parallel=dict(pipeline_model_parallel_size=2,
+                                                  virtual_pipeline_model_parallel_size=3)), 2,
+     r"num_layers \(4\) must be divisible by pipeline_model_parallel_size \(2\) x virtual"),
+    (dict(model=dict(num_experts=6), parallel=dict(expert_model_parallel_size=4)), 4,
+     r"num_experts \(6\) must be divisible by expert_model_parallel_size \(4\)"),
+    (dict(parallel=dict(expert_model_parallel_size=2)), 2, r"need --num-experts"),
+])
+def test_cross_section_errors(kwargs, world, message):
+    with pytest.raises(ConfigError, match=message):
+        make(world, **kwargs)
+
+
+@pytest.mark.parametrize("cls, kwargs, message", [
+    (ModelConfig, dict(hidden_size=50, num_attention_heads=4), r"hidden_size \(50\)"),
+    (ModelConfig, dict(num_experts=2, moe_router_topk=3), r"moe_router_topk \(3\) must be <="),
+    (ModelConfig, dict(bf16=True, fp16=True), "cannot both"),
+    (ModelConfig, dict(num_layers=0), "num_layers must be positive"),
+    (ModelConfig, dict(group_query_attention=True), "needs --num-query-groups"),
+    (ModelConfig, dict(recompute_method="uniform"), "needs --recompute-granularity full"),
+    (ParallelConfig, dict(overlap_param_gather=True), "needs --use-distributed-optimizer"),
+    (ParallelConfig, dict(ddp_bucket_size=0), r"--ddp-bucket-size must be > 0"),
+    (ParallelConfig, dict(virtual_pipeline_model_parallel_size=2), "pipeline-model-parallel"),
+    (OptimConfig, dict(lr=1e-4, min_lr=1e-3), r"min_lr \(0.001\) must not exceed lr"),
+    (OptimConfig, dict(lr_warmup_iters=5, lr_warmup_fraction=0.1), "not both"),
+])
+def test_section_errors(cls, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        cls(**kwargs)
+
+
+def test_defaults_are_filled():
+    cfg = make(4, model=dict(hidden_size=64, num_layers=4),
+               parallel=dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                             num_layers_per_virtual_pipeline_stage=1),
+               train=dict(micro_batch_size=2))
+    assert cfg.model.ffn_hidden_size == 256 and cfg.model.kv_channels == 16
+    assert cfg.train.global_batch_size == 2  # micro 2 x dp 1
+    assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
+    assert cfg.parallel.expert_tensor_parallel_size == 2
+
+
+def test_padded_vocab():
+    m = ModelConfig(vocab_size=50257, make_vocab_size_divisible_by=128)
+    assert m.padded_vocab_size(1) == 50304
+    assert m.padded_vocab_size(4) == 50688
+    assert m.padded_vocab_size(4) % (128 * 4) == 0
+
+
+def test_round_trip_dict():
+    cfg = make(1, model=dict(num_layers=3))
+    again = MegaliteConfig.from_dict(cfg.to_dict())
+    assert again == cfg
