@@ -5,7 +5,7 @@ Each benchmark is a module ``tools/bench/NAME.py`` with ``main(argv)``; it print
 measurements as ratios against a reference measured in the same run.
 """
 
-import importlib.util
+import importlib
 import pathlib
 import sys
 
@@ -18,14 +18,12 @@ def available() -> list[str]:
 
 
 def run(name: str, argv: list[str]) -> None:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(argv)
+    # imported as a module (not from a file path) so spawned worker processes can import it
+    importlib.import_module(f"bench.{name}").main(argv)
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT), str(BENCH_DIR.parent)]
     names = available()
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)

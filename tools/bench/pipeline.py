@@ -1,0 +1,149 @@
+"""Pipeline bubble and activation memory: measured vs theory.
+
+``python tools/benchmark.py pipeline [--stages 4] [--forward-ms 8] [--compute sleep|matmul]``
+
+Runs the real schedules (megalite.pipeline.schedules, gloo p2p) on ``p`` ranks. Each
+micro-batch's forward through a whole stage costs ``--forward-ms`` and its backward twice
+that, split evenly over the stage's ``v`` chunks. With ``--compute sleep`` (default) that
+cost is a sleep, so ``p`` ranks on a 2-core machine do not slow each other down and the
+measurement isolates the schedule; ``--compute matmul`` burns real FLOPs instead (then
+ranks compete for cores once p > cores, which inflates the busy time).
+
+Reported per (m, v): the bubble as (step time - busy time) / busy time, averaged over
+ranks (Megatron's
+definition: theory (p-1)/m for 1F1B and (p-1)/(v*m) interleaved), and the peak number of
+micro-batches whose activations a rank holds (1F1B: p - rank; all-forward-then-backward,
+i.e. GPipe: m), with its bytes for a stage activation of ``[s, b, h]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, cases, args, queue):
+    from megalite.config import ParallelConfig
+    from megalite.parallel.state import ParallelState
+    from megalite.pipeline.p2p import PipeComm
+    from megalite.pipeline.schedules import ScheduleStats, build_schedule, run_schedule
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(minutes=5))
+    shape = (args.seq, args.batch, args.hidden)
+    weight = torch.randn(args.hidden, args.hidden) / args.hidden ** 0.5
+    matmul_per_ms = None
+    if args.compute == "matmul":  # calibrate: how many matmuls make a millisecond
+        x = torch.randn(args.seq * args.batch, args.hidden)
+        t0 = time.perf_counter()
+        for _ in range(50):
+            x @ weight
+        matmul_per_ms = 50 / ((time.perf_counter() - t0) * 1e3)
+
+    def spend(ms):
+        if matmul_per_ms is None:
+            time.sleep(ms / 1e3)
+        else:
+            x = torch.randn(args.seq * args.batch, args.hidden)
+            for _ in range(max(1, round(ms * matmul_per_ms))):
+                x @ weight
+
+    class Cost(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, ms):
+            ctx.ms = ms
+            spend(ms)
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            spend(2 * ctx.ms)
+            return g * 1.0, None
+
+    results = []
+    for m, v in cases:
+        pcfg = ParallelConfig(pipeline_model_parallel_size=world,
+                              virtual_pipeline_model_parallel_size=v if v > 1 else None)
+        ps = ParallelState.build(pcfg)
+        ms = args.forward_ms / v
+
+        def forward_step(chunk, mb, x, ps=ps, ms=ms, v=v):
+            h = torch.zeros(shape, requires_grad=True) if x is None else x
+            h = Cost.apply(h, ms)
+            if ps.pp.rank == ps.pp.size - 1 and chunk == v - 1:
+                return h.sum()
+            return h
+
+        comm = PipeComm(ps, shape, torch.float32)
+        stats = ScheduleStats()
+        dist.barrier()
+        t0 = time.perf_counter()
+        run_schedule(build_schedule(world, ps.pp.rank, m, v), forward_step=forward_step,
+                     pstate=ps, vpp=v, comm=comm, stats=stats)
+        total = time.perf_counter() - t0
+        dist.barrier()
+        results.append((m, v, total, stats.busy, stats.waiting, stats.peak_live_outputs))
+        ps.destroy()
+    queue.put((rank, results))
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="benchmark.py pipeline")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, nargs="*", default=[4, 8, 16])
+    parser.add_argument("--virtual", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--forward-ms", type=float, default=30.0)
+    parser.add_argument("--compute", choices=("sleep", "matmul"), default="sleep")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--hidden", type=int, default=512)
+    args = parser.parse_args(argv)
+    p = args.stages
+    cases = [(m, v) for v in args.virtual for m in args.microbatches if m % p == 0 or v == 1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    procs = [ctx.Process(target=_worker, args=(r, p, port, cases, args, queue))
+             for r in range(p)]
+    for proc in procs:
+        proc.start()
+    by_rank = dict(queue.get(timeout=600) for _ in range(p))
+    for proc in procs:
+        proc.join()
+    act_bytes = args.seq * args.batch * args.hidden * 4
+    print(f"pipeline bubble, p={p}, forward {args.forward_ms} ms + backward "
+          f"{2 * args.forward_ms} ms per micro-batch per stage, compute={args.compute}")
+    print(f"{'m':>4} {'v':>3} {'bubble meas':>12} {'theory':>8} {'step ms':>9} "
+          f"{'ideal ms':>9} {'peak live mb (rank0..)':>24} {'GPipe':>6} {'peak act MB r0':>15}")
+    for n, (m, v) in enumerate(cases):
+        rows = [by_rank[r][n] for r in range(p)]
+        total = max(r[2] for r in rows)  # the step's wall time: the slowest rank's
+        bubble = sum((total - busy) / busy for _, _, _, busy, _, _ in rows) / p
+        theory = (p - 1) / (v * m)
+        ideal = m * 3 * args.forward_ms
+        live = [r[5] for r in rows]
+        print(f"{m:>4} {v:>3} {bubble:>12.3f} {theory:>8.3f} {total * 1e3:>9.1f} "
+              f"{ideal:>9.1f} {str(live):>24} {m:>6} {live[0] * act_bytes / 2**20 / v:>15.2f}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    main()
