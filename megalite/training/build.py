@@ -1,0 +1,227 @@
+"""Build everything a training run needs from a validated config and a ParallelState.
+
+    components = build_components(cfg, ps)      # tokenizer, model, optimizer, data, ...
+    result = train(components)                  # megalite.training.loop
+    components.close()
+
+Order matters for exact resumption: seeds are set, the model is built (its init depends
+only on the seed and parameter names), gradient buffers and the optimizer wrap it, the
+checkpoint (if ``--load``) restores weights, optimizer, schedule and RNG states, and only
+then are the data iterators created, at the restored number of consumed samples. Creating
+a DataLoader iterator draws from the global torch RNG, so that happens under a forked RNG.
+
+``model_provider(cfg, ps) -> nn.Module`` and ``datasets_provider(cfg, tokenizer) ->
+(train, valid, test)`` replace the GPT model and the Megatron datasets (tests use them).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from megalite.checkpoint import load_checkpoint
+from megalite.config import ConfigError, MegaliteConfig
+from megalite.optim.data_parallel import DataParallelGrads
+from megalite.optim.loss_scaler import build_loss_scaler
+from megalite.optim.lr_schedule import LRScheduler
+from megalite.optim.optimizer import MixedPrecisionOptimizer
+from megalite.parallel.state import ParallelState
+from megalite.training.loop import TrainState
+from megalite.training.metrics import MetricsLogger
+from megalite.training.throughput import count_layer_params, flops_per_token, peak_flops_per_rank
+from megalite.training.timers import Timers
+
+
+@dataclass
+class TrainingComponents:
+    """The pieces :func:`megalite.training.loop.train` drives (see module docstring)."""
+
+    cfg: MegaliteConfig
+    ps: ParallelState
+    model: torch.nn.Module
+    grads: DataParallelGrads
+    optimizer: MixedPrecisionOptimizer
+    scheduler: LRScheduler
+    timers: Timers
+    metrics: MetricsLogger
+    train_dataset: object
+    valid_dataset: object | None
+    num_microbatches: int
+    flops_per_iteration: float
+    peak_flops: float
+    state: TrainState = field(default_factory=TrainState)
+    rng_tracker: object | None = None
+    tokenizer: object | None = None
+    start_time: float = field(default_factory=time.time)  # wall clock when building began
+
+    def _loader(self, dataset, consumed_samples: int):
+        from megalite.data.samplers import build_data_loader
+
+        t = self.cfg.train
+        with torch.random.fork_rng(devices=[]):
+            return iter(build_data_loader(dataset, consumed_samples, t.micro_batch_size,
+                                          self.ps.dp.rank, self.ps.dp.size,
+                                          self.cfg.data.num_workers))
+
+    def train_iterator(self, consumed_samples: int) -> Iterator:
+        """This rank's training micro-batches, resuming after ``consumed_samples``."""
+        return self._loader(self.train_dataset, consumed_samples)
+
+    def valid_iterator(self, iteration: int) -> Iterator | None:
+        """Validation micro-batches, cycling, positioned as after ``iteration`` training
+        iterations (Megatron's ``consumed_valid_samples``)."""
+        if self.valid_dataset is None:
+            return None
+        t = self.cfg.train
+        total = len(self.valid_dataset)
+        consumed = (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
+        return _cycle(lambda start: self._loader(self.valid_dataset, start),
+                      consumed % total if total else 0)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.grads.remove_hooks()
+
+
+def _cycle(make: Callable[[int], Iterator], start: int) -> Iterator:
+    """Items of ``make(start)``, then of ``make(0)`` over and over."""
+    iterator = make(start)
+    while True:
+        empty = True
+        for item in iterator:
+            empty = False
+            yield item
+        if empty and start == 0:
+            raise ConfigError("the validation set holds less than one micro-batch per "
+                              "data-parallel rank; lower --micro-batch-size or change --split")
+        iterator, start = make(0), 0
+
+
+def set_seeds(seed: int, ps: ParallelState) -> None:
+    """python / numpy / torch seeds; pipeline stages differ (seed + 100 x pp rank)."""
+    seed = seed + 100 * ps.pp.rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def default_model_provider(cfg: MegaliteConfig, ps: ParallelState) -> torch.nn.Module:
+    from megalite.models.gpt import GPTModel
+
+    return GPTModel(cfg.model, ps, sequence_parallel=cfg.parallel.sequence_parallel,
+                    seed=cfg.train.seed)
+
+
+def default_datasets_provider(cfg: MegaliteConfig, tokenizer) -> tuple:
+    from megalite.data import build_datasets
+
+    t = cfg.train
+    eval_runs = t.train_iters // t.eval_interval + 1
+    samples = (t.train_iters * t.global_batch_size,
+               eval_runs * t.eval_iters * t.global_batch_size,
+               t.eval_iters * t.global_batch_size)
+    return build_datasets(cfg.data, tokenizer, cfg.model.seq_length, t.seed,
+                          num_samples=samples)
+
+
+def _rng_tracker(model: torch.nn.Module):
+    """The model's dropout RNG tracker (``model.rng``, an RNGTracker), if it has one."""
+    for name in ("rng", "rng_tracker"):
+        tracker = getattr(model, name, None)
+        if hasattr(tracker, "get_states") and hasattr(tracker, "set_states"):
+            return tracker
+    return None
+
+
+def _training_dtype(cfg: MegaliteConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.model.bf16 else torch.float16 if cfg.model.fp16 \
+        else torch.float32
+
+
+def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
+                     model_provider: Callable | None = None,
+                     datasets_provider: Callable | None = None,
+                     peak_probe_seconds: float = 1.0) -> TrainingComponents:
+    """Everything for :func:`megalite.training.loop.train`; loads ``--load`` if set.
+
+    ``cfg`` must be validated for this world (``cfg.validate(world_size)``); it is copied,
+    and the copy gets ``model.vocab_size`` from the tokenizer.
+    """
+    start_time = time.time()
+    cfg = copy.deepcopy(cfg)
+    t = cfg.train
+    if t.train_iters is None:
+        raise ConfigError("--train-iters is required")
+    if ps.pp.size > 1 or ps.cp.size > 1:
+        raise ConfigError("the training loop does not drive pipeline or context "
+                          "parallelism yet; use --pipeline-model-parallel-size 1 "
+                          "--context-parallel-size 1")
+    dp = ps.dp.size
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+
+    tokenizer = None
+    if datasets_provider is None:
+        from megalite.data.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
+        cfg.model.vocab_size = tokenizer.vocab_size
+    set_seeds(t.seed, ps)
+    model = (model_provider or default_model_provider)(cfg, ps)
+    dtype = _training_dtype(cfg)
+    if any(p.dtype != dtype for p in model.parameters()):
+        model.to(dtype)
+    model.to(ps.device)
+
+    timers = Timers(cfg.logging.timing_log_level, ps.device)
+    grads = DataParallelGrads(model.parameters(), ps, cfg.parallel.ddp_bucket_size, timers)
+    scaler = build_loss_scaler(cfg.optim, cfg.model.fp16)
+    optimizer = MixedPrecisionOptimizer(model, cfg.optim, ps, scaler, fp16=cfg.model.fp16)
+    scheduler = LRScheduler.from_config(cfg.optim, t.train_iters)
+    rng_tracker = _rng_tracker(model)
+    log_rank = ps.world_size - 1
+    metrics = MetricsLogger(cfg.logging, t.train_iters, enabled=ps.rank == log_rank,
+                            config=cfg.to_dict())
+
+    state = TrainState()
+    ck = cfg.checkpoint
+    if ck.load:
+        loaded = load_checkpoint(ck.load, model, optimizer, scheduler, ps,
+                                 load_optim=not ck.no_load_optim,
+                                 load_rng=not ck.no_load_rng, finetune=ck.finetune,
+                                 rng_tracker=rng_tracker)
+        if loaded is None:
+            metrics.print(f" no checkpoint in {ck.load}; starting from scratch")
+        else:
+            state = TrainState(iteration=loaded.iteration,
+                               consumed_train_samples=loaded.consumed_samples)
+            metrics.print(f" loaded {loaded.path} (iteration {loaded.iteration}, "
+                          f"{loaded.consumed_samples} samples consumed)")
+
+    datasets = (datasets_provider or default_datasets_provider)(cfg, tokenizer)
+    train_ds, valid_ds = datasets[0], datasets[1]
+    if train_ds is None:
+        raise ConfigError("no training data: check --data-path / --split / --mock-data")
+
+    num_params = count_layer_params(model, ps)
+    m = cfg.model
+    per_token = flops_per_token(num_params, m.num_layers, m.hidden_size, m.seq_length,
+                                m.padded_vocab_size(ps.tp.size))
+    peak, peak_source = peak_flops_per_rank(ps.device, peak_probe_seconds)
+    metrics.print(f" {ps.describe()} | transformer-layer parameters: {num_params:,} | "
+                  f"precision: {dtype} | "
+                  f"micro-batches per step: {num_micro} | MFU peak: {peak_source}")
+    return TrainingComponents(
+        cfg=cfg, ps=ps, model=model, grads=grads, optimizer=optimizer, scheduler=scheduler,
+        timers=timers, metrics=metrics, train_dataset=train_ds, valid_dataset=valid_ds,
+        num_microbatches=num_micro,
+        flops_per_iteration=per_token * t.global_batch_size * cfg.model.seq_length,
+        peak_flops=peak, state=state, rng_tracker=rng_tracker, tokenizer=tokenizer,
+        start_time=start_time)

@@ -1,0 +1,233 @@
+"""The training loop: train_step -> (evaluate) -> log -> (save) -> (exit?), repeated.
+
+Loss normalization makes ``lm_loss`` the token mean over the whole global batch for any
+data-parallel size and micro-batch split: a step first counts the valid (``loss_mask``)
+tokens of all its micro-batches on all data-parallel ranks (SUM over ``ps.dp_cp``), then
+back-propagates each micro-batch's *summed* masked loss divided by that global count, and
+the data-parallel reduction SUMS gradients. The gradient is then exactly that of the
+global-batch mean loss, whatever the layout.
+
+A NaN/inf loss (``--check-for-nan-in-loss-and-grad``, on by default) raises
+:class:`NonFiniteLossError` naming the iteration before the optimizer or a checkpoint sees
+it. Non-finite gradients skip the step under fp16 (loss scaling backs off); otherwise they
+raise too.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from megalite.checkpoint import save_checkpoint
+from megalite.optim.comm import all_reduce, all_reduce_scalar
+from megalite.training.metrics import IterationMetrics
+from megalite.training.signals import SignalHandler
+
+if TYPE_CHECKING:
+    from megalite.training.build import TrainingComponents
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the gradients became NaN/inf; no update or checkpoint was made."""
+
+
+@dataclass
+class TrainState:
+    """Progress that a checkpoint restores."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iters: int = 0
+
+
+@dataclass
+class StepResult:
+    lm_loss: float
+    lr: float
+    updated: bool
+    grad_norm: float | None
+    loss_scale: float
+
+
+@dataclass
+class TrainResult:
+    """How :func:`train` ended: ``exit_reason`` is ``finished``, ``signal``,
+    ``exit-interval`` or ``exit-duration``; ``losses`` maps iteration -> lm_loss."""
+
+    iteration: int
+    exit_reason: str
+    losses: dict = field(default_factory=dict)
+    valid_losses: dict = field(default_factory=dict)
+
+
+# -- one step ---------------------------------------------------------------------------
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS if k in batch}
+
+
+def _masked_loss_sum(c: TrainingComponents, batch: dict) -> torch.Tensor:
+    """Forward one micro-batch; the SUM of the per-token loss over ``loss_mask`` (fp32)."""
+    per_token = c.model(batch["tokens"], position_ids=batch.get("position_ids"),
+                        labels=batch["labels"])
+    return (per_token.float() * batch["loss_mask"].float()).sum()
+
+
+def count_tokens(batches: list[dict], group) -> torch.Tensor:
+    """Valid tokens of the global batch: this rank's loss_mask sum, SUM over ``group``
+    (``ps.dp_cp``). fp64 scalar, at least 1."""
+    local = sum(b["loss_mask"].double().sum() for b in batches)
+    total = all_reduce(torch.as_tensor(local, dtype=torch.float64).reshape(1), group)
+    return total.clamp_min(1.0)
+
+
+def train_step(c: TrainingComponents, batches: list[dict], iteration: int) -> StepResult:
+    """One optimizer step over this rank's ``batches`` (its micro-batches of the global
+    batch). ``iteration`` (1-based) only names the step in errors."""
+    ps, timers = c.ps, c.timers
+    c.grads.zero_grad()
+    c.model.train()
+    batches = [_to_device(b, ps.device) for b in batches]
+    tokens = count_tokens(batches, ps.dp_cp)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=ps.device)
+    for batch in batches:
+        with timers("forward-compute", log_level=1):
+            mb_loss = _masked_loss_sum(c, batch)
+        with timers("backward-compute", log_level=1):
+            c.optimizer.scale_loss(mb_loss / tokens.float()).backward()
+        loss_sum += mb_loss.detach().double()
+    lm_loss = float((all_reduce(loss_sum, ps.dp_cp) / tokens).item())
+    check = c.cfg.train.check_for_nan_in_loss_and_grad
+    if check and not math.isfinite(lm_loss):
+        raise NonFiniteLossError(f"the loss is {lm_loss} at iteration {iteration} "
+                                 f"(rank {ps.rank}); stopping without updating the model "
+                                 "or writing a checkpoint")
+    c.grads.finish_grad_sync()
+    with timers("optimizer", log_level=1):
+        lr = c.scheduler.apply(c.optimizer)
+        outcome = c.optimizer.step()
+    if outcome.found_inf and check and not c.optimizer.fp16:
+        raise NonFiniteLossError(f"the gradients hold NaN/inf at iteration {iteration} "
+                                 f"(loss {lm_loss:.6g}); stopping without updating the model "
+                                 "or writing a checkpoint")
+    if outcome.updated:
+        c.scheduler.step()
+    return StepResult(lm_loss=lm_loss, lr=lr, updated=outcome.updated,
+                      grad_norm=outcome.grad_norm, loss_scale=c.optimizer.loss_scale)
+
+
+@torch.no_grad()
+def evaluate(c: TrainingComponents, data_iterator: Iterator, num_steps: int) -> float:
+    """Mean lm loss over ``num_steps`` global batches of ``data_iterator`` (token mean over
+    all of them, SUM over ``ps.dp_cp``)."""
+    c.model.eval()
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=c.ps.device)
+    tokens = torch.zeros(1, dtype=torch.float64, device=c.ps.device)
+    with c.timers("evaluate", log_level=0):
+        for _ in range(num_steps):
+            for _ in range(c.num_microbatches):
+                batch = _to_device(next(data_iterator), c.ps.device)
+                loss_sum += _masked_loss_sum(c, batch).double()
+                tokens += batch["loss_mask"].double().sum()
+    c.model.train()
+    all_reduce(loss_sum, c.ps.dp_cp)
+    all_reduce(tokens, c.ps.dp_cp)
+    return float((loss_sum / tokens.clamp_min(1.0)).item())
+
+
+# -- the loop ---------------------------------------------------------------------------
+def save(c: TrainingComponents, state: TrainState) -> None:
+    """Checkpoint ``state`` to ``--save`` (collective)."""
+    ck = c.cfg.checkpoint
+    with c.timers("save-checkpoint", log_level=0):
+        path = save_checkpoint(ck.save, state.iteration, c.model, c.optimizer, c.scheduler,
+                               c.ps, c.cfg.to_dict(), state.consumed_train_samples,
+                               save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng,
+                               rng_tracker=c.rng_tracker)
+    if c.ps.rank == 0:
+        print(f" saved checkpoint at iteration {state.iteration} to {path}", flush=True)
+
+
+def _exit_reason(c: TrainingComponents, state: TrainState,
+                 signals: SignalHandler) -> str | None:
+    """Why to stop after this iteration (every rank gets the same answer), or None.
+    ``--exit-duration-in-mins`` counts from the start of ``build_components``."""
+    t = c.cfg.train
+    if signals.any_rank_received(c.ps.device):
+        return "signal"
+    if t.exit_duration_in_mins is not None:
+        minutes = all_reduce_scalar((time.time() - c.start_time) / 60.0, None,
+                                    dist.ReduceOp.MAX, c.ps.device)
+        if minutes > t.exit_duration_in_mins:
+            return "exit-duration"
+    if t.exit_interval is not None and state.iteration % t.exit_interval == 0:
+        return "exit-interval"
+    return None
+
+
+def train(c: TrainingComponents) -> TrainResult:
+    """Run from ``c.state`` to ``--train-iters`` (or an exit condition); see module doc."""
+    cfg, state, metrics = c.cfg, c.state, c.metrics
+    t, ck = cfg.train, cfg.checkpoint
+    gbs, seq = t.global_batch_size, cfg.model.seq_length
+    result = TrainResult(iteration=state.iteration, exit_reason="finished")
+    if state.iteration >= t.train_iters:
+        metrics.print(f" already trained for {state.iteration} iterations "
+                      f"(--train-iters {t.train_iters}); nothing to do")
+        return result
+    train_iter = c.train_iterator(state.consumed_train_samples)
+    valid_iter = c.valid_iterator(state.iteration)
+    last_saved = state.iteration if ck.load else None
+    with SignalHandler(enabled=t.exit_signal_handler) as signals:
+        while state.iteration < t.train_iters:
+            tick = time.perf_counter()
+            with c.timers("batch-generator", log_level=1):
+                batches = [next(train_iter) for _ in range(c.num_microbatches)]
+            step = train_step(c, batches, state.iteration + 1)
+            elapsed = time.perf_counter() - tick
+            state.iteration += 1
+            state.consumed_train_samples += gbs
+            state.skipped_iters += int(not step.updated)
+            result.losses[state.iteration] = step.lm_loss
+
+            extra = None
+            if (valid_iter is not None and t.eval_iters > 0
+                    and state.iteration % t.eval_interval == 0):
+                valid_loss = evaluate(c, valid_iter, t.eval_iters)
+                result.valid_losses[state.iteration] = valid_loss
+                extra = {"validation_loss": valid_loss,
+                         "validation_ppl": math.exp(min(20.0, valid_loss))}
+            tokens_per_sec = gbs * seq / elapsed
+            mfu = c.flops_per_iteration / (elapsed * c.peak_flops * c.ps.world_size)
+            metrics.record(IterationMetrics(
+                iteration=state.iteration, lm_loss=step.lm_loss, grad_norm=step.grad_norm,
+                lr=step.lr, loss_scale=step.loss_scale, skipped=not step.updated,
+                tokens_per_sec=tokens_per_sec, mfu=mfu, elapsed_s=elapsed,
+                consumed_samples=state.consumed_train_samples, global_batch_size=gbs),
+                extra=extra)
+            if extra is not None:
+                metrics.record_eval(state.iteration, extra["validation_loss"])
+            if (state.iteration % cfg.logging.log_interval == 0
+                    and cfg.logging.timing_log_level > 0):
+                metrics.print(" timers (ms/iter) | " + c.timers.summary(
+                    normalizer=cfg.logging.log_interval))
+
+            if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+                save(c, state)
+                last_saved = state.iteration
+            reason = _exit_reason(c, state, signals)
+            if reason is not None:
+                result.exit_reason = reason
+                metrics.print(f" exiting at iteration {state.iteration}: {reason}")
+                break
+    if ck.save and last_saved != state.iteration and state.iteration > 0:
+        save(c, state)
+    result.iteration = state.iteration
+    return result

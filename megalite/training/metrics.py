@@ -1,0 +1,190 @@
+"""Where training metrics go: the Megatron-style human line, a JSONL file, TensorBoard and
+Weights & Biases.
+
+Only the logging rank (the last rank, which holds the loss under pipeline parallelism)
+writes; every other rank constructs a disabled :class:`MetricsLogger`. TensorBoard and
+wandb are imported lazily, only when their flags are set (wandb honours
+``WANDB_MODE=offline``).
+
+JSONL contract (one object per iteration, see DESIGN.md)::
+
+    {"iteration": 12, "lm_loss": 7.91, "grad_norm": 1.3, "lr": 0.0003, "loss_scale": 1.0,
+     "skipped": false, "tokens_per_sec": 5120.0, "mfu": 0.021}
+
+``grad_norm`` is null on a skipped iteration. An iteration that ran an evaluation also
+carries ``validation_loss`` and ``validation_ppl``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+from megalite.config import LoggingConfig
+
+
+@dataclass
+class IterationMetrics:
+    """One training iteration, as every sink sees it."""
+
+    iteration: int
+    lm_loss: float
+    grad_norm: float | None
+    lr: float
+    loss_scale: float
+    skipped: bool
+    tokens_per_sec: float
+    mfu: float
+    elapsed_s: float = 0.0
+    consumed_samples: int = 0
+    global_batch_size: int = 0
+
+    def jsonl(self) -> dict:
+        keys = ("iteration", "lm_loss", "grad_norm", "lr", "loss_scale", "skipped",
+                "tokens_per_sec", "mfu")
+        full = asdict(self)
+        return {k: full[k] for k in keys}
+
+
+@dataclass
+class _Window:
+    """Accumulates iterations between two human log lines."""
+
+    iters: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    skipped: int = 0
+    elapsed_s: float = 0.0
+    tokens_per_sec: float = 0.0
+    mfu: float = 0.0
+
+
+class MetricsLogger:
+    """Sends :class:`IterationMetrics` to stdout, JSONL, TensorBoard and wandb.
+
+    ``enabled`` False (non-logging ranks) makes every method a no-op.
+    ``config`` (a dict) is recorded as the wandb run config and TensorBoard text.
+    """
+
+    def __init__(self, lcfg: LoggingConfig, train_iters: int, enabled: bool,
+                 config: dict | None = None, stream=None):
+        self.lcfg = lcfg
+        self.train_iters = train_iters
+        self.enabled = enabled
+        self.stream = stream or sys.stdout
+        self._window = _Window()
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        self._total_elapsed = 0.0
+        self._total_iters = 0
+        if not enabled:
+            return
+        if lcfg.metrics_jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(lcfg.metrics_jsonl)), exist_ok=True)
+            self._jsonl = open(lcfg.metrics_jsonl, "a", buffering=1)  # noqa: SIM115 (closed in close())
+        if lcfg.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=lcfg.tensorboard_dir, max_queue=1000)
+            if config is not None:
+                self._tb.add_text("config", f"```\n{json.dumps(config, indent=1)}\n```")
+        if lcfg.wandb_project:
+            import wandb
+
+            save_dir = lcfg.wandb_save_dir or os.path.join(os.getcwd(), "wandb")
+            os.makedirs(save_dir, exist_ok=True)
+            self._wandb = wandb.init(project=lcfg.wandb_project, name=lcfg.wandb_exp_name,
+                                     dir=save_dir, config=config)
+
+    def print(self, message: str) -> None:
+        """A line on stdout from the logging rank."""
+        if self.enabled:
+            print(message, file=self.stream, flush=True)
+
+    # -- per iteration ------------------------------------------------------------------
+    def record(self, m: IterationMetrics, extra: dict | None = None) -> None:
+        """Write one iteration to JSONL / TensorBoard / wandb; print the human line every
+        ``--log-interval`` iterations. ``extra`` adds keys to the JSONL object."""
+        if not self.enabled:
+            return
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({**m.jsonl(), **(extra or {})}) + "\n")
+        scalars = {"lm loss": m.lm_loss, "learning-rate": m.lr, "loss-scale": m.loss_scale,
+                   "grad-norm": m.grad_norm, "skipped": float(m.skipped),
+                   "tokens-per-sec": m.tokens_per_sec, "mfu": m.mfu,
+                   "iteration-time": m.elapsed_s, "consumed-samples": m.consumed_samples}
+        scalars = {k: v for k, v in scalars.items() if v is not None}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, m.iteration)
+        if self._wandb is not None:
+            self._wandb.log({f"train/{k}": v for k, v in scalars.items()}, step=m.iteration)
+
+        w = self._window
+        w.iters += 1
+        w.elapsed_s += m.elapsed_s
+        w.skipped += int(m.skipped)
+        if math.isfinite(m.lm_loss):  # a skipped fp16 step still has a finite loss
+            w.loss_sum += m.lm_loss
+            w.loss_count += 1
+        w.tokens_per_sec, w.mfu = m.tokens_per_sec, m.mfu
+        self._total_elapsed += m.elapsed_s
+        self._total_iters += 1
+        if m.iteration % self.lcfg.log_interval == 0 or m.iteration == self.train_iters:
+            self.print(self.human_line(m))
+            self._window = _Window()
+
+    def human_line(self, m: IterationMetrics) -> str:
+        """``iteration N/M | consumed samples: ... | ... | ETA ...`` over the window."""
+        w = self._window
+        per_iter_ms = 1000.0 * w.elapsed_s / max(w.iters, 1)
+        loss = w.loss_sum / w.loss_count if w.loss_count else float("nan")
+        avg_s = self._total_elapsed / max(self._total_iters, 1)
+        eta = datetime.timedelta(seconds=round(avg_s * max(self.train_iters - m.iteration, 0)))
+        grad = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "skipped"
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        return (f" [{stamp}] iteration {m.iteration:8d}/{self.train_iters:8d} |"
+                f" consumed samples: {m.consumed_samples:12d} |"
+                f" elapsed time per iteration (ms): {per_iter_ms:.1f} |"
+                f" learning rate: {m.lr:.6E} |"
+                f" global batch size: {m.global_batch_size:5d} |"
+                f" lm loss: {loss:.6E} |"
+                f" loss scale: {m.loss_scale:.1f} |"
+                f" grad norm: {grad} |"
+                f" number of skipped iterations: {w.skipped:3d} |"
+                f" tokens/s: {w.tokens_per_sec:.1f} |"
+                f" MFU: {100.0 * w.mfu:.2f}% |"
+                f" ETA: {eta} |")
+
+    # -- evaluation ---------------------------------------------------------------------
+    def record_eval(self, iteration: int, loss: float, label: str = "validation") -> None:
+        """Print the evaluation loss and perplexity at ``iteration`` and send them to
+        TensorBoard / wandb (the JSONL gets them through :meth:`record`'s ``extra``)."""
+        if not self.enabled:
+            return
+        ppl = math.exp(min(20.0, loss))
+        text = (f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+                f" lm loss PPL: {ppl:.6E} |")
+        bar = "-" * len(text)
+        self.print(f"{bar}\n{text}\n{bar}")
+        if self._tb is not None:
+            self._tb.add_scalar(f"lm loss {label}", loss, iteration)
+            self._tb.add_scalar(f"lm loss {label} ppl", ppl, iteration)
+        if self._wandb is not None:
+            self._wandb.log({f"{label}/lm loss": loss, f"{label}/ppl": ppl}, step=iteration)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

@@ -1,0 +1,112 @@
+"""Tiny configurations and helpers shared by the training tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from megalite.config import (
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    MegaliteConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENTRYPOINT = os.path.join(REPO, "pretrain", "pretrain_gpt.py")
+
+
+def tiny_config(world_size: int = 1, **sections) -> MegaliteConfig:
+    """A validated config for a 2-layer, hidden-32 GPT on mock data (NullTokenizer).
+
+    ``sections``: ``model={...}, parallel={...}, optim={...}, train={...}, checkpoint={...},
+    logging={...}, data={...}`` field overrides.
+    """
+    kw = {
+        "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
+                      "vocab_size": 60, "make_vocab_size_divisible_by": 8, "hidden_dropout": 0.0,
+                      "attention_dropout": 0.0, "attention_backend": "sdpa"},
+        "parallel": {},
+        "optim": {"lr": 3e-3, "min_lr": 3e-4, "lr_warmup_iters": 1, "lr_decay_style": "cosine",
+                      "weight_decay": 0.01},
+        "data": {"mock_data": True, "tokenizer_type": "NullTokenizer"},
+        "train": {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8, "eval_iters": 0,
+                      "eval_interval": 4, "seed": 1234},
+        "checkpoint": {},
+        "logging": {"log_interval": 1000},
+    }
+    for name, overrides in sections.items():
+        kw[name].update(overrides)
+    cfg = MegaliteConfig(model=ModelConfig(**kw["model"]),
+                         parallel=ParallelConfig(**kw["parallel"]),
+                         optim=OptimConfig(**kw["optim"]), data=DataConfig(**kw["data"]),
+                         train=TrainConfig(**kw["train"]),
+                         checkpoint=CheckpointConfig(**kw["checkpoint"]),
+                         logging=LoggingConfig(**kw["logging"]))
+    return cfg.validate(world_size)
+
+
+def run_training(cfg: MegaliteConfig, **build_kwargs):
+    """Build (in this process's world) and train; returns (TrainResult, components)."""
+    from megalite.parallel.state import ParallelState
+    from megalite.training.build import build_components
+    from megalite.training.loop import train
+
+    ps = ParallelState.build(cfg.parallel)
+    build_kwargs.setdefault("peak_probe_seconds", 0.01)
+    components = build_components(cfg, ps, **build_kwargs)
+    try:
+        result = train(components)
+    finally:
+        components.close()
+        ps.destroy()
+    return result, components
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def tiny_flags(**overrides) -> list[str]:
+    """Command-line flags of :func:`tiny_config` for subprocess runs of the entrypoint."""
+    flags = {
+        "--num-layers": 2, "--hidden-size": 32, "--num-attention-heads": 4,
+        "--seq-length": 16, "--vocab-size": 60, "--make-vocab-size-divisible-by": 8,
+        "--hidden-dropout": 0.0, "--attention-dropout": 0.0, "--attention-backend": "sdpa",
+        "--lr": 3e-3, "--min-lr": 3e-4, "--lr-warmup-iters": 1, "--lr-decay-style": "cosine",
+        "--mock-data": None, "--tokenizer-type": "NullTokenizer", "--micro-batch-size": 2,
+        "--global-batch-size": 8, "--train-iters": 8, "--eval-iters": 0,
+        "--log-interval": 1, "--distributed-backend": "gloo",
+    }
+    flags.update(overrides)
+    argv = []
+    for key, value in flags.items():
+        if value is False:
+            continue
+        argv.append(key)
+        if value is not None and value is not True:
+            argv.append(str(value))
+    return argv
+
+
+def subprocess_env(**extra) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, **extra)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+PYTHON = sys.executable
+
+
+def params_snapshot(model: torch.nn.Module) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -1,0 +1,144 @@
+"""Checkpoint format, crash safety, mismatch errors, load options, exits and NaN stops."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from megalite.checkpoint import CheckpointError, load_checkpoint, per_rank, read_latest_iteration
+from megalite.parallel.state import ParallelState
+from megalite.training.build import build_components, default_model_provider
+from megalite.training.loop import NonFiniteLossError
+from tests.training.common import run_training, tiny_config
+
+
+def _build(cfg):
+    ps = ParallelState.build(cfg.parallel)
+    return build_components(cfg, ps, peak_probe_seconds=0.01)
+
+
+def test_layout_on_disk_and_round_trip(tmp_path):
+    save = str(tmp_path / "ckpt")
+    cfg = tiny_config(train={"train_iters": 4}, checkpoint={"save": save, "save_interval": 2})
+    result, trained = run_training(cfg)
+    assert result.exit_reason == "finished" and read_latest_iteration(save) == 4
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004",
+                                        "latest_checkpointed_iteration.txt"]
+    it4 = os.path.join(save, "iter_0000004")
+    assert os.path.isfile(os.path.join(it4, "mp_rank_00_000", "model_optim_rng.pt"))
+    with open(os.path.join(it4, "metadata.json")) as f:
+        meta = json.load(f)
+    assert meta["iteration"] == 4 and meta["consumed_samples"] == 32
+    assert meta["layout"]["tp"] == 1 and meta["config"]["model"]["hidden_size"] == 32
+    state = torch.load(os.path.join(it4, "mp_rank_00_000", "model_optim_rng.pt"),
+                       weights_only=False)
+    assert {"model", "optimizer", "scheduler", "loss_scaler", "rng_state", "config",
+            "iteration", "consumed_samples"} <= set(state)
+    assert state["rng_state"][0]["tracker"] is not None      # model-parallel RNG streams
+
+    c = _build(tiny_config(checkpoint={"load": save}))
+    assert (c.state.iteration, c.state.consumed_train_samples) == (4, 32)
+    assert c.scheduler.num_steps == 4
+    for (name, p), q in zip(c.model.named_parameters(), trained.model.parameters()):
+        assert torch.equal(p, q), name
+    assert len(c.optimizer.inner.state) == len(list(c.model.parameters()))
+    c.close()
+
+
+def test_load_options_finetune_no_optim(tmp_path):
+    save = str(tmp_path / "ckpt")
+    _, trained = run_training(tiny_config(train={"train_iters": 2},
+                                          checkpoint={"save": save}))
+    c = _build(tiny_config(checkpoint={"load": save, "finetune": True}))
+    assert c.state.iteration == 0 and c.state.consumed_train_samples == 0
+    assert c.scheduler.num_steps == 0 and not c.optimizer.inner.state
+    assert torch.equal(next(c.model.parameters()), next(trained.model.parameters()))
+    c.close()
+    c = _build(tiny_config(checkpoint={"load": save, "no_load_optim": True, "no_load_rng": True}))
+    assert c.state.iteration == 2 and not c.optimizer.inner.state
+    c.close()
+    assert _build(tiny_config(checkpoint={"load": str(tmp_path / "empty")})).state.iteration == 0
+
+
+def test_shape_mismatch_names_first_tensor(tmp_path):
+    save = str(tmp_path / "ckpt")
+    run_training(tiny_config(train={"train_iters": 1}, checkpoint={"save": save}))
+    cfg = tiny_config(model={"ffn_hidden_size": 64})
+    cfg.model.vocab_size = 61  # as the NullTokenizer sets it
+    ps = ParallelState.build(cfg.parallel)
+    model = default_model_provider(cfg, ps)
+    with pytest.raises(CheckpointError, match=r"tensor 'decoder\.layers\.0\.mlp\.\S+' has "
+                                              r"shape \(128, 32\) in checkpoint .* but "
+                                              r"\(64, 32\) in the model"):
+        load_checkpoint(save, model, None, None, ps)
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("garbage")
+    with pytest.raises(CheckpointError, match="should hold an iteration number"):
+        load_checkpoint(save, model, None, None, ps)
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    save = str(tmp_path / "ckpt")
+    real_write = per_rank._write_rank_file
+    calls = []
+
+    def crash_on_second_save(state, path):
+        calls.append(path)
+        if len(calls) == 2:
+            with open(path + ".partial", "wb") as f:
+                f.write(b"half a file")
+            raise OSError("disk full (injected)")
+        real_write(state, path)
+
+    monkeypatch.setattr(per_rank, "_write_rank_file", crash_on_second_save)
+    cfg = tiny_config(train={"train_iters": 6}, checkpoint={"save": save, "save_interval": 2})
+    with pytest.raises(CheckpointError, match="saving iteration 4 .* failed .*disk full"):
+        run_training(cfg)
+    assert read_latest_iteration(save) == 2
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004.tmp",
+                                        "latest_checkpointed_iteration.txt"]
+    # the previous checkpoint loads, and resuming re-saves iteration 4 over the stale .tmp
+    monkeypatch.setattr(per_rank, "_write_rank_file", real_write)
+    result, _ = run_training(tiny_config(train={"train_iters": 6},
+                                         checkpoint={"save": save, "load": save, "save_interval": 2}))
+    assert result.iteration == 6 and read_latest_iteration(save) == 6
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "iter_0000006",
+                                        "latest_checkpointed_iteration.txt"]
+
+
+class NaNAtCall(torch.nn.Module):
+    """The GPT, but the loss of forward call ``bad_call`` (1-based) is NaN."""
+
+    def __init__(self, inner, bad_call):
+        super().__init__()
+        self.inner, self.bad_call, self.calls = inner, bad_call, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        loss = self.inner(*args, **kwargs)
+        return loss * float("nan") if self.calls == self.bad_call else loss
+
+
+def test_nan_loss_stops_naming_iteration_without_checkpoint(tmp_path):
+    save = str(tmp_path / "ckpt")
+    cfg = tiny_config(train={"train_iters": 6}, checkpoint={"save": save, "save_interval": 1})
+    # 4 micro-batches per iteration: call 10 is in iteration 3
+    provider = lambda c, ps: NaNAtCall(default_model_provider(c, ps), bad_call=10)
+    with pytest.raises(NonFiniteLossError, match="loss is nan at iteration 3"):
+        run_training(cfg, model_provider=provider)
+    assert read_latest_iteration(save) == 2
+    assert "iter_0000003" not in os.listdir(save)
+
+
+def test_exit_interval_and_duration_save_and_stop(tmp_path):
+    save = str(tmp_path / "a")
+    result, _ = run_training(tiny_config(train={"train_iters": 8, "exit_interval": 3},
+                                         checkpoint={"save": save}))
+    assert (result.iteration, result.exit_reason) == (3, "exit-interval")
+    assert read_latest_iteration(save) == 3
+    save = str(tmp_path / "b")
+    result, _ = run_training(tiny_config(train={"train_iters": 8, "exit_duration_in_mins": 1e-9},
+                                         checkpoint={"save": save}))
+    assert (result.iteration, result.exit_reason) == (1, "exit-duration")
+    assert read_latest_iteration(save) == 1
