@@ -465,6 +465,14 @@ class MegaliteConfig:
         _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
                  f"global_batch_size ({t.global_batch_size}) must be divisible by "
                  f"micro_batch_size ({t.micro_batch_size}) x data parallel size ({dp})")
+        num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+        pp = p.pipeline_model_parallel_size
+        if p.virtual_pipeline_model_parallel_size and num_micro % pp:
+            raise ConfigError(
+                f"the interleaved pipeline schedule needs the number of micro-batches "
+                f"({num_micro} = global_batch_size {t.global_batch_size} / (micro_batch_size "
+                f"{t.micro_batch_size} x data parallel {dp})) to be a multiple of "
+                f"pipeline_model_parallel_size ({pp})")
         if self.checkpoint.save_interval is not None and self.checkpoint.save is None:
             raise ConfigError("--save-interval needs --save DIR")
         if not self.data.mock_data and self.data.tokenizer_type == "NullTokenizer":

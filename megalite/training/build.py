@@ -114,10 +114,27 @@ def set_seeds(seed: int, ps: ParallelState) -> None:
 
 
 def default_model_provider(cfg: MegaliteConfig, ps: ParallelState) -> torch.nn.Module:
+    """The GPT model of this rank: one GPTModel, or with pipeline parallelism a ModuleList
+    of this rank's chunks (``megalite.pipeline.layout``: global layer ranges, embedding on
+    the first chunk of the first stage, output layer on the last chunk of the last)."""
     from megalite.models.gpt import GPTModel
+    from megalite.pipeline.layout import chunk_layer_ranges
 
-    return GPTModel(cfg.model, ps, sequence_parallel=cfg.parallel.sequence_parallel,
-                    seed=cfg.train.seed)
+    p = cfg.parallel
+    if ps.pp.size == 1:
+        return GPTModel(cfg.model, ps, sequence_parallel=p.sequence_parallel,
+                        seed=cfg.train.seed)
+    ranges = chunk_layer_ranges(cfg.model.num_layers, ps.pp.size,
+                                p.virtual_pipeline_model_parallel_size,
+                                p.decoder_first_pipeline_num_layers,
+                                p.decoder_last_pipeline_num_layers)[ps.pp.rank]
+    vpp = len(ranges)
+    return torch.nn.ModuleList(
+        GPTModel(cfg.model, ps, sequence_parallel=p.sequence_parallel, seed=cfg.train.seed,
+                 pre_process=ps.pp.rank == 0 and c == 0,
+                 post_process=ps.pp.rank == ps.pp.size - 1 and c == vpp - 1,
+                 first_layer=first, num_layers=n)
+        for c, (first, n) in enumerate(ranges))
 
 
 def default_datasets_provider(cfg: MegaliteConfig, tokenizer) -> tuple:
@@ -134,6 +151,8 @@ def default_datasets_provider(cfg: MegaliteConfig, tokenizer) -> tuple:
 
 def _rng_tracker(model: torch.nn.Module):
     """The model's dropout RNG tracker (``model.rng``, an RNGTracker), if it has one."""
+    if isinstance(model, torch.nn.ModuleList):  # pipeline chunks: the first chunk's
+        model = model[0]
     for name in ("rng", "rng_tracker"):
         tracker = getattr(model, name, None)
         if hasattr(tracker, "get_states") and hasattr(tracker, "set_states"):
@@ -160,10 +179,9 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
     t = cfg.train
     if t.train_iters is None:
         raise ConfigError("--train-iters is required")
-    if ps.pp.size > 1 or ps.cp.size > 1:
-        raise ConfigError("the training loop does not drive pipeline or context "
-                          "parallelism yet; use --pipeline-model-parallel-size 1 "
-                          "--context-parallel-size 1")
+    if ps.cp.size > 1:
+        raise ConfigError("the training loop does not drive context parallelism yet; "
+                          "use --context-parallel-size 1")
     dp = ps.dp.size
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
 
@@ -196,7 +214,8 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
         loaded = load_checkpoint(ck.load, model, optimizer, scheduler, ps,
                                  load_optim=not ck.no_load_optim,
                                  load_rng=not ck.no_load_rng, finetune=ck.finetune,
-                                 rng_tracker=rng_tracker)
+                                 rng_tracker=rng_tracker, save_dir=ck.save,
+                                 verify=ck.ckpt_verify)
         if loaded is None:
             metrics.print(f" no checkpoint in {ck.load}; starting from scratch")
         else:

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint import save_checkpoint
+from megalite.checkpoint import CheckpointSaver, save_checkpoint
 from megalite.optim.comm import all_reduce, all_reduce_scalar
+from megalite.training.forward_backward import forward_backward
 from megalite.training.metrics import IterationMetrics
 from megalite.training.signals import SignalHandler
 
@@ -73,13 +74,6 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS if k in batch}
 
 
-def _masked_loss_sum(c: TrainingComponents, batch: dict) -> torch.Tensor:
-    """Forward one micro-batch; the SUM of the per-token loss over ``loss_mask`` (fp32)."""
-    per_token = c.model(batch["tokens"], position_ids=batch.get("position_ids"),
-                        labels=batch["labels"])
-    return (per_token.float() * batch["loss_mask"].float()).sum()
-
-
 def count_tokens(batches: list[dict], group) -> torch.Tensor:
     """Valid tokens of the global batch: this rank's loss_mask sum, SUM over ``group``
     (``ps.dp_cp``). fp64 scalar, at least 1."""
@@ -96,13 +90,8 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int) -> St
     c.model.train()
     batches = [_to_device(b, ps.device) for b in batches]
     tokens = count_tokens(batches, ps.dp_cp)
-    loss_sum = torch.zeros(1, dtype=torch.float64, device=ps.device)
-    for batch in batches:
-        with timers("forward-compute", log_level=1):
-            mb_loss = _masked_loss_sum(c, batch)
-        with timers("backward-compute", log_level=1):
-            c.optimizer.scale_loss(mb_loss / tokens.float()).backward()
-        loss_sum += mb_loss.detach().double()
+    with timers("forward-backward", log_level=1):
+        loss_sum = forward_backward(c, batches, tokens, loss_scale=c.optimizer.scale_loss)
     lm_loss = float((all_reduce(loss_sum, ps.dp_cp) / tokens).item())
     check = c.cfg.train.check_for_nan_in_loss_and_grad
     if check and not math.isfinite(lm_loss):
@@ -130,12 +119,13 @@ def evaluate(c: TrainingComponents, data_iterator: Iterator, num_steps: int) -> 
     c.model.eval()
     loss_sum = torch.zeros(1, dtype=torch.float64, device=c.ps.device)
     tokens = torch.zeros(1, dtype=torch.float64, device=c.ps.device)
+    one = torch.ones((), dtype=torch.float64, device=c.ps.device)
     with c.timers("evaluate", log_level=0):
         for _ in range(num_steps):
-            for _ in range(c.num_microbatches):
-                batch = _to_device(next(data_iterator), c.ps.device)
-                loss_sum += _masked_loss_sum(c, batch).double()
-                tokens += batch["loss_mask"].double().sum()
+            batches = [_to_device(next(data_iterator), c.ps.device)
+                       for _ in range(c.num_microbatches)]
+            loss_sum += forward_backward(c, batches, one, train=False)
+            tokens += sum(b["loss_mask"].double().sum() for b in batches)
     c.model.train()
     all_reduce(loss_sum, c.ps.dp_cp)
     all_reduce(tokens, c.ps.dp_cp)
@@ -143,16 +133,18 @@ def evaluate(c: TrainingComponents, data_iterator: Iterator, num_steps: int) -> 
 
 
 # -- the loop ---------------------------------------------------------------------------
-def save(c: TrainingComponents, state: TrainState) -> None:
-    """Checkpoint ``state`` to ``--save`` (collective)."""
+def save(c: TrainingComponents, state: TrainState, saver: CheckpointSaver) -> None:
+    """Checkpoint ``state`` to ``--save`` (collective); with ``--async-save`` the write
+    continues in the background and is published at the next save or ``saver.close()``."""
     ck = c.cfg.checkpoint
     with c.timers("save-checkpoint", log_level=0):
         path = save_checkpoint(ck.save, state.iteration, c.model, c.optimizer, c.scheduler,
                                c.ps, c.cfg.to_dict(), state.consumed_train_samples,
                                save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng,
-                               rng_tracker=c.rng_tracker)
+                               rng_tracker=c.rng_tracker, saver=saver)
     if c.ps.rank == 0:
-        print(f" saved checkpoint at iteration {state.iteration} to {path}", flush=True)
+        how = "started saving (async)" if ck.async_save else "saved"
+        print(f" {how} checkpoint at iteration {state.iteration} to {path}", flush=True)
 
 
 def _exit_reason(c: TrainingComponents, state: TrainState,
@@ -185,6 +177,8 @@ def train(c: TrainingComponents) -> TrainResult:
     train_iter = c.train_iterator(state.consumed_train_samples)
     valid_iter = c.valid_iterator(state.iteration)
     last_saved = state.iteration if ck.load else None
+    saver = CheckpointSaver(c.ps, async_save=bool(ck.save) and ck.async_save,
+                            verify=ck.ckpt_verify)
     with SignalHandler(enabled=t.exit_signal_handler) as signals:
         while state.iteration < t.train_iters:
             tick = time.perf_counter()
@@ -220,7 +214,7 @@ def train(c: TrainingComponents) -> TrainResult:
                     normalizer=cfg.logging.log_interval))
 
             if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
-                save(c, state)
+                save(c, state, saver)
                 last_saved = state.iteration
             reason = _exit_reason(c, state, signals)
             if reason is not None:
@@ -228,6 +222,7 @@ def train(c: TrainingComponents) -> TrainResult:
                 metrics.print(f" exiting at iteration {state.iteration}: {reason}")
                 break
     if ck.save and last_saved != state.iteration and state.iteration > 0:
-        save(c, state)
+        save(c, state, saver)
+    saver.close()  # waits for an async save and publishes it
     result.iteration = state.iteration
     return result

@@ -67,9 +67,10 @@ def test_defaults_are_filled():
     cfg = make(4, model=dict(hidden_size=64, num_layers=4),
                parallel=dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                              num_layers_per_virtual_pipeline_stage=1),
-               train=dict(micro_batch_size=2))
+               train=dict(micro_batch_size=2, global_batch_size=4))
     assert cfg.model.ffn_hidden_size == 256 and cfg.model.kv_channels == 16
-    assert cfg.train.global_batch_size == 2  # micro 2 x dp 1
+    assert make(8, parallel=dict(tensor_model_parallel_size=2),
+                train=dict(micro_batch_size=2)).train.global_batch_size == 8  # 2 x dp 4
     assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
     assert cfg.parallel.expert_tensor_parallel_size == 2
 
@@ -85,3 +86,14 @@ def test_round_trip_dict():
     cfg = make(1, model=dict(num_layers=3))
     again = MegaliteConfig.from_dict(cfg.to_dict())
     assert again == cfg
+
+
+def test_interleaved_needs_microbatches_multiple_of_pp():
+    with pytest.raises(ConfigError, match=r"number of micro-batches \(6 = global_batch_size "
+                                          r"6 / \(micro_batch_size 1 x data parallel 1\)\) "
+                                          r"to be a multiple of pipeline_model_parallel_size "
+                                          r"\(4\)"):
+        make(4, model=dict(num_layers=8),
+             parallel=dict(pipeline_model_parallel_size=4,
+                           virtual_pipeline_model_parallel_size=2),
+             train=dict(global_batch_size=6))

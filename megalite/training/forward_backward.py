@@ -1,0 +1,81 @@
+"""Forward and backward of one global batch's micro-batches through the pipeline schedule.
+
+Every layout goes through :func:`megalite.pipeline.schedules.run_schedule`: with one
+pipeline stage the 1F1B steps are F0 B0 F1 B1 ... (plain gradient accumulation); with
+``p`` stages 1F1B, and with virtual chunks the interleaved schedule. All pipeline stages
+of a data-parallel rank read the same micro-batches: the first stage needs the tokens, the
+last the labels and loss mask, and every stage the position ids (RoPE).
+
+Loss normalization: each micro-batch's summed masked loss is divided by the valid-token
+count of the whole global batch (``tokens``), so the summed gradients are those of the
+global-batch token mean, for any dp / micro-batch / pipeline split.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megalite.pipeline.p2p import PipeComm
+from megalite.pipeline.schedules import ScheduleStats, build_schedule, run_schedule
+
+
+def model_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The pipeline chunks of this rank: a ModuleList's items, or the model itself."""
+    return list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+
+
+def activation_shape(cfg, ps) -> tuple[int, int, int]:
+    """Shape of the tensor passed between stages: ``[s, b, h]`` (``[s/tp, b, h]`` under SP)."""
+    seq = cfg.model.seq_length
+    if cfg.parallel.sequence_parallel and ps.tp.size > 1:
+        seq //= ps.tp.size
+    return (seq, cfg.train.micro_batch_size, cfg.model.hidden_size)
+
+
+def forward_backward(c, batches: list[dict], tokens: torch.Tensor, *, train: bool = True,
+                     loss_scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+                     stats: Optional[ScheduleStats] = None) -> torch.Tensor:
+    """Run this rank's micro-batches ``batches`` (dicts of ``[b, s]`` tensors).
+
+    tokens: fp64 scalar tensor, valid tokens of the whole global batch (every rank).
+    loss_scale: applied to each micro-batch's normalized loss before backward (fp16).
+    Returns the fp64 SUM of the masked per-token loss over this rank's micro-batches,
+    identical on every pipeline stage (broadcast from the last stage over ``ps.pp``).
+    """
+    ps = c.ps
+    chunks = model_chunks(c.model)
+    vpp = len(chunks)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=ps.device)
+    last_rank = ps.pp.rank == ps.pp.size - 1
+
+    def forward_step(chunk: int, mb: int, hidden: Optional[torch.Tensor]):
+        batch = batches[mb]
+        module = chunks[chunk]
+        is_last = last_rank and chunk == vpp - 1
+        out = module(batch["tokens"] if hidden is None else None,
+                     position_ids=batch.get("position_ids"),
+                     labels=batch["labels"] if is_last else None,
+                     hidden_states=hidden)
+        if not is_last:
+            return out
+        masked = (out.float() * batch["loss_mask"].float()).sum()
+        loss_sum.add_(masked.detach().double())
+        return loss_scale(masked / tokens.float())
+
+    comm = None
+    if ps.pp.size > 1:
+        comm = PipeComm(ps, activation_shape(c.cfg, ps), _dtype(chunks[0]),
+                        c.cfg.parallel.variable_seq_lengths)
+    steps = build_schedule(ps.pp.size, ps.pp.rank, len(batches), vpp, train=train)
+    run_schedule(steps, forward_step=forward_step, pstate=ps, vpp=vpp, comm=comm,
+                 train=train, stats=stats)
+    if ps.pp.size > 1:  # only the last stage computed the loss
+        dist.all_reduce(loss_sum, group=ps.pp.group)
+    return loss_sum
+
+
+def _dtype(module: torch.nn.Module) -> torch.dtype:
+    return next(module.parameters()).dtype
