@@ -81,6 +81,13 @@ def forward_only(num_microbatches: int, vpp: int = 1, pp_size: int = 1) -> list[
             for k in range(num_microbatches * vpp)]
 
 
+def all_forward_then_backward(num_microbatches: int) -> list[Step]:
+    """GPipe's order (every forward, then every backward): the activation-memory baseline
+    1F1B is measured against; not used for training."""
+    return ([("F", 0, i) for i in range(num_microbatches)]
+            + [("B", 0, i) for i in range(num_microbatches)])
+
+
 def build_schedule(pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1,
                    train: bool = True) -> list[Step]:
     if not train:

@@ -12,8 +12,9 @@ ranks compete for cores once p > cores, which inflates the busy time).
 Reported per (m, v): the bubble as (step time - busy time) / busy time, averaged over
 ranks (Megatron's
 definition: theory (p-1)/m for 1F1B and (p-1)/(v*m) interleaved), and the peak number of
-micro-batches whose activations a rank holds (1F1B: p - rank; all-forward-then-backward,
-i.e. GPipe: m), with its bytes for a stage activation of ``[s, b, h]``.
+micro-batches whose activations a rank holds, measured for 1F1B (theory: p - rank) and for
+all-forward-then-backward (GPipe, theory: m), with the bytes of the stage-boundary
+activations ``[s, b, h]`` that rank 0 keeps alive.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def _worker(rank, world, port, cases, args, queue):
     from megalite.config import ParallelConfig
     from megalite.parallel.state import ParallelState
     from megalite.pipeline.p2p import PipeComm
-    from megalite.pipeline.schedules import ScheduleStats, build_schedule, run_schedule
+    from megalite.pipeline.schedules import (ScheduleStats, all_forward_then_backward,
+                                             build_schedule, run_schedule)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -75,7 +77,9 @@ def _worker(rank, world, port, cases, args, queue):
             return g * 1.0, None
 
     results = []
-    for m, v in cases:
+    for m, v in cases + [(m, "gpipe") for m in sorted({m for m, _ in cases})]:
+        gpipe = v == "gpipe"
+        v = 1 if gpipe else v
         pcfg = ParallelConfig(pipeline_model_parallel_size=world,
                               virtual_pipeline_model_parallel_size=v if v > 1 else None)
         ps = ParallelState.build(pcfg)
@@ -92,7 +96,9 @@ def _worker(rank, world, port, cases, args, queue):
         stats = ScheduleStats()
         dist.barrier()
         t0 = time.perf_counter()
-        run_schedule(build_schedule(world, ps.pp.rank, m, v), forward_step=forward_step,
+        steps = (all_forward_then_backward(m) if gpipe
+                 else build_schedule(world, ps.pp.rank, m, v))
+        run_schedule(steps, forward_step=forward_step,
                      pstate=ps, vpp=v, comm=comm, stats=stats)
         total = time.perf_counter() - t0
         dist.barrier()
@@ -129,8 +135,11 @@ def main(argv=None) -> None:
     act_bytes = args.seq * args.batch * args.hidden * 4
     print(f"pipeline bubble, p={p}, forward {args.forward_ms} ms + backward "
           f"{2 * args.forward_ms} ms per micro-batch per stage, compute={args.compute}")
+    gpipe_live = {by_rank[0][n][0]: [by_rank[r][n][5] for r in range(p)]
+                  for n in range(len(cases), len(by_rank[0]))}
     print(f"{'m':>4} {'v':>3} {'bubble meas':>12} {'theory':>8} {'step ms':>9} "
-          f"{'ideal ms':>9} {'peak live mb (rank0..)':>24} {'GPipe':>6} {'peak act MB r0':>15}")
+          f"{'ideal ms':>9} {'peak live mb (rank0..)':>24} {'GPipe meas':>14} "
+          f"{'act MB r0':>10} {'GPipe MB r0':>12}")
     for n, (m, v) in enumerate(cases):
         rows = [by_rank[r][n] for r in range(p)]
         total = max(r[2] for r in rows)  # the step's wall time: the slowest rank's
@@ -139,7 +148,9 @@ def main(argv=None) -> None:
         ideal = m * 3 * args.forward_ms
         live = [r[5] for r in rows]
         print(f"{m:>4} {v:>3} {bubble:>12.3f} {theory:>8.3f} {total * 1e3:>9.1f} "
-              f"{ideal:>9.1f} {str(live):>24} {m:>6} {live[0] * act_bytes / 2**20 / v:>15.2f}")
+              f"{ideal:>9.1f} {str(live):>24} {str(gpipe_live[m]):>14} "
+              f"{live[0] * act_bytes / 2**20 / v:>10.2f} "
+              f"{gpipe_live[m][0] * act_bytes / 2**20:>12.2f}")
 
 
 if __name__ == "__main__":
