@@ -1,0 +1,151 @@
+"""The local experts of one MoE layer, computed as one grouped GEMM.
+
+A rank of expert-parallel rank ``r`` holds experts ``r * E_l ... (r + 1) * E_l - 1``
+(``E_l = E / ep``), stacked into one tensor per weight::
+
+    fc1  [E_l, h, 2 * ffn / etp]   (SwiGLU: gate | up, each split over etp)
+         [E_l, h, ffn / etp]       (otherwise, GeLU)
+    fc2  [E_l, ffn / etp, h]
+    fc1_bias [E_l, fc1 out], fc2_bias [E_l, h]   (with --add-bias-linear)
+
+so ``y = act(x @ fc1[e]) @ fc2[e]`` for a token routed to local expert ``e``. Under expert
+tensor parallelism (etp > 1) fc1 is split by columns and fc2 by rows, like a dense
+tensor-parallel MLP: each etp rank returns a partial sum that the dispatcher reduces over
+``pstate.etp``; fc2's bias is added on etp rank 0 only and marked ``sequence_parallel``
+(its gradient is summed over tp, which must then equal etp).
+
+The grouped GEMM pads each expert's tokens to the largest count and runs ``torch.bmm``
+(no Python loop over experts). The per-expert loop it replaces lives in the tests.
+
+Every parameter is marked ``expert_parallel = is_expert = True`` and ``allreduce = False``:
+its gradient is reduced over ``pstate.edp``, not ``pstate.dp_cp``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megalite.layers.sharding import mark_param, shard, stable_seed
+
+
+def padded_index(tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Where each of ``M`` expert-sorted rows goes in a ``[E_l * C, ...]`` padded buffer.
+
+    ``tokens_per_expert`` ``[E_l]`` (CPU int64) -> (index ``[M]``, C = max count): row j of
+    expert e's segment goes to ``e * C + j``.
+    """
+    counts = tokens_per_expert.to(torch.int64).cpu()
+    total, cap = int(counts.sum()), int(counts.max()) if counts.numel() else 0
+    starts = torch.cumsum(counts, 0) - counts
+    experts = torch.arange(counts.numel())
+    shift = torch.repeat_interleave(experts * cap - starts, counts, output_size=total)
+    return torch.arange(total) + shift, cap
+
+
+def grouped_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Tensor,
+                fc2: torch.Tensor, *, swiglu: bool, fc1_bias=None, fc2_bias=None
+                ) -> torch.Tensor:
+    """``x`` ``[M, h]`` sorted by expert -> ``[M, h]``; two ``bmm`` over padded tokens.
+
+    fc1 ``[E_l, h, f1]``, fc2 ``[E_l, f, h]``, biases ``[E_l, f1]`` / ``[E_l, h]``.
+    """
+    num_experts, h = fc1.shape[0], x.shape[-1]
+    index, cap = padded_index(tokens_per_expert)
+    index = index.to(x.device)
+    padded = x.new_zeros(num_experts * cap, h).index_copy(0, index, x)
+    hidden = torch.bmm(padded.view(num_experts, cap, h), fc1)  # [E_l, C, f1]
+    if fc1_bias is not None:
+        hidden = hidden + fc1_bias.unsqueeze(1)
+    hidden = activation(hidden, swiglu)
+    out = torch.bmm(hidden, fc2)  # [E_l, C, h]
+    if fc2_bias is not None:
+        out = out + fc2_bias.unsqueeze(1)
+    return out.reshape(num_experts * cap, out.shape[-1]).index_select(0, index)
+
+
+def activation(x: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """SwiGLU ``silu(gate) * up`` over ``x = [gate | up]`` (last dim), else GeLU."""
+    if swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(x)
+
+
+def _mark_expert(param: torch.nn.Parameter, **kw) -> torch.nn.Parameter:
+    mark_param(param, **kw)
+    param.expert_parallel = param.is_expert = True
+    param.allreduce = False
+    return param
+
+
+class GroupedMLP(torch.nn.Module):
+    """This rank's ``E_l`` experts: expert-sorted tokens ``[M, h]`` -> ``[M, h]``.
+
+    ``first_expert`` is the global index of local expert 0; ``etp_group`` is
+    ``pstate.etp``. With etp > 1 the output is this rank's partial sum (see module
+    docstring).
+    """
+
+    def __init__(self, cfg, num_local_experts: int, first_expert: int, etp_group, *,
+                 device=None, dtype=None):
+        super().__init__()
+        etp = etp_group.size
+        h, ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size
+        if ffn % etp:
+            raise ValueError(f"moe_ffn_hidden_size ({ffn}) must be divisible by "
+                             f"expert_tensor_parallel_size ({etp})")
+        self.swiglu = cfg.swiglu
+        self.first_expert = first_expert
+        self.etp_group = etp_group
+        parts = (ffn, ffn) if cfg.swiglu else None
+        fc1_out = (2 if cfg.swiglu else 1) * ffn // etp
+        kw = {"device": device, "dtype": dtype}
+        std = cfg.init_method_std
+        out_std = std / math.sqrt(2.0 * cfg.num_layers)  # Megatron's scaled output init
+        split = etp > 1
+        self.fc1 = _mark_expert(
+            torch.nn.Parameter(torch.empty(num_local_experts, h, fc1_out, **kw)),
+            partition_dim=2 if split else -1, parts=parts if split else None, init_std=std)
+        self.fc2 = _mark_expert(
+            torch.nn.Parameter(torch.empty(num_local_experts, ffn // etp, h, **kw)),
+            partition_dim=1 if split else -1, init_std=out_std)
+        self.fc1_bias = self.fc2_bias = None
+        if cfg.add_bias_linear:
+            self.fc1_bias = _mark_expert(
+                torch.nn.Parameter(torch.empty(num_local_experts, fc1_out, **kw)),
+                partition_dim=1 if split else -1, parts=parts if split else None,
+                init_fill=0.0)
+            self.fc2_bias = _mark_expert(
+                torch.nn.Parameter(torch.empty(num_local_experts, h, **kw)), init_fill=0.0,
+                sequence_parallel=split)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        fc2_bias = self.fc2_bias if self.etp_group.rank == 0 else None
+        return grouped_mlp(x, tokens_per_expert, self.fc1, self.fc2, swiglu=self.swiglu,
+                           fc1_bias=self.fc1_bias, fc2_bias=fc2_bias)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int, prefix: str) -> None:
+        """Draw each local expert's full weight from (seed, ``{prefix}.{param}.{expert}``)
+        with its *global* expert index, then keep this etp rank's shard: the same experts
+        whatever ep and etp, and a rank only draws the experts it holds."""
+        etp = self.etp_group
+        for name, param in self.named_parameters(recurse=False):
+            param.init_name = f"{prefix}.{name}"
+            local = list(param.shape)
+            if param.tensor_model_parallel:
+                local[param.partition_dim] *= etp.size
+            per_expert = []
+            for e in range(param.shape[0]):
+                if param.init_fill is not None:
+                    per_expert.append(torch.full(local[1:], float(param.init_fill)))
+                    continue
+                gen = torch.Generator().manual_seed(
+                    stable_seed(seed, f"{param.init_name}.{self.first_expert + e}"))
+                per_expert.append(torch.empty(local[1:]).normal_(0.0, param.init_std,
+                                                                 generator=gen))
+            full = torch.stack(per_expert)
+            param.copy_(shard(full, param, etp.size, etp.rank))

@@ -1,0 +1,1 @@
+"""Tests of megalite.moe: router, experts, dispatchers, the MoE layer."""

@@ -1,0 +1,248 @@
+"""Layout equivalence: every ep x tp (x etp, cp) x dispatcher matches one process.
+
+On 4 gloo ranks, each data-parallel rank ``d`` feeds its own micro-batch ``X_d``
+``[s, b, h]`` (its cp chunk of the sequence, and of that its ``1/tp`` chunk under sequence
+parallelism) and upstream gradient ``G_d``. Checked against one process running the same
+layer on every ``X_d`` in turn:
+
+* the output and the input gradient (this rank's piece),
+* the aux and z losses (values of the whole micro-batch, on every rank),
+* every parameter and its gradient, after the reductions the training code performs
+  (``sequence_parallel``: sum over tp; dense: sum over dp_cp; expert: sum over edp),
+  gathered to full shape (etp shards, then ep slices) -- equal to the sum over ``d`` of
+  the single-process gradients.
+
+All in fp32; dropless, plus capacity with padding where ranks hold whole micro-batches.
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.config import ModelConfig, ParallelConfig
+from megalite.layers.sharding import gather_full
+from megalite.moe.layer import MoELayer
+from megalite.parallel.state import ParallelState
+from tests.distributed.harness import parallel_state, run_distributed
+
+WORLD = 4
+S, B, H = 8, 2, 16
+# (tp, sequence_parallel, ep, etp, cp); dp = WORLD / (tp * cp)
+LAYOUTS = [(1, False, 1, 1, 1), (1, False, 2, 1, 1), (1, False, 4, 1, 1),
+           (2, True, 1, 1, 1), (2, True, 2, 1, 1), (2, True, 4, 1, 1),
+           (2, True, 1, 2, 1), (2, True, 2, 2, 1),
+           (2, False, 2, 1, 1),   # tp without sequence parallelism
+           (1, False, 2, 1, 2), (2, True, 4, 1, 2)]  # context parallel
+DISPATCHERS = ("alltoall", "allgather")
+CONFIGS = {
+    # Mixtral: SwiGLU, no biases, softmax top-2, aux + z loss
+    "mixtral": {"swiglu": True, "add_bias_linear": False, "moe_aux_loss_coeff": 0.1,
+                "moe_z_loss_coeff": 0.01},
+    # everything else: GeLU, biases, shared expert, sigmoid + scaling, per-sequence aux
+    "other": {"swiglu": False, "add_bias_linear": True,
+              "moe_shared_expert_intermediate_size": 8,
+              "moe_router_score_function": "sigmoid", "moe_router_topk_scaling_factor": 2.0,
+              "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.2},
+    # capacity 1.0 with padding: drops are decided per rank on its own tokens, so this
+    # matches one process only where a rank holds whole micro-batches (tp = cp = 1)
+    "capacity": {"swiglu": True, "add_bias_linear": False, "moe_aux_loss_coeff": 0.1,
+                 "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
+}
+
+
+def _configs(layout):
+    tp, _, _, _, cp = layout
+    return [n for n in CONFIGS if n != "capacity" or tp * cp == 1]
+TOL = {"rtol": 1e-5, "atol": 2e-6}
+
+
+def _cfg(name, dispatcher):
+    return ModelConfig(hidden_size=H, num_layers=4, num_experts=8, moe_router_topk=2,
+                       moe_ffn_hidden_size=8, init_method_std=0.2,
+                       moe_token_dispatcher_type=dispatcher, **CONFIGS[name])
+
+
+def _data(d):
+    gen = torch.Generator().manual_seed(100 + d)
+    return torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+
+
+def _local(t, layout, tp_rank, cp_rank):
+    """This rank's piece of a micro-batch tensor ``[s, b, h]``: its cp chunk of the
+    sequence, then its tp chunk of that under sequence parallelism."""
+    tp, sp, cp = layout
+    t = t.chunk(cp)[cp_rank]
+    return t.chunk(tp)[tp_rank] if sp else t
+
+
+def _all_reduce(t, group):
+    if group.size > 1:
+        dist.all_reduce(t, group=group.group)
+    return t
+
+
+def _full_tensor(t, param, ps):
+    """A parameter (or its grad) in full shape: unshard over etp / tp, stack over ep."""
+    if not getattr(param, "expert_parallel", False):
+        return gather_full(t, param, ps.tp)
+    t = gather_full(t, param, ps.etp)
+    if ps.ep.size == 1:
+        return t
+    pieces = [torch.empty_like(t) for _ in range(ps.ep.size)]
+    dist.all_gather(pieces, t.contiguous(), group=ps.ep.group)
+    return torch.cat(pieces)
+
+
+def _reduced_grad(param, ps):
+    # fc2's bias under etp > 1 is used on etp rank 0 only: no gradient elsewhere
+    g = torch.zeros_like(param) if param.grad is None else param.grad.clone()
+    if param.sequence_parallel:
+        _all_reduce(g, ps.tp)
+    return _all_reduce(g, ps.edp if param.expert_parallel else ps.dp_cp)
+
+
+def _body(rank, world_size, layouts):
+    results = []
+    for tp, sp, ep, etp, cp in layouts:
+        with parallel_state(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                            context_parallel_size=cp) as ps:
+            for name, dispatcher in itertools.product(_configs((tp, sp, ep, etp, cp)),
+                                                      DISPATCHERS):
+                layer = MoELayer(_cfg(name, dispatcher), ps, layer_number=3, seed=11,
+                                 sequence_parallel=sp)
+                x, g = (_local(t, (tp, sp, cp), ps.tp.rank, ps.cp.rank)
+                        for t in _data(ps.dp.rank))
+                x.requires_grad_(True)
+                out = layer(x)
+                (out * g).sum().backward()
+                params = {n: _full_tensor(p.detach(), p, ps)
+                          for n, p in layer.named_parameters()}
+                grads = {n: _full_tensor(_reduced_grad(p, ps), p, ps)
+                         for n, p in layer.named_parameters()}
+                results.append({
+                    "layout": (tp, sp, ep, etp, cp), "config": name, "dispatcher": dispatcher,
+                    "dp": ps.dp.rank, "tp_rank": ps.tp.rank, "cp_rank": ps.cp.rank,
+                    "out": out.detach(), "x_grad": x.grad,
+                    "aux": {k: float(v) for k, v in layer.aux_losses.items()},
+                    "params": params, "grads": grads,
+                    "sent": dict(layer.dispatcher.counter.sent)})
+    return results
+
+
+def _reference(name):
+    """Per micro-batch d: output, input grad, aux values, param grads; and the params."""
+    layer = MoELayer(_cfg(name, "alltoall"), ParallelState.build(ParallelConfig()),
+                     layer_number=3, seed=11)
+    refs = []
+    for d in range(WORLD):
+        x, g = _data(d)
+        x.requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        out = layer(x)
+        (out * g).sum().backward()
+        refs.append({"out": out.detach(), "x_grad": x.grad,
+                         "aux": {k: float(v) for k, v in layer.aux_losses.items()},
+                         "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}})
+    return layer, refs
+
+
+@pytest.fixture(scope="module")
+def distributed_results():
+    return run_distributed(WORLD, _body, LAYOUTS)
+
+
+def test_every_layout_matches_single_process(distributed_results):
+    refs = {name: _reference(name) for name in CONFIGS}
+    checked = set()
+    for rank_results in distributed_results:
+        for r in rank_results:
+            tp, sp, _ep, _etp, cp = r["layout"]
+            where = (r["layout"], r["config"], r["dispatcher"], r["dp"], r["tp_rank"])
+            layer, per_mb = refs[r["config"]]
+            ref = per_mb[r["dp"]]
+            want_out, want_xg = (_local(t, (tp, sp, cp), r["tp_rank"], r["cp_rank"])
+                                 for t in (ref["out"], ref["x_grad"]))
+            torch.testing.assert_close(r["out"], want_out, **TOL, msg=lambda m, w=where: f"{w} {m}")
+            torch.testing.assert_close(r["x_grad"], want_xg, **TOL,
+                                       msg=lambda m, w=where: f"{w} {m}")
+            assert set(r["aux"]) == set(ref["aux"]) and ref["aux"], where
+            for k, v in ref["aux"].items():
+                assert r["aux"][k] == pytest.approx(v, rel=1e-5), (where, k)
+            dp = WORLD // (tp * cp)
+            for n, p in layer.named_parameters():
+                assert torch.equal(r["params"][n], p.detach()), (where, n)
+                want = sum(per_mb[d]["grads"][n] for d in range(dp))
+                torch.testing.assert_close(r["grads"][n], want, **TOL,
+                                           msg=lambda m, w=where, n=n: f"{w} {n} {m}")
+            checked.add((r["layout"], r["config"], r["dispatcher"]))
+    assert len(checked) == sum(len(_configs(lay)) for lay in LAYOUTS) * len(DISPATCHERS)
+
+
+def test_dispatchers_count_their_bytes(distributed_results):
+    """alltoall sends only the routed copies that leave their rank (and brings them back);
+    allgather sends every token to every peer and reduce-scatters the same amount."""
+    totals = {}
+    for rank_results in distributed_results:
+        for r in rank_results:
+            key = (r["layout"], r["config"], r["dispatcher"])
+            for name, n in r["sent"].items():
+                totals.setdefault(key, {}).setdefault(name, 0)
+                totals[key][name] += n
+    for (layout, config, dispatcher), sent in totals.items():
+        tp, _sp, ep, etp, cp = layout
+        tokens = S * B // (tp * cp)  # per rank (split over tp even without SP)
+        copies = WORLD * tokens * 2 * H * 4  # T * k * h * fp32 over all ranks
+        if ep == 1:
+            assert "dispatch" not in sent, layout
+        elif dispatcher == "alltoall":
+            assert 0 < sent["dispatch"] == sent["combine"] < copies, layout
+            assert sent["counts"] == WORLD * (ep - 1) * (8 // ep) * 8  # int64 counts
+        else:
+            assert sent["dispatch"] == sent["combine"] == WORLD * tokens * H * 4 * (ep - 1)
+        if etp > 1:
+            assert sent["etp_gather"] == sent["etp_reduce_scatter"] > 0, layout
+        else:
+            assert "etp_gather" not in sent, layout
+
+
+def _comm_body(rank, world_size):
+    """Uneven all-to-all / gather / reduce-scatter with empty blocks, forward and backward,
+    against the same exchange written out by hand."""
+    from megalite.moe import comm
+
+    with parallel_state() as ps:
+        world = ps.dp  # all 4 ranks
+        # send[r][q] rows from rank r to rank q; rank 3 sends nothing, rank 2 gets nothing
+        send = [[1, 2, 0, 1], [0, 1, 0, 3], [2, 0, 0, 1], [0, 0, 0, 0]]
+        rows = {r: torch.arange(sum(send[r]) * 2, dtype=torch.float64).view(-1, 2) + 100 * r
+                for r in range(4)}
+        x = rows[rank].clone().requires_grad_(True)
+        recv = [send[q][rank] for q in range(4)]
+        y = comm.all_to_all(x, send[rank], recv, world)
+        want = []
+        for q in range(4):  # rows of rank q destined to this rank
+            start = sum(send[q][:rank])
+            want.append(rows[q][start:start + send[q][rank]])
+        ok = torch.equal(y, torch.cat(want))
+        y.backward(torch.full_like(y, float(rank + 1)))  # grad of a row: its receiver + 1
+        dest = torch.repeat_interleave(torch.arange(4.0), torch.tensor(send[rank]))
+        ok &= torch.equal(x.grad, (dest + 1).unsqueeze(1).expand(-1, 2).double())
+
+        sizes = [2, 0, 3, 1]
+        z = torch.full((sizes[rank], 2), float(rank), dtype=torch.float64, requires_grad=True)
+        gathered = comm.gather_uneven(z, sizes, world)
+        ok &= torch.equal(gathered[:, 0], torch.repeat_interleave(
+            torch.arange(4.0, dtype=torch.float64), torch.tensor(sizes)))
+        gathered.backward(torch.ones_like(gathered))
+        ok &= torch.equal(z.grad, torch.full_like(z, 4.0))  # every rank's copy counts
+        part = torch.ones(sum(sizes), 2, dtype=torch.float64, requires_grad=True)
+        reduced = comm.scatter_reduce_uneven(part, sizes, world)
+        ok &= torch.equal(reduced, torch.full((sizes[rank], 2), 4.0, dtype=torch.float64))
+        return bool(ok)
+
+
+def test_uneven_collectives_with_empty_blocks():
+    assert run_distributed(WORLD, _comm_body) == [True] * WORLD

@@ -1,0 +1,186 @@
+"""MoE: grouped expert GEMM vs the per-expert loop, and the bytes each dispatcher moves.
+
+``python tools/benchmark.py moe [--tokens 4096] [--hidden 512] [--ffn 1024] [--experts 8]
+[--topk 2] [--ranks 2 4] [--dispatch-tokens 1024]``
+
+1. Expert compute on one rank (fp32, SwiGLU experts, tokens routed by a random router):
+   tokens/s of :func:`megalite.moe.experts.grouped_mlp` (padded ``torch.bmm``) against the
+   Python loop over experts kept as the test reference, forward and forward + backward.
+2. Dispatcher traffic: a real MoE layer with ``ep = ranks`` on gloo; the bytes every rank's
+   forward collectives send to *other* ranks (``layer.dispatcher.counter``), per layer,
+   against theory. Per rank with T tokens: ``T * k * h * 4`` bytes enter the all-to-all
+   (the brief's theory), of which ``(ep - 1) / ep`` leave the rank under uniform routing;
+   allgather sends ``T * h * 4`` to each of the ``ep - 1`` peers whatever k. Combine moves
+   the same again; backward mirrors forward and is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_cfg(args, dispatcher="alltoall"):
+    from megalite.config import ModelConfig
+
+    return ModelConfig(hidden_size=args.hidden, num_experts=args.experts,
+                       moe_router_topk=args.topk, moe_ffn_hidden_size=args.ffn, swiglu=True,
+                       add_bias_linear=False, init_method_std=0.02,
+                       moe_token_dispatcher_type=dispatcher)
+
+
+def _timed_interleaved(fns, reps):
+    """Best-of-``reps`` seconds of each function, alternating between them so that load
+    from other processes drifts over all of them alike."""
+    for fn in fns:
+        fn()  # warm-up
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def bench_experts(args) -> None:
+    from megalite.config import ParallelConfig
+    from megalite.moe.dispatcher import permute
+    from megalite.moe.experts import grouped_mlp
+    from megalite.moe.layer import MoELayer
+    from megalite.parallel.state import ParallelState
+    from tests.moe.reference import expert_loop
+
+    torch.manual_seed(0)
+    layer = MoELayer(_model_cfg(args), ParallelState.build(ParallelConfig()), 0, seed=1)
+    x = torch.randn(args.tokens, 1, args.hidden)
+    with torch.no_grad():
+        routing = layer.router(x)
+    tokens, _, _, counts = permute(x.view(-1, args.hidden), routing.probs,
+                                   routing.routing_map)
+    fc1, fc2 = layer.experts.fc1, layer.experts.fc2
+    grad = torch.randn_like(tokens)
+    inp = tokens.clone().requires_grad_(True)
+    print(f"expert compute: E={args.experts} k={args.topk} h={args.hidden} "
+          f"ffn={args.ffn} SwiGLU, {args.tokens} tokens -> {tokens.shape[0]} expert rows, "
+          f"fp32, {torch.get_num_threads()} threads; rows per expert min/max "
+          f"{int(counts.min())}/{int(counts.max())}")
+    print(f"{'path':<28} {'fwd tok/s':>11} {'fwd+bwd tok/s':>14} {'fwd ms':>9} {'f+b ms':>9}")
+    paths = (("per-expert loop (reference)", expert_loop),
+             ("grouped GEMM (padded bmm)", grouped_mlp))
+
+    def fwd(fn):
+        with torch.no_grad():
+            fn(tokens, counts, fc1, fc2, swiglu=True)
+
+    def fwd_bwd(fn):
+        out = fn(inp, counts, fc1, fc2, swiglu=True)
+        torch.autograd.backward(out, grad)
+        inp.grad = fc1.grad = fc2.grad = None
+
+    t_f = _timed_interleaved([lambda fn=fn: fwd(fn) for _, fn in paths], args.reps)
+    t_fb = _timed_interleaved([lambda fn=fn: fwd_bwd(fn) for _, fn in paths], args.reps)
+    for (name, _), f, fb in zip(paths, t_f, t_fb):
+        print(f"{name:<28} {args.tokens / f:>11.0f} {args.tokens / fb:>14.0f} "
+              f"{f * 1e3:>9.1f} {fb * 1e3:>9.1f}")
+    print(f"grouped / loop speed-up: forward {t_f[0] / t_f[1]:.2f}x, forward+backward "
+          f"{t_fb[0] / t_fb[1]:.2f}x (best of {args.reps}, interleaved)")
+
+
+def _dispatch_worker(rank, world, port, args, queue):
+    from megalite.config import ParallelConfig
+    from megalite.moe.layer import MoELayer
+    from megalite.parallel.state import ParallelState
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(minutes=5))
+    ps = ParallelState.build(ParallelConfig(expert_model_parallel_size=world))
+    results = {}
+    for dispatcher in ("alltoall", "allgather"):
+        layer = MoELayer(_model_cfg(args, dispatcher), ps, 0, seed=1)
+        x = torch.randn(args.dispatch_tokens, 1, args.hidden,
+                        generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            layer(x)  # warm-up
+            layer.dispatcher.counter.reset()
+            dist.barrier()
+            t0 = time.perf_counter()
+            layer(x)
+            elapsed = time.perf_counter() - t0
+        results[dispatcher] = (dict(layer.dispatcher.counter.sent), elapsed)
+    queue.put((rank, results))
+    ps.destroy()
+    dist.destroy_process_group()
+
+
+def bench_dispatchers(args) -> None:
+    T, h, k, E = args.dispatch_tokens, args.hidden, args.topk, args.experts
+    print(f"\ndispatcher bytes per MoE layer forward (sent to other ranks, mean per rank), "
+          f"T={T} tokens/rank, h={h}, k={k}, E={E}, fp32")
+    print(f"{'ranks':>5} {'dispatcher':>10} {'dispatch':>11} {'combine':>11} {'metadata':>9} "
+          f"{'theory T*k*h*4':>15} {'x (ep-1)/ep':>12} {'dispatch/theory':>16} {'fwd ms':>8}")
+    ctx = mp.get_context("spawn")
+    for world in args.ranks:
+        queue, port = ctx.Queue(), _free_port()
+        procs = [ctx.Process(target=_dispatch_worker, args=(r, world, port, args, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        by_rank = dict(queue.get(timeout=600) for _ in range(world))
+        for p in procs:
+            p.join()
+        full = T * k * h * 4
+        leaving = full * (world - 1) / world
+        for dispatcher in ("alltoall", "allgather"):
+            sent = [by_rank[r][dispatcher][0] for r in range(world)]
+            ms = max(by_rank[r][dispatcher][1] for r in range(world)) * 1e3
+            mean = {key: sum(s.get(key, 0) for s in sent) / world
+                    for key in {key for s in sent for key in s}}
+            meta = sum(v for key, v in mean.items() if key not in ("dispatch", "combine"))
+            theory = leaving if dispatcher == "alltoall" else T * h * 4 * (world - 1)
+            print(f"{world:>5} {dispatcher:>10} {mean['dispatch']:>11.0f} "
+                  f"{mean['combine']:>11.0f} {meta:>9.0f} {full:>15} {leaving:>12.0f} "
+                  f"{mean['dispatch'] / theory:>16.3f} {ms:>8.1f}")
+    print("dispatch/theory: alltoall against T*k*h*4*(ep-1)/ep (uniform routing), allgather "
+          "against T*h*4*(ep-1); metadata = counts (alltoall) or probs + routing map "
+          "(allgather)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="benchmark.py moe")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--dispatch-tokens", type=int, default=1024)
+    parser.add_argument("--skip-compute", action="store_true")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not args.skip_compute:
+        bench_experts(args)
+    if args.ranks:
+        bench_dispatchers(args)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    main()
