@@ -1,0 +1,114 @@
+"""Column- and row-parallel linear layers (Megatron-LM's tensor-parallel MLP split).
+
+``Y = X A`` with ``A`` split by columns (output features) is :class:`ColumnParallelLinear`:
+each rank computes its slice of Y. ``Y = X A`` with ``A`` split by rows (input features)
+is :class:`RowParallelLinear`: each rank computes a partial sum from its slice of X,
+summed over the TP group. A column layer followed by a row layer needs one all-reduce in
+forward and one in backward. Under sequence parallelism the all-reduce becomes an
+all-gather of the sequence before the column layer and a reduce-scatter after the row layer.
+
+Activations use the ``[s, b, h]`` layout; all collectives run on ``tp_group`` (``pstate.tp``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megalite.layers.sharding import mark_param
+from megalite.parallel import mappings
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor parallel size ({d})")
+    return n // d
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``[s, b, in] -> [s, b, out/tp]`` (or ``[s, b, out]`` with ``gather_output``).
+
+    Weight ``[out/tp, in]`` sharded on dim 0; bias ``[out/tp]``. ``parts`` gives the sizes
+    of fused outputs (e.g. Q, K, V), each sharded separately (see ``layers.sharding``).
+    With ``sequence_parallel`` the input is this rank's ``[s/tp, b, in]`` and is
+    all-gathered along the sequence over ``tp_group`` first. ``skip_weight_param`` makes
+    a layer whose weight is passed to ``forward`` (the tied output layer).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 init_std: float = 0.02, parts: Sequence[int] | None = None,
+                 skip_weight_param: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.tp_group = tp_group
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        local = _divide(output_size, tp_group.size, "output size")
+        if parts is not None:
+            if gather_output and tp_group.size > 1:
+                raise ValueError("gather_output with fused parts would return the parts "
+                                 "interleaved by rank; gather each part instead")
+            for p in parts:
+                _divide(p, tp_group.size, "fused output part")
+        kw = {"device": device, "dtype": dtype}
+        self.weight = None
+        if not skip_weight_param:
+            self.weight = mark_param(torch.nn.Parameter(torch.empty(local, input_size, **kw)),
+                                     partition_dim=0, parts=parts, init_std=init_std)
+        self.bias = None
+        if bias:
+            self.bias = mark_param(torch.nn.Parameter(torch.empty(local, **kw)),
+                                   partition_dim=0, parts=parts, init_fill=0.0)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
+        y = F.linear(x, weight, self.bias)
+        if self.gather_output:
+            y = mappings.gather_from_tensor_model_parallel_region(y, self.tp_group)
+        return y
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``[s, b, in/tp] -> [s, b, out]`` (``[s/tp, b, out]`` with ``sequence_parallel``).
+
+    Weight ``[out, in/tp]`` sharded on dim 1; the bias ``[out]`` is replicated and added
+    after the reduction over ``tp_group`` (all-reduce, or reduce-scatter along the sequence
+    under sequence parallelism, where the bias is marked ``sequence_parallel``). Without
+    ``input_is_parallel`` the full input ``[s, b, in]`` is split here first.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 init_std: float = 0.02, device=None, dtype=None):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel needs input_is_parallel")
+        self.tp_group = tp_group
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        local = _divide(input_size, tp_group.size, "input size")
+        kw = {"device": device, "dtype": dtype}
+        self.weight = mark_param(torch.nn.Parameter(torch.empty(output_size, local, **kw)),
+                                 partition_dim=1, init_std=init_std)
+        self.bias = None
+        if bias:
+            self.bias = mark_param(torch.nn.Parameter(torch.empty(output_size, **kw)),
+                                   init_fill=0.0, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        if self.tp_group.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        else:
+            y = mappings.reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        return y if self.bias is None else y + self.bias

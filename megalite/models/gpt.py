@@ -1,0 +1,152 @@
+"""GPTModel: a decoder-only transformer, GPT-2 or Llama by configuration.
+
+* GPT-2:  LayerNorm, GeLU, learned absolute positions, biases, tied embeddings.
+* Llama:  RMSNorm, SwiGLU, RoPE (rotate-half layout), grouped-query attention, no biases,
+          untied output layer.
+
+Tensor parallelism follows Megatron-LM (column/row-parallel projections, vocabulary-parallel
+embedding, output layer and cross entropy), optionally with sequence parallelism.
+Internally activations are ``[s, b, h]``; the public interface is batch-first.
+Parameters are initialized from (seed, parameter name) and sliced for this TP rank, so every
+layout builds the same model (``layers.sharding``); names use global layer numbers
+(``decoder.layers.<i>.``), so a pipeline stage holding layers 4..7 matches too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.layers.cross_entropy import vocab_parallel_cross_entropy
+from megalite.layers.linear import ColumnParallelLinear
+from megalite.layers.sharding import gather_full, initialize_params, shard
+from megalite.models.embedding import GPTEmbedding
+from megalite.parallel.random import RNGTracker
+from megalite.transformer.block import TransformerBlock
+from megalite.transformer.rope import RotaryEmbedding
+
+EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
+
+
+def params_dtype(cfg) -> torch.dtype:
+    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
+
+
+class GPTModel(torch.nn.Module):
+    """See the module docstring. Arguments:
+
+    model_cfg:  ``ModelConfig`` with ``vocab_size`` set; the vocabulary is padded to
+                ``model_cfg.padded_vocab_size(tp)``.
+    pstate:     ``ParallelState``; uses ``pstate.tp`` and ``pstate.device``.
+    seed:       init and dropout seed.
+    pre_process / post_process: this pipeline stage holds the embedding / the output layer.
+    first_layer, num_layers: the global layer range of this stage (default: all layers).
+    """
+
+    def __init__(self, model_cfg, pstate, sequence_parallel: bool = False, seed: int = 1234,
+                 pre_process: bool = True, post_process: bool = True, first_layer: int = 0,
+                 num_layers: int | None = None):
+        super().__init__()
+        cfg = self.config = model_cfg
+        if cfg.vocab_size is None:
+            raise ValueError("model_cfg.vocab_size must be set before building GPTModel")
+        tp = self.tp_group = pstate.tp
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.pre_process, self.post_process = pre_process, post_process
+        self.padded_vocab_size = cfg.padded_vocab_size(tp.size)
+        self.rng = RNGTracker.from_state(pstate, seed)
+        self.tied = not cfg.untie_embeddings_and_output_weights
+        kw = {"device": pstate.device, "dtype": params_dtype(cfg)}
+        common = dict(tp_group=tp, sequence_parallel=self.sequence_parallel, **kw)
+
+        self.embedding = None
+        if pre_process:
+            self.embedding = GPTEmbedding(cfg, self.padded_vocab_size, rng=self.rng, **common)
+        self.rotary = None
+        if cfg.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base,
+                                          device=pstate.device)
+        self.decoder = TransformerBlock(cfg, rng=self.rng, first_layer=first_layer,
+                                        num_layers=num_layers, post_process=post_process,
+                                        **common)
+        self.output_layer = None
+        if post_process:
+            share = self.tied and pre_process
+            self.output_layer = ColumnParallelLinear(
+                cfg.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
+                init_std=cfg.init_method_std, skip_weight_param=share, **common)
+            if not share:
+                self.output_layer.weight.unpadded_size = cfg.vocab_size
+                if self.tied:  # a later pipeline stage's copy of the word embedding
+                    self.output_layer.weight.init_name = EMBEDDING_WEIGHT
+                    self.output_layer.weight.shared_embedding = True
+        if self.tied and pre_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        initialize_params(self, seed, tp)
+
+    # -- forward -------------------------------------------------------------------------
+    def output_weight(self) -> torch.Tensor:
+        if self.output_layer.weight is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, position_ids, labels: int64 ``[b, s]``.
+
+        ``hidden_states`` ``[s, b, h]`` (``[s/tp, b, h]`` under SP) replaces ``input_ids``
+        on a stage without the embedding. Returns: hidden states ``[s(/tp), b, h]`` when
+        not ``post_process``; else with ``labels`` the per-token loss fp32 ``[b, s]``,
+        without them this rank's logits ``[b, s, padded_vocab/tp]`` in the compute dtype.
+        """
+        pos = None if position_ids is None else position_ids.t()
+        if self.pre_process:
+            x = self.embedding(input_ids.t(), pos)  # [s(/tp), b, h]
+        else:
+            x = hidden_states
+        rotary = None
+        if self.rotary is not None:
+            if pos is None:
+                seq = x.shape[0] * (self.tp_group.size if self.sequence_parallel else 1)
+                pos = torch.arange(seq, device=x.device).unsqueeze(1)
+            rotary = self.rotary(pos)
+        x = self.decoder(x, rotary)
+        if not self.post_process:
+            return x
+        logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group,
+                                            vocab_size=self.config.vocab_size)
+        return loss.t().contiguous()
+
+    # -- full (layout-invariant) tensors -------------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """name -> full tensor, gathered over tp (collective), padding rows removed."""
+        return {name: gather_full(p.detach(), p, self.tp_group)
+                for name, p in self.named_parameters()}
+
+    @torch.no_grad()
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """name -> full gradient (collective over tp). Call
+        ``allreduce_sequence_parallel_grads`` first under sequence parallelism."""
+        return {name: gather_full(p.grad, p, self.tp_group)
+                for name, p in self.named_parameters() if p.grad is not None}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy full tensors (as from :meth:`full_state_dict`) into this rank's shards."""
+        params = dict(self.named_parameters())
+        missing, unexpected = set(params) - set(state), set(state) - set(params)
+        if missing or unexpected:
+            raise KeyError(f"state dict mismatch: missing {sorted(missing)}, "
+                           f"unexpected {sorted(unexpected)}")
+        for name, p in params.items():
+            local = shard(state[name].to(torch.float32), p, self.tp_group.size,
+                          self.tp_group.rank)
+            if local.shape != p.shape:
+                raise ValueError(f"{name}: full tensor {tuple(state[name].shape)} gives shard "
+                                 f"{tuple(local.shape)}, expected {tuple(p.shape)}")
+            p.copy_(local)

@@ -1,0 +1,233 @@
+"""Autograd-aware collectives for tensor and sequence parallelism.
+
+Every function takes the process group as a :class:`megalite.parallel.state.Group`
+(``pstate.tp`` for tensor/sequence parallelism) and is the identity when the group has
+one member, so single-process code never touches ``torch.distributed``.
+
+Tensor-parallel (TP) regions split the *last* dimension (hidden or vocab); sequence-parallel
+(SP) regions split the *first* dimension, the sequence of Megatron's ``[s, b, h]`` layout.
+Each forward collective is paired with its adjoint in backward:
+
+==========================================  ======================  ======================
+function                                    forward                 backward
+==========================================  ======================  ======================
+copy_to_tensor_model_parallel_region        identity                all-reduce
+reduce_from_tensor_model_parallel_region    all-reduce              identity
+scatter_to_tensor_model_parallel_region     split last dim          all-gather last dim
+gather_from_tensor_model_parallel_region    all-gather last dim     split last dim
+scatter_to_sequence_parallel_region         split dim 0             all-gather dim 0
+gather_from_sequence_parallel_region        all-gather dim 0        reduce-scatter dim 0
+reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0    all-gather dim 0
+==========================================  ======================  ======================
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.10 renamed the single-tensor collectives; keep working on both spellings.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                          or dist.reduce_scatter_tensor)
+
+
+# -- raw collectives (no autograd) -------------------------------------------------------
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group.group)
+    return x
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    size = x.shape[-1]
+    if size % group.size:
+        raise ValueError(f"last dim {size} is not divisible by the group size {group.size}")
+    return x.chunk(group.size, dim=-1)[group.rank].contiguous()
+
+
+def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
+    _all_gather_single(out, x, group=group.group)
+    return out
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    stacked = _gather_first(x.unsqueeze(0), group)  # [tp, ..., n/tp]
+    return torch.cat(stacked.unbind(0), dim=-1)
+
+
+def _split_first(x: torch.Tensor, group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    size = x.shape[0]
+    if size % group.size:
+        raise ValueError(f"dim 0 ({size}) is not divisible by the group size {group.size}")
+    return x.chunk(group.size, dim=0)[group.rank].contiguous()
+
+
+def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    size = x.shape[0]
+    if size % group.size:
+        raise ValueError(f"dim 0 ({size}) is not divisible by the group size {group.size}")
+    x = x.contiguous()
+    out = x.new_empty((size // group.size, *x.shape[1:]))
+    _reduce_scatter_single(out, x, group=group.group)
+    return out
+
+
+# -- autograd functions ------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        # clone: the incoming gradient may be shared with other consumers
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.group), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group = group
+        ctx.reduce_grad = tensor_parallel_output_grad
+        return _gather_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grad:
+            return _reduce_scatter_first(grad, ctx.group), None, None
+        return _split_first(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.group), None
+
+
+# -- public API --------------------------------------------------------------------------
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter a TP region: ``[..., h]`` -> ``[..., h]`` unchanged; backward all-reduces
+    the gradient over ``group`` (each rank's partial gradient of a replicated input)."""
+    if group.size == 1:
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Leave a TP region: sum the partial results ``[..., h]`` over ``group``;
+    backward passes the gradient through."""
+    if group.size == 1:
+        return x
+    return _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """``[..., n]`` -> this rank's ``[..., n/tp]`` slice; backward all-gathers over
+    ``group`` along the last dim."""
+    if group.size == 1:
+        return x
+    return _ScatterToTP.apply(x, group)
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """``[..., n/tp]`` -> ``[..., n]`` by all-gather over ``group`` (rank order);
+    backward keeps this rank's slice of the gradient."""
+    if group.size == 1:
+        return x
+    return _GatherFromTP.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """``[s, b, h]`` -> this rank's ``[s/tp, b, h]`` chunk; backward all-gathers the
+    gradient over ``group`` along the sequence."""
+    if group.size == 1:
+        return x
+    return _ScatterToSP.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group,
+                                         tensor_parallel_output_grad: bool = True
+                                         ) -> torch.Tensor:
+    """``[s/tp, b, h]`` -> ``[s, b, h]`` by all-gather over ``group``.
+
+    Backward reduce-scatters the gradient when the consumer is a TP region (each rank
+    holds a partial gradient of the full sequence, the default); with
+    ``tensor_parallel_output_grad=False`` the gradient is already complete on every rank
+    and backward only keeps this rank's chunk.
+    """
+    if group.size == 1:
+        return x
+    return _GatherFromSP.apply(x, group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Leave a TP region into an SP region: partial sums ``[s, b, h]`` -> this rank's
+    chunk of their sum ``[s/tp, b, h]`` (reduce-scatter over ``group``); backward
+    all-gathers the gradient along the sequence."""
+    if group.size == 1:
+        return x
+    return _ReduceScatterToSP.apply(x, group)

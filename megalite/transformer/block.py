@@ -1,0 +1,70 @@
+"""A stack of transformer layers with optional full activation recomputation."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megalite.transformer.layer import TransformerLayer
+from megalite.transformer.norms import build_norm
+
+
+class TransformerBlock(torch.nn.Module):
+    """Layers ``first_layer .. first_layer + num_layers - 1`` (global numbers, so a pipeline
+    stage's parameter names match the single-stage model), ``[s, b, h]`` -> ``[s, b, h]``
+    (``[s/tp, b, h]`` under sequence parallelism). ``post_process`` adds the final norm.
+
+    ``--recompute-granularity full`` checkpoints whole layers (non-reentrant, RNG streams
+    replayed): ``uniform`` in chunks of ``recompute_num_layers`` layers, ``block`` only the
+    first ``recompute_num_layers`` layers of this stage, one by one.
+    """
+
+    def __init__(self, cfg, *, tp_group, sequence_parallel: bool, rng, first_layer: int = 0,
+                 num_layers: int | None = None, post_process: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        num_layers = cfg.num_layers - first_layer if num_layers is None else num_layers
+        self.rng = rng
+        self.recompute = cfg.recompute_granularity == "full"
+        self.recompute_method = cfg.recompute_method
+        self.recompute_num_layers = cfg.recompute_num_layers
+        self.layers = torch.nn.ModuleDict({
+            str(i): TransformerLayer(cfg, i, tp_group=tp_group,
+                                     sequence_parallel=sequence_parallel, rng=rng,
+                                     device=device, dtype=dtype)
+            for i in range(first_layer, first_layer + num_layers)})
+        self.final_layernorm = None
+        if post_process:
+            self.final_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
+                                              cfg.norm_epsilon,
+                                              sequence_parallel=sequence_parallel,
+                                              device=device, dtype=dtype)
+
+    @staticmethod
+    def _run(layers, x, rotary):
+        for layer in layers:
+            x = layer(x, rotary)
+        return x
+
+    def _checkpointed(self, layers, x, rotary):
+        return checkpoint(self._run, layers, x, rotary, use_reentrant=False,
+                          context_fn=self.rng.recompute_context_fn)
+
+    def forward(self, x: torch.Tensor,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        layers = list(self.layers.values())
+        if not (self.recompute and self.training and torch.is_grad_enabled()):
+            x = self._run(layers, x, rotary)
+        elif self.recompute_method == "uniform":
+            n = self.recompute_num_layers
+            for start in range(0, len(layers), n):
+                x = self._checkpointed(layers[start:start + n], x, rotary)
+        else:  # block
+            for i, layer in enumerate(layers):
+                if i < self.recompute_num_layers:
+                    x = self._checkpointed([layer], x, rotary)
+                else:
+                    x = layer(x, rotary)
+        if self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x

@@ -1,0 +1,56 @@
+"""One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(.))."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megalite.parallel.random import REPLICATED, TENSOR_PARALLEL
+from megalite.transformer.attention import SelfAttention
+from megalite.transformer.mlp import MLP
+from megalite.transformer.norms import build_norm
+
+
+def output_init_std(cfg) -> float:
+    """Megatron's scaled init of the projections that write into the residual stream."""
+    return cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+
+
+class TransformerLayer(torch.nn.Module):
+    """``[s, b, h]`` -> ``[s, b, h]``; ``[s/tp, b, h]`` under sequence parallelism.
+
+    ``layer_number`` is the global (0-based) index in the whole model. Residual-branch
+    dropout draws from the replicated RNG stream (identical on TP ranks, which hold the
+    same activations) or, under sequence parallelism, the tensor-parallel stream (each rank
+    holds a different chunk of the sequence).
+    """
+
+    def __init__(self, cfg, layer_number: int, *, tp_group, sequence_parallel: bool, rng,
+                 device=None, dtype=None):
+        super().__init__()
+        self.layer_number = layer_number
+        self.rng = rng
+        self.hidden_dropout = cfg.hidden_dropout
+        self.dropout_stream = TENSOR_PARALLEL if sequence_parallel else REPLICATED
+        kw = {"sequence_parallel": sequence_parallel, "device": device, "dtype": dtype}
+        par = dict(tp_group=tp_group, output_std=output_init_std(cfg), **kw)
+        self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
+                                          cfg.norm_epsilon, **kw)
+        self.self_attention = SelfAttention(
+            cfg, rng=rng, recompute_core=cfg.recompute_granularity == "selective", **par)
+        self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
+                                            cfg.norm_epsilon, **kw)
+        self.mlp = MLP(cfg, **par)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0.0:
+            return x
+        with self.rng.fork(self.dropout_stream):
+            return F.dropout(x, self.hidden_dropout)
+
+    def forward(self, x: torch.Tensor,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))

@@ -1,0 +1,1 @@
+"""Tests of the tensor-parallel layers, transformer and GPT model."""

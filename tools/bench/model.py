@@ -1,0 +1,172 @@
+"""Training-step throughput of GPTModel vs transformers' LlamaForCausalLM (single process).
+
+    python tools/benchmark.py model [--compile] [--steps 4] [--batch 1] ...
+
+Times forward + backward + AdamW step of a fixed Llama-style model (default: 8 layers,
+hidden 512, 8 heads / 4 query groups, SwiGLU ffn 1408, RoPE, RMSNorm, untied, vocab
+32000, seq 512, micro-batch 1, fp32, dropout 0) in megalite (eager, and compiled with
+``--compile``) and in ``transformers`` (sdpa attention) on the same weights, inputs and
+threads. Steps of the variants are interleaved so background load hits them alike; the
+median step time is reported.
+
+MFU = model FLOP/s / the fp32 ``torch.mm`` peak measured in the same run. Model FLOPs per
+token are ``6 N + 12 L h s`` (PaLM / Megatron convention, as the training loop's MFU) with
+N the matmul parameters (the layers and the output layer; the input embedding table is a
+lookup and not counted) -- the same count as the training loop's ``6 N + 6 h V + 12 L h s``.
+On a shared machine other processes' load makes step times noisy: the fastest step is the
+best estimate of this machine's speed, and process CPU time per step is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+class MatmulPeak:
+    """Best fp32 ``torch.mm`` FLOP/s on n x n matrices over short bursts. Bursts are also
+    taken between timed steps, so the peak sees the same background load as the steps."""
+
+    def __init__(self, n: int = 2048):
+        self.a, self.b = torch.randn(n, n), torch.randn(n, n)
+        self.n, self.best = n, 0.0
+        torch.mm(self.a, self.b)
+
+    def probe(self, seconds: float = 0.5) -> float:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            for _ in range(2):
+                torch.mm(self.a, self.b)
+            self.best = max(self.best, 4.0 * self.n ** 3 / (time.perf_counter() - start))
+        return self.best
+
+
+def build_config(args):
+    from megalite.config import ModelConfig
+
+    return ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
+                       num_attention_heads=args.heads, group_query_attention=True,
+                       num_query_groups=args.groups, ffn_hidden_size=args.ffn,
+                       seq_length=args.seq, vocab_size=args.vocab,
+                       normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                       add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                       hidden_dropout=0.0, attention_dropout=0.0, attention_backend="sdpa")
+
+
+def make_ours(cfg, compiled: bool):
+    from megalite.config import ParallelConfig
+    from megalite.models.compile import maybe_compile
+    from megalite.models.gpt import GPTModel
+    from megalite.parallel.state import ParallelState
+
+    model = GPTModel(cfg, ParallelState.build(ParallelConfig()), seed=1234)
+    return maybe_compile(model, compiled)
+
+
+def make_hf(cfg, state):
+    from transformers import LlamaForCausalLM
+
+    from megalite.models.hf_mapping import hf_config, to_hf_state_dict
+
+    hcfg = hf_config(cfg, "llama")
+    hcfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(hcfg)
+    model.load_state_dict(to_hf_state_dict(state, cfg, "llama"))
+    return model
+
+
+def step_fn(model, optimizer, ids, labels, hf: bool):
+    def step():
+        if hf:
+            loss = model(input_ids=ids, labels=labels, shift_labels=labels, use_cache=False).loss
+        else:
+            loss = model(ids, labels=labels).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def matmul_params(model, hf: bool) -> int:
+    skip = "embed_tokens" if hf else "word_embeddings"
+    return sum(p.numel() for n, p in model.named_parameters() if skip not in n)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="benchmark.py model", description=__doc__.split("\n")[0])
+    for name, default in (("layers", 8), ("hidden", 512), ("heads", 8), ("groups", 4),
+                          ("ffn", 1408), ("seq", 512), ("vocab", 32000), ("batch", 1),
+                          ("steps", 4), ("warmup", 2)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--compile", action="store_true", help="also time torch.compile'd ours")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    peak = MatmulPeak()
+    peak.probe(2.0)
+    cfg = build_config(args)
+    variants = {"megalite": make_ours(cfg, False)}
+    state = variants["megalite"].full_state_dict()
+    if args.compile:
+        variants["megalite+compile"] = make_ours(cfg, True)
+    if not args.no_hf:
+        variants["transformers"] = make_hf(cfg, state)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1))
+    ids, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    steps = {}
+    for name, model in variants.items():
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+        steps[name] = step_fn(model, opt, ids, labels, hf=name == "transformers")
+    for name, step in steps.items():
+        start = time.perf_counter()
+        first_loss = step()  # the same weights and inputs: the same first loss everywhere
+        for _ in range(args.warmup - 1):
+            step()
+        print(f"{name}: first loss {first_loss:.6f}, warm-up {time.perf_counter() - start:.1f} s",
+              flush=True)
+    wall = {name: [] for name in steps}
+    cpu = {name: [] for name in steps}
+    for _ in range(args.steps):
+        for name, step in steps.items():
+            c, start = time.process_time(), time.perf_counter()
+            step()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - c)
+        peak.probe()
+    peak = peak.best
+
+    tokens = args.batch * args.seq
+    n = matmul_params(variants["megalite"], hf=False)
+    flops = (6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length) * tokens
+    print(f"config: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
+          f"{cfg.num_attention_heads}/{cfg.num_query_groups} groups, ffn {cfg.ffn_hidden_size}, "
+          f"vocab {cfg.vocab_size}, seq {args.seq} x batch {args.batch}, fp32, "
+          f"{torch.get_num_threads()} threads; {n / 1e6:.1f} M matmul params")
+    print(f"fp32 torch.mm peak: {peak / 1e9:.1f} GFLOP/s; model {flops / 1e9:.1f} GFLOP/step")
+    print("tokens/s from the fastest step (best estimate on a shared machine) and the median;"
+          " MFU from the fastest step; cpu = process CPU seconds per step (median)")
+    best = {}
+    for name in steps:
+        fast, med = min(wall[name]), statistics.median(wall[name])
+        best[name] = tokens / fast
+        print(f"{name:>18}: {best[name]:7.1f} tokens/s (median {tokens / med:7.1f})  "
+              f"MFU {flops / fast / peak:6.1%}  step {fast * 1e3:6.0f} ms  "
+              f"cpu {statistics.median(cpu[name]):5.2f} s")
+    if "transformers" in best:
+        for name, rate in best.items():
+            if name != "transformers":
+                cpu_ratio = statistics.median(cpu["transformers"]) / statistics.median(cpu[name])
+                print(f"{name} / transformers: {rate / best['transformers']:.2f}x tokens/s "
+                      f"({cpu_ratio:.2f}x by CPU time)")
+
+if __name__ == "__main__":
+    main()
