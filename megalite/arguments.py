@@ -16,7 +16,8 @@ import dataclasses
 import difflib
 import sys
 import typing
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from megalite.config import SECTIONS, ConfigError, MegaliteConfig
 
@@ -28,7 +29,7 @@ class ArgumentError(ConfigError):
 def _base_type(tp: Any) -> Any:
     """int for Optional[int], etc. Annotations are strings under __future__ annotations."""
     if isinstance(tp, str):
-        tp = eval(tp, vars(typing) | {"Optional": Optional})  # noqa: S307 - our own source
+        tp = eval(tp, vars(typing) | {"Optional": Optional})
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0] if args else tp
 
@@ -124,7 +125,7 @@ def config_from_values(values: dict[str, Any]) -> MegaliteConfig:
     return MegaliteConfig(**{name: SECTIONS[name](**kw) for name, kw in per_section.items()})
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> MegaliteConfig:
+def parse_args(argv: Sequence[str] | None = None) -> MegaliteConfig:
     """Parse Megatron-style flags (and ``--config``) into a section-validated config.
 
     Cross-section checks need the world size: call ``cfg.validate(world_size)`` after.
@@ -145,7 +146,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> MegaliteConfig:
     return config_from_values(values)
 
 
-def main_parse(argv: Optional[Sequence[str]] = None) -> MegaliteConfig:
+def main_parse(argv: Sequence[str] | None = None) -> MegaliteConfig:
     """``parse_args`` for entrypoints: a bad flag prints one line and exits with code 2."""
     try:
         return parse_args(argv)

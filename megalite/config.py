@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 class ConfigError(ValueError):
     """A configuration value (or combination of values) that cannot work."""
 
 
-def arg(default: Any = None, help: str = "", *, flag: Optional[str] = None,
-        action: Optional[str] = None, choices: Optional[tuple] = None,
-        nargs: Optional[str] = None, aliases: tuple = (), cli: bool = True):
+def arg(default: Any = None, help: str = "", *, flag: str | None = None,
+        action: str | None = None, choices: tuple | None = None,
+        nargs: str | None = None, aliases: tuple = (), cli: bool = True):
     """A dataclass field carrying its command-line description.
 
     flag:    the CLI flag when it differs from ``--field-name`` (e.g. ``--disable-bias-linear``
@@ -46,6 +46,16 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_choices(obj: Any) -> None:
+    """Every field declared with ``choices`` holds one of them (None allowed when default)."""
+    for f in dataclasses.fields(obj):
+        choices = f.metadata.get("choices")
+        value = getattr(obj, f.name)
+        if choices and value not in choices and not (value is None and f.default is None):
+            raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}; "
+                              f"got {value!r}")
+
+
 def _positive(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -60,13 +70,13 @@ def _positive(obj: Any, *names: str) -> None:
 class ModelConfig:
     num_layers: int = arg(2, "Number of transformer layers.")
     hidden_size: int = arg(64, "Transformer hidden size.")
-    ffn_hidden_size: Optional[int] = arg(None, "MLP hidden size (default 4 x hidden).")
+    ffn_hidden_size: int | None = arg(None, "MLP hidden size (default 4 x hidden).")
     num_attention_heads: int = arg(4, "Number of attention heads.")
-    kv_channels: Optional[int] = arg(None, "Head dimension (default hidden/heads).")
+    kv_channels: int | None = arg(None, "Head dimension (default hidden/heads).")
     group_query_attention: bool = arg(False, "Use grouped-query attention.")
-    num_query_groups: Optional[int] = arg(None, "Number of key/value groups under GQA.")
+    num_query_groups: int | None = arg(None, "Number of key/value groups under GQA.")
     seq_length: int = arg(128, "Sequence length of a training sample.")
-    max_position_embeddings: Optional[int] = arg(None, "Size of the learned position table "
+    max_position_embeddings: int | None = arg(None, "Size of the learned position table "
                                                  "(default seq_length).")
     position_embedding_type: str = arg("learned_absolute", "Position embedding kind.",
                                        choices=("learned_absolute", "rope", "none"))
@@ -85,34 +95,34 @@ class ModelConfig:
     hidden_dropout: float = arg(0.1, "Dropout on the residual branch outputs.")
     attention_dropout: float = arg(0.1, "Dropout on the attention probabilities.")
     init_method_std: float = arg(0.02, "Std of the normal initialization.")
-    vocab_size: Optional[int] = arg(None, "Vocabulary size (NullTokenizer); otherwise set "
+    vocab_size: int | None = arg(None, "Vocabulary size (NullTokenizer); otherwise set "
                                     "from the tokenizer.")
     make_vocab_size_divisible_by: int = arg(128, "Pad the vocabulary to a multiple of this "
                                             "times the tensor parallel size.")
     attention_backend: str = arg("auto", "Attention implementation.",
                                  choices=("auto", "flash", "sdpa", "local"))
-    recompute_granularity: Optional[str] = arg(None, "Activation recomputation.",
+    recompute_granularity: str | None = arg(None, "Activation recomputation.",
                                                choices=("full", "selective"))
-    recompute_method: Optional[str] = arg(None, "Which layers full recomputation covers.",
+    recompute_method: str | None = arg(None, "Which layers full recomputation covers.",
                                           choices=("uniform", "block"))
-    recompute_num_layers: Optional[int] = arg(None, "Layers per recompute unit (uniform) or "
+    recompute_num_layers: int | None = arg(None, "Layers per recompute unit (uniform) or "
                                               "recomputed layers per stage (block).")
     bf16: bool = arg(False, "Train in bfloat16 with fp32 master weights.")
     fp16: bool = arg(False, "Train in float16 with dynamic loss scaling.")
     # Mixture of experts
-    num_experts: Optional[int] = arg(None, "Number of experts (MoE when set).")
+    num_experts: int | None = arg(None, "Number of experts (MoE when set).")
     moe_router_topk: int = arg(2, "Experts per token.")
-    moe_ffn_hidden_size: Optional[int] = arg(None, "Expert MLP hidden size (default ffn).")
+    moe_ffn_hidden_size: int | None = arg(None, "Expert MLP hidden size (default ffn).")
     moe_layer_freq: int = arg(1, "Every n-th layer is an MoE layer.")
-    moe_shared_expert_intermediate_size: Optional[int] = arg(None, "Shared expert size.")
+    moe_shared_expert_intermediate_size: int | None = arg(None, "Shared expert size.")
     moe_router_score_function: str = arg("softmax", "Router score function.",
                                          choices=("softmax", "sigmoid"))
-    moe_router_topk_scaling_factor: Optional[float] = arg(None, "Scale of top-k scores.")
+    moe_router_topk_scaling_factor: float | None = arg(None, "Scale of top-k scores.")
     moe_router_load_balancing_type: str = arg("aux_loss", "Load-balancing loss.",
                                               choices=("aux_loss", "seq_aux_loss", "none"))
     moe_aux_loss_coeff: float = arg(0.0, "Coefficient of the aux loss.")
-    moe_z_loss_coeff: Optional[float] = arg(None, "Coefficient of the router z-loss.")
-    moe_expert_capacity_factor: Optional[float] = arg(None, "Capacity factor (dropless "
+    moe_z_loss_coeff: float | None = arg(None, "Coefficient of the router z-loss.")
+    moe_expert_capacity_factor: float | None = arg(None, "Capacity factor (dropless "
                                                       "when unset).")
     moe_token_drop_policy: str = arg("probs", "Which tokens to drop over capacity.",
                                      choices=("probs", "position"))
@@ -121,6 +131,7 @@ class ModelConfig:
                                          choices=("alltoall", "allgather"))
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _positive(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
                   "ffn_hidden_size", "kv_channels", "num_query_groups",
                   "make_vocab_size_divisible_by", "vocab_size", "init_method_std",
@@ -195,22 +206,22 @@ class ModelConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = arg(1, "Tensor model parallel size.")
     pipeline_model_parallel_size: int = arg(1, "Pipeline model parallel size.")
-    virtual_pipeline_model_parallel_size: Optional[int] = arg(
+    virtual_pipeline_model_parallel_size: int | None = arg(
         None, "Model chunks per pipeline rank (interleaved 1F1B).")
-    num_layers_per_virtual_pipeline_stage: Optional[int] = arg(
+    num_layers_per_virtual_pipeline_stage: int | None = arg(
         None, "Layers per virtual pipeline stage (sets the virtual size).")
-    decoder_first_pipeline_num_layers: Optional[int] = arg(None, "Layers on the first stage.")
-    decoder_last_pipeline_num_layers: Optional[int] = arg(None, "Layers on the last stage.")
+    decoder_first_pipeline_num_layers: int | None = arg(None, "Layers on the first stage.")
+    decoder_last_pipeline_num_layers: int | None = arg(None, "Layers on the last stage.")
     sequence_parallel: bool = arg(False, "Shard norms/dropout activations along the sequence "
                                   "over the tensor parallel group.")
     context_parallel_size: int = arg(1, "Context parallel size.")
     expert_model_parallel_size: int = arg(1, "Expert model parallel size.")
-    expert_tensor_parallel_size: Optional[int] = arg(None, "Tensor parallel size of the "
+    expert_tensor_parallel_size: int | None = arg(None, "Tensor parallel size of the "
                                                      "experts (default: tp).")
     use_distributed_optimizer: bool = arg(False, "Shard optimizer state over data parallel.")
     overlap_grad_reduce: bool = arg(False, "Overlap gradient reduction with backward.")
     overlap_param_gather: bool = arg(False, "Overlap the parameter all-gather with forward.")
-    ddp_bucket_size: Optional[int] = arg(None, "Gradient bucket size in elements.")
+    ddp_bucket_size: int | None = arg(None, "Gradient bucket size in elements.")
     grad_reduce_in_bf16: bool = arg(False, "Reduce gradients in bfloat16.")
     distributed_backend: str = arg("auto", "Process group backend (auto: nccl on GPU, "
                                    "gloo otherwise).", choices=("auto", "nccl", "gloo"))
@@ -218,6 +229,7 @@ class ParallelConfig:
     variable_seq_lengths: bool = arg(False, "Exchange shapes before pipeline transfers.")
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                   "context_parallel_size", "expert_model_parallel_size",
@@ -270,25 +282,26 @@ class OptimConfig:
     lr_decay_style: str = arg("linear", "Learning-rate decay.",
                               choices=("constant", "linear", "cosine", "inverse-square-root",
                                        "WSD"))
-    lr_decay_iters: Optional[int] = arg(None, "Decay iterations (default train_iters).")
+    lr_decay_iters: int | None = arg(None, "Decay iterations (default train_iters).")
     lr_warmup_iters: int = arg(0, "Linear warm-up iterations.")
-    lr_warmup_fraction: Optional[float] = arg(None, "Warm-up as a fraction of decay iters.")
+    lr_warmup_fraction: float | None = arg(None, "Warm-up as a fraction of decay iters.")
     lr_wsd_decay_style: str = arg("exponential", "Decay of the WSD cool-down.",
                                   choices=("exponential", "linear", "cosine"))
-    lr_wsd_decay_iters: Optional[int] = arg(None, "Cool-down iterations of WSD.")
+    lr_wsd_decay_iters: int | None = arg(None, "Cool-down iterations of WSD.")
     weight_decay: float = arg(0.01, "Weight decay (not applied to norms and biases).")
     adam_beta1: float = arg(0.9, "Adam beta1.")
     adam_beta2: float = arg(0.999, "Adam beta2.")
     adam_eps: float = arg(1e-8, "Adam epsilon.")
     sgd_momentum: float = arg(0.9, "SGD momentum.")
     clip_grad: float = arg(1.0, "Clip gradients to this global norm (0 disables).")
-    loss_scale: Optional[float] = arg(None, "Static loss scale (fp16); dynamic when unset.")
+    loss_scale: float | None = arg(None, "Static loss scale (fp16); dynamic when unset.")
     initial_loss_scale: float = arg(2.0 ** 32, "Initial dynamic loss scale.")
     min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale.")
     loss_scale_window: int = arg(1000, "Steps without overflow before doubling the scale.")
     hysteresis: int = arg(2, "Overflows tolerated before halving the scale.")
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _require(self.lr >= 0, f"lr must be >= 0, got {self.lr}")
         _require(0 <= self.min_lr <= max(self.lr, self.min_lr),
                  f"min_lr must be >= 0, got {self.min_lr}")
@@ -313,26 +326,27 @@ class OptimConfig:
 # ----------------------------------------------------------------------------------------
 @dataclass
 class DataConfig:
-    data_path: Optional[list] = arg(None, "Dataset prefixes, optionally weighted: "
+    data_path: list | None = arg(None, "Dataset prefixes, optionally weighted: "
                                     "'0.3 prefixA 0.7 prefixB'.", nargs="*")
-    train_data_path: Optional[list] = arg(None, "Training-only prefixes.", nargs="*")
-    valid_data_path: Optional[list] = arg(None, "Validation-only prefixes.", nargs="*")
-    test_data_path: Optional[list] = arg(None, "Test-only prefixes.", nargs="*")
+    train_data_path: list | None = arg(None, "Training-only prefixes.", nargs="*")
+    valid_data_path: list | None = arg(None, "Validation-only prefixes.", nargs="*")
+    test_data_path: list | None = arg(None, "Test-only prefixes.", nargs="*")
     split: str = arg("969,30,1", "Train,valid,test split of the documents.")
-    data_cache_path: Optional[str] = arg(None, "Where to cache the dataset indices.")
+    data_cache_path: str | None = arg(None, "Where to cache the dataset indices.")
     mock_data: bool = arg(False, "Use synthetic data.")
-    tokenizer_type: Optional[str] = arg(None, "Tokenizer.", choices=(
+    tokenizer_type: str | None = arg(None, "Tokenizer.", choices=(
         "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
         "GPT2BPETokenizer", "NullTokenizer"))
-    tokenizer_model: Optional[str] = arg(None, "Tokenizer model file or directory.")
-    vocab_file: Optional[str] = arg(None, "Vocabulary file (GPT2BPETokenizer).")
-    merge_file: Optional[str] = arg(None, "BPE merges file (GPT2BPETokenizer).")
+    tokenizer_model: str | None = arg(None, "Tokenizer model file or directory.")
+    vocab_file: str | None = arg(None, "Vocabulary file (GPT2BPETokenizer).")
+    merge_file: str | None = arg(None, "BPE merges file (GPT2BPETokenizer).")
     num_workers: int = arg(0, "Data-loader worker processes.")
     reset_position_ids: bool = arg(False, "Restart position ids at each document.")
     reset_attention_mask: bool = arg(False, "Do not attend across documents.")
     eod_mask_loss: bool = arg(False, "Do not compute the loss on end-of-document tokens.")
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _require(self.num_workers >= 0, "num_workers must be >= 0")
         parts = self.split.replace("/", ",").split(",")
         try:
@@ -351,20 +365,21 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     micro_batch_size: int = arg(1, "Samples per micro-batch per data-parallel rank.")
-    global_batch_size: Optional[int] = arg(None, "Samples per optimizer step "
+    global_batch_size: int | None = arg(None, "Samples per optimizer step "
                                            "(default micro_batch_size x dp).")
-    train_iters: Optional[int] = arg(None, "Optimizer steps to train for.")
+    train_iters: int | None = arg(None, "Optimizer steps to train for.")
     eval_iters: int = arg(100, "Batches per evaluation.")
     eval_interval: int = arg(1000, "Iterations between evaluations.")
     seed: int = arg(1234, "Random seed.")
-    exit_interval: Optional[int] = arg(None, "Exit at an iteration that is a multiple of this.")
-    exit_duration_in_mins: Optional[float] = arg(None, "Exit after this many minutes.")
+    exit_interval: int | None = arg(None, "Exit at an iteration that is a multiple of this.")
+    exit_duration_in_mins: float | None = arg(None, "Exit after this many minutes.")
     exit_signal_handler: bool = arg(False, "On SIGTERM, save a checkpoint and exit.")
     check_for_nan_in_loss_and_grad: bool = arg(True, "Stop on a NaN/inf loss or gradient.",
                                                flag="--no-check-for-nan-in-loss-and-grad",
                                                action="store_false")
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _positive(self, "micro_batch_size", "global_batch_size", "train_iters",
                   "eval_interval", "exit_interval", "exit_duration_in_mins")
         _require(self.eval_iters >= 0, "eval_iters must be >= 0")
@@ -375,9 +390,9 @@ class TrainConfig:
 # ----------------------------------------------------------------------------------------
 @dataclass
 class CheckpointConfig:
-    save: Optional[str] = arg(None, "Directory to save checkpoints to.")
-    load: Optional[str] = arg(None, "Directory to load a checkpoint from.")
-    save_interval: Optional[int] = arg(None, "Iterations between checkpoints.")
+    save: str | None = arg(None, "Directory to save checkpoints to.")
+    load: str | None = arg(None, "Directory to load a checkpoint from.")
+    save_interval: int | None = arg(None, "Iterations between checkpoints.")
     no_save_optim: bool = arg(False, "Do not save the optimizer state.")
     no_save_rng: bool = arg(False, "Do not save the RNG states.")
     no_load_optim: bool = arg(False, "Do not load the optimizer state.")
@@ -387,6 +402,7 @@ class CheckpointConfig:
     ckpt_verify: bool = arg(False, "Record and check file checksums.")
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _positive(self, "save_interval")
 
 
@@ -396,16 +412,17 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     log_interval: int = arg(100, "Iterations between log lines.")
-    metrics_jsonl: Optional[str] = arg(None, "Write one JSON object per iteration here.")
-    tensorboard_dir: Optional[str] = arg(None, "TensorBoard log directory.")
-    wandb_project: Optional[str] = arg(None, "Weights & Biases project.")
-    wandb_exp_name: Optional[str] = arg(None, "Weights & Biases run name.")
-    wandb_save_dir: Optional[str] = arg(None, "Weights & Biases local directory.")
+    metrics_jsonl: str | None = arg(None, "Write one JSON object per iteration here.")
+    tensorboard_dir: str | None = arg(None, "TensorBoard log directory.")
+    wandb_project: str | None = arg(None, "Weights & Biases project.")
+    wandb_exp_name: str | None = arg(None, "Weights & Biases run name.")
+    wandb_save_dir: str | None = arg(None, "Weights & Biases local directory.")
     timing_log_level: int = arg(0, "0: iteration time only; 1: + forward/backward/"
                                 "optimizer; 2: + communication.", choices=(0, 1, 2))
     log_throughput: bool = arg(True, "Report tokens/s and MFU.")
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _positive(self, "log_interval")
 
 
@@ -432,7 +449,7 @@ class MegaliteConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    def validate(self, world_size: int) -> "MegaliteConfig":
+    def validate(self, world_size: int) -> MegaliteConfig:
         """Check the sections against each other for ``world_size`` processes.
 
         Fills derived values (global batch size default) and returns self.
@@ -532,5 +549,5 @@ class MegaliteConfig:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MegaliteConfig":
+    def from_dict(cls, d: dict) -> MegaliteConfig:
         return cls(**{name: SECTIONS[name](**d.get(name, {})) for name in SECTIONS})

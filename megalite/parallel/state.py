@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -54,7 +53,7 @@ def _groups_varying(coords: list[dict[str, int]], varying: tuple[str, ...]) -> l
 
 
 def rank_groups(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                etp: Optional[int] = None) -> dict[str, list[list[int]]]:
+                etp: int | None = None) -> dict[str, list[list[int]]]:
     """Every process group of the layout, as lists of global ranks.
 
     Returns a dict from group name (see ``GROUP_NAMES``) to the list of groups; every rank
@@ -106,7 +105,7 @@ class Group:
     name: str
     ranks: list[int]
     rank: int
-    group: Optional[dist.ProcessGroup] = None
+    group: dist.ProcessGroup | None = None
     member: bool = True
 
     @property
@@ -127,7 +126,7 @@ class ParallelState:
     world_size: int
     rank: int
     device: torch.device
-    vpp_size: Optional[int]
+    vpp_size: int | None
     tp: Group = field(repr=False, default=None)
     cp: Group = field(repr=False, default=None)
     dp: Group = field(repr=False, default=None)
@@ -144,8 +143,8 @@ class ParallelState:
 
     # -- construction -------------------------------------------------------------------
     @classmethod
-    def build(cls, pcfg: ParallelConfig, device: Optional[torch.device] = None,
-              timeout_minutes: Optional[int] = None) -> "ParallelState":
+    def build(cls, pcfg: ParallelConfig, device: torch.device | None = None,
+              timeout_minutes: int | None = None) -> ParallelState:
         """Create every group for ``pcfg`` on the current world.
 
         torch.distributed must be initialized unless the world is one process. Every rank
@@ -187,13 +186,13 @@ class ParallelState:
         self._owned.clear()
 
     # -- queries ------------------------------------------------------------------------
-    def is_pipeline_first_stage(self, virtual_rank: Optional[int] = None) -> bool:
+    def is_pipeline_first_stage(self, virtual_rank: int | None = None) -> bool:
         """True on the stage holding the embedding (for ``virtual_rank`` chunk if given)."""
         if virtual_rank is not None and self.vpp_size and virtual_rank != 0:
             return False
         return self.pp.rank == 0
 
-    def is_pipeline_last_stage(self, virtual_rank: Optional[int] = None) -> bool:
+    def is_pipeline_last_stage(self, virtual_rank: int | None = None) -> bool:
         """True on the stage holding the output layer (for ``virtual_rank`` if given)."""
         if virtual_rank is not None and self.vpp_size and virtual_rank != self.vpp_size - 1:
             return False

@@ -14,6 +14,7 @@ pipeline group ``pstate.pp``; ``dst``/``src`` are global ranks.
 from __future__ import annotations
 
 import time
+
 import torch
 import torch.distributed as dist
 

@@ -20,8 +20,8 @@ one-element tensor) so a rank holds at most the 1F1B bound of activations, not G
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 
@@ -113,7 +113,7 @@ def _deallocate(t: torch.Tensor) -> None:
     t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
 
 
-def _backward(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Back-propagate from ``output`` whose data may have been deallocated.
 
     ``torch.autograd.backward`` checks ``grad``'s shape against ``output``'s, which no
@@ -127,8 +127,8 @@ def _backward(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
 
 
 def run_schedule(steps: list[Step], *, forward_step: Callable, pstate, vpp: int,
-                 comm: Optional[PipeComm], train: bool = True,
-                 deallocate: bool = True, stats: Optional[ScheduleStats] = None) -> None:
+                 comm: PipeComm | None, train: bool = True,
+                 deallocate: bool = True, stats: ScheduleStats | None = None) -> None:
     """Execute ``steps`` on this pipeline rank.
 
     forward_step(chunk, microbatch, input_tensor) -> output: ``input_tensor`` is None on
@@ -138,7 +138,7 @@ def run_schedule(steps: list[Step], *, forward_step: Callable, pstate, vpp: int,
     comm: the :class:`PipeComm` of this rank (None when pp == 1).
     """
     pp, rank = pstate.pp.size, pstate.pp.rank
-    inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
+    inputs: dict[tuple[int, int], torch.Tensor | None] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
 
     def first_piece(chunk: int) -> bool:

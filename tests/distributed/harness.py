@@ -30,8 +30,9 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 

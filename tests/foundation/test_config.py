@@ -2,8 +2,14 @@
 
 import pytest
 
-from megalite.config import (ConfigError, MegaliteConfig, ModelConfig, OptimConfig,
-                             ParallelConfig, TrainConfig)
+from megalite.config import (
+    ConfigError,
+    MegaliteConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 
 
 def make(world=1, model=None, parallel=None, train=None):

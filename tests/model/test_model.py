@@ -120,8 +120,6 @@ def test_unknown_normalization_fails_when_building():
         GPTModel(gpt2_config(normalization="BatchNorm"), single_process_state())
 
 
-@pytest.mark.xfail(strict=True, reason="ModelConfig does not check choices yet (lead's "
-                   "config.py); remove this mark when it does")
 def test_unknown_normalization_fails_in_model_config():
     with pytest.raises(ConfigError, match="normalization"):
         ModelConfig(normalization="BatchNorm")

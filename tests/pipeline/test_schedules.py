@@ -8,8 +8,13 @@ import torch
 from megalite.config import ConfigError
 from megalite.pipeline.layout import chunk_layer_ranges, layers_per_stage
 from megalite.pipeline.p2p import PipeComm
-from megalite.pipeline.schedules import (ScheduleStats, build_schedule,
-                                         interleaved_one_f_one_b, one_f_one_b, run_schedule)
+from megalite.pipeline.schedules import (
+    ScheduleStats,
+    build_schedule,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    run_schedule,
+)
 from tests.distributed.harness import parallel_state, run_distributed
 
 

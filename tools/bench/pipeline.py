@@ -40,8 +40,12 @@ def _worker(rank, world, port, cases, args, queue):
     from megalite.config import ParallelConfig
     from megalite.parallel.state import ParallelState
     from megalite.pipeline.p2p import PipeComm
-    from megalite.pipeline.schedules import (ScheduleStats, all_forward_then_backward,
-                                             build_schedule, run_schedule)
+    from megalite.pipeline.schedules import (
+        ScheduleStats,
+        all_forward_then_backward,
+        build_schedule,
+        run_schedule,
+    )
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -148,7 +152,7 @@ def main(argv=None) -> None:
         ideal = m * 3 * args.forward_ms
         live = [r[5] for r in rows]
         print(f"{m:>4} {v:>3} {bubble:>12.3f} {theory:>8.3f} {total * 1e3:>9.1f} "
-              f"{ideal:>9.1f} {str(live):>24} {str(gpipe_live[m]):>14} "
+              f"{ideal:>9.1f} {live!s:>24} {gpipe_live[m]!s:>14} "
               f"{live[0] * act_bytes / 2**20 / v:>10.2f} "
               f"{gpipe_live[m][0] * act_bytes / 2**20:>12.2f}")
 
