@@ -1,0 +1,376 @@
+"""Tokenizing a JSONL corpus into ``.bin/.idx`` datasets (the engine of
+``tools/preprocess_data.py``; see that script for the command line).
+
+Each input line is one JSON object; its documents (one per ``json_keys`` key) are written, or
+the whole line is skipped and counted: blank lines, invalid UTF-8, malformed JSON, a
+non-object, a missing key, a value that is not text, an empty document. With ``strict`` the
+first skipped line raises :class:`PreprocessError` naming its line number. Outputs are
+written under temporary names and renamed only at the end, so a failed or interrupted run
+leaves nothing that looks like a dataset. Worker processes tokenize chunks of lines
+(``multiprocessing.Pool.imap``, input order kept).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megalite.data.indexed_dataset import (
+    IndexedDatasetWriter,
+    bin_path,
+    idx_path,
+    merge_datasets,
+    optimal_dtype,
+)
+from megalite.data.jsonl import open_binary
+from megalite.data.tokenizers import TokenizerError, create_tokenizer
+
+CHUNK_BYTES = 256 << 10  # input handed to a worker at a time
+CHUNK_LINES = 512
+
+
+@dataclass
+class PreprocessOptions:
+    """The settings of one run (``tools/preprocess_data.py`` flags, underscored)."""
+
+    input: str
+    output_prefix: str
+    tokenizer_type: str
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None
+    json_keys: list = field(default_factory=lambda: ["text"])
+    append_eod: bool = False
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    workers: int = 1
+    partitions: int = 1
+    log_interval: int = 1000  # docs between MB/s refreshes of the progress bar; 0: no bar
+    strict: bool = False
+
+
+class PreprocessError(RuntimeError):
+    """A fatal problem with the input or the flags (reported as one line, exit code 1)."""
+
+
+def tokenizer_spec(args: PreprocessOptions) -> dict:
+    return {"tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
+            "vocab_file": args.vocab_file, "merge_file": args.merge_file,
+            "vocab_size": args.vocab_size}
+
+
+# ----------------------------------------------------------------------------------------
+# Encoding (runs in the worker processes)
+# ----------------------------------------------------------------------------------------
+_SENTENCE_END = re.compile(r"(?<=[.!?])(\s+)")
+
+
+def split_sentences(text: str, keep_newlines: bool) -> list[str]:
+    """Split after . ! ? followed by whitespace (a light stand-in for nltk's punkt)."""
+    pieces = _SENTENCE_END.split(text)
+    out = []
+    for i in range(0, len(pieces), 2):
+        sentence = pieces[i]
+        if keep_newlines and i + 1 < len(pieces):
+            sentence += "\n" * pieces[i + 1].count("\n")
+        if sentence.strip():
+            out.append(sentence)
+    return out
+
+
+class Encoder:
+    """Turns raw input lines into token arrays; one instance per worker process."""
+
+    def __init__(self, spec: dict, json_keys, split: bool, keep_newlines: bool,
+                 append_eod: bool) -> None:
+        self.tokenizer = create_tokenizer(**spec)
+        self.dtype = optimal_dtype(self.tokenizer.vocab_size)
+        self.json_keys, self.split, self.keep_newlines = json_keys, split, keep_newlines
+        self.append_eod = append_eod
+
+    def encode_line(self, raw: bytes):
+        """``("ok", {key: (tokens [n], sentence lengths)})``, ``("blank", None)`` or
+        ``("skip", (reason, detail))``."""
+        if not raw.strip():
+            return "blank", None
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return "skip", ("invalid UTF-8", f"byte {e.start}: {raw[e.start:e.start + 4]!r}")
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            return "skip", ("malformed JSON", str(e))
+        if not isinstance(obj, dict):
+            return "skip", ("not a JSON object", type(obj).__name__)
+        docs = {}
+        for key in self.json_keys:
+            if key not in obj:
+                return "skip", (f"missing key {key!r}", "")
+            value = obj[key]
+            if isinstance(value, str):
+                sentences = split_sentences(value, self.keep_newlines) if self.split else [value]
+            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+                sentences = value
+            else:
+                return "skip", (f"key {key!r} is not text", type(value).__name__)
+            ids, lengths = [], []
+            try:
+                for sentence in sentences:
+                    if not sentence.strip():  # whitespace alone is not a document
+                        continue
+                    tokens = self.tokenizer.tokenize(sentence)
+                    if tokens:
+                        ids.extend(tokens)
+                        lengths.append(len(tokens))
+            except Exception as e:  # noqa: BLE001 (tokenizer libraries raise assorted types)
+                return "skip", ("tokenizer error", f"{type(e).__name__}: {e}")
+            if not ids:
+                return "skip", (f"empty document in key {key!r}", "")
+            if self.append_eod:
+                ids.append(self.tokenizer.eod)
+                lengths[-1] += 1
+            docs[key] = (np.asarray(ids, dtype=self.dtype), lengths)
+        return "ok", docs
+
+    def encode_chunk(self, chunk):
+        """[(line number, raw bytes)] -> [(line number, bytes, status, payload)]."""
+        return [(n, len(raw) + 1, *self.encode_line(raw)) for n, raw in chunk]
+
+
+_encoder: Encoder | None = None
+
+
+def _init_worker(*encoder_args) -> None:
+    global _encoder
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled (once) by the parent
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Pool.terminate() must just end us
+    _encoder = Encoder(*encoder_args)
+
+
+def _encode_chunk(chunk):
+    return _encoder.encode_chunk(chunk)
+
+
+# ----------------------------------------------------------------------------------------
+# Driving (main process)
+# ----------------------------------------------------------------------------------------
+def read_chunks(path: str, boundaries: list[int]):
+    """Yield ``(part, [(line number, raw)])``; chunks never straddle a partition boundary.
+
+    ``boundaries`` are the first line numbers (1-based) of parts 1..P-1.
+    """
+    part, chunk, size = 0, [], 0
+    try:
+        with open_binary(path) as f:
+            for number, raw in enumerate(f, start=1):
+                while part < len(boundaries) and number >= boundaries[part]:
+                    if chunk:
+                        yield part, chunk
+                        chunk, size = [], 0
+                    part += 1
+                chunk.append((number, raw.rstrip(b"\r\n")))
+                size += len(raw)
+                if size >= CHUNK_BYTES or len(chunk) >= CHUNK_LINES:
+                    yield part, chunk
+                    chunk, size = [], 0
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise PreprocessError(f"{path}: cannot read the input ({e})") from None
+    if chunk:
+        yield part, chunk
+
+
+def count_lines(path: str) -> int:
+    try:
+        with open_binary(path) as f:
+            return sum(1 for _ in f)
+    except (OSError, EOFError) as e:
+        raise PreprocessError(f"{path}: cannot read the input ({e})") from None
+
+
+class Stats:
+    def __init__(self, keys) -> None:
+        self.docs = 0
+        self.lines = 0
+        self.bytes = 0
+        self.tokens = Counter({key: 0 for key in keys})
+        self.skipped = Counter()
+        self.skipped_lines = defaultdict(list)
+        self.blank = 0
+        self.start = time.time()
+
+    def rates(self) -> tuple[float, float]:
+        elapsed = max(time.time() - self.start, 1e-9)
+        return self.docs / elapsed, self.bytes / elapsed / 1e6
+
+
+def _run_pool(args, encoder_args, chunks):
+    """Yield encoded chunks in input order, from worker processes or in-process."""
+    if args.workers == 1:
+        encoder = Encoder(*encoder_args)
+        for part, chunk in chunks:
+            yield part, encoder.encode_chunk(chunk)
+        return
+    import multiprocessing
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are the parallelism
+    parts: list[int] = []
+    slots = threading.Semaphore(4 * args.workers)  # bound the chunks in flight
+    stop = threading.Event()
+
+    def gated():
+        for part, chunk in chunks:
+            slots.acquire()
+            if stop.is_set():
+                return
+            parts.append(part)
+            yield chunk
+
+    pool = multiprocessing.Pool(args.workers, _init_worker, encoder_args)
+    try:
+        for i, encoded in enumerate(pool.imap(_encode_chunk, gated())):
+            slots.release()
+            yield parts[i], encoded
+        pool.close()
+    except BaseException:
+        stop.set()
+        slots.release()
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+
+
+def preprocess(args: PreprocessOptions) -> dict:
+    """Run the conversion; returns the summary numbers. Raises PreprocessError."""
+    if not os.path.isfile(args.input):
+        raise PreprocessError(f"{args.input}: input file not found")
+    try:
+        tokenizer = create_tokenizer(**tokenizer_spec(args))
+    except TokenizerError as e:
+        raise PreprocessError(str(e)) from None
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    level = "sentence" if args.split_sentences else "document"
+    outputs = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
+
+    boundaries: list[int] = []
+    if args.partitions > 1:
+        total = count_lines(args.input)
+        boundaries = [1 + total * p // args.partitions for p in range(1, args.partitions)]
+    part_prefix = (lambda key, p: outputs[key] if args.partitions == 1
+                   else f"{outputs[key]}.part{p}-of-{args.partitions}")
+
+    stats = Stats(args.json_keys)
+    writers: dict = {}
+    written_parts: list[str] = []
+    encoder_args = (tokenizer_spec(args), args.json_keys, args.split_sentences,
+                    args.keep_newlines, args.append_eod)
+    bar = None
+    if args.log_interval > 0:
+        from tqdm import tqdm
+
+        bar = tqdm(unit=" docs", desc="preprocess", file=sys.stderr, mininterval=0.5,
+                   dynamic_ncols=True)
+    current_part, last_log = -1, 0
+    encoded_chunks = _run_pool(args, encoder_args, read_chunks(args.input, boundaries))
+    try:
+        for part, encoded in encoded_chunks:
+            if part != current_part:
+                for writer in writers.values():
+                    writer.finalize()
+                writers = {key: IndexedDatasetWriter(part_prefix(key, part), dtype)
+                           for key in args.json_keys}
+                written_parts.extend(part_prefix(key, part) for key in args.json_keys)
+                current_part = part
+            docs_before = stats.docs
+            for number, nbytes, status, payload in encoded:
+                stats.lines += 1
+                stats.bytes += nbytes
+                if status == "ok":
+                    for key, (tokens, lengths) in payload.items():
+                        writers[key].add_document(tokens, lengths)
+                        stats.tokens[key] += len(tokens)
+                    stats.docs += 1
+                elif status == "blank":
+                    stats.blank += 1
+                else:
+                    reason, detail = payload
+                    if args.strict:
+                        raise PreprocessError(
+                            f"{args.input}: line {number}: {reason}"
+                            f"{f' ({detail})' if detail else ''}; stopping (--strict), no "
+                            "output written")
+                    stats.skipped[reason] += 1
+                    if len(stats.skipped_lines[reason]) < 5:
+                        stats.skipped_lines[reason].append(number)
+            if bar is not None:
+                bar.update(stats.docs - docs_before)
+                if stats.docs - last_log >= args.log_interval:
+                    last_log = stats.docs
+                    bar.set_postfix_str(f"{stats.rates()[1]:.2f} MB/s", refresh=False)
+        if not writers:  # empty input: still produce (empty) datasets
+            writers = {key: IndexedDatasetWriter(part_prefix(key, 0), dtype)
+                       for key in args.json_keys}
+            written_parts.extend(part_prefix(key, 0) for key in args.json_keys)
+        for writer in writers.values():
+            writer.finalize()
+        if args.partitions > 1:
+            for key in args.json_keys:
+                parts = [part_prefix(key, p) for p in range(args.partitions)
+                         if part_prefix(key, p) in written_parts]
+                merge_datasets(parts, outputs[key])
+            _remove_datasets(written_parts)
+    except BaseException:
+        encoded_chunks.close()  # stops the worker pool now, not when garbage collected
+        for writer in writers.values():
+            writer.abort()
+        if args.partitions > 1:
+            _remove_datasets(written_parts)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    docs_per_s, mb_per_s = stats.rates()
+    return {"documents": stats.docs, "lines": stats.lines, "bytes": stats.bytes,
+            "tokens": dict(stats.tokens), "skipped": dict(stats.skipped),
+            "skipped_lines": dict(stats.skipped_lines), "blank_lines": stats.blank,
+            "seconds": time.time() - stats.start, "docs_per_s": docs_per_s,
+            "mb_per_s": mb_per_s, "outputs": outputs, "dtype": dtype.name}
+
+
+def _remove_datasets(prefixes) -> None:
+    for prefix in prefixes:
+        for path in (bin_path(prefix), idx_path(prefix)):
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def format_summary(s: dict) -> str:
+    tokens = ", ".join(f"{n} {key} tokens" for key, n in s["tokens"].items())
+    lines = [(f"done: {s['documents']} documents, {tokens} ({s['dtype']}) from "
+              f"{s['bytes'] / 1e6:.2f} MB in {s['seconds']:.1f}s "
+              f"({s['docs_per_s']:.0f} docs/s, {s['mb_per_s']:.2f} MB/s)")]
+    skipped = sum(s["skipped"].values())
+    if skipped:
+        lines.append(f"skipped {skipped} lines:")
+        for reason, n in sorted(s["skipped"].items(), key=lambda kv: -kv[1]):
+            first = ", ".join(str(x) for x in s["skipped_lines"][reason])
+            where = f"line{'s' if n > 1 else ''} {first}{', ...' if n > 5 else ''}"
+            lines.append(f"  {n} x {reason} ({where})")
+    if s["blank_lines"]:
+        lines.append(f"ignored {s['blank_lines']} blank lines")
+    for prefix in s["outputs"].values():
+        lines.append(f"wrote {prefix}.bin and {prefix}.idx")
+    return "\n".join(lines)
+
+
