@@ -121,7 +121,13 @@ def init_full_tensor(param: torch.Tensor, name: str, seed: int, tp_size: int) ->
 def initialize_params(module: torch.nn.Module, seed: int, tp_group) -> None:
     """Initialize every parameter of ``module`` from (seed, name) and keep this rank's
     shard. ``param.init_name`` overrides the name (a tied output weight on a later pipeline
-    stage uses the embedding's name, so both copies start equal)."""
+    stage uses the embedding's name, so both copies start equal).
+
+    Expert parameters (``param.expert_parallel``) are skipped: they hold this rank's
+    slice of the experts, which only their MoE layer knows how to draw
+    (``MoELayer.reset_parameters``)."""
     for name, param in module.named_parameters():
+        if getattr(param, "expert_parallel", False):
+            continue
         full = init_full_tensor(param, getattr(param, "init_name", name), seed, tp_group.size)
         param.copy_(shard(full, param, tp_group.size, tp_group.rank))

@@ -1,15 +1,20 @@
-"""GPTModel: a decoder-only transformer, GPT-2 or Llama by configuration.
+"""GPTModel: a decoder-only transformer, GPT-2, Llama or Mixtral by configuration.
 
-* GPT-2:  LayerNorm, GeLU, learned absolute positions, biases, tied embeddings.
-* Llama:  RMSNorm, SwiGLU, RoPE (rotate-half layout), grouped-query attention, no biases,
-          untied output layer.
+* GPT-2:   LayerNorm, GeLU, learned absolute positions, biases, tied embeddings.
+* Llama:   RMSNorm, SwiGLU, RoPE (rotate-half layout), grouped-query attention, no biases,
+           untied output layer.
+* Mixtral: Llama with ``--num-experts E --moe-router-topk k``: every layer's MLP (every
+           ``--moe-layer-freq``-th) is a mixture of SwiGLU experts
+           (:class:`megalite.moe.layer.MoELayer`, expert parallel over ``pstate.ep``).
 
 Tensor parallelism follows Megatron-LM (column/row-parallel projections, vocabulary-parallel
 embedding, output layer and cross entropy), optionally with sequence parallelism.
 Internally activations are ``[s, b, h]``; the public interface is batch-first.
 Parameters are initialized from (seed, parameter name) and sliced for this TP rank, so every
 layout builds the same model (``layers.sharding``); names use global layer numbers
-(``decoder.layers.<i>.``), so a pipeline stage holding layers 4..7 matches too.
+(``decoder.layers.<i>.``), so a pipeline stage holding layers 4..7 matches too. Expert
+weights are drawn per global expert by their MoE layer (``initialize_params`` skips
+them), so the model is also the same whatever the expert-parallel layout.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from megalite.layers.cross_entropy import vocab_parallel_cross_entropy
 from megalite.layers.linear import ColumnParallelLinear
 from megalite.layers.sharding import gather_full, initialize_params, shard
 from megalite.models.embedding import GPTEmbedding
+from megalite.moe.experts import gather_expert_full, shard_expert_full
 from megalite.parallel.random import RNGTracker
 from megalite.transformer.block import TransformerBlock
 from megalite.transformer.rope import RotaryEmbedding
@@ -36,7 +42,8 @@ class GPTModel(torch.nn.Module):
 
     model_cfg:  ``ModelConfig`` with ``vocab_size`` set; the vocabulary is padded to
                 ``model_cfg.padded_vocab_size(tp)``.
-    pstate:     ``ParallelState``; uses ``pstate.tp`` and ``pstate.device``.
+    pstate:     ``ParallelState``; uses ``pstate.tp`` and ``pstate.device`` (MoE layers
+                also ``ep`` / ``etp`` / ``tp_cp``).
     seed:       init and dropout seed.
     pre_process / post_process: this pipeline stage holds the embedding / the output layer.
     first_layer, num_layers: the global layer range of this stage (default: all layers).
@@ -49,6 +56,7 @@ class GPTModel(torch.nn.Module):
         cfg = self.config = model_cfg
         if cfg.vocab_size is None:
             raise ValueError("model_cfg.vocab_size must be set before building GPTModel")
+        self.pstate = pstate
         tp = self.tp_group = pstate.tp
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.pre_process, self.post_process = pre_process, post_process
@@ -67,7 +75,7 @@ class GPTModel(torch.nn.Module):
                                           device=pstate.device)
         self.decoder = TransformerBlock(cfg, rng=self.rng, first_layer=first_layer,
                                         num_layers=num_layers, post_process=post_process,
-                                        **common)
+                                        pstate=pstate, seed=seed, **common)
         self.output_layer = None
         if post_process:
             share = self.tied and pre_process
@@ -122,17 +130,27 @@ class GPTModel(torch.nn.Module):
         return loss.t().contiguous()
 
     # -- full (layout-invariant) tensors -------------------------------------------------
+    def _gather(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        if getattr(param, "expert_parallel", False):  # all experts: over etp, then ep
+            return gather_expert_full(local, param, self.pstate)
+        return gather_full(local, param, self.tp_group)
+
+    def _shard(self, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        if getattr(param, "expert_parallel", False):
+            return shard_expert_full(full, param, self.pstate)
+        return shard(full, param, self.tp_group.size, self.tp_group.rank)
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """name -> full tensor, gathered over tp (collective), padding rows removed."""
-        return {name: gather_full(p.detach(), p, self.tp_group)
-                for name, p in self.named_parameters()}
+        """name -> full tensor, gathered over tp (collective), padding rows removed; expert
+        weights ``[E, ...]`` with every expert (collective over etp and ep)."""
+        return {name: self._gather(p.detach(), p) for name, p in self.named_parameters()}
 
     @torch.no_grad()
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        """name -> full gradient (collective over tp). Call
+        """name -> full gradient (collective over tp; etp and ep for experts). Call
         ``allreduce_sequence_parallel_grads`` first under sequence parallelism."""
-        return {name: gather_full(p.grad, p, self.tp_group)
+        return {name: self._gather(p.grad, p)
                 for name, p in self.named_parameters() if p.grad is not None}
 
     @torch.no_grad()
@@ -144,8 +162,7 @@ class GPTModel(torch.nn.Module):
             raise KeyError(f"state dict mismatch: missing {sorted(missing)}, "
                            f"unexpected {sorted(unexpected)}")
         for name, p in params.items():
-            local = shard(state[name].to(torch.float32), p, self.tp_group.size,
-                          self.tp_group.rank)
+            local = self._shard(state[name].to(torch.float32), p)
             if local.shape != p.shape:
                 raise ValueError(f"{name}: full tensor {tuple(state[name].shape)} gives shard "
                                  f"{tuple(local.shape)}, expected {tuple(p.shape)}")

@@ -18,6 +18,23 @@ Layout notes:
   weights differ slightly (~1e-3) unless the model uses the same approximation.
 * Llama biases: HF's ``attention_bias`` covers q, k, v and o together; megalite's
   ``--add-qkv-bias`` without linear biases has no o bias, so HF's would stay unset.
+* Mixtral: Llama's embeddings, attention and norms, and per layer (all ``[E, ...]`` with
+  every global expert, as ``GPTModel.full_state_dict()`` gives them):
+
+  ========================  ==================================  ===========================
+  megalite                  transformers (v5, in memory)        hub files (``w1/w2/w3``)
+  ========================  ==================================  ===========================
+  ``mlp.router.weight``     ``mlp.gate.weight`` ``[E, h]``      ``block_sparse_moe.gate``
+  ``mlp.experts.fc1``       ``mlp.experts.gate_up_proj``        ``fc1[j] = [w1_j.T | w3_j.T]``
+  ``[E, h, 2f]`` gate|up    ``[E, 2f, h]``, transposed
+  ``mlp.experts.fc2``       ``mlp.experts.down_proj``           ``fc2[j] = w2_j.T``
+  ``[E, f, h]``             ``[E, h, f]``, transposed
+  ========================  ==================================  ===========================
+
+  :func:`from_hf_state_dict` reads either naming; :func:`to_hf_state_dict` writes the
+  in-memory one (``MixtralForCausalLM.load_state_dict``). The router matches Mixtral's
+  with ``--moe-router-score-function softmax`` (top-k of the logits, softmax over the k:
+  the same as softmax over all E, top-k, renormalize) and no top-k scaling factor.
 """
 
 from __future__ import annotations
@@ -26,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-FAMILIES = ("gpt2", "llama")
+FAMILIES = ("gpt2", "llama", "mixtral")
 
 
 def _t(x: torch.Tensor) -> torch.Tensor:
@@ -104,8 +121,11 @@ def _check_family(family: str) -> None:
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], model_cfg, family: str
                      ) -> dict[str, torch.Tensor]:
-    """Our full state dict -> a ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` state dict."""
+    """Our full state dict -> a ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
+    ``MixtralForCausalLM`` state dict."""
     _check_family(family)
+    if family == "mixtral":
+        return _mixtral_to_hf(state, model_cfg)
     tied = not model_cfg.untie_embeddings_and_output_weights
     out = {hf: state[ours] for ours, hf in _globals(family, tied) if ours in state}
     if tied:
@@ -125,12 +145,15 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], model_cfg, family: str
 
 def from_hf_state_dict(hf_state: dict[str, torch.Tensor], model_cfg, family: str
                        ) -> dict[str, torch.Tensor]:
-    """A ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` state dict -> our full state dict.
+    """A ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / ``MixtralForCausalLM`` state dict
+    -> our full state dict.
 
     Tensors our configuration does not use (e.g. biases under --disable-bias-linear) must
     be absent from ``hf_state``; missing tensors raise ``KeyError`` naming them.
     """
     _check_family(family)
+    if family == "mixtral":
+        return _mixtral_from_hf(hf_state, model_cfg)
     tied = not model_cfg.untie_embeddings_and_output_weights
     out = {ours: hf_state[hf] for ours, hf in _globals(family, tied) if hf in hf_state}
     for i in range(model_cfg.num_layers):
@@ -153,6 +176,8 @@ def hf_config(model_cfg, family: str):
     """A ``transformers`` config equivalent to ``model_cfg`` (imported lazily)."""
     _check_family(family)
     c = model_cfg
+    if family == "mixtral":
+        return _mixtral_hf_config(c)
     if family == "gpt2":
         from transformers import GPT2Config
 
@@ -169,7 +194,8 @@ def hf_config(model_cfg, family: str):
                        num_attention_heads=c.num_attention_heads,
                        num_key_value_heads=c.num_query_groups, head_dim=c.kv_channels,
                        max_position_embeddings=max(c.max_position_embeddings, c.seq_length),
-                       rms_norm_eps=c.norm_epsilon, attention_bias=c.add_qkv_bias or c.add_bias_linear,
+                       rms_norm_eps=c.norm_epsilon,
+                       attention_bias=c.add_qkv_bias or c.add_bias_linear,
                        mlp_bias=c.add_bias_linear,
                        rope_parameters={"rope_type": "default", "rope_theta": c.rotary_base},
                        tie_word_embeddings=not c.untie_embeddings_and_output_weights)
@@ -183,6 +209,8 @@ def model_config_from_hf(hf_cfg) -> tuple[str, dict]:
     (``gelu_new``) becomes megalite's exact GeLU: logits then differ by ~1e-3.
     """
     kind = getattr(hf_cfg, "model_type", None)
+    if kind == "mixtral":
+        return "mixtral", _mixtral_kwargs_from_hf(hf_cfg)
     if kind == "gpt2":
         h = hf_cfg.n_embd
         return "gpt2", {
@@ -216,3 +244,133 @@ def model_config_from_hf(hf_cfg) -> tuple[str, dict]:
         "normalization": "RMSNorm", "norm_epsilon": hf_cfg.rms_norm_eps, "swiglu": True,
         "add_bias_linear": bool(mlp_bias), "add_qkv_bias": bool(attention_bias),
         "untie_embeddings_and_output_weights": not hf_cfg.tie_word_embeddings}
+
+
+# -- Mixtral: Llama attention and norms, a sparse MoE block per layer ----------------------
+def check_mixtral(model_cfg) -> None:
+    """Raise ``ValueError`` unless ``model_cfg`` is a model ``MixtralForCausalLM`` can hold."""
+    c = model_cfg
+    problems = [
+        (c.num_experts is None, "--num-experts is not set"),
+        (c.moe_layer_freq != 1, f"--moe-layer-freq {c.moe_layer_freq} (Mixtral: every layer)"),
+        (bool(c.moe_shared_expert_intermediate_size), "shared experts"),
+        (c.moe_router_score_function != "softmax",
+         f"--moe-router-score-function {c.moe_router_score_function}"),
+        (c.moe_router_topk_scaling_factor not in (None, 1.0), "a top-k scaling factor"),
+        (c.add_bias_linear or c.add_qkv_bias, "linear biases"),
+        (c.normalization != "RMSNorm" or not c.swiglu or c.position_embedding_type != "rope",
+         "not RMSNorm + SwiGLU + RoPE"),
+    ]
+    found = [text for bad, text in problems if bad]
+    if found:
+        raise ValueError(f"not a Mixtral model: {'; '.join(found)}")
+
+
+def _moe_prefixes(i: int) -> tuple[str, str]:
+    return f"decoder.layers.{i}.mlp.", f"model.layers.{i}."
+
+
+def _mixtral_to_hf(state: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
+    check_mixtral(model_cfg)
+    out = to_hf_state_dict(state, model_cfg, "llama")  # embeddings, attention, norms
+    for i in range(model_cfg.num_layers):
+        ours, hf = _moe_prefixes(i)
+        if ours + "router.weight" not in state:  # e.g. another pipeline stage's layer
+            continue
+        out[hf + "mlp.gate.weight"] = state[ours + "router.weight"]
+        out[hf + "mlp.experts.gate_up_proj"] = state[ours + "experts.fc1"].transpose(1, 2)
+        out[hf + "mlp.experts.down_proj"] = state[ours + "experts.fc2"].transpose(1, 2)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _mixtral_from_hf(hf_state: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
+    check_mixtral(model_cfg)
+    out = from_hf_state_dict(hf_state, model_cfg, "llama")
+    for i in range(model_cfg.num_layers):
+        ours, hf = _moe_prefixes(i)
+        if hf + "mlp.gate.weight" in hf_state:  # transformers v5 in-memory names
+            moe = hf + "mlp."
+            out[ours + "router.weight"] = hf_state[moe + "gate.weight"]
+            out[ours + "experts.fc1"] = hf_state[moe + "experts.gate_up_proj"].transpose(1, 2)
+            out[ours + "experts.fc2"] = hf_state[moe + "experts.down_proj"].transpose(1, 2)
+        elif hf + "block_sparse_moe.gate.weight" in hf_state:  # hub checkpoint files
+            moe = hf + "block_sparse_moe."
+
+            def w(j: int, name: str, moe=moe) -> torch.Tensor:
+                return hf_state[f"{moe}experts.{j}.{name}.weight"]
+
+            experts = range(model_cfg.num_experts)
+            out[ours + "router.weight"] = hf_state[moe + "gate.weight"]
+            out[ours + "experts.fc1"] = torch.stack(
+                [torch.cat([w(j, "w1").t(), w(j, "w3").t()], dim=1) for j in experts])
+            out[ours + "experts.fc2"] = torch.stack([w(j, "w2").t() for j in experts])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _mixtral_hf_config(c):
+    from transformers import MixtralConfig
+
+    check_mixtral(c)
+    return MixtralConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                         intermediate_size=c.moe_ffn_hidden_size,
+                         num_hidden_layers=c.num_layers,
+                         num_attention_heads=c.num_attention_heads,
+                         num_key_value_heads=c.num_query_groups, head_dim=c.kv_channels,
+                         max_position_embeddings=max(c.max_position_embeddings, c.seq_length),
+                         rms_norm_eps=c.norm_epsilon, sliding_window=None,
+                         num_local_experts=c.num_experts, num_experts_per_tok=c.moe_router_topk,
+                         router_aux_loss_coef=c.moe_aux_loss_coeff,
+                         rope_parameters={"rope_type": "default", "rope_theta": c.rotary_base},
+                         tie_word_embeddings=not c.untie_embeddings_and_output_weights)
+
+
+def _mixtral_kwargs_from_hf(hf_cfg) -> dict:
+    rope = dict(getattr(hf_cfg, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling {rope.get('rope_type')!r} is not supported")
+    seq = min(hf_cfg.max_position_embeddings, 4096)
+    if hf_cfg.sliding_window is not None and hf_cfg.sliding_window < seq:
+        raise ValueError(f"sliding-window attention ({hf_cfg.sliding_window}) is not "
+                         "supported")
+    heads = hf_cfg.num_attention_heads
+    groups = hf_cfg.num_key_value_heads or heads
+    return {
+        "num_layers": hf_cfg.num_hidden_layers, "hidden_size": hf_cfg.hidden_size,
+        "num_attention_heads": heads, "group_query_attention": groups != heads,
+        "num_query_groups": groups,
+        "kv_channels": getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // heads,
+        "ffn_hidden_size": hf_cfg.intermediate_size, "vocab_size": hf_cfg.vocab_size,
+        "max_position_embeddings": hf_cfg.max_position_embeddings, "seq_length": seq,
+        "position_embedding_type": "rope",
+        "rotary_base": float(rope.get("rope_theta", 1000000.0)),
+        "normalization": "RMSNorm", "norm_epsilon": hf_cfg.rms_norm_eps, "swiglu": True,
+        "add_bias_linear": False, "untie_embeddings_and_output_weights":
+            not hf_cfg.tie_word_embeddings,
+        "num_experts": hf_cfg.num_local_experts, "moe_router_topk": hf_cfg.num_experts_per_tok,
+        "moe_ffn_hidden_size": hf_cfg.intermediate_size,
+        "moe_router_score_function": "softmax", "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": float(hf_cfg.router_aux_loss_coef)}
+
+
+def mixtral_to_hub_names(hf_state: dict[str, torch.Tensor], model_cfg
+                         ) -> dict[str, torch.Tensor]:
+    """transformers' in-memory Mixtral state dict (fused ``mlp.experts.gate_up_proj`` /
+    ``down_proj``, ``mlp.gate``) -> the per-expert ``block_sparse_moe.experts.{j}.w1/w2/w3``
+    names of hub checkpoint files, which ``save_pretrained`` writes."""
+    out, f = {}, model_cfg.moe_ffn_hidden_size
+    for name, tensor in hf_state.items():
+        prefix, sep, rest = name.partition(".mlp.")
+        if not sep:
+            out[name] = tensor
+        elif rest == "gate.weight":
+            out[f"{prefix}.block_sparse_moe.gate.weight"] = tensor
+        elif rest == "experts.gate_up_proj":
+            for j, w in enumerate(tensor):            # [2f, h] = [w1; w3]
+                out[f"{prefix}.block_sparse_moe.experts.{j}.w1.weight"] = w[:f].contiguous()
+                out[f"{prefix}.block_sparse_moe.experts.{j}.w3.weight"] = w[f:].contiguous()
+        elif rest == "experts.down_proj":
+            for j, w in enumerate(tensor):            # [h, f]
+                out[f"{prefix}.block_sparse_moe.experts.{j}.w2.weight"] = w.contiguous()
+        else:
+            out[name] = tensor
+    return out

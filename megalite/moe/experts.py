@@ -26,9 +26,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from megalite.layers.sharding import mark_param, shard, stable_seed
+from megalite.layers.sharding import gather_full, mark_param, shard, stable_seed
 
 
 def padded_index(tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -149,3 +150,26 @@ class GroupedMLP(torch.nn.Module):
                                                                  generator=gen))
             full = torch.stack(per_expert)
             param.copy_(shard(full, param, etp.size, etp.rank))
+
+
+# -- full (layout-invariant) expert tensors ----------------------------------------------
+def gather_expert_full(local: torch.Tensor, param: torch.Tensor, pstate) -> torch.Tensor:
+    """All experts' full tensor ``[E, ...]`` of the expert parameter ``param`` from this
+    rank's ``local`` (``param`` itself or its grad, ``[E_l, ...]``): all-gather the etp
+    shards (collective over ``pstate.etp``), then the expert slices along dim 0
+    (collective over ``pstate.ep``)."""
+    full = gather_full(local, param, pstate.etp)
+    ep = pstate.ep
+    if ep.size == 1:
+        return full
+    pieces = [torch.empty_like(full) for _ in range(ep.size)]
+    dist.all_gather(pieces, full.contiguous(), group=ep.group)
+    return torch.cat(pieces, dim=0)
+
+
+def shard_expert_full(full: torch.Tensor, param: torch.Tensor, pstate) -> torch.Tensor:
+    """This rank's piece of an all-experts full tensor ``[E, ...]`` (the inverse of
+    :func:`gather_expert_full`): experts ``ep_rank * E_l ...`` and this etp rank's shard."""
+    num_local = param.shape[0]
+    mine = full.narrow(0, pstate.ep.rank * num_local, num_local)
+    return shard(mine, param, pstate.etp.size, pstate.etp.rank)

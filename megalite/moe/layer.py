@@ -22,7 +22,8 @@ or :func:`set_aux_loss_scale` over a whole model. With megalite's gradient reduc
 (sums over data parallel) the mean of the per-micro-batch losses needs
 ``loss_scale / (num_microbatches * pstate.dp.size)`` (dp without cp: cp ranks hold
 slices of the same micro-batch and share one loss). The default 1.0 suits one process
-and one micro-batch.
+and one micro-batch; ``megalite.training.forward_backward`` sets it before every step
+and collects the logged values per micro-batch (``RouterLosses``).
 
 Initialization is layout invariant: every tensor is drawn from (seed, global name) and
 sliced; names are ``layers.{layer_number}.mlp.router.weight``,

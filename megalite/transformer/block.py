@@ -17,11 +17,13 @@ class TransformerBlock(torch.nn.Module):
     ``--recompute-granularity full`` checkpoints whole layers (non-reentrant, RNG streams
     replayed): ``uniform`` in chunks of ``recompute_num_layers`` layers, ``block`` only the
     first ``recompute_num_layers`` layers of this stage, one by one.
+
+    ``pstate`` and ``seed`` reach the MoE layers (see :class:`TransformerLayer`).
     """
 
     def __init__(self, cfg, *, tp_group, sequence_parallel: bool, rng, first_layer: int = 0,
                  num_layers: int | None = None, post_process: bool = True,
-                 device=None, dtype=None):
+                 pstate=None, seed: int = 0, device=None, dtype=None):
         super().__init__()
         num_layers = cfg.num_layers - first_layer if num_layers is None else num_layers
         self.rng = rng
@@ -31,7 +33,7 @@ class TransformerBlock(torch.nn.Module):
         self.layers = torch.nn.ModuleDict({
             str(i): TransformerLayer(cfg, i, tp_group=tp_group,
                                      sequence_parallel=sequence_parallel, rng=rng,
-                                     device=device, dtype=dtype)
+                                     pstate=pstate, seed=seed, device=device, dtype=dtype)
             for i in range(first_layer, first_layer + num_layers)})
         self.final_layernorm = None
         if post_process:

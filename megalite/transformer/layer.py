@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megalite.moe.layer import MoELayer, moe_layer_pattern
 from megalite.parallel.random import REPLICATED, TENSOR_PARALLEL
 from megalite.transformer.attention import SelfAttention
 from megalite.transformer.mlp import MLP
@@ -21,14 +22,17 @@ def output_init_std(cfg) -> float:
 class TransformerLayer(torch.nn.Module):
     """``[s, b, h]`` -> ``[s, b, h]``; ``[s/tp, b, h]`` under sequence parallelism.
 
-    ``layer_number`` is the global (0-based) index in the whole model. Residual-branch
+    ``layer_number`` is the global (0-based) index in the whole model. The MLP is an
+    :class:`~megalite.moe.layer.MoELayer` (Mixtral) when ``cfg.num_experts`` is set and
+    ``moe_layer_pattern(cfg)`` selects this layer; it needs ``pstate`` (its ep / etp
+    groups) and ``seed`` (it draws its own experts' slice). Residual-branch
     dropout draws from the replicated RNG stream (identical on TP ranks, which hold the
     same activations) or, under sequence parallelism, the tensor-parallel stream (each rank
     holds a different chunk of the sequence).
     """
 
     def __init__(self, cfg, layer_number: int, *, tp_group, sequence_parallel: bool, rng,
-                 device=None, dtype=None):
+                 pstate=None, seed: int = 0, device=None, dtype=None):
         super().__init__()
         self.layer_number = layer_number
         self.rng = rng
@@ -42,7 +46,14 @@ class TransformerLayer(torch.nn.Module):
             cfg, rng=rng, recompute_core=cfg.recompute_granularity == "selective", **par)
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
                                             cfg.norm_epsilon, **kw)
-        self.mlp = MLP(cfg, **par)
+        self.is_moe = moe_layer_pattern(cfg)[layer_number]
+        if self.is_moe:
+            if pstate is None:
+                raise ValueError("an MoE layer (--num-experts) needs the ParallelState")
+            self.mlp = MoELayer(cfg, pstate, layer_number=layer_number, seed=seed,
+                                sequence_parallel=sequence_parallel)
+        else:
+            self.mlp = MLP(cfg, **par)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0.0:

@@ -1,0 +1,169 @@
+"""End-to-end training equivalence of a tiny Mixtral: ep x tp(+SP) x dispatcher, plus one
+row with the distributed optimizer and one with pp 2 x vpp 2 (4 layers, MoE every other).
+
+Every layout trains the same model (fp32, dropout 0, dropless, aux loss 0.01, z loss
+0.001) on the same mock data for ``ITERS`` iterations through the real loop
+(``tests/training/common.run_training``), and must reproduce the single-process run:
+
+* per iteration: ``lm_loss``, ``moe_aux_loss``, ``moe_z_loss`` (means over the global
+  batch, every MoE layer) and ``grad_norm`` (expert gradients counted once over etp, ep and
+  edp) from the metrics JSONL;
+* the final parameters, gathered to full tensors (experts over etp and ep).
+
+The aux-loss gradient factor ``1 / (num_microbatches * dp)`` is checked absolutely on one
+process (:func:`test_router_loss_gradient_scale`): at dp > 1 a wrong factor would show up
+as a parameter mismatch against the dp = 1 reference.
+"""
+
+import os
+import types
+
+import pytest
+import torch
+
+from megalite.config import ParallelConfig
+from megalite.models.gpt import GPTModel
+from megalite.moe.layer import moe_layers, set_aux_loss_scale
+from megalite.parallel.state import ParallelState
+from megalite.training.forward_backward import RouterLosses, forward_backward, model_chunks
+from tests.distributed.harness import run_distributed
+from tests.training.common import read_jsonl, run_training, tiny_config
+
+ITERS = 4
+LOSS_TOL = 2e-5     # absolute, lm_loss (about 4.1)
+AUX_RTOL = 1e-5     # relative, moe_aux_loss (about 0.01) and moe_z_loss (about 0.002)
+NORM_RTOL = 1e-4    # relative, grad_norm (about 1)
+PARAM_TOL = 5e-5    # absolute, every parameter after ITERS Adam steps at lr 3e-3
+
+MIXTRAL = {"num_layers": 2, "normalization": "RMSNorm", "swiglu": True,
+           "position_embedding_type": "rope", "add_bias_linear": False,
+           "untie_embeddings_and_output_weights": True, "group_query_attention": True,
+           "num_query_groups": 2, "ffn_hidden_size": 64, "num_experts": 4,
+           "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
+# 4 layers, MoE every other layer: with pp 2 x vpp 2 the second stage holds no MoE layer
+PIPELINE_MODEL = {"num_layers": 4, "moe_layer_freq": 2}
+
+# (tp, sequence_parallel, ep, etp) on 4 ranks; dp = 4 / tp. etp * ep must divide tp * dp.
+DENSE_LAYOUTS = [(1, False, 1, 1), (1, False, 2, 1), (1, False, 4, 1),
+                 (2, True, 1, 2), (2, True, 2, 2), (2, True, 4, 1)]
+LAYOUTS = [dict(parallel=dict(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp),
+                model=dict(moe_token_dispatcher_type=dispatcher))
+           for tp, sp, ep, etp in DENSE_LAYOUTS for dispatcher in ("alltoall", "allgather")]
+# the distributed optimizer with overlapped reduction: expert shards over edp
+DISTOPT_LAYOUT = dict(parallel=dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                    expert_model_parallel_size=2,
+                                    expert_tensor_parallel_size=1,
+                                    use_distributed_optimizer=True, overlap_grad_reduce=True))
+PIPELINE_LAYOUT = dict(parallel=dict(pipeline_model_parallel_size=2,
+                                     virtual_pipeline_model_parallel_size=2,
+                                     tensor_model_parallel_size=2, sequence_parallel=True,
+                                     expert_model_parallel_size=2,
+                                     expert_tensor_parallel_size=1),
+                       model=dict(PIPELINE_MODEL, moe_token_dispatcher_type="alltoall"))
+
+
+def _cfg(world, layout, jsonl):
+    model = {**MIXTRAL, **layout.get("model", {})}
+    return tiny_config(world, model=model, parallel=layout.get("parallel", {}),
+                       train={"train_iters": ITERS}, logging={"metrics_jsonl": jsonl})
+
+
+def _train(rank, world_size, layouts, directory):
+    out = []
+    for n, layout in enumerate(layouts):
+        jsonl = os.path.join(directory, f"layout{n}.jsonl")
+        _, c = run_training(_cfg(world_size, layout, jsonl))
+        params = {}
+        for chunk in model_chunks(c.model):
+            params.update(chunk.full_state_dict())  # collective over tp, etp and ep
+        out.append(params)
+    return out
+
+
+def _reference(directory, model=None):
+    jsonl = os.path.join(directory, "reference.jsonl")
+    _, c = run_training(_cfg(1, {"model": model or {}}, jsonl))
+    return read_jsonl(jsonl), c.model.full_state_dict()
+
+
+def _check_rows(rows, ref_rows, what):
+    assert [r["iteration"] for r in rows] == list(range(1, ITERS + 1)), what
+    for row, ref in zip(rows, ref_rows):
+        it = row["iteration"]
+        assert abs(row["lm_loss"] - ref["lm_loss"]) < LOSS_TOL, (what, it, row, ref)
+        for key in ("moe_aux_loss", "moe_z_loss"):
+            assert row[key] == pytest.approx(ref[key], rel=AUX_RTOL), (what, it, key)
+        assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=NORM_RTOL), (what, it)
+
+
+def _check_params(rank_params, ref_params, what):
+    seen = set()
+    for params in rank_params:
+        for name, tensor in params.items():
+            seen.add(name)
+            torch.testing.assert_close(tensor, ref_params[name], rtol=0, atol=PARAM_TOL,
+                                       msg=lambda m, name=name: f"{what} {name}: {m}")
+    assert seen == set(ref_params), (what, set(ref_params) - seen)
+
+
+def test_mixtral_training_matches_single_process(tmp_path):
+    ref_rows, ref_params = _reference(str(tmp_path / "ref"))
+    pipe_rows, pipe_params = _reference(str(tmp_path / "ref_pipe"), PIPELINE_MODEL)
+    assert ref_rows[-1]["lm_loss"] < ref_rows[0]["lm_loss"]
+    assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in ref_rows)
+    layouts = [*LAYOUTS, DISTOPT_LAYOUT, PIPELINE_LAYOUT]
+    results = run_distributed(4, _train, layouts, str(tmp_path), timeout=600)
+    for n, layout in enumerate(layouts):
+        what = str(layout)
+        pipeline = layout is PIPELINE_LAYOUT
+        rows = read_jsonl(str(tmp_path / f"layout{n}.jsonl"))
+        _check_rows(rows, pipe_rows if pipeline else ref_rows, what)
+        _check_params([r[n] for r in results], pipe_params if pipeline else ref_params, what)
+
+
+# -- the router-loss gradient factor, on one process ---------------------------------------
+def _batches(cfg, num, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=g)
+        mask = (torch.rand(2, cfg.seq_length, generator=g) > 0.2).float()
+        out.append({"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": mask})
+    return out
+
+
+def test_router_loss_gradient_scale():
+    """forward_backward's gradients equal those of ``sum_mb lm_sum / tokens +
+    mean_mb (sum of every layer's aux + z loss)``, times the loss scale."""
+    cfg = _cfg(1, {}, None)
+    ps = ParallelState.build(ParallelConfig())
+    batches = _batches(cfg.model, 3)
+    tokens = sum(b["loss_mask"].sum() for b in batches).double()
+    fp16_scale = 4.0
+
+    model = GPTModel(cfg.model, ps, seed=3)
+    router = RouterLosses(ps.device)
+    c = types.SimpleNamespace(cfg=cfg, ps=ps, model=model)
+    forward_backward(c, batches, tokens, loss_scale=lambda x: x * fp16_scale,
+                     router_losses=router)
+    assert all(layer.aux_loss_scale == fp16_scale / 3 for layer in moe_layers(model))
+
+    ref = GPTModel(cfg.model, ps, seed=3)
+    set_aux_loss_scale(ref, 0.0)  # the router losses enter through `total` below instead
+    captured = []
+    for layer in moe_layers(ref):
+        layer.router.register_forward_hook(lambda m, i, out: captured.append(out.loss))
+    total, aux_values = 0.0, []
+    for b in batches:
+        captured.clear()
+        per_token = ref(b["tokens"], labels=b["labels"])
+        total = total + (per_token * b["loss_mask"]).sum() / tokens.float()
+        total = total + sum(captured) / len(batches)
+        aux_values.append(sum(float(x.detach()) for x in captured))
+    (total * fp16_scale).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    means = router.means()
+    assert means["moe_aux_loss"] + means["moe_z_loss"] == pytest.approx(
+        sum(aux_values) / (len(batches) * len(moe_layers(ref))), rel=1e-6)
