@@ -1,16 +1,19 @@
-"""Global gradient norm across model-parallel ranks, clipping, and inf/nan detection.
+"""Global gradient norm across all ranks, clipping, and inf/nan detection.
 
-Gradients are read from ``param.main_grad`` (the fp32 accumulation buffer of
+Gradients are read from ``param.main_grad`` (the accumulation buffer of
 :class:`megalite.optim.data_parallel.DataParallelGrads`) when present, else ``param.grad``.
-By the time these run, gradients are already summed over data parallel, so every dp rank
-holds the same values and collectives only need the model-parallel group ``ps.mp``
-(tensor x pipeline).
 
-A parameter's gradient counts in the norm exactly once over the model:
-tensor-parallel shards (``param.tensor_model_parallel``) count on every tp rank, replicated
-parameters (norms, biases of row-parallel layers, ...) only on tp rank 0, and a word
-embedding shared between the first and last pipeline stage (``param.shared_embedding``)
-only on the first stage.
+Each rank adds the squares of the gradient elements it *owns* and one SUM over the world
+(= data parallel x model parallel) gives the norm, so every element counts exactly once:
+
+- model parallel: tensor-parallel shards (``param.tensor_model_parallel``) count on every
+  tp rank, replicated parameters (norms, biases of row-parallel layers, ...) on tp rank 0
+  only (expert-tp rank 0 for expert parameters), and a word embedding shared between the
+  first and last pipeline stage (``param.shared_embedding``) on the first stage only;
+- data parallel: after the data-parallel reduction every replica holds the same gradient,
+  so :func:`global_grad_norm` counts it on data-parallel rank 0 only (``ps.dp_cp``, or
+  ``ps.edp`` for expert parameters), while the distributed optimizer passes each rank's
+  disjoint shard to :func:`sharded_grad_norm`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.optim.comm import all_reduce
+from megalite.optim.data_parallel import is_expert_param
 from megalite.parallel.state import Group, ParallelState
 
 
@@ -32,31 +36,55 @@ def param_grad(param: torch.Tensor) -> torch.Tensor | None:
 
 
 def counts_in_norm(param: torch.Tensor, ps: ParallelState) -> bool:
-    """Whether this rank contributes ``param``'s gradient to the global norm."""
+    """Whether this rank's copy of ``param`` counts in the norm across model parallelism."""
     if getattr(param, "shared_embedding", False) and not ps.is_pipeline_first_stage():
         return False
-    return bool(getattr(param, "tensor_model_parallel", False)) or ps.tp.rank == 0
+    tp_rank = ps.etp.rank if is_expert_param(param) else ps.tp.rank
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def _first_replica(param: torch.Tensor, ps: ParallelState) -> bool:
+    return (ps.edp if is_expert_param(param) else ps.dp_cp).rank == 0
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], ps: ParallelState,
                      norm_type: float = 2.0) -> float:
-    """L2 (or inf) norm of all gradients of the model, over the model-parallel group ps.mp.
+    """L2 (or inf) norm of all gradients of the model after the data-parallel reduction
+    (replicated over data parallel); SUM (MAX) over the world.
 
     Returns a python float (inf/nan when a gradient is not finite).
     """
-    grads = [param_grad(p) for p in params if counts_in_norm(p, ps)]
-    grads = [g for g in grads if g is not None]
+    grads = [param_grad(p) for p in params if counts_in_norm(p, ps) and _first_replica(p, ps)]
+    return _world_norm([g for g in grads if g is not None], ps, norm_type)
+
+
+def sharded_grad_norm(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], ps: ParallelState,
+                      norm_type: float = 2.0) -> float:
+    """Norm over ``(param, grad_piece)`` pairs where the pieces of all data-parallel ranks
+    partition the gradients (distributed optimizer); SUM (MAX) over the world."""
+    return _world_norm([g for p, g in pieces if counts_in_norm(p, ps)], ps, norm_type)
+
+
+def _world_norm(grads: list, ps: ParallelState, norm_type: float) -> float:
     device = grads[0].device if grads else ps.device
     if norm_type == math.inf:
-        local = max((g.detach().abs().max().float() for g in grads),
+        local = max((g.detach().abs().max().float() for g in grads if g.numel()),
                     default=torch.zeros((), device=device))
-        total = all_reduce(local.reshape(1).clone(), ps.mp, dist.ReduceOp.MAX)
+        total = all_reduce(local.reshape(1).clone(), None, dist.ReduceOp.MAX)
         return float(total.item())
-    local = torch.zeros(1, dtype=torch.float32, device=device)
+    local = torch.zeros(1, dtype=torch.float64, device=device)
     for g in grads:
-        local += g.detach().float().pow(2).sum()
-    all_reduce(local, ps.mp)
+        local += g.detach().float().pow(2).sum().double()
+    all_reduce(local, None)
     return float(local.sqrt().item())
+
+
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """Factor that brings ``total_norm`` down to ``max_norm`` (1.0 when within bounds, when
+    clipping is off, or when the norm is not finite)."""
+    if max_norm <= 0 or not math.isfinite(total_norm):
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
 
 
 def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> float:
@@ -65,15 +93,12 @@ def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, total_norm: flo
     ``total_norm`` is the value from :func:`global_grad_norm` (identical on every rank, so
     no collective is needed here). Returns the factor applied (1.0 when within bounds).
     """
-    if max_norm <= 0 or not math.isfinite(total_norm):
-        return 1.0
-    coeff = max_norm / (total_norm + 1e-6)
-    if coeff >= 1.0:
-        return 1.0
-    for p in params:
-        g = param_grad(p)
-        if g is not None:
-            g.mul_(coeff)
+    coeff = clip_coefficient(max_norm, total_norm)
+    if coeff < 1.0:
+        for p in params:
+            g = param_grad(p)
+            if g is not None:
+                g.mul_(coeff)
     return coeff
 
 

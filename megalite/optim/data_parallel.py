@@ -1,142 +1,322 @@
-"""Data-parallel gradient reduction with contiguous fp32 buffers and bucketed all-reduce.
+"""Data-parallel gradient reduction: contiguous buffers, buckets, optional overlap.
 
-Every trainable parameter gets ``param.main_grad``: an fp32 view into one flat buffer. A
-post-accumulate-grad hook adds each micro-batch's ``param.grad`` (in the parameter's dtype,
-fp32/bf16/fp16) into ``main_grad`` and frees ``param.grad``, so gradients accumulate in
-fp32 across micro-batches whatever the training precision.
+Every trainable parameter gets ``param.main_grad``, a view into a flat buffer
+(:mod:`megalite.optim.grad_buffer`; fp32, or bf16 with ``grad_reduce_in_bf16``). A
+post-accumulate-grad hook adds each micro-batch's ``param.grad`` into ``main_grad`` and
+frees ``param.grad``, so gradients accumulate across micro-batches in the buffer's dtype.
 
-After the last micro-batch :meth:`DataParallelGrads.finish_grad_sync` reduces:
+Reduction, per bucket, over ``ps.dp_cp`` (dense parameters) or ``ps.edp`` (expert
+parameters, see :func:`is_expert_param`): an all-reduce SUM, or with the distributed
+optimizer (``use_distributed_optimizer``) a reduce-scatter SUM into this rank's shard.
 
-1. sequence-parallel parameters (``param.sequence_parallel``): SUM over ``ps.tp``
-   (each tp rank saw a different slice of the sequence);
-2. a word embedding shared between first and last pipeline stage
-   (``param.shared_embedding``, pp > 1): SUM over ``ps.embedding``;
-3. every buffer, bucket by bucket: SUM over ``ps.dp_cp`` for dense parameters, over
-   ``ps.edp`` for expert parameters (``param.allreduce is False`` or ``param.is_expert``).
+* ``overlap_grad_reduce`` False: nothing happens during backward; :meth:`finish_grad_sync`
+  reduces every bucket after the last micro-batch.
+* ``overlap_grad_reduce`` True: a bucket's collective is launched asynchronously from the
+  backward hook of the last of its parameters to receive its final gradient, in bucket
+  order; :meth:`finish_grad_sync` launches whatever did not become ready (parameters that
+  got no gradient) and waits for everything.
 
-Gradients are summed, not averaged: the training loop divides the loss by the number of
-valid tokens in the whole global batch, so the sum is already the global mean.
-Overlapping the reduction with backward and sharding it (distributed optimizer) is the job
-of a later module; this one is plain and synchronous.
+**The API the training loop and the pipeline schedules call** (one step)::
+
+    grads.zero_grad(num_microbatches=m)   # before the first forward of the step
+    ... m forward/backward passes per model chunk, in any schedule ...
+    grads.finish_grad_sync()              # after the last backward, before optimizer.step()
+
+A parameter's gradient is final at its ``m``-th arrival, so interleaved schedules need no
+further signal. A schedule may instead (or also) say it explicitly before each backward:
+``grads.set_last_microbatch(is_last, chunk=None)`` (``chunk``: index into the model
+chunks, None for all); a gradient arriving while its chunk's flag is set is final too.
+Without either (``zero_grad()`` and no flag) no collective is launched before
+:meth:`finish_grad_sync`: correct, just not overlapped. A gradient that arrives after its
+bucket was launched (more backward passes than announced) raises instead of being lost.
+All ranks of a group must launch buckets in the same order: the same parameters receive
+gradients in the same order on every data-parallel rank (true for a fixed graph).
+
+After the data-parallel sums, :meth:`finish_grad_sync` adds the two model-parallel ones
+(sums commute, so doing them last is exact; with the distributed optimizer only this
+rank's shard is meaningful and it is what gets summed correctly):
+
+1. sequence-parallel parameters (``param.sequence_parallel``): SUM over ``ps.tp``;
+2. the word embedding shared by the first and last pipeline stage
+   (``param.shared_embedding``, pp > 1): SUM over ``ps.embedding``. It sits alone in its
+   bucket, so both stages own the same element range of it.
+
+Gradients are summed, not averaged: the loop divides the loss by the global token count.
+
+Distributed optimizer parameter sync: :meth:`start_param_sync` all-gathers every bucket's
+shards after the optimizer step; with ``overlap_param_gather`` it returns at once and a
+forward pre-hook on each module waits for the buckets of that module's own parameters, so
+the gather of later layers overlaps the forward of earlier ones. A ``state_dict`` pre-hook
+and :meth:`finish_param_sync` wait for everything (call the latter before reading
+parameters any other way).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 
+from megalite.optim.grad_buffer import Bucket, GradBuffer
 from megalite.parallel.state import Group, ParallelState
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "is_expert", False)) or getattr(param, "allreduce", True) is False
+    """Expert parameters are reduced over ``ps.edp``: marked ``expert_parallel = True``,
+    ``is_expert = True`` or ``allreduce = False``."""
+    return (getattr(param, "expert_parallel", False) is True
+            or bool(getattr(param, "is_expert", False))
+            or getattr(param, "allreduce", True) is False)
 
 
-@dataclass
-class GradBuffer:
-    """One flat fp32 buffer of gradients reduced over one group, split into buckets."""
+def model_chunks(model) -> list:
+    """``model`` as a list of chunks: a Module (a ModuleList gives its items), a list of
+    Modules, or any other iterable of parameters (one chunk, no modules)."""
+    if isinstance(model, torch.nn.ModuleList):
+        return list(model)
+    if isinstance(model, torch.nn.Module):
+        return [model]
+    items = list(model)
+    if items and all(isinstance(m, torch.nn.Module) for m in items):
+        return items
+    return [items]
 
-    group: Group
-    params: list
-    data: torch.Tensor = field(repr=False, default=None)
-    buckets: list = field(repr=False, default_factory=list)
 
-    @classmethod
-    def build(cls, params: list, group: Group, bucket_size: int,
-              device: torch.device) -> GradBuffer:
-        """Lay ``params`` out back to front (the order backward produces gradients) and
-        attach ``param.main_grad`` views. Buckets hold whole parameters and at least
-        ``bucket_size`` elements (the last one may be smaller)."""
-        ordered = list(reversed(params))
-        total = sum(p.numel() for p in ordered)
-        buf = cls(group=group, params=ordered,
-                  data=torch.zeros(total, dtype=torch.float32, device=device))
-        offset, start = 0, 0
-        for p in ordered:
-            n = p.numel()
-            p.main_grad = buf.data[offset:offset + n].view(p.shape)
-            offset += n
-            if offset - start >= bucket_size:
-                buf.buckets.append(buf.data[start:offset])
-                start = offset
-        if offset > start:
-            buf.buckets.append(buf.data[start:offset])
-        return buf
-
-    def all_reduce(self) -> None:
-        """SUM every bucket over ``self.group`` (async launch, then wait for all)."""
-        if self.group.size == 1:
-            return
-        handles = [dist.all_reduce(b, group=self.group.group, async_op=True)
-                   for b in self.buckets]
-        for h in handles:
-            h.wait()
+def _chunk_params(chunk) -> list:
+    params = chunk.parameters() if isinstance(chunk, torch.nn.Module) else chunk
+    return [p for p in params if p.requires_grad]
 
 
 class DataParallelGrads:
-    """fp32 gradient accumulation and the data-parallel all-reduce for one model.
+    """Gradient buffers and data-parallel reduction of ``model`` (see module docstring).
 
-    ``params``: the model's trainable parameters (``model.parameters()`` order).
+    model:        a Module, a list / ModuleList of pipeline chunks, or an iterable of
+                  parameters (then ``overlap_param_gather`` degrades to a blocking gather).
+    bucket_size:  elements per bucket (``--ddp-bucket-size``); default
+                  max(40M, 1M x data-parallel size) as in Megatron-LM.
+    trace:        set to a list to record ``(event, chunk, buffer, bucket)`` tuples
+                  (``grad-final``, ``grad-sync-start``, ``param-sync-start``,
+                  ``param-sync-wait``) for tests of the overlap order.
     """
 
-    def __init__(self, params, ps: ParallelState, bucket_size: int | None = None,
-                 timers=None):
-        self.ps = ps
-        self.timers = timers
-        self.params = [p for p in params if p.requires_grad]
-        size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * ps.dp_cp.size)
-        dense = [p for p in self.params if not is_expert_param(p)]
-        expert = [p for p in self.params if is_expert_param(p)]
-        self.buffers = [GradBuffer.build(dense, ps.dp_cp, size, ps.device)]
-        if expert:
-            self.buffers.append(GradBuffer.build(expert, ps.edp, size, ps.device))
-        self._hooks = [p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+    def __init__(self, model, ps: ParallelState, bucket_size: int | None = None,
+                 timers=None, *, overlap_grad_reduce: bool = False,
+                 use_distributed_optimizer: bool = False, grad_reduce_in_bf16: bool = False,
+                 overlap_param_gather: bool = False):
+        if bucket_size is not None and bucket_size <= 0:
+            raise ValueError(f"bucket_size must be > 0, got {bucket_size}")
+        if overlap_param_gather and not use_distributed_optimizer:
+            raise ValueError("overlap_param_gather needs use_distributed_optimizer")
+        self.ps, self.timers = ps, timers
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
+        self.sharded = use_distributed_optimizer
+        self.grad_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
+        self.bucket_size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * ps.dp_cp.size)
+        self.chunks = model_chunks(model)
+        self.trace: list | None = None
+        self.params: list = []
+        self.buffers: list[GradBuffer] = []
+        self._where: dict[int, tuple[int, int, Bucket]] = {}  # id(p) -> (chunk, buffer, bucket)
+        for c, chunk in enumerate(self.chunks):
+            self._build_chunk(c, _chunk_params(chunk))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for p in self.params]
+        if overlap_param_gather:
+            self._hooks += self._register_forward_waits()
+        self._hooks += [chunk.register_state_dict_pre_hook(self._before_state_dict)
+                        for chunk in self.chunks if isinstance(chunk, torch.nn.Module)]
+        self._expected: int | None = None
+        self._last: list[bool] = [False] * len(self.chunks)
+        self._arrivals: dict[int, int] = {}
+        self._final: dict[int, int] = {}          # id(bucket) -> final params so far
+        self._next_launch: dict[int, int] = {}    # id(buffer) -> next bucket index
 
-    def zero_grad(self) -> None:
-        """Clear the fp32 buffers (and any stray ``param.grad``) before a step."""
+    def _build_chunk(self, c: int, params: list) -> None:
+        """One buffer per (dense / expert, dtype) of chunk ``c``'s parameters."""
+        seen = {id(p) for p in self.params}
+        params = [p for p in params if id(p) not in seen]
+        self.params += params
+        kinds: dict[tuple, list] = {}
+        for p in params:
+            kinds.setdefault((is_expert_param(p), p.dtype), []).append(p)
+        for (expert, _dtype), members in sorted(kinds.items(), key=lambda kv: kv[0][0]):
+            group = self.ps.edp if expert else self.ps.dp_cp
+            buf = GradBuffer(members, group, self.grad_dtype, self.bucket_size, self.sharded,
+                             self.ps.device)
+            for bucket in buf.buckets:
+                for p in bucket.params:
+                    self._where[id(p)] = (c, len(self.buffers), bucket)
+            self.buffers.append(buf)
+
+    # -- the per-step API ------------------------------------------------------------------
+    def zero_grad(self, num_microbatches: int | None = None) -> None:
+        """Clear the buffers (and any stray ``param.grad``) before a step; ``num_microbatches``
+        (backward passes per chunk in this step) lets buckets launch during the last one.
+        Parameter all-gathers still in flight are left to the forward pre-hooks."""
         for buf in self.buffers:
-            buf.data.zero_()
+            buf.zero_()
         for p in self.params:
             p.grad = None
+        self._expected = num_microbatches
+        self._last = [False] * len(self.chunks)
+        self._arrivals.clear()
+        self._final.clear()
+        self._next_launch.clear()
+
+    def set_last_microbatch(self, is_last: bool, chunk: int | None = None) -> None:
+        """Mark the next backward passes of ``chunk`` (None: every chunk) as the step's last
+        (True) or not (False)."""
+        for c in range(len(self.chunks)) if chunk is None else [chunk]:
+            self._last[c] = bool(is_last)
 
     def finish_grad_sync(self) -> None:
-        """Reduce gradients after the last micro-batch's backward (see module docstring)."""
+        """Complete every data-parallel reduction, then the tp / embedding sums (see module
+        docstring). Call once per step, after the last backward."""
         timer = self.timers("grads-all-reduce", log_level=2) if self.timers else None
         if timer:
             timer.start()
-        sp = [p for p in self.params if getattr(p, "sequence_parallel", False)]
-        _all_reduce_coalesced([p.main_grad for p in sp], self.ps.tp)
-        if self.ps.pp.size > 1 and self.ps.embedding.member:
-            shared = [p for p in self.params if getattr(p, "shared_embedding", False)]
-            _all_reduce_coalesced([p.main_grad for p in shared], self.ps.embedding)
         for buf in self.buffers:
-            buf.all_reduce()
+            for bucket in buf.buckets:
+                if not bucket.grad_sync_launched:
+                    self._launch(bucket)
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                bucket.wait_grad_sync()
+        sp = [p.main_grad for p in self.params if getattr(p, "sequence_parallel", False)]
+        _all_reduce_coalesced(sp, self.ps.tp)
+        if self.ps.pp.size > 1 and self.ps.embedding.member:
+            shared = []
+            for p in self.params:
+                if getattr(p, "shared_embedding", False):
+                    bucket = self._where[id(p)][2]
+                    lo, hi = bucket.shard_range()
+                    shared.append(bucket.grad[lo:hi])  # the whole bucket when not sharded
+            _all_reduce_coalesced(shared, self.ps.embedding)
         if timer:
             timer.stop()
 
+    # -- parameter all-gather (distributed optimizer) ------------------------------------
+    def start_param_sync(self) -> None:
+        """All-gather every bucket's parameter shards (after the optimizer updated this
+        rank's shards); blocking unless ``overlap_param_gather``."""
+        if not self.sharded:
+            return
+        timer = self.timers("params-all-gather", log_level=2) if self.timers else None
+        if timer:
+            timer.start()
+        # forward needs the last bucket of each buffer first (buffers are back to front)
+        for b, buf in enumerate(self.buffers):
+            for bucket in reversed(buf.buckets):
+                bucket.start_param_sync()
+                self._record("param-sync-start", self._where[id(bucket.params[0])][0], b,
+                             bucket.index)
+        if not (self.overlap_param_gather and self._forward_waits_possible()):
+            self.finish_param_sync()
+        if timer:
+            timer.stop()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight."""
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                bucket.wait_param_sync()
+
     def remove_hooks(self) -> None:
+        self.finish_param_sync()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
 
+    # -- hooks -------------------------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: fold ``param.grad`` into ``main_grad``; launch the
+        bucket's reduction when overlapping and the gradient is final."""
+        chunk, b, bucket = self._where[id(param)]
+        if bucket.grad_sync_launched:
+            raise RuntimeError(
+                f"a gradient arrived for a parameter of shape {tuple(param.shape)} after its "
+                f"bucket's data-parallel reduction was launched (more backward passes than "
+                f"announced: zero_grad(num_microbatches={self._expected}), last-micro-batch "
+                f"flags {self._last}); call grads.set_last_microbatch(False) before non-last "
+                "backward passes or announce the right number of micro-batches")
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if not self.overlap_grad_reduce:
+            return
+        count = self._arrivals[id(param)] = self._arrivals.get(id(param), 0) + 1
+        if not (self._last[chunk] or (self._expected is not None and count == self._expected)):
+            return
+        self._record("grad-final", chunk, b, bucket.index)
+        done = self._final[id(bucket)] = self._final.get(id(bucket), 0) + 1
+        if done == len(bucket.params):
+            self._launch_ready(self.buffers[b])
 
-def _accumulate_into_main_grad(param: torch.Tensor) -> None:
-    param.main_grad.add_(param.grad)
-    param.grad = None
+    def _launch_ready(self, buf: GradBuffer) -> None:
+        """Launch, in bucket order, every bucket of ``buf`` whose gradients are final."""
+        nxt = self._next_launch.get(id(buf), 0)
+        while nxt < len(buf.buckets):
+            bucket = buf.buckets[nxt]
+            if self._final.get(id(bucket), 0) < len(bucket.params):
+                break
+            if not bucket.grad_sync_launched:
+                self._launch(bucket)
+            nxt += 1
+        self._next_launch[id(buf)] = nxt
+
+    def _launch(self, bucket: Bucket) -> None:
+        chunk, b, _ = self._where[id(bucket.params[0])]
+        self._record("grad-sync-start", chunk, b, bucket.index)
+        bucket.start_grad_sync()
+
+    def _forward_waits_possible(self) -> bool:
+        return all(isinstance(chunk, torch.nn.Module) for chunk in self.chunks)
+
+    def _register_forward_waits(self) -> list:
+        """A forward pre-hook on every module owning parameters: wait for their buckets."""
+        if not self._forward_waits_possible():
+            return []
+        handles = []
+        for c, chunk in enumerate(self.chunks):
+            for module in chunk.modules():
+                buckets = []
+                for p in module.parameters(recurse=False):
+                    where = self._where.get(id(p))
+                    if where is not None and where[2] not in buckets:
+                        buckets.append(where[2])
+                if buckets:
+                    handles.append(module.register_forward_pre_hook(
+                        self._make_forward_wait(c, buckets)))
+        return handles
+
+    def _make_forward_wait(self, chunk: int, buckets: list):
+        def wait(_module, _args):
+            for bucket in buckets:
+                if bucket.wait_param_sync():
+                    b = self._where[id(bucket.params[0])][1]
+                    self._record("param-sync-wait", chunk, b, bucket.index)
+        return wait
+
+    def _before_state_dict(self, *_args, **_kwargs) -> None:
+        self.finish_param_sync()
+
+    def _record(self, event: str, chunk: int, buffer: int, bucket: int) -> None:
+        if self.trace is not None:
+            self.trace.append((event, chunk, buffer, bucket))
 
 
 def _all_reduce_coalesced(tensors: list, group: Group) -> None:
-    """SUM a few tensors over ``group`` through one flat copy (in place)."""
+    """SUM a few tensors over ``group`` through one flat copy per dtype (in place)."""
     if group.size == 1 or not tensors:
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group.group)
-    offset = 0
+    by_dtype: dict[torch.dtype, list] = {}
     for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group.group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

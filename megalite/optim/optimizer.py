@@ -11,7 +11,13 @@ Precision handling:
 
 A step (:meth:`MixedPrecisionOptimizer.step`) after the data-parallel reduction:
 unscale ``main_grad`` by ``1 / loss_scale`` -> any inf/nan on any rank? (skip, and the loss
-scaler backs off) -> global grad norm over ``ps.mp`` -> clip -> update -> copy to model.
+scaler backs off) -> global grad norm (SUM over the world of what each rank owns, see
+:mod:`megalite.optim.clip_grads`) -> clip -> update -> copy to model.
+
+:class:`megalite.optim.distributed_optimizer.DistributedOptimizer` does the same on a
+data-parallel shard; both offer ``state_dict()`` / ``load_state_dict()`` and the
+per-parameter form ``state_dict_per_param()`` / ``load_state_dict_per_param()``
+(:mod:`megalite.optim.optimizer_state`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,15 @@ import torch
 
 from megalite.config import OptimConfig
 from megalite.optim.clip_grads import clip_grads_, found_non_finite, global_grad_norm
+from megalite.optim.optimizer_state import (
+    check_per_param,
+    init_state,
+    named_trainable_params,
+    per_param_from_torch,
+    set_state,
+    state_keys,
+    state_tensor,
+)
 from megalite.parallel.state import ParallelState
 
 
@@ -56,18 +71,19 @@ def param_groups(named_params: list, weight_decay: float) -> list[dict]:
 class MixedPrecisionOptimizer:
     """Wraps a torch optimizer over fp32 masters of ``model``'s trainable parameters.
 
-    ``model`` must already have ``param.main_grad`` attached (see
+    ``model`` (a Module or a list of pipeline chunks) must already have
+    ``param.main_grad`` attached (see
     :class:`megalite.optim.data_parallel.DataParallelGrads`). ``scaler`` is a loss scaler
     from :mod:`megalite.optim.loss_scaler` (scale 1 unless fp16).
     """
 
-    def __init__(self, model: torch.nn.Module, ocfg: OptimConfig, ps: ParallelState,
-                 scaler, fp16: bool = False):
+    def __init__(self, model, ocfg: OptimConfig, ps: ParallelState, scaler,
+                 fp16: bool = False):
         self.ocfg = ocfg
         self.ps = ps
         self.scaler = scaler
         self.fp16 = fp16
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = named_trainable_params(model)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.half = any(p.dtype != torch.float32 for p in self.params)
@@ -76,7 +92,9 @@ class MixedPrecisionOptimizer:
         else:
             self.masters = self.params
         groups = param_groups(list(zip(self.names, self.masters)), ocfg.weight_decay)
-        self.inner = _build_torch_optimizer(groups, ocfg)
+        self.inner = build_torch_optimizer(groups, ocfg)
+        init_state(self.inner, ocfg)
+        self.num_steps = 0
 
     @property
     def param_groups(self) -> list[dict]:
@@ -93,7 +111,7 @@ class MixedPrecisionOptimizer:
     @torch.no_grad()
     def step(self) -> StepOutcome:
         """Unscale, check, clip and apply the update (collectives over the world for the
-        inf check, over ``ps.mp`` for the norm)."""
+        inf check and the norm)."""
         grads = [p.main_grad for p in self.params]
         scale = float(self.scaler.scale)
         if scale != 1.0:
@@ -106,13 +124,22 @@ class MixedPrecisionOptimizer:
         if self.ocfg.clip_grad > 0:
             clip_grads_(self.params, self.ocfg.clip_grad, norm)
         for master, p in zip(self.masters, self.params):
-            master.grad = p.main_grad
+            master.grad = p.main_grad if p.main_grad.dtype == master.dtype \
+                else p.main_grad.to(master.dtype)
         self.inner.step()
         for master in self.masters:
             master.grad = None
         if self.half:
             torch._foreach_copy_(self.params, self.masters)
+        self.num_steps += 1
         return StepOutcome(updated=True, found_inf=False, grad_norm=norm)
+
+    def memory_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the optimizer holds (masters and state), for memory accounting."""
+        held = list(self.masters)
+        for state in self.inner.state.values():
+            held += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return held
 
     # -- checkpointing ------------------------------------------------------------------
     @torch.no_grad()
@@ -123,13 +150,19 @@ class MixedPrecisionOptimizer:
 
     def state_dict(self) -> dict:
         """Optimizer moments and step counts, plus the fp32 masters under bf16/fp16."""
-        state = {"optimizer": self.inner.state_dict(), "names": list(self.names)}
+        state = {"optimizer": self.inner.state_dict(), "names": list(self.names),
+                 "step": self.num_steps}
         if self.half:
             state["fp32_masters"] = [m.detach().clone() for m in self.masters]
         return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        """Load :meth:`state_dict` (same parameters), or the per-parameter form that the
+        distributed optimizer's ``state_dict`` holds."""
+        if "per_param" in state:
+            self.load_state_dict_per_param(state["per_param"])
+            return
         if state.get("names") is not None and list(state["names"]) != self.names:
             raise ValueError("the optimizer state in the checkpoint was saved for other "
                              "parameters (first difference: "
@@ -138,6 +171,8 @@ class MixedPrecisionOptimizer:
         for saved, live in zip(inner["param_groups"], self.inner.param_groups):
             saved["names"] = live["names"]  # keep our bookkeeping key
         self.inner.load_state_dict(inner)
+        self.num_steps = int(state.get("step", per_param_from_torch(
+            state, self.names, state_keys(self.ocfg))["step"]))
         masters = state.get("fp32_masters")
         if self.half:
             if masters is None:
@@ -146,8 +181,36 @@ class MixedPrecisionOptimizer:
                 torch._foreach_copy_(self.masters, masters)
                 torch._foreach_copy_(self.params, self.masters)
 
+    def state_dict_per_param(self) -> dict:
+        """The per-parameter form (:mod:`megalite.optim.optimizer_state`); no collective."""
+        keys = state_keys(self.ocfg)
+        params = {}
+        for name, master in zip(self.names, self.masters):
+            entry = {k: state_tensor(self.inner, master, k).clone() for k in keys}
+            if self.half:
+                entry["master"] = master.detach().clone()
+            params[name] = entry
+        return {"step": self.num_steps, "params": params}
 
-def _build_torch_optimizer(groups: list[dict], ocfg: OptimConfig) -> torch.optim.Optimizer:
+    @torch.no_grad()
+    def load_state_dict_per_param(self, state: dict) -> None:
+        """Install the per-parameter form (tensors of the parameters' local shapes)."""
+        keys = state_keys(self.ocfg)
+        check_per_param(state, dict(zip(self.names, (p.shape for p in self.params))), keys,
+                        self.half)
+        step = int(state["step"])
+        for name, p, master in zip(self.names, self.params, self.masters):
+            entry = state["params"][name]
+            if step > 0 and keys:
+                set_state(self.inner, master, keys, entry, step)
+            if self.half and "master" in entry:
+                master.copy_(entry["master"])
+                p.copy_(master)
+        self.num_steps = step
+
+
+def build_torch_optimizer(groups: list[dict], ocfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW or SGD over ``groups`` (each with its own ``weight_decay``)."""
     if ocfg.optimizer == "adam":
         return torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.adam_beta1, ocfg.adam_beta2),
                                  eps=ocfg.adam_eps, weight_decay=ocfg.weight_decay)

@@ -1,0 +1,198 @@
+"""Contiguous gradient (and parameter) buffers of one model chunk, split into buckets.
+
+One :class:`GradBuffer` holds the parameters of one model chunk that share a reduction
+group and a dtype, laid out back to front (the order backward produces their gradients)::
+
+    grad_data   [N]  fp32, or bf16 with --grad-reduce-in-bf16; param.main_grad are views
+    param_data  [N]  the parameters' dtype, distributed optimizer only; the parameters
+                     themselves become views into it (param.data = param_data[a:b].view(...))
+
+A bucket holds whole parameters and at least ``bucket_size`` elements (the last one may be
+smaller); a word embedding shared between pipeline stages (``param.shared_embedding``)
+gets a bucket of its own, so that the first and the last stage split it into identical
+shards. Under the distributed optimizer every bucket is padded with zeros to a multiple
+of the group size ``D`` and cut into ``D`` equal shards: rank ``r`` of ``group`` owns
+elements ``[r * N_b / D, (r + 1) * N_b / D)`` of each bucket of ``N_b`` elements.
+
+Collectives of a bucket, all on ``group`` (``ps.dp_cp`` for dense parameters, ``ps.edp``
+for expert parameters), all asynchronous (``start_*`` launches, ``wait_*`` completes):
+
+- grad sync, plain: ``all_reduce`` (SUM) of the bucket's gradients, in place.
+- grad sync, sharded: ``reduce_scatter`` (SUM) of the bucket's gradients into a fresh
+  ``[N_b / D]`` tensor that :meth:`Bucket.wait_grad_sync` copies into this rank's shard
+  of ``grad_data`` (elements outside the shard keep this rank's unreduced values). gloo
+  supports ``reduce_scatter_single`` / ``all_gather_single`` on CPU (torch >= 2.x), so no
+  all-reduce workaround is needed; input and output never alias.
+- param sync (sharded only): ``all_gather`` of every rank's shard of ``param_data`` (sent
+  from a copy) into the whole bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel.state import Group
+
+# torch >= 2.6 renamed the tensor forms; keep the old names as a fallback.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Bucket:
+    """A slice ``[start, end)`` of a :class:`GradBuffer` holding whole parameters.
+
+    ``ranges[i] = (a, b)``: ``params[i]`` occupies bucket elements ``[a, b)``.
+    ``grad`` / ``param`` are views of the buffer's ``grad_data`` / ``param_data``.
+    """
+
+    def __init__(self, buffer: GradBuffer, index: int, params: list, ranges: list,
+                 start: int, end: int):
+        self.buffer, self.index = buffer, index
+        self.params, self.ranges = params, ranges
+        self.start, self.end = start, end
+        self.grad = buffer.grad_data[start:end]
+        self.param = None if buffer.param_data is None else buffer.param_data[start:end]
+        self._grad_work = None
+        self._scattered = None
+        self._param_work = None
+        self.grad_sync_launched = False
+
+    @property
+    def group(self) -> Group:
+        return self.buffer.group
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def shard_range(self, rank: int | None = None) -> tuple[int, int]:
+        """Bucket elements ``[lo, hi)`` owned by ``rank`` (default: this rank) of the group;
+        the whole bucket when the buffer is not sharded."""
+        if not self.buffer.sharded:
+            return 0, self.numel
+        size = self.numel // self.group.size
+        rank = self.group.rank if rank is None else rank
+        return rank * size, (rank + 1) * size
+
+    # -- gradients ------------------------------------------------------------------------
+    def start_grad_sync(self) -> None:
+        """Launch this bucket's SUM over ``group`` (all-reduce, or reduce-scatter when
+        sharded) without waiting."""
+        self.grad_sync_launched = True
+        if self.group.size == 1:
+            return
+        pg = self.group.group
+        if self.buffer.sharded:
+            self._scattered = torch.empty(self.numel // self.group.size,
+                                          dtype=self.grad.dtype, device=self.grad.device)
+            self._grad_work = _reduce_scatter(self._scattered, self.grad, group=pg,
+                                              async_op=True)
+        else:
+            self._grad_work = dist.all_reduce(self.grad, group=pg, async_op=True)
+
+    def wait_grad_sync(self) -> None:
+        """Complete the launched reduction (a no-op if none is in flight)."""
+        if self._grad_work is None:
+            return
+        self._grad_work.wait()
+        self._grad_work = None
+        if self._scattered is not None:
+            lo, hi = self.shard_range()
+            self.grad[lo:hi].copy_(self._scattered)
+            self._scattered = None
+
+    # -- parameters (distributed optimizer) ----------------------------------------------
+    def start_param_sync(self) -> None:
+        """Launch the all-gather of every rank's parameter shard into ``self.param``."""
+        if self.group.size == 1 or self.param is None:
+            return
+        lo, hi = self.shard_range()
+        mine = self.param[lo:hi].clone()
+        self._param_work = (_all_gather(self.param, mine, group=self.group.group,
+                                        async_op=True), mine)
+
+    def wait_param_sync(self) -> bool:
+        """Complete the all-gather; True if one was in flight."""
+        if self._param_work is None:
+            return False
+        self._param_work[0].wait()
+        self._param_work = None
+        return True
+
+    @property
+    def param_sync_pending(self) -> bool:
+        return self._param_work is not None
+
+
+class GradBuffer:
+    """Flat gradient (and, when ``sharded``, parameter) storage for ``params``.
+
+    params:       this chunk's parameters of one group and dtype, in ``parameters()`` order.
+    group:        the group their gradients are summed over.
+    grad_dtype:   dtype of ``grad_data`` (and of every ``param.main_grad``).
+    bucket_size:  minimum elements per bucket.
+    sharded:      distributed optimizer: pad buckets to a multiple of ``group.size``, move
+                  the parameters into ``param_data``.
+    """
+
+    def __init__(self, params: list, group: Group, grad_dtype: torch.dtype, bucket_size: int,
+                 sharded: bool, device: torch.device):
+        self.group, self.sharded = group, sharded
+        self.params = list(reversed(params))
+        self.param_dtype = self.params[0].dtype
+        spans = self._layout(self.params, bucket_size, group.size if sharded else 1)
+        total = spans[-1][2] if spans else 0
+        self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
+        self.param_data = None
+        if sharded:
+            self.param_data = torch.zeros(total, dtype=self.param_dtype, device=device)
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[int, Bucket] = {}   # id(param) -> bucket
+        for index, (members, start, end) in enumerate(spans):
+            ranges, offset = [], start
+            for p in members:
+                ranges.append((offset - start, offset - start + p.numel()))
+                offset += p.numel()
+            bucket = Bucket(self, index, members, ranges, start, end)
+            self.buckets.append(bucket)
+            for p, (a, b) in zip(members, ranges):
+                self.bucket_of[id(p)] = bucket
+                p.main_grad = bucket.grad[a:b].view(p.shape)
+                if sharded:
+                    with torch.no_grad():
+                        bucket.param[a:b].copy_(p.detach().reshape(-1))
+                    p.data = bucket.param[a:b].view(p.shape)
+
+    @staticmethod
+    def _layout(params: list, bucket_size: int, pad_to: int) -> list[tuple[list, int, int]]:
+        """``[(params, start, end), ...]``: bucket members and element range (padded)."""
+        spans, members, start, offset = [], [], 0, 0
+
+        def close():
+            nonlocal members, start, offset
+            if members:
+                end = start + -(-(offset - start) // pad_to) * pad_to
+                spans.append((members, start, end))
+                members, start, offset = [], end, end
+
+        for p in params:
+            alone = bool(getattr(p, "shared_embedding", False))
+            if alone:
+                close()
+            members.append(p)
+            offset += p.numel()
+            if alone or offset - start >= bucket_size:
+                close()
+        close()
+        return spans
+
+    def zero_(self) -> None:
+        self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.grad_sync_launched = False
+
+    def __repr__(self) -> str:
+        return (f"GradBuffer({len(self.params)} params, {self.grad_data.numel()} elements, "
+                f"{len(self.buckets)} buckets, group {self.group.name} x{self.group.size}, "
+                f"{'sharded' if self.sharded else 'replicated'})")

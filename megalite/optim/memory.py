@@ -1,0 +1,71 @@
+"""Bytes of parameters, gradients and optimizer state that this rank actually holds.
+
+Measured, not computed from shapes: the storages behind the tensors (each counted once,
+however many views point into it). A storage already counted as parameters is not counted
+again as optimizer state (fp32 training with the distributed optimizer uses the model's
+own parameter shard as the master), nor one counted as gradients.
+
+Megatron-LM's accounting for Adam with bf16 parameters and fp32 gradients, per parameter
+of this rank's model-parallel slice: 2 bytes of parameter, 4 of gradient, and 12 of
+optimizer state (fp32 master + two fp32 moments), divided by the data-parallel size ``D``
+under the distributed optimizer: :func:`expected_optimizer_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megalite.optim.data_parallel import model_chunks
+
+
+@dataclass
+class RankMemory:
+    """Bytes held by this rank; ``num_params``: parameter elements of this rank's slice."""
+
+    params: int
+    grads: int
+    optimizer: int
+    num_params: int
+
+    def describe(self) -> str:
+        mib = 2.0 ** 20
+        return (f"memory on this rank: params {self.params / mib:.2f} MiB | grads "
+                f"{self.grads / mib:.2f} MiB | optimizer {self.optimizer / mib:.2f} MiB "
+                f"({self.num_params:,} parameters)")
+
+
+def _storages(tensors, exclude: dict | None = None) -> dict[int, int]:
+    """data pointer -> bytes of the distinct storages behind ``tensors``."""
+    out: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if exclude is None or key not in exclude:
+            out[key] = st.nbytes()
+    return out
+
+
+def rank_memory(model, grads, optimizer) -> RankMemory:
+    """Measure ``model`` (Module or chunks), its DataParallelGrads and its optimizer."""
+    params = []
+    for chunk in model_chunks(model):
+        params += list(chunk.parameters()) if isinstance(chunk, torch.nn.Module) else chunk
+    unique = list({id(p): p for p in params}.values())
+    p_st = _storages(unique)
+    g_st = _storages([b.grad_data for b in grads.buffers] + [p.grad for p in unique], p_st)
+    o_st = _storages(optimizer.memory_tensors(), {**p_st, **g_st})
+    return RankMemory(params=sum(p_st.values()), grads=sum(g_st.values()),
+                      optimizer=sum(o_st.values()),
+                      num_params=sum(p.numel() for p in unique))
+
+
+def expected_optimizer_bytes(num_params: int, dp: int, distributed: bool,
+                             half: bool = True) -> float:
+    """Adam: fp32 master (only with half-precision parameters) + two fp32 moments per
+    parameter, divided by ``dp`` under the distributed optimizer."""
+    per_param = (12 if half else 8) / (dp if distributed else 1)
+    return per_param * num_params

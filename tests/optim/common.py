@@ -1,0 +1,87 @@
+"""Helpers of the optimizer tests: one training run in this process's world, and what
+to compare afterwards (layout-invariant full parameters, measured memory)."""
+
+from __future__ import annotations
+
+from megalite.data.tokenizers import build_tokenizer
+from megalite.optim.memory import rank_memory
+from megalite.parallel.state import ParallelState
+from megalite.training.build import build_components, default_datasets_provider
+from megalite.training.forward_backward import model_chunks
+from megalite.training.loop import train
+from tests.training.common import tiny_config
+
+BUCKET = 3000        # elements: ~10 buckets for the tiny GPT, parameters straddle shards
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"   # the last stage's copy of the tied embedding (pp > 1)
+
+VARIANTS = {
+    "plain": {},
+    "plain+overlap": {"overlap_grad_reduce": True},
+    "distopt": {"use_distributed_optimizer": True},
+    "distopt+overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
+                        "overlap_param_gather": True},
+}
+
+
+def config(world_size: int = 1, iters: int = 3, model=None, **parallel):
+    """The tiny GPT of tests/training (2 layers, hidden 32), micro-batch 2, global batch 8.
+    ``model.vocab_size`` is the NullTokenizer's (61), as the default build would set it."""
+    parallel.setdefault("ddp_bucket_size", BUCKET)
+    cfg = tiny_config(world_size, parallel=parallel, model=model or {},
+                      train={"train_iters": iters, "micro_batch_size": 2,
+                             "global_batch_size": 8})
+    cfg.model.vocab_size = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size).vocab_size
+    return cfg
+
+
+class CachedDatasets:
+    """A ``datasets_provider`` that builds the mock datasets once per process and key:
+    building their indices costs more than training the tiny model."""
+
+    def __init__(self):
+        self.built: dict = {}
+
+    def __call__(self, cfg, tokenizer):
+        t = cfg.train
+        key = (cfg.model.seq_length, cfg.model.vocab_size, t.seed, t.global_batch_size,
+               t.train_iters, t.eval_iters, t.eval_interval)
+        if key not in self.built:
+            tok = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
+            self.built[key] = default_datasets_provider(cfg, tok)
+        return self.built[key]
+
+
+DATASETS = CachedDatasets()
+
+
+def full_params(model) -> dict:
+    """name -> full (tp-gathered, collective over tp) parameter of every chunk; the last
+    stage's tied output weight is reported under the embedding's name."""
+    out = {}
+    for chunk in model_chunks(model):
+        for name, tensor in chunk.full_state_dict().items():
+            out[EMBEDDING if name == OUTPUT else name] = tensor
+    return out
+
+
+def train_run(cfg, setup=None, inspect=None, ps=None):
+    """Build, optionally ``setup(components)``, train; returns (TrainResult, full params,
+    RankMemory, inspect(components) or None), with the groups still alive for the
+    collectives of ``full_params`` / ``inspect``. ``ps``: reuse these groups (kept)."""
+    own = ps is None
+    ps = ParallelState.build(cfg.parallel) if own else ps
+    c = build_components(cfg, ps, datasets_provider=DATASETS, peak_probe_seconds=0.01)
+    try:
+        if setup is not None:
+            setup(c)
+        result = train(c)
+        c.grads.finish_param_sync()   # the documented wait before reading parameters
+        params = full_params(c.model)
+        memory = rank_memory(c.model, c.grads, c.optimizer)
+        extra = inspect(c) if inspect is not None else None
+    finally:
+        c.close()
+        if own:
+            ps.destroy()
+    return result, params, memory, extra
