@@ -180,6 +180,14 @@ class ModelConfig:
                      f"({self.num_experts})")
             if self.moe_ffn_hidden_size is None:
                 self.moe_ffn_hidden_size = self.ffn_hidden_size
+        _positive(self, "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+        if self.moe_router_topk_scaling_factor is not None:
+            _require(self.moe_router_topk_scaling_factor > 0,
+                     f"moe_router_topk_scaling_factor must be positive, got "
+                     f"{self.moe_router_topk_scaling_factor}")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0, f"{name} must be >= 0, got {value}")
         if self.moe_expert_capacity_factor is not None:
             _require(self.moe_expert_capacity_factor > 0,
                      "moe_expert_capacity_factor must be positive")
@@ -544,6 +552,35 @@ class MegaliteConfig:
         _require(dense % (ep * etp) == 0,
                  f"expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) "
                  f"must divide tp x cp x dp ({dense}) for world size {world_size}")
+        if m.num_experts is not None:
+            self._validate_moe_layer()
+
+    def _validate_moe_layer(self) -> None:
+        """What one MoE layer needs from the layout (see ``megalite.moe.layer``)."""
+        m, p = self.model, self.parallel
+        tp, cp, etp = (p.tensor_model_parallel_size, p.context_parallel_size,
+                       p.expert_tensor_parallel_size)
+        if tp > 1:  # the MoE layer splits the sequence over tp, with or without SP
+            _require(m.seq_length % (tp * cp) == 0,
+                     f"seq_length ({m.seq_length}) must be divisible by "
+                     f"tensor_model_parallel_size ({tp}) x context_parallel_size ({cp}) "
+                     f"with --num-experts (MoE layers split the sequence over tp)")
+        _require(m.moe_ffn_hidden_size % etp == 0,
+                 f"moe_ffn_hidden_size ({m.moe_ffn_hidden_size}) must be divisible by "
+                 f"expert_tensor_parallel_size ({etp})")
+        if m.add_bias_linear:
+            _require(etp in (1, tp),
+                     f"expert biases need expert_tensor_parallel_size ({etp}) equal to 1 or "
+                     f"to tensor_model_parallel_size ({tp}); or pass --disable-bias-linear")
+        shared = m.moe_shared_expert_intermediate_size
+        if shared is not None:
+            _require(shared % tp == 0,
+                     f"moe_shared_expert_intermediate_size ({shared}) must be divisible by "
+                     f"tensor_model_parallel_size ({tp})")
+        _require(not (m.moe_token_dispatcher_type == "allgather" and p.variable_seq_lengths),
+                 "--moe-token-dispatcher-type allgather assumes equal token counts on every "
+                 "expert-parallel rank and cannot be used with --variable-seq-lengths; use "
+                 "alltoall")
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}

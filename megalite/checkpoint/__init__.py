@@ -1,19 +1,23 @@
-"""Saving and loading training checkpoints.
+"""Distributed checkpoints that reshard on load, built on torch.distributed.checkpoint.
 
-The rest of megalite calls only :func:`save_checkpoint` and :func:`load_checkpoint`, so
-the on-disk format (today one ``torch.save`` file per model-parallel rank, see
-:mod:`megalite.checkpoint.per_rank`) can change without touching the training loop.
+The training loop calls only :func:`save_checkpoint` (through a :class:`CheckpointSaver`
+for ``--async-save``) and :func:`load_checkpoint`. Every tensor is saved with its global
+shape and the block each rank holds, so ``--load`` works under any tp / pp / vpp / dp /
+ep layout (:mod:`.layout`, :mod:`.planner`); see :mod:`.files` for the directory layout
+and :mod:`.save` for crash safety. :mod:`.consolidated` turns a checkpoint into one full
+state dict and back (the Hugging Face converter uses it).
 """
 
-from megalite.checkpoint.per_rank import (
+from megalite.checkpoint.files import (
     LATEST,
     CheckpointError,
-    LoadedCheckpoint,
+    find_iteration,
     iteration_dir,
-    load_checkpoint,
     read_latest_iteration,
-    save_checkpoint,
 )
+from megalite.checkpoint.load import LoadedCheckpoint, load_checkpoint
+from megalite.checkpoint.save import CheckpointSaver, save_checkpoint
 
-__all__ = ["LATEST", "CheckpointError", "LoadedCheckpoint", "iteration_dir",
-           "load_checkpoint", "read_latest_iteration", "save_checkpoint"]
+__all__ = ["LATEST", "CheckpointError", "CheckpointSaver", "LoadedCheckpoint",
+           "find_iteration", "iteration_dir", "load_checkpoint", "read_latest_iteration",
+           "save_checkpoint"]

@@ -27,9 +27,10 @@ import torch
 
 from megalite.checkpoint import load_checkpoint
 from megalite.config import ConfigError, MegaliteConfig
+from megalite.optim.build import build_grads_and_optimizer
 from megalite.optim.data_parallel import DataParallelGrads
-from megalite.optim.loss_scaler import build_loss_scaler
 from megalite.optim.lr_schedule import LRScheduler
+from megalite.optim.memory import rank_memory
 from megalite.optim.optimizer import MixedPrecisionOptimizer
 from megalite.parallel.state import ParallelState
 from megalite.training.loop import TrainState
@@ -199,14 +200,14 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
     model.to(ps.device)
 
     timers = Timers(cfg.logging.timing_log_level, ps.device)
-    grads = DataParallelGrads(model.parameters(), ps, cfg.parallel.ddp_bucket_size, timers)
-    scaler = build_loss_scaler(cfg.optim, cfg.model.fp16)
-    optimizer = MixedPrecisionOptimizer(model, cfg.optim, ps, scaler, fp16=cfg.model.fp16)
+    # DistributedOptimizer under --use-distributed-optimizer; buckets/overlap from cfg.parallel
+    grads, optimizer = build_grads_and_optimizer(model, cfg, ps, timers)
     scheduler = LRScheduler.from_config(cfg.optim, t.train_iters)
     rng_tracker = _rng_tracker(model)
     log_rank = ps.world_size - 1
     metrics = MetricsLogger(cfg.logging, t.train_iters, enabled=ps.rank == log_rank,
                             config=cfg.to_dict())
+    metrics.print(f" rank {ps.rank}: {rank_memory(model, grads, optimizer).describe()}")
 
     state = TrainState()
     ck = cfg.checkpoint

@@ -9,15 +9,24 @@ last the labels and loss mask, and every stage the position ids (RoPE).
 Loss normalization: each micro-batch's summed masked loss is divided by the valid-token
 count of the whole global batch (``tokens``), so the summed gradients are those of the
 global-batch token mean, for any dp / micro-batch / pipeline split.
+
+MoE router losses (aux, z) reach the gradient inside the MoE layers (not through the LM
+loss). Their objective is the mean over the global batch's micro-batches, so before the
+schedule every MoE layer of every chunk gets the gradient factor
+``loss_scale / (num_microbatches * dp)`` (``dp`` without cp: cp ranks share one
+micro-batch's loss, and the dp_cp gradient sum adds their parts). Their logged values
+are collected per micro-batch by a :class:`RouterLosses`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from megalite.moe.layer import moe_layers, set_aux_loss_scale
+from megalite.optim.comm import all_reduce
 from megalite.pipeline.p2p import PipeComm
 from megalite.pipeline.schedules import ScheduleStats, build_schedule, run_schedule
 
@@ -35,23 +44,64 @@ def activation_shape(cfg, ps) -> tuple[int, int, int]:
     return (seq, cfg.train.micro_batch_size, cfg.model.hidden_size)
 
 
+class RouterLosses:
+    """The MoE layers' logged router losses (``moe_aux_loss``, ``moe_z_loss``) of one step.
+
+    :meth:`add` after each forward of a model chunk on a micro-batch sums the values of
+    the chunk's MoE layers (each already the loss of the whole micro-batch, see
+    ``megalite.moe.router``); :meth:`means` turns the sums into means over every MoE
+    layer, micro-batch and data-parallel rank of the global batch.
+    """
+
+    KEYS = ("moe_aux_loss", "moe_z_loss")
+
+    def __init__(self, device: torch.device):
+        # [sum per key..., count per key...]
+        self.totals = torch.zeros(2 * len(self.KEYS), dtype=torch.float64, device=device)
+
+    def add(self, chunk: torch.nn.Module) -> None:
+        n = len(self.KEYS)
+        for layer in moe_layers(chunk):
+            for i, key in enumerate(self.KEYS):
+                value = layer.aux_losses.get(key)
+                if value is not None:
+                    self.totals[i] += value.detach().double().reshape(())
+                    self.totals[n + i] += 1.0
+
+    def means(self) -> dict[str, float]:
+        """Means over the global batch; collective over the whole world (every rank must
+        call it). Each (layer, micro-batch, dp rank) is counted on its tp x cp ranks, the
+        same number on every pipeline stage, so sums / counts is the plain mean. Keys
+        with no value anywhere (coefficient 0) are left out."""
+        totals = all_reduce(self.totals.clone(), None)
+        n = len(self.KEYS)
+        return {key: float(totals[i] / totals[n + i])
+                for i, key in enumerate(self.KEYS) if totals[n + i] > 0}
+
+
 def forward_backward(c, batches: list[dict], tokens: torch.Tensor, *, train: bool = True,
                      loss_scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-                     stats: Optional[ScheduleStats] = None) -> torch.Tensor:
+                     stats: ScheduleStats | None = None,
+                     router_losses: RouterLosses | None = None) -> torch.Tensor:
     """Run this rank's micro-batches ``batches`` (dicts of ``[b, s]`` tensors).
 
     tokens: fp64 scalar tensor, valid tokens of the whole global batch (every rank).
     loss_scale: applied to each micro-batch's normalized loss before backward (fp16).
+    router_losses: if given, collects the MoE router losses of every micro-batch.
     Returns the fp64 SUM of the masked per-token loss over this rank's micro-batches,
     identical on every pipeline stage (broadcast from the last stage over ``ps.pp``).
     """
     ps = c.ps
     chunks = model_chunks(c.model)
     vpp = len(chunks)
+    if train:  # see the module docstring; a no-op without MoE layers
+        scale = float(loss_scale(torch.ones((), dtype=torch.float64)))
+        for chunk in chunks:
+            set_aux_loss_scale(chunk, scale / (len(batches) * ps.dp.size))
     loss_sum = torch.zeros(1, dtype=torch.float64, device=ps.device)
     last_rank = ps.pp.rank == ps.pp.size - 1
 
-    def forward_step(chunk: int, mb: int, hidden: Optional[torch.Tensor]):
+    def forward_step(chunk: int, mb: int, hidden: torch.Tensor | None):
         batch = batches[mb]
         module = chunks[chunk]
         is_last = last_rank and chunk == vpp - 1
@@ -59,6 +109,8 @@ def forward_backward(c, batches: list[dict], tokens: torch.Tensor, *, train: boo
                      position_ids=batch.get("position_ids"),
                      labels=batch["labels"] if is_last else None,
                      hidden_states=hidden)
+        if router_losses is not None:
+            router_losses.add(module)
         if not is_last:
             return out
         masked = (out.float() * batch["loss_mask"].float()).sum()

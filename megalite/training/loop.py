@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megalite.checkpoint import CheckpointSaver, save_checkpoint
 from megalite.optim.comm import all_reduce, all_reduce_scalar
-from megalite.training.forward_backward import forward_backward
+from megalite.training.forward_backward import RouterLosses, forward_backward
 from megalite.training.metrics import IterationMetrics
 from megalite.training.signals import SignalHandler
 
@@ -56,17 +56,20 @@ class StepResult:
     updated: bool
     grad_norm: float | None
     loss_scale: float
+    moe_losses: dict = field(default_factory=dict)  # moe_aux_loss / moe_z_loss means
 
 
 @dataclass
 class TrainResult:
     """How :func:`train` ended: ``exit_reason`` is ``finished``, ``signal``,
-    ``exit-interval`` or ``exit-duration``; ``losses`` maps iteration -> lm_loss."""
+    ``exit-interval`` or ``exit-duration``; ``losses`` maps iteration -> lm_loss,
+    ``moe_losses`` iteration -> {moe_aux_loss, moe_z_loss} (MoE models)."""
 
     iteration: int
     exit_reason: str
     losses: dict = field(default_factory=dict)
     valid_losses: dict = field(default_factory=dict)
+    moe_losses: dict = field(default_factory=dict)
 
 
 # -- one step ---------------------------------------------------------------------------
@@ -86,13 +89,16 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int) -> St
     """One optimizer step over this rank's ``batches`` (its micro-batches of the global
     batch). ``iteration`` (1-based) only names the step in errors."""
     ps, timers = c.ps, c.timers
-    c.grads.zero_grad()
+    c.grads.zero_grad(num_microbatches=len(batches))  # each chunk's m-th grad is final
     c.model.train()
     batches = [_to_device(b, ps.device) for b in batches]
     tokens = count_tokens(batches, ps.dp_cp)
+    router = RouterLosses(ps.device) if c.cfg.model.num_experts is not None else None
     with timers("forward-backward", log_level=1):
-        loss_sum = forward_backward(c, batches, tokens, loss_scale=c.optimizer.scale_loss)
+        loss_sum = forward_backward(c, batches, tokens, loss_scale=c.optimizer.scale_loss,
+                                    router_losses=router)
     lm_loss = float((all_reduce(loss_sum, ps.dp_cp) / tokens).item())
+    moe_losses = router.means() if router is not None else {}  # collective (world)
     check = c.cfg.train.check_for_nan_in_loss_and_grad
     if check and not math.isfinite(lm_loss):
         raise NonFiniteLossError(f"the loss is {lm_loss} at iteration {iteration} "
@@ -109,7 +115,8 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int) -> St
     if outcome.updated:
         c.scheduler.step()
     return StepResult(lm_loss=lm_loss, lr=lr, updated=outcome.updated,
-                      grad_norm=outcome.grad_norm, loss_scale=c.optimizer.loss_scale)
+                      grad_norm=outcome.grad_norm, loss_scale=c.optimizer.loss_scale,
+                      moe_losses=moe_losses)
 
 
 @torch.no_grad()
@@ -190,14 +197,16 @@ def train(c: TrainingComponents) -> TrainResult:
             state.consumed_train_samples += gbs
             state.skipped_iters += int(not step.updated)
             result.losses[state.iteration] = step.lm_loss
+            if step.moe_losses:
+                result.moe_losses[state.iteration] = step.moe_losses
 
-            extra = None
+            extra = dict(step.moe_losses)  # MoE router losses, if any
             if (valid_iter is not None and t.eval_iters > 0
                     and state.iteration % t.eval_interval == 0):
                 valid_loss = evaluate(c, valid_iter, t.eval_iters)
                 result.valid_losses[state.iteration] = valid_loss
-                extra = {"validation_loss": valid_loss,
-                         "validation_ppl": math.exp(min(20.0, valid_loss))}
+                extra.update(validation_loss=valid_loss,
+                             validation_ppl=math.exp(min(20.0, valid_loss)))
             tokens_per_sec = gbs * seq / elapsed
             mfu = c.flops_per_iteration / (elapsed * c.peak_flops * c.ps.world_size)
             metrics.record(IterationMetrics(
@@ -205,8 +214,8 @@ def train(c: TrainingComponents) -> TrainResult:
                 lr=step.lr, loss_scale=step.loss_scale, skipped=not step.updated,
                 tokens_per_sec=tokens_per_sec, mfu=mfu, elapsed_s=elapsed,
                 consumed_samples=state.consumed_train_samples, global_batch_size=gbs),
-                extra=extra)
-            if extra is not None:
+                extra=extra or None)
+            if "validation_loss" in extra:
                 metrics.record_eval(state.iteration, extra["validation_loss"])
             if (state.iteration % cfg.logging.log_interval == 0
                     and cfg.logging.timing_log_level > 0):

@@ -12,7 +12,9 @@ JSONL contract (one object per iteration, see DESIGN.md)::
      "skipped": false, "tokens_per_sec": 5120.0, "mfu": 0.021}
 
 ``grad_norm`` is null on a skipped iteration. An iteration that ran an evaluation also
-carries ``validation_loss`` and ``validation_ppl``.
+carries ``validation_loss`` and ``validation_ppl``; an MoE model's iterations carry
+``moe_aux_loss`` / ``moe_z_loss`` (means over MoE layers and the global batch), which
+also reach the human line (averaged over the log window), TensorBoard and wandb.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from megalite.config import LoggingConfig
 
@@ -61,6 +63,12 @@ class _Window:
     elapsed_s: float = 0.0
     tokens_per_sec: float = 0.0
     mfu: float = 0.0
+    moe_sums: dict = field(default_factory=dict)  # moe_* key -> sum over the window
+
+
+def _moe_values(extra: dict | None) -> dict:
+    """The MoE router losses (``moe_*`` keys) among the extra JSONL fields."""
+    return {k: v for k, v in (extra or {}).items() if k.startswith("moe_")}
 
 
 class MetricsLogger:
@@ -119,6 +127,8 @@ class MetricsLogger:
                    "tokens-per-sec": m.tokens_per_sec, "mfu": m.mfu,
                    "iteration-time": m.elapsed_s, "consumed-samples": m.consumed_samples}
         scalars = {k: v for k, v in scalars.items() if v is not None}
+        moe = _moe_values(extra)
+        scalars.update({k.replace("_", "-"): v for k, v in moe.items()})
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, m.iteration)
@@ -133,6 +143,8 @@ class MetricsLogger:
             w.loss_sum += m.lm_loss
             w.loss_count += 1
         w.tokens_per_sec, w.mfu = m.tokens_per_sec, m.mfu
+        for key, value in moe.items():
+            w.moe_sums[key] = w.moe_sums.get(key, 0.0) + value
         self._total_elapsed += m.elapsed_s
         self._total_iters += 1
         if m.iteration % self.lcfg.log_interval == 0 or m.iteration == self.train_iters:
@@ -148,12 +160,14 @@ class MetricsLogger:
         eta = datetime.timedelta(seconds=round(avg_s * max(self.train_iters - m.iteration, 0)))
         grad = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "skipped"
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        moe = "".join(f" {k.replace('_', ' ')}: {v / max(w.iters, 1):.6E} |"
+                      for k, v in w.moe_sums.items())  # e.g. " moe aux loss: ... |"
         return (f" [{stamp}] iteration {m.iteration:8d}/{self.train_iters:8d} |"
                 f" consumed samples: {m.consumed_samples:12d} |"
                 f" elapsed time per iteration (ms): {per_iter_ms:.1f} |"
                 f" learning rate: {m.lr:.6E} |"
                 f" global batch size: {m.global_batch_size:5d} |"
-                f" lm loss: {loss:.6E} |"
+                f" lm loss: {loss:.6E} |{moe}"
                 f" loss scale: {m.loss_scale:.1f} |"
                 f" grad norm: {grad} |"
                 f" number of skipped iterations: {w.skipped:3d} |"

@@ -103,3 +103,49 @@ def test_interleaved_needs_microbatches_multiple_of_pp():
              parallel=dict(pipeline_model_parallel_size=4,
                            virtual_pipeline_model_parallel_size=2),
              train=dict(global_batch_size=6))
+
+
+MOE = dict(num_experts=4, moe_router_topk=2)
+
+
+@pytest.mark.parametrize("model, parallel, world, message", [
+    # MoE layers split the sequence over tp even without sequence parallelism
+    (dict(seq_length=30), dict(tensor_model_parallel_size=4), 4,
+     r"seq_length \(30\) must be divisible by tensor_model_parallel_size \(4\) x "
+     r"context_parallel_size \(1\) with --num-experts"),
+    (dict(moe_ffn_hidden_size=6), dict(tensor_model_parallel_size=4), 4,
+     r"moe_ffn_hidden_size \(6\) must be divisible by expert_tensor_parallel_size \(4\)"),
+    (dict(), dict(tensor_model_parallel_size=4, expert_tensor_parallel_size=2), 4,
+     r"expert biases need expert_tensor_parallel_size \(2\) equal to 1 or to "
+     r"tensor_model_parallel_size \(4\)"),
+    (dict(moe_shared_expert_intermediate_size=6), dict(tensor_model_parallel_size=4), 4,
+     r"moe_shared_expert_intermediate_size \(6\) must be divisible by "
+     r"tensor_model_parallel_size \(4\)"),
+    (dict(moe_token_dispatcher_type="allgather"), dict(variable_seq_lengths=True), 1,
+     r"allgather .* cannot be used with --variable-seq-lengths"),
+])
+def test_moe_layout_errors(model, parallel, world, message):
+    with pytest.raises(ConfigError, match=message):
+        make(world, model={**MOE, **model}, parallel=parallel)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(moe_router_topk_scaling_factor=0.0), "moe_router_topk_scaling_factor must be "
+                                               "positive"),
+    (dict(moe_aux_loss_coeff=-0.01), r"moe_aux_loss_coeff must be >= 0"),
+    (dict(moe_z_loss_coeff=-1e-3), r"moe_z_loss_coeff must be >= 0"),
+    (dict(moe_shared_expert_intermediate_size=0), "must be positive"),
+])
+def test_moe_section_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**MOE, **kwargs)
+
+
+def test_moe_layouts_that_work():
+    # tp without sequence parallelism, etp 1 with biases, allgather with fixed lengths
+    make(4, model={**MOE, "seq_length": 32}, parallel=dict(tensor_model_parallel_size=2,
+                                                           expert_model_parallel_size=2))
+    make(4, model=MOE, parallel=dict(tensor_model_parallel_size=4,
+                                     expert_tensor_parallel_size=1))
+    make(2, model={**MOE, "moe_token_dispatcher_type": "allgather"},
+         parallel=dict(expert_model_parallel_size=2))

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from megalite.checkpoint import CheckpointError, load_checkpoint, per_rank, read_latest_iteration
+import megalite.checkpoint.save as ckpt_save
+from megalite.checkpoint import CheckpointError, load_checkpoint, read_latest_iteration
 from megalite.parallel.state import ParallelState
 from megalite.training.build import build_components, default_model_provider
 from megalite.training.loop import NonFiniteLossError
@@ -26,16 +27,12 @@ def test_layout_on_disk_and_round_trip(tmp_path):
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004",
                                         "latest_checkpointed_iteration.txt"]
     it4 = os.path.join(save, "iter_0000004")
-    assert os.path.isfile(os.path.join(it4, "mp_rank_00_000", "model_optim_rng.pt"))
+    assert sorted(os.listdir(it4)) == [".metadata", "__0_0.distcp", "metadata.json"]
     with open(os.path.join(it4, "metadata.json")) as f:
         meta = json.load(f)
     assert meta["iteration"] == 4 and meta["consumed_samples"] == 32
     assert meta["layout"]["tp"] == 1 and meta["config"]["model"]["hidden_size"] == 32
-    state = torch.load(os.path.join(it4, "mp_rank_00_000", "model_optim_rng.pt"),
-                       weights_only=False)
-    assert {"model", "optimizer", "scheduler", "loss_scaler", "rng_state", "config",
-            "iteration", "consumed_samples"} <= set(state)
-    assert state["rng_state"][0]["tracker"] is not None      # model-parallel RNG streams
+    assert meta["optimizer_state"] == ["exp_avg", "exp_avg_sq"] and meta["rng"] is True
 
     c = _build(tiny_config(checkpoint={"load": save}))
     assert (c.state.iteration, c.state.consumed_train_samples) == (4, 32)
@@ -52,13 +49,16 @@ def test_load_options_finetune_no_optim(tmp_path):
                                           checkpoint={"save": save}))
     c = _build(tiny_config(checkpoint={"load": save, "finetune": True}))
     assert c.state.iteration == 0 and c.state.consumed_train_samples == 0
-    assert c.scheduler.num_steps == 0 and not c.optimizer.inner.state
+    assert c.scheduler.num_steps == 0 and c.optimizer.num_steps == 0
     assert torch.equal(next(c.model.parameters()), next(trained.model.parameters()))
     c.close()
     c = _build(tiny_config(checkpoint={"load": save, "no_load_optim": True, "no_load_rng": True}))
-    assert c.state.iteration == 2 and not c.optimizer.inner.state
+    assert c.state.iteration == 2 and c.optimizer.num_steps == 0
     c.close()
-    assert _build(tiny_config(checkpoint={"load": str(tmp_path / "empty")})).state.iteration == 0
+    empty = str(tmp_path / "empty")     # --load without --save expects a checkpoint
+    with pytest.raises(CheckpointError, match="expects a checkpoint"):
+        _build(tiny_config(checkpoint={"load": empty}))
+    assert _build(tiny_config(checkpoint={"load": empty, "save": empty})).state.iteration == 0
 
 
 def test_shape_mismatch_names_first_tensor(tmp_path):
@@ -80,18 +80,18 @@ def test_shape_mismatch_names_first_tensor(tmp_path):
 
 def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     save = str(tmp_path / "ckpt")
-    real_write = per_rank._write_rank_file
+    real_write = ckpt_save.write_blocks
     calls = []
 
-    def crash_on_second_save(state, path):
-        calls.append(path)
+    def crash_on_second_save(state, pieces, directory, group, no_dist):
+        calls.append(directory)
         if len(calls) == 2:
-            with open(path + ".partial", "wb") as f:
+            with open(os.path.join(directory, "__0_0.distcp"), "wb") as f:
                 f.write(b"half a file")
             raise OSError("disk full (injected)")
-        real_write(state, path)
+        real_write(state, pieces, directory, group, no_dist)
 
-    monkeypatch.setattr(per_rank, "_write_rank_file", crash_on_second_save)
+    monkeypatch.setattr(ckpt_save, "write_blocks", crash_on_second_save)
     cfg = tiny_config(train={"train_iters": 6}, checkpoint={"save": save, "save_interval": 2})
     with pytest.raises(CheckpointError, match="saving iteration 4 .* failed .*disk full"):
         run_training(cfg)
@@ -99,7 +99,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004.tmp",
                                         "latest_checkpointed_iteration.txt"]
     # the previous checkpoint loads, and resuming re-saves iteration 4 over the stale .tmp
-    monkeypatch.setattr(per_rank, "_write_rank_file", real_write)
+    monkeypatch.setattr(ckpt_save, "write_blocks", real_write)
     result, _ = run_training(tiny_config(train={"train_iters": 6},
                                          checkpoint={"save": save, "load": save, "save_interval": 2}))
     assert result.iteration == 6 and read_latest_iteration(save) == 6

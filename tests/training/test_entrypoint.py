@@ -26,19 +26,19 @@ CRASHING_DRIVER = textwrap.dedent("""
     # Run the entrypoint, but global rank 0 dies (os._exit) half-way through writing its
     # file of the checkpoint at iteration {crash_at}, as a node failure would.
     import os, runpy
-    from megalite.checkpoint import per_rank
+    from megalite.checkpoint import save
 
-    real_write = per_rank._write_rank_file
+    real_write = save.write_blocks
 
-    def write(state, path):
-        if state["iteration"] == {crash_at} and os.environ["RANK"] == "0":
-            with open(path, "wb") as f:
+    def write(state, pieces, directory, group, no_dist):
+        if directory.endswith("iter_{crash_at:07d}.tmp") and os.environ["RANK"] == "0":
+            with open(os.path.join(directory, "__0_0.distcp"), "wb") as f:
                 f.write(b"half a checkpoint")
                 f.flush()
             os._exit(9)
-        real_write(state, path)
+        real_write(state, pieces, directory, group, no_dist)
 
-    per_rank._write_rank_file = write
+    save.write_blocks = write
     runpy.run_path({entrypoint!r}, run_name="__main__")
 """)
 

@@ -56,8 +56,9 @@ def test_resume_is_exact_under_tp2_dp2(world4):
         assert list(resumed) == list(range(1, ITERS + 1))
         assert resumed == straight            # bitwise the same loss at every iteration
     assert read_latest_iteration(os.path.join(tmp, "ckpt")) == ITERS
-    rank_dirs = sorted(os.listdir(os.path.join(tmp, "ckpt", "iter_0000003")))
-    assert rank_dirs == ["metadata.json", "mp_rank_00_000", "mp_rank_01_000"]
+    files = sorted(os.listdir(os.path.join(tmp, "ckpt", "iter_0000003")))
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp",
+                     "__3_0.distcp", "metadata.json"]      # DCP: every rank writes a share
 
 
 def test_tp2_dp2_matches_single_process_and_metrics_file(world4, tmp_path):

@@ -1,0 +1,55 @@
+"""A checkpoint as one full (unsharded, layout-free) model state dict, in one process.
+
+Because a checkpoint is layout-free, reading it whole is just loading it at tp=pp=dp=1:
+:func:`load_full_model` builds the GPT of the checkpoint's recorded config in this
+process and loads it; :func:`save_full_model` writes a full state dict as a checkpoint
+(weights only, iteration 0) that any layout can ``--load ... --finetune``. Both run
+without torch.distributed (or on a world of one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.checkpoint.files import find_iteration, iteration_dir, read_metadata
+from megalite.checkpoint.load import load_checkpoint
+from megalite.checkpoint.save import save_checkpoint
+from megalite.config import MegaliteConfig, ParallelConfig
+from megalite.parallel.state import ParallelState
+
+
+def single_process_state() -> ParallelState:
+    """The layout of one process (tp = pp = dp = 1)."""
+    return ParallelState.build(ParallelConfig(), device=torch.device("cpu"))
+
+
+def checkpoint_config(root: str, iteration: int | None = None) -> tuple[MegaliteConfig, int]:
+    """The run configuration recorded in the checkpoint, and its iteration."""
+    if iteration is None:
+        iteration = find_iteration(root)
+    meta = read_metadata(iteration_dir(root, iteration))
+    return MegaliteConfig.from_dict(meta["config"]), iteration
+
+
+def load_full_model(root: str, iteration: int | None = None):
+    """(config, GPTModel at tp=1 holding the checkpoint's weights, fp32) of ``root``."""
+    from megalite.models.gpt import GPTModel
+
+    cfg, iteration = checkpoint_config(root, iteration)
+    cfg.model.bf16 = cfg.model.fp16 = False
+    ps = single_process_state()
+    model = GPTModel(cfg.model, ps, seed=cfg.train.seed)
+    load_checkpoint(root, model, None, None, ps, load_rng=False, iteration=iteration)
+    return cfg, model
+
+
+def save_full_model(cfg: MegaliteConfig, state: dict[str, torch.Tensor], root: str) -> str:
+    """Write the full state dict ``state`` (names as ``GPTModel.full_state_dict()``) of
+    the model ``cfg.model`` as a weights-only checkpoint of iteration 0 under ``root``."""
+    from megalite.models.gpt import GPTModel
+
+    ps = single_process_state()
+    model = GPTModel(cfg.model, ps, seed=cfg.train.seed)
+    model.load_full_state_dict(state)
+    return save_checkpoint(root, 0, model, None, None, ps, cfg.to_dict(), 0,
+                           save_optim=False, save_rng=False)

@@ -1,0 +1,191 @@
+"""Where each rank's parameter shards sit in the layout-independent global tensors.
+
+A checkpoint stores every parameter as one or more *global* tensors that do not depend on
+the parallel layout; each rank writes (and later reads) the block it holds:
+
+* Keys are parameter names without any pipeline-chunk prefix (layer numbers are global
+  already): ``decoder.layers.3.mlp.linear_fc2.weight``.
+* Tensor-parallel shards are blocks along ``partition_dim`` of the full tensor.
+* Fused tensors (``partition_parts``: QKV, SwiGLU gate|up) are stored part by part, as
+  ``<name>/part0``, ``<name>/part1`` ...: a rank's piece of a fused tensor is one block
+  of *each* part, not one block of the concatenation.
+* Vocabulary-padded tensors (``unpadded_size``) store only the real rows, so tp=1 and
+  tp=4 agree; a rank whose block lies entirely in the padding holds nothing.
+* Expert parameters (``expert_parallel``) are stacked ``[E_local, ...]`` per expert-parallel
+  rank and stored as ``[E, ...]``; their tensor-parallel group is ``ps.etp``.
+* The tied output layer of a later pipeline stage (``shared_embedding`` with
+  ``init_name`` = the word embedding) is a copy of the word embedding: it is never saved
+  and is loaded from ``embedding.word_embeddings.weight``.
+
+:func:`param_layouts` computes this for a model (a module or a list of pipeline chunks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """This rank's block of one global tensor.
+
+    key:          global tensor name (``<param key>`` or ``<param key>/part<i>``)
+    global_shape: shape of the global tensor
+    offsets:      where the block starts in the global tensor
+    sizes:        shape of the block
+    local_dim / local_start: the block is ``local.narrow(local_dim, local_start,
+                  sizes[local_dim])`` of the rank's local tensor (local_dim None: all of it)
+    """
+
+    key: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    local_dim: int | None = None
+    local_start: int = 0
+
+    def view(self, local: torch.Tensor) -> torch.Tensor:
+        """The block of ``local`` (a parameter or a tensor of the same shape)."""
+        if self.local_dim is None:
+            return local
+        return local.narrow(self.local_dim, self.local_start, self.sizes[self.local_dim])
+
+
+@dataclass
+class ParamLayout:
+    """One parameter of this rank: its names, layout-free key, and pieces.
+
+    ``name`` is the model's ``named_parameters()`` name (``0.decoder...`` for a ModuleList
+    of chunks), ``local_name`` the name within its chunk (the optimizer's key). ``saved``
+    is False for the tied output-layer copy (loaded from the embedding's key).
+    """
+
+    name: str
+    local_name: str
+    key: str
+    param: torch.nn.Parameter
+    pieces: list[Piece]
+    global_shape: tuple[int, ...]   # the full (unpadded, all experts) tensor
+    saved: bool = True
+
+
+def model_chunks(model) -> list[torch.nn.Module]:
+    """The pipeline chunks of ``model``: a list / ModuleList of chunks, or one module."""
+    if isinstance(model, (list, tuple, torch.nn.ModuleList)):
+        return list(model)
+    return [model]
+
+
+def named_parameters(model) -> list[tuple[str, str, torch.nn.Parameter]]:
+    """(model name, layout-free key, parameter) of every parameter of ``model``.
+
+    The model name is what ``model.named_parameters()`` says (``0.decoder...`` for a
+    ModuleList of chunks); the key drops the chunk index.
+    """
+    chunks = model_chunks(model)
+    out = []
+    for index, chunk in enumerate(chunks):
+        prefix = f"{index}." if len(chunks) > 1 or chunk is not model else ""
+        for name, param in chunk.named_parameters():
+            out.append((prefix + name, name, param))
+    return out
+
+
+def _groups(param, ps):
+    """(tp size, tp rank, ep size, ep rank) that shard ``param``."""
+    if getattr(param, "expert_parallel", False):
+        return ps.etp.size, ps.etp.rank, ps.ep.size, ps.ep.rank
+    return ps.tp.size, ps.tp.rank, 1, 0
+
+
+def param_pieces(key: str, param: torch.Tensor, tp_size: int, tp_rank: int,
+                 ep_size: int = 1, ep_rank: int = 0) -> list[Piece]:
+    """The pieces of ``param`` (a local shard carrying the ``layers.sharding``
+    attributes) on tensor-parallel rank ``tp_rank`` and expert-parallel rank ``ep_rank``."""
+    local = tuple(param.shape)
+    base = list(local)
+    base_offsets = [0] * len(local)
+    if ep_size > 1:
+        base[0] = local[0] * ep_size
+        base_offsets[0] = local[0] * ep_rank
+    if not getattr(param, "tensor_model_parallel", False):
+        return [Piece(key, tuple(base), tuple(base_offsets), local)]
+    dim = param.partition_dim
+    if param.partition_parts:
+        pieces, start = [], 0
+        for i, part in enumerate(param.partition_parts):
+            size = part // tp_size
+            shape, offsets, sizes = list(base), list(base_offsets), list(local)
+            shape[dim], offsets[dim], sizes[dim] = part, tp_rank * size, size
+            pieces.append(Piece(f"{key}/part{i}", tuple(shape), tuple(offsets), tuple(sizes),
+                                dim, start))
+            start += size
+        return pieces
+    rows = local[dim]
+    full = param.unpadded_size or rows * tp_size
+    first = tp_rank * rows
+    count = max(0, min(rows, full - first))
+    if count == 0:  # this rank's block is all vocabulary padding
+        return []
+    shape, offsets, sizes = list(base), list(base_offsets), list(local)
+    shape[dim], offsets[dim], sizes[dim] = full, first, count
+    return [Piece(key, tuple(shape), tuple(offsets), tuple(sizes), dim, 0)]
+
+
+def global_shape(param, tp_size: int, ep_size: int = 1) -> tuple[int, ...]:
+    """Shape of the full tensor of ``param``: all experts, all tp shards, no padding."""
+    shape = list(param.shape)
+    if ep_size > 1:
+        shape[0] *= ep_size
+    if getattr(param, "tensor_model_parallel", False):
+        dim = param.partition_dim
+        shape[dim] = param.unpadded_size or shape[dim] * tp_size
+    return tuple(shape)
+
+
+def is_tied_copy(key: str, param) -> bool:
+    """The output layer of a later pipeline stage that mirrors the word embedding."""
+    return (key != EMBEDDING_WEIGHT and getattr(param, "shared_embedding", False)
+            and getattr(param, "init_name", None) == EMBEDDING_WEIGHT)
+
+
+def param_layouts(model, ps) -> list[ParamLayout]:
+    """Every parameter of ``model`` on this rank of ``ps`` (see module docstring)."""
+    layouts, seen = [], set()
+    for name, local_name, param in named_parameters(model):
+        key, saved = local_name, True
+        if is_tied_copy(key, param):
+            key, saved = EMBEDDING_WEIGHT, False
+        if key in seen:
+            raise ValueError(f"two parameters of this rank map to checkpoint key {key!r}")
+        seen.add(key)
+        tp_size, tp_rank, ep_size, ep_rank = _groups(param, ps)
+        pieces = param_pieces(key, param, tp_size, tp_rank, ep_size, ep_rank)
+        layouts.append(ParamLayout(name, local_name, key, param, pieces,
+                                   global_shape(param, tp_size, ep_size), saved))
+    return layouts
+
+
+def piece_keys(layout: ParamLayout) -> list[str]:
+    """The global tensor keys of ``layout``'s parameter, whether or not this rank holds a
+    block of them (a vocabulary shard that is all padding holds none)."""
+    parts = getattr(layout.param, "partition_parts", None)
+    if getattr(layout.param, "tensor_model_parallel", False) and parts:
+        return [f"{layout.key}/part{i}" for i in range(len(parts))]
+    return [layout.key]
+
+
+def saved_global_shape(layout: ParamLayout, shapes: dict) -> tuple[int, ...] | None:
+    """The full shape a checkpoint holds for ``layout``'s parameter (``shapes``: global
+    tensor key -> shape), reassembling parts; None if a key is missing."""
+    found = [shapes.get(k) for k in piece_keys(layout)]
+    if any(s is None for s in found):
+        return None
+    out = list(found[0])
+    if len(found) > 1:
+        out[layout.param.partition_dim] = sum(s[layout.param.partition_dim] for s in found)
+    return tuple(out)

@@ -1,0 +1,277 @@
+"""Writing checkpoints: :func:`save_checkpoint` and :class:`CheckpointSaver` (async).
+
+A save, collective over the world:
+
+1. rank 0 (re)creates ``iter_XXXXXXX.tmp``;
+2. every rank builds its flat state dict (:mod:`megalite.checkpoint.state`) and DCP
+   writes the blocks (``torch.distributed.checkpoint.save`` with
+   :class:`~megalite.checkpoint.planner.BlockSavePlanner`); each rank lists the sizes (and
+   sha256 with ``verify``) of the files it wrote;
+3. *publish*: when every rank succeeded, rank 0 writes ``metadata.json`` (format,
+   iteration, layout, config, manifest), renames the directory to ``iter_XXXXXXX`` and
+   replaces ``latest_checkpointed_iteration.txt``. A failure anywhere raises
+   :class:`CheckpointError` on every rank and leaves the previous checkpoint as latest.
+
+With ``async_save`` step 2 runs on a copy of the state (staged: copied to CPU buffers the
+saver keeps for the next save, one extra copy of the state in host memory) in a
+background thread, over a dedicated gloo process group, while training continues; step 3
+runs at the next save or at :meth:`CheckpointSaver.finalize` / :meth:`close` (end of
+training), so ``latest`` only ever names a checkpoint every rank finished writing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megalite.checkpoint.files import (
+    LATEST,
+    METADATA,
+    CheckpointError,
+    fsync_dir,
+    fsync_tree,
+    iteration_dir,
+    manifest_entries,
+    write_text_atomic,
+)
+from megalite.checkpoint.layout import param_layouts
+from megalite.checkpoint.planner import save_blocks
+from megalite.checkpoint.rng import capture_rng_state
+from megalite.checkpoint.state import FORMAT, save_state
+from megalite.parallel.state import ParallelState
+
+
+def layout_of(ps: ParallelState) -> dict:
+    """The parallel layout recorded in a checkpoint (RNG states restore only on equal)."""
+    return {"tp": ps.tp.size, "pp": ps.pp.size, "dp": ps.dp.size, "cp": ps.cp.size,
+            "ep": ps.ep.size, "etp": ps.etp.size, "vpp": ps.vpp_size,
+            "world_size": ps.world_size}
+
+
+def distributed(ps: ParallelState) -> bool:
+    return ps.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def gather_objects(obj, ps: ParallelState) -> list:
+    """Every rank's ``obj`` (all-gather over the world; a list of one without one)."""
+    if not distributed(ps):
+        return [obj]
+    out = [None] * ps.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def raise_if_any(error: str | None, ps: ParallelState, template: str) -> None:
+    """Raise ``CheckpointError(template.format(error=...))`` on every rank if any rank
+    passes an error (collective); the first failing rank's message is reported."""
+    errors = gather_objects(error, ps)
+    first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+    if first is not None:
+        where = "here" if first[0] == ps.rank else f"on rank {first[0]}"
+        raise CheckpointError(template.format(error=f"{where}: {first[1]}"))
+
+
+def write_blocks(state: dict, pieces: dict, directory: str, group, no_dist: bool) -> None:
+    """DCP-write this rank's blocks into ``directory`` (tests patch this to inject
+    crashes)."""
+    save_blocks(state, pieces, directory, group=group, no_dist=no_dist)
+
+
+def _my_files(directory: str, rank: int) -> list[str]:
+    """Files of ``directory`` that DCP rank ``rank`` wrote (rank 0 also owns .metadata)."""
+    mine = [f for f in os.listdir(directory) if f.startswith(f"__{rank}_")]
+    if rank == 0:
+        mine.append(".metadata")
+    return sorted(mine)
+
+
+@dataclass
+class _Job:
+    """One save between its start and its publication."""
+
+    root: str
+    iteration: int
+    tmp: str
+    final: str
+    meta: dict
+    started: float = field(default_factory=time.perf_counter)
+    thread: threading.Thread | None = None
+    files: dict | None = None
+    error: str | None = None
+
+    def write(self, state: dict, pieces: dict, group, no_dist: bool, rank: int,
+              checksums: bool) -> None:
+        try:
+            write_blocks(state, pieces, self.tmp, group, no_dist)
+            self.files = manifest_entries(self.tmp, _my_files(self.tmp, rank), checksums)
+        except Exception as exc:  # noqa: BLE001 - reported collectively at publication
+            self.error = repr(exc)
+
+
+class CheckpointSaver:
+    """Saves checkpoints, synchronously or (``async_save``) in a background thread.
+
+    Create it on every rank (collective when async: it makes a gloo process group for the
+    background collectives), call :meth:`save` for each checkpoint and :meth:`close` at
+    the end. ``verify``: record sha256 checksums in the manifest.
+    """
+
+    def __init__(self, ps: ParallelState, *, async_save: bool = False, verify: bool = False):
+        self.ps = ps
+        self.async_save = async_save
+        self.verify = verify
+        self.pending: _Job | None = None
+        self.staging: dict[str, torch.Tensor] = {}   # async: CPU buffers reused per save
+        self.group = None
+        if async_save and distributed(ps):
+            self.group = dist.new_group(backend="gloo")
+
+    def save(self, root: str, iteration: int, model, optimizer, scheduler, config: dict,
+             consumed_samples: int, *, save_optim: bool = True, save_rng: bool = True,
+             rng_tracker=None) -> str:
+        """Write (or, async, start writing) the checkpoint of ``iteration`` under
+        ``root``; returns the directory it is published as. Collective."""
+        self.finalize()
+        ps = self.ps
+        final = iteration_dir(root, iteration)
+        tmp = final + ".tmp"
+        error = None
+        if ps.rank == 0:
+            try:
+                os.makedirs(root, exist_ok=True)
+                if os.path.exists(tmp):
+                    shutil.rmtree(tmp)
+                os.makedirs(tmp)
+            except OSError as exc:
+                error = repr(exc)
+        raise_if_any(error, ps, f"cannot create {tmp} ({{error}})")
+
+        layouts = param_layouts(model, ps)
+        common = {"format": FORMAT, "iteration": iteration,
+                  "consumed_samples": consumed_samples,
+                  "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                  "loss_scaler": (optimizer.scaler.state_dict()
+                                  if save_optim and optimizer is not None else None)}
+        rng = capture_rng_state(rng_tracker) if save_rng else None
+        state, pieces, names = save_state(layouts, optimizer if save_optim else None,
+                                          common, rng, ps.rank)
+        meta = {"format": FORMAT, "iteration": iteration,
+                "consumed_samples": consumed_samples, "layout": layout_of(ps),
+                "optimizer_state": names if save_optim and optimizer is not None else None,
+                "rng": save_rng, "checksums": self.verify, "config": config}
+        job = _Job(root, iteration, tmp, final, meta)
+        no_dist = not distributed(ps)
+        if self.async_save:
+            staged = self._stage(state)
+            job.thread = threading.Thread(
+                target=job.write, name=f"checkpoint-{iteration}", daemon=True,
+                args=(staged, pieces, self.group, no_dist, ps.rank, self.verify))
+            job.thread.start()
+            self.pending = job
+        else:
+            job.write(state, pieces, None, no_dist, ps.rank, self.verify)
+            self._publish(job)
+        return final
+
+    def _stage(self, state: dict) -> dict:
+        """A private CPU copy of ``state`` that training cannot modify while it is written.
+        The buffers are kept and refilled by the next save (the previous write has
+        finished by then), so later saves skip the allocation and its page faults."""
+        out = {}
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                out[key] = copy.deepcopy(value)
+                continue
+            buf = self.staging.get(key)
+            if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+                buf = self.staging[key] = torch.empty(value.shape, dtype=value.dtype,
+                                                      pin_memory=value.is_cuda)
+            out[key] = buf.copy_(value.detach())
+        return out
+
+    def finalize(self) -> str | None:
+        """Wait for a pending async save and publish it (collective); its directory, or
+        None when nothing was pending."""
+        job, self.pending = self.pending, None
+        if job is None:
+            return None
+        job.thread.join()
+        self._publish(job)
+        if self.ps.rank == 0:
+            print(f" async checkpoint of iteration {job.iteration} published to {job.final} "
+                  f"({time.perf_counter() - job.started:.2f}s after it started)", flush=True)
+        return job.final
+
+    def close(self) -> None:
+        """Finalize and release the background process group."""
+        try:
+            self.finalize()
+        finally:
+            self.staging.clear()
+            if self.group is not None:
+                dist.destroy_process_group(self.group)
+                self.group = None
+
+    def _publish(self, job: _Job) -> None:
+        ps = self.ps
+        raise_if_any(job.error, ps, f"saving iteration {job.iteration} to {job.root} failed "
+                                    "({error}); the previous checkpoint is unchanged")
+        manifests = gather_objects(job.files, ps)
+        error = None
+        if ps.rank == 0:
+            try:
+                files = {}
+                for entries in manifests:
+                    files.update(entries)
+                _publish_dir(job, files)
+            except OSError as exc:
+                error = repr(exc)
+        raise_if_any(error, ps, f"publishing {job.final} failed ({{error}})")
+
+
+def _publish_dir(job: _Job, files: dict) -> None:
+    """Rank 0, once every rank wrote: metadata.json, rename, then the latest pointer."""
+    on_disk = set(os.listdir(job.tmp))
+    missing = sorted(set(files) - on_disk)
+    if missing:
+        raise OSError(f"files reported written but absent from {job.tmp}: {missing}")
+    meta = dict(job.meta, files=files, time=time.time())
+    write_text_atomic(os.path.join(job.tmp, METADATA), json.dumps(meta, indent=1))
+    fsync_tree(job.tmp)
+    if os.path.exists(job.final):  # re-saving an iteration (e.g. after a resume)
+        old = f"{job.final}.old{os.getpid()}"
+        os.rename(job.final, old)
+        os.rename(job.tmp, job.final)
+        shutil.rmtree(old)
+    else:
+        os.rename(job.tmp, job.final)
+    fsync_dir(job.root)
+    write_text_atomic(os.path.join(job.root, LATEST), f"{job.iteration}\n")
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
+                    ps: ParallelState, config: dict, consumed_samples: int, *,
+                    save_optim: bool = True, save_rng: bool = True, rng_tracker=None,
+                    verify: bool = False, saver: CheckpointSaver | None = None) -> str:
+    """Checkpoint ``iteration`` under ``root`` (collective over the world).
+
+    ``model`` is a module or a list of pipeline chunks; ``optimizer`` a
+    :class:`megalite.optim.optimizer.MixedPrecisionOptimizer` (or any optimizer with
+    ``state_dict_per_param``) whose loss scaler is saved with it; ``scheduler`` an
+    :class:`megalite.optim.lr_schedule.LRScheduler`; ``config`` the run's
+    ``MegaliteConfig.to_dict()``. ``saver``: a :class:`CheckpointSaver` (async saves go
+    through one); without it the save is synchronous. Returns the iteration directory.
+    Raises :class:`CheckpointError` on every rank if any rank failed.
+    """
+    if saver is None:
+        saver = CheckpointSaver(ps, verify=verify)
+    return saver.save(root, iteration, model, optimizer, scheduler, config, consumed_samples,
+                      save_optim=save_optim, save_rng=save_rng, rng_tracker=rng_tracker)

@@ -1,0 +1,146 @@
+"""Hugging Face <-> megalite conversion against the real ``transformers`` (issue 9,
+items 4 and 5): HF -> megalite -> HF is bit-identical, a trained megalite checkpoint
+converted to HF gives our logits in ``AutoModelForCausalLM``, and a converted HF model
+continues training here."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megalite.checkpoint.consolidated import load_full_model
+from megalite.models import hf_mapping
+from megalite.parallel.state import ParallelState
+from megalite.training.build import build_components
+from megalite.training.loop import train
+from tests.training.common import REPO, run_training, tiny_config
+
+VOCAB = 61  # tiny_config's NullTokenizer: vocab_size 60 + 1
+LLAMA = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+         "group_query_attention": True, "num_query_groups": 4, "ffn_hidden_size": 96,
+         "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+         "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
+MIXTRAL = dict(LLAMA, num_experts=4, moe_router_topk=2)
+FAMILY_MODEL = {"gpt2": {}, "llama": LLAMA, "mixtral": MIXTRAL}
+FAMILIES = list(FAMILY_MODEL)
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location(
+        "convert_checkpoint", os.path.join(REPO, "tools", "convert_checkpoint.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def convert(*argv):
+    assert _tool().main(list(argv)) == 0
+
+
+def _hf_model(family):
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                         activation_function="gelu")
+        return GPT2LMHeadModel(cfg)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=16,
+                  tie_word_embeddings=False)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4,
+                                                 num_experts_per_tok=2, sliding_window=None))
+    with torch.no_grad():  # HF inits norms to 1: perturb so a layout slip would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _safetensors(directory):
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_to_megalite_to_hf_is_bit_identical(tmp_path, family, capsys):
+    src, mid, out = (str(tmp_path / n) for n in ("hf", "megalite", "back"))
+    _hf_model(family).save_pretrained(src)
+    convert("--source", "hf", "--target", "megalite", "--load-dir", src, "--save-dir", mid,
+            "--target-tensor-parallel-size", "2")
+    flags = capsys.readouterr().out
+    assert "--tensor-model-parallel-size 2" in flags and "--finetune" in flags
+    if family == "mixtral":
+        assert "--num-experts 4 --moe-router-topk 2" in flags
+    if family != "gpt2":
+        assert "--group-query-attention" in flags and "--num-query-groups 4" in flags
+    convert("--source", "megalite", "--target", "hf", "--load-dir", mid, "--save-dir", out,
+            "--max-shard-size", "20KB")
+    assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))  # sharded
+    want, got = _safetensors(src), _safetensors(out)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    with open(os.path.join(src, "config.json")) as f, \
+            open(os.path.join(out, "config.json")) as g:
+        a, b = json.load(f), json.load(g)
+    for key in ("model_type", "vocab_size", "num_attention_heads", "num_key_value_heads",
+                "n_head", "n_layer", "num_hidden_layers", "tie_word_embeddings",
+                "num_local_experts", "num_experts_per_tok"):
+        assert a.get(key) == b.get(key), key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trained_checkpoint_in_transformers_gives_our_logits(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    run_training(tiny_config(model=FAMILY_MODEL[family], train={"train_iters": 3},
+                             parallel={"tensor_model_parallel_size": 1},
+                             checkpoint={"save": save}))
+    convert("--source", "megalite", "--target", "hf", "--load-dir", save, "--save-dir", out)
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    _, ours = load_full_model(save)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours.eval()(ids)[..., :VOCAB]
+    assert (got - want).abs().max().item() < 1e-4
+    full = str(tmp_path / "full")
+    convert("--source", "megalite", "--target", "megalite-consolidated", "--load-dir", save,
+            "--save-dir", full, "--format", "safetensors")
+    consolidated = load_file(os.path.join(full, "model.safetensors"))
+    assert consolidated.keys() == ours.full_state_dict().keys()
+    assert all(torch.equal(consolidated[k], v) for k, v in ours.full_state_dict().items())
+
+
+def test_converted_hf_model_continues_training(tmp_path):
+    src, conv = str(tmp_path / "hf"), str(tmp_path / "megalite")
+    hf = _hf_model("llama")
+    hf.save_pretrained(src)
+    convert("--source", "hf", "--target", "megalite", "--load-dir", src, "--save-dir", conv)
+    cfg = tiny_config(model=LLAMA, train={"train_iters": 3},
+                      checkpoint={"load": conv, "finetune": True, "save": str(tmp_path / "c")})
+    c = build_components(cfg, ParallelState.build(cfg.parallel), peak_probe_seconds=0.01)
+    want = hf_mapping.from_hf_state_dict(hf.state_dict(), c.cfg.model, "llama")
+    for name, tensor in c.model.full_state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+    result = train(c)
+    c.close()
+    assert result.iteration == 3 and result.losses[3] < result.losses[1]

@@ -1,0 +1,80 @@
+"""Resuming under another layout continues the loss curve (issue 9, item 1).
+
+One world-8 run trains 10 + 3 iterations at (tp2, pp2, dp2) with the distributed optimizer
+and saves at iteration 10; the checkpoint of iteration 10 is then resumed at
+(tp1, pp1, dp1) in this process (plain optimizer) and at (tp4, pp1, dp2) on 8 ranks
+(distributed optimizer): iterations 11..13 must match the uninterrupted run.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from megalite.checkpoint import LATEST
+from tests.distributed.harness import run_distributed
+from tests.training.common import run_training, tiny_config
+
+SAVE_AT, ITERS = 10, 13
+ORIGINAL = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+            "use_distributed_optimizer": True}
+TP4_DP2 = {"tensor_model_parallel_size": 4, "use_distributed_optimizer": True}
+
+
+def _train(rank, world_size, parallel, checkpoint):
+    cfg = tiny_config(world_size, parallel=parallel, train={"train_iters": ITERS},
+                      checkpoint=checkpoint)
+    result, _ = run_training(cfg)
+    return result.losses
+
+
+def _resume_dir(src: str, dst: str) -> str:
+    """A directory holding only the iteration-10 checkpoint of ``src``."""
+    os.makedirs(dst)
+    shutil.copytree(os.path.join(src, f"iter_{SAVE_AT:07d}"),
+                    os.path.join(dst, f"iter_{SAVE_AT:07d}"))
+    with open(os.path.join(dst, LATEST), "w") as f:
+        f.write(f"{SAVE_AT}\n")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reshard")
+    save = str(tmp / "tp2pp2dp2")
+    losses = run_distributed(8, _train, ORIGINAL, {"save": save, "save_interval": SAVE_AT})
+    return tmp, save, losses[-1]
+
+
+def _assert_continues(resumed: dict, reference: dict) -> None:
+    assert list(resumed) == list(range(SAVE_AT + 1, ITERS + 1))
+    for it, loss in resumed.items():
+        assert loss == pytest.approx(reference[it], rel=2e-6, abs=1e-6), it
+
+
+def test_saved_layout_and_metadata(original):
+    _, save, _ = original
+    with open(os.path.join(save, f"iter_{SAVE_AT:07d}", "metadata.json")) as f:
+        meta = json.load(f)
+    assert meta["layout"] | {} == {"tp": 2, "pp": 2, "dp": 2, "cp": 1, "ep": 1, "etp": 2,
+                                   "vpp": None, "world_size": 8}
+    assert meta["optimizer_state"] == ["exp_avg", "exp_avg_sq"]
+    assert meta["config"]["parallel"]["use_distributed_optimizer"] is True
+
+
+def test_resume_at_tp1_pp1_dp1(original, capsys):
+    tmp, save, reference = original
+    load = _resume_dir(save, str(tmp / "to_tp1"))
+    result, _ = run_training(tiny_config(train={"train_iters": ITERS},
+                                         checkpoint={"load": load, "save": load}))
+    _assert_continues(result.losses, reference)
+    out = capsys.readouterr().out
+    assert "saved at tp=2 pp=2 dp=2" in out and "re-seeded" in out
+
+
+def test_resume_at_tp4_pp1_dp2(original):
+    tmp, save, reference = original
+    load = _resume_dir(save, str(tmp / "to_tp4"))
+    losses = run_distributed(8, _train, TP4_DP2, {"load": load, "save": load})
+    _assert_continues(losses[-1], reference)

@@ -1,0 +1,267 @@
+#!/usr/bin/env python
+"""Convert checkpoints between Hugging Face ``transformers`` and megalite.
+
+    # HF (config.json + *.safetensors) -> a megalite checkpoint; prints the flags to train on
+    python tools/convert_checkpoint.py --source hf --target megalite \\
+        --load-dir llama-hf --save-dir llama-megalite --target-tensor-parallel-size 2
+    # megalite (latest or --iteration) -> HF, loadable with AutoModelForCausalLM
+    python tools/convert_checkpoint.py --source megalite --target hf \\
+        --load-dir runs/ckpt --save-dir llama-hf-out --dtype bf16
+    # megalite -> one full state dict for inspection (torch.save, or --format safetensors)
+    python tools/convert_checkpoint.py --source megalite --target megalite-consolidated \\
+        --load-dir runs/ckpt --save-dir full/
+
+Families: GPT-2, Llama (GQA, tied or untied embeddings; megalite rotates in HF's
+rotate-half layout, so q/k need no permutation) and Mixtral (experts stacked ``[E, ...]``;
+hub ``w1/w2/w3`` files or transformers' fused names) -- see megalite.models.hf_mapping.
+
+A megalite checkpoint is layout-free (it reshards on load), so the converter writes one
+weights-only checkpoint (iteration 0) and records the config; the target tensor /
+pipeline / expert parallel sizes are only checked against the model and appear in the
+printed ``pretrain_gpt.py`` flags. Continue training with ``--load DIR --finetune``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+try:
+    import megalite  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from megalite.config import ConfigError, MegaliteConfig, ModelConfig, ParallelConfig
+from megalite.models import hf_mapping
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SAFE_INDEX = "model.safetensors.index.json"
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
+
+
+# -- Hugging Face files ----------------------------------------------------------------------
+def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model.safetensors`` or of the shards its index names."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(directory, SAFE_INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(directory, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise SystemExit(f"{directory} holds neither model.safetensors nor {SAFE_INDEX}")
+    state = {}
+    for name in files:
+        state.update(load_file(os.path.join(directory, name)))
+    return state
+
+
+def parse_size(text: str) -> int:
+    units = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "B": 1}
+    for unit, scale in units.items():
+        if text.upper().endswith(unit):
+            return int(float(text[:-len(unit)]) * scale)
+    return int(text)
+
+
+def write_hf_weights(state: dict[str, torch.Tensor], directory: str, max_shard: int) -> list:
+    """safetensors files as ``save_pretrained`` writes them: one ``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``."""
+    from safetensors.torch import save_file
+
+    shards, current, size = [], {}, 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_shard:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor.contiguous()
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                 for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                                for t in state.values())},
+                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        with open(os.path.join(directory, SAFE_INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+    return names
+
+
+def family_of(model_cfg: ModelConfig) -> str:
+    if model_cfg.num_experts is not None:
+        try:
+            hf_mapping.check_mixtral(model_cfg)
+        except ValueError as exc:
+            raise SystemExit(f"no Hugging Face family for this MoE model: {exc}") from None
+        return "mixtral"
+    if model_cfg.position_embedding_type == "rope" and model_cfg.normalization == "RMSNorm":
+        return "llama"
+    if model_cfg.position_embedding_type == "learned_absolute":
+        return "gpt2"
+    raise SystemExit(f"no Hugging Face family for this model ({model_cfg})")
+
+
+# -- flags -------------------------------------------------------------------------------------
+ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "kv_channels", "group_query_attention", "num_query_groups", "seq_length",
+                "max_position_embeddings", "position_embedding_type", "rotary_base",
+                "normalization", "norm_epsilon", "swiglu", "add_bias_linear", "add_qkv_bias",
+                "untie_embeddings_and_output_weights", "num_experts", "moe_router_topk",
+                "moe_ffn_hidden_size")
+MOE_ONLY = ("moe_router_topk", "moe_ffn_hidden_size")
+
+
+def training_flags(cfg: MegaliteConfig) -> list[str]:
+    """``pretrain_gpt.py`` flags that rebuild this architecture, plus the target tensor /
+    pipeline parallel sizes (the vocabulary comes from the tokenizer)."""
+    from megalite.arguments import flag_of
+
+    fields = {f.name: f for f in dataclasses.fields(cfg.model)}
+    argv = []
+    for name in ARCHITECTURE:
+        value, f = getattr(cfg.model, name), fields[name]
+        if name == "num_query_groups" and not cfg.model.group_query_attention:
+            continue
+        if name == "rotary_base" and cfg.model.position_embedding_type != "rope":
+            continue
+        if name in MOE_ONLY and cfg.model.num_experts is None:
+            continue
+        if isinstance(value, bool):
+            if value != (f.metadata.get("action") == "store_false"):
+                argv.append(flag_of(f))   # store_true when True, store_false when False
+        elif value is not None:
+            argv += [flag_of(f), str(value)]
+    p = cfg.parallel
+    return argv + ["--tensor-model-parallel-size", str(p.tensor_model_parallel_size),
+                   "--pipeline-model-parallel-size", str(p.pipeline_model_parallel_size)]
+
+
+# -- conversions -------------------------------------------------------------------------------
+def hf_to_megalite(args) -> None:
+    from transformers import AutoConfig
+
+    from megalite.checkpoint.consolidated import save_full_model
+
+    hf_cfg = AutoConfig.from_pretrained(args.load_dir)
+    try:
+        family, kwargs = hf_mapping.model_config_from_hf(hf_cfg)
+    except ValueError as exc:
+        raise SystemExit(f"cannot convert {args.load_dir}: {exc}") from None
+    if family == "gpt2" and hf_cfg.activation_function != "gelu":
+        print(f"warning: {args.load_dir} uses activation {hf_cfg.activation_function!r}; "
+              "megalite's GPT-2 uses exact GeLU, so logits will differ slightly")
+    cfg = MegaliteConfig(model=ModelConfig(**kwargs), parallel=ParallelConfig(
+        tensor_model_parallel_size=args.target_tensor_parallel_size,
+        pipeline_model_parallel_size=args.target_pipeline_parallel_size))
+    world = args.target_tensor_parallel_size * args.target_pipeline_parallel_size
+    try:
+        cfg.validate(world)
+    except ConfigError as exc:
+        raise SystemExit(f"the target layout does not fit the model: {exc}") from None
+    hf_state = read_hf_weights(args.load_dir)
+    full = hf_mapping.from_hf_state_dict(hf_state, cfg.model, family)
+    used = set(hf_mapping.to_hf_state_dict(full, cfg.model, family))
+    hub_moe = ".block_sparse_moe." if family == "mixtral" else None  # read as w1/w2/w3
+    unused = sorted(k for k in set(hf_state) - used if not k.endswith(".attn.bias")
+                    and not (hub_moe and hub_moe in k))
+    if unused:
+        raise SystemExit(f"{len(unused)} tensors of {args.load_dir} have no megalite "
+                         f"counterpart, e.g. {unused[:3]}")
+    path = save_full_model(cfg, full, args.save_dir)
+    flags = training_flags(cfg)
+    print(f"wrote {path} ({family}, {sum(t.numel() for t in full.values()):,} parameters)")
+    print("continue training with:\n  pretrain/pretrain_gpt.py " + " ".join(flags)
+          + f" --load {args.save_dir} --finetune --save <dir> ...")
+
+
+def megalite_to_hf(args) -> None:
+    from megalite.checkpoint.consolidated import load_full_model
+
+    cfg, model = load_full_model(args.load_dir, args.iteration)
+    family = family_of(cfg.model)
+    full = model.full_state_dict()
+    state = hf_mapping.to_hf_state_dict(full, cfg.model, family)
+    if not cfg.model.untie_embeddings_and_output_weights:
+        state.pop("lm_head.weight", None)   # tied: transformers re-ties it on load
+    if family == "mixtral":                 # per-expert w1/w2/w3, as save_pretrained writes
+        state = hf_mapping.mixtral_to_hub_names(state, cfg.model)
+    dtype = DTYPES[args.dtype]
+    state = {k: v.to(dtype) for k, v in state.items()}
+    os.makedirs(args.save_dir, exist_ok=True)
+    files = write_hf_weights(state, args.save_dir, parse_size(args.max_shard_size))
+    hf_cfg = hf_mapping.hf_config(cfg.model, family)
+    hf_cfg.architectures = [ARCHITECTURES[family]]
+    hf_cfg.dtype = str(dtype).removeprefix("torch.")
+    hf_cfg.save_pretrained(args.save_dir)
+    print(f"wrote {args.save_dir}: config.json + {len(files)} safetensors file(s) "
+          f"({family}, {args.dtype})")
+
+
+def megalite_to_consolidated(args) -> None:
+    from megalite.checkpoint.consolidated import load_full_model
+
+    cfg, model = load_full_model(args.load_dir, args.iteration)
+    full = {k: v.to(DTYPES[args.dtype]).contiguous() for k, v in model.full_state_dict().items()}
+    os.makedirs(args.save_dir, exist_ok=True)
+    if args.format == "safetensors":
+        from safetensors.torch import save_file
+
+        path = os.path.join(args.save_dir, "model.safetensors")
+        save_file(full, path, metadata={"format": "pt"})
+    else:
+        path = os.path.join(args.save_dir, "model.pt")
+        torch.save(full, path)
+    with open(os.path.join(args.save_dir, "megalite_config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1)
+    print(f"wrote {path} ({len(full)} tensors) and megalite_config.json")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--source", choices=("hf", "megalite"), required=True)
+    p.add_argument("--target", choices=("megalite", "hf", "megalite-consolidated"),
+                   required=True)
+    p.add_argument("--load-dir", required=True, help="Source directory.")
+    p.add_argument("--save-dir", required=True, help="Output directory.")
+    p.add_argument("--iteration", type=int, help="megalite source: this iteration instead "
+                   "of the latest.")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                   help="HF / consolidated output precision.")
+    p.add_argument("--max-shard-size", default="5GB", help="HF output: safetensors shard "
+                   "size (e.g. 5GB, 500MB).")
+    p.add_argument("--format", choices=("torch", "safetensors"), default="torch",
+                   help="megalite-consolidated output file format.")
+    args = p.parse_args(argv)
+    if (args.source, args.target) not in {("hf", "megalite"), ("megalite", "hf"),
+                                          ("megalite", "megalite-consolidated")}:
+        p.error(f"--source {args.source} --target {args.target} is not a conversion")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    convert = {"megalite": hf_to_megalite, "hf": megalite_to_hf,
+               "megalite-consolidated": megalite_to_consolidated}[args.target]
+    convert(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
