@@ -54,10 +54,10 @@ parameters any other way).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megalite.optim.grad_buffer import Bucket, GradBuffer
-from megalite.parallel.state import Group, ParallelState
+from megalite.parallel.grads import all_reduce_coalesced
+from megalite.parallel.state import ParallelState
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements
 
@@ -185,7 +185,7 @@ class DataParallelGrads:
             for bucket in buf.buckets:
                 bucket.wait_grad_sync()
         sp = [p.main_grad for p in self.params if getattr(p, "sequence_parallel", False)]
-        _all_reduce_coalesced(sp, self.ps.tp)
+        all_reduce_coalesced(sp, self.ps.tp)
         if self.ps.pp.size > 1 and self.ps.embedding.member:
             shared = []
             for p in self.params:
@@ -193,7 +193,7 @@ class DataParallelGrads:
                     bucket = self._where[id(p)][2]
                     lo, hi = bucket.shard_range()
                     shared.append(bucket.grad[lo:hi])  # the whole bucket when not sharded
-            _all_reduce_coalesced(shared, self.ps.embedding)
+            all_reduce_coalesced(shared, self.ps.embedding)
         if timer:
             timer.stop()
 
@@ -304,19 +304,3 @@ class DataParallelGrads:
     def _record(self, event: str, chunk: int, buffer: int, bucket: int) -> None:
         if self.trace is not None:
             self.trace.append((event, chunk, buffer, bucket))
-
-
-def _all_reduce_coalesced(tensors: list, group: Group) -> None:
-    """SUM a few tensors over ``group`` through one flat copy per dtype (in place)."""
-    if group.size == 1 or not tensors:
-        return
-    by_dtype: dict[torch.dtype, list] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, group=group.group)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()

@@ -38,10 +38,15 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import OptimConfig
-from megalite.optim.clip_grads import clip_coefficient, found_non_finite, sharded_grad_norm
+from megalite.optim.clip_grads import clip_coefficient, sharded_grad_norm
 from megalite.optim.data_parallel import DataParallelGrads
 from megalite.optim.grad_buffer import Bucket
-from megalite.optim.optimizer import StepOutcome, build_torch_optimizer, uses_weight_decay
+from megalite.optim.optimizer import (
+    LossScaledOptimizer,
+    StepOutcome,
+    build_torch_optimizer,
+    uses_weight_decay,
+)
 from megalite.optim.optimizer_state import (
     check_per_param,
     init_state,
@@ -89,7 +94,7 @@ class _Shard:
         return self.bucket.grad[self.lo:self.hi]
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(LossScaledOptimizer):
     """Same interface as :class:`megalite.optim.optimizer.MixedPrecisionOptimizer`, state
     sharded over data parallelism (see module docstring)."""
 
@@ -133,25 +138,12 @@ class DistributedOptimizer:
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups if self.inner is not None else []
 
-    @property
-    def loss_scale(self) -> float:
-        return float(self.scaler.scale)
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * loss_scale``: call backward on this."""
-        return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
-
     @torch.no_grad()
     def step(self) -> StepOutcome:
         """Unscale, check, clip, update this rank's shard, all-gather the parameters."""
         self.grads.finish_param_sync()
         grads = [sh.grad for sh in self.shards]
-        scale = float(self.scaler.scale)
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        found_inf = found_non_finite(grads, None, self.ps.device)
-        self.scaler.update(found_inf)
-        if found_inf:
+        if self._unscale_and_check(grads):
             return StepOutcome(updated=False, found_inf=True, grad_norm=None)
         norm = sharded_grad_norm([(pc.param, pc.grad) for pc in self.pieces], self.ps)
         coeff = clip_coefficient(self.ocfg.clip_grad, norm)

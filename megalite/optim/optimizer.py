@@ -68,7 +68,33 @@ def param_groups(named_params: list, weight_decay: float) -> list[dict]:
     return groups
 
 
-class MixedPrecisionOptimizer:
+class LossScaledOptimizer:
+    """What every megalite optimizer shares: the loss scale (``self.scaler``, from
+    :mod:`megalite.optim.loss_scaler`) and the unscale-and-check prologue of a step."""
+
+    scaler: object
+    ps: ParallelState
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.scaler.scale)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale``: call backward on this."""
+        return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
+
+    def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        """Divide ``grads`` by the loss scale in place; True when any rank holds an inf/nan
+        (collective over the world); the scaler backs off or grows accordingly."""
+        scale = float(self.scaler.scale)
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        found_inf = found_non_finite(grads, None, self.ps.device)
+        self.scaler.update(found_inf)
+        return found_inf
+
+
+class MixedPrecisionOptimizer(LossScaledOptimizer):
     """Wraps a torch optimizer over fp32 masters of ``model``'s trainable parameters.
 
     ``model`` (a Module or a list of pipeline chunks) must already have
@@ -100,25 +126,12 @@ class MixedPrecisionOptimizer:
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
-    @property
-    def loss_scale(self) -> float:
-        return float(self.scaler.scale)
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * loss_scale``: call backward on this."""
-        return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
-
     @torch.no_grad()
     def step(self) -> StepOutcome:
         """Unscale, check, clip and apply the update (collectives over the world for the
         inf check and the norm)."""
         grads = [p.main_grad for p in self.params]
-        scale = float(self.scaler.scale)
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        found_inf = found_non_finite(grads, None, self.ps.device)
-        self.scaler.update(found_inf)
-        if found_inf:
+        if self._unscale_and_check(grads):
             return StepOutcome(updated=False, found_inf=True, grad_norm=None)
         norm = global_grad_norm(self.params, self.ps)
         if self.ocfg.clip_grad > 0:

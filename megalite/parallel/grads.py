@@ -8,6 +8,25 @@ import torch
 import torch.distributed as dist
 
 
+def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+    """SUM ``tensors`` over ``group`` in place, through one flat buffer per dtype.
+
+    ``group`` is a :class:`~megalite.parallel.state.Group`; a no-op with one member.
+    """
+    if group.size == 1 or not tensors:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group.group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_group) -> None:
     """Sum ``.grad`` over ``tp_group`` for parameters marked ``sequence_parallel``.
 
@@ -15,19 +34,8 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_g
     row-parallel biases, learned position embeddings) sees only this rank's ``s/tp``
     tokens, so its gradient is partial. Call after backward, before the data-parallel
     reduction. ``tp_group`` is a :class:`~megalite.parallel.state.Group` (``pstate.tp``);
-    a no-op when it has one member. Grads are flattened into one buffer per dtype.
+    a no-op when it has one member.
     """
-    if tp_group.size == 1:
-        return
-    grads = [p.grad for p in params
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for group in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in group])
-        dist.all_reduce(flat, group=tp_group.group)
-        offset = 0
-        for g in group:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+    all_reduce_coalesced([p.grad for p in params
+                          if getattr(p, "sequence_parallel", False) and p.grad is not None],
+                         tp_group)

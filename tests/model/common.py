@@ -18,8 +18,9 @@ def gpt2_config(**overrides) -> ModelConfig:
 
 
 def llama_config(**overrides) -> ModelConfig:
-    kw = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8, "group_query_attention": True,
-              "num_query_groups": 4, "ffn_hidden_size": 96, "seq_length": 16, "vocab_size": VOCAB,
+    kw = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+          "group_query_attention": True, "num_query_groups": 4, "ffn_hidden_size": 96,
+          "seq_length": 16, "vocab_size": VOCAB,
               "make_vocab_size_divisible_by": 8, "normalization": "RMSNorm", "swiglu": True,
               "position_embedding_type": "rope", "rotary_base": 10000.0, "add_bias_linear": False,
               "untie_embeddings_and_output_weights": True, "hidden_dropout": 0.0,

@@ -100,8 +100,8 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
                                         "latest_checkpointed_iteration.txt"]
     # the previous checkpoint loads, and resuming re-saves iteration 4 over the stale .tmp
     monkeypatch.setattr(ckpt_save, "write_blocks", real_write)
-    result, _ = run_training(tiny_config(train={"train_iters": 6},
-                                         checkpoint={"save": save, "load": save, "save_interval": 2}))
+    result, _ = run_training(tiny_config(
+        train={"train_iters": 6}, checkpoint={"save": save, "load": save, "save_interval": 2}))
     assert result.iteration == 6 and read_latest_iteration(save) == 6
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "iter_0000006",
                                         "latest_checkpointed_iteration.txt"]
