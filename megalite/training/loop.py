@@ -144,6 +144,9 @@ def save(c: TrainingComponents, state: TrainState, saver: CheckpointSaver) -> No
     """Checkpoint ``state`` to ``--save`` (collective); with ``--async-save`` the write
     continues in the background and is published at the next save or ``saver.close()``."""
     ck = c.cfg.checkpoint
+    # --overlap-param-gather leaves parameters stale until the next forward: finish the
+    # all-gather so the saved weights are the updated ones (with or without optimizer state)
+    c.grads.finish_param_sync()
     with c.timers("save-checkpoint", log_level=0):
         path = save_checkpoint(ck.save, state.iteration, c.model, c.optimizer, c.scheduler,
                                c.ps, c.cfg.to_dict(), state.consumed_train_samples,
