@@ -47,11 +47,13 @@ class GPTModel(torch.nn.Module):
     seed:       init and dropout seed.
     pre_process / post_process: this pipeline stage holds the embedding / the output layer.
     first_layer, num_layers: the global layer range of this stage (default: all layers).
+    rng:        the dropout RNG tracker to draw from; the model chunks of one pipeline rank
+                share one (default: a new tracker seeded from ``seed`` and the pp rank).
     """
 
     def __init__(self, model_cfg, pstate, sequence_parallel: bool = False, seed: int = 1234,
                  pre_process: bool = True, post_process: bool = True, first_layer: int = 0,
-                 num_layers: int | None = None):
+                 num_layers: int | None = None, rng: RNGTracker | None = None):
         super().__init__()
         cfg = self.config = model_cfg
         if cfg.vocab_size is None:
@@ -61,7 +63,7 @@ class GPTModel(torch.nn.Module):
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.pre_process, self.post_process = pre_process, post_process
         self.padded_vocab_size = cfg.padded_vocab_size(tp.size)
-        self.rng = RNGTracker.from_state(pstate, seed)
+        self.rng = rng if rng is not None else RNGTracker.from_state(pstate, seed)
         self.tied = not cfg.untie_embeddings_and_output_weights
         kw = {"device": pstate.device, "dtype": params_dtype(cfg)}
         common = dict(tp_group=tp, sequence_parallel=self.sequence_parallel, **kw)

@@ -119,6 +119,7 @@ def default_model_provider(cfg: MegaliteConfig, ps: ParallelState) -> torch.nn.M
     of this rank's chunks (``megalite.pipeline.layout``: global layer ranges, embedding on
     the first chunk of the first stage, output layer on the last chunk of the last)."""
     from megalite.models.gpt import GPTModel
+    from megalite.parallel.random import RNGTracker
     from megalite.pipeline.layout import chunk_layer_ranges
 
     p = cfg.parallel
@@ -130,11 +131,12 @@ def default_model_provider(cfg: MegaliteConfig, ps: ParallelState) -> torch.nn.M
                                 p.decoder_first_pipeline_num_layers,
                                 p.decoder_last_pipeline_num_layers)[ps.pp.rank]
     vpp = len(ranges)
+    rng = RNGTracker.from_state(ps, cfg.train.seed)  # one dropout stream for all chunks
     return torch.nn.ModuleList(
         GPTModel(cfg.model, ps, sequence_parallel=p.sequence_parallel, seed=cfg.train.seed,
                  pre_process=ps.pp.rank == 0 and c == 0,
                  post_process=ps.pp.rank == ps.pp.size - 1 and c == vpp - 1,
-                 first_layer=first, num_layers=n)
+                 first_layer=first, num_layers=n, rng=rng)
         for c, (first, n) in enumerate(ranges))
 
 
@@ -152,7 +154,7 @@ def default_datasets_provider(cfg: MegaliteConfig, tokenizer) -> tuple:
 
 def _rng_tracker(model: torch.nn.Module):
     """The model's dropout RNG tracker (``model.rng``, an RNGTracker), if it has one."""
-    if isinstance(model, torch.nn.ModuleList):  # pipeline chunks: the first chunk's
+    if isinstance(model, torch.nn.ModuleList):  # pipeline chunks share one tracker
         model = model[0]
     for name in ("rng", "rng_tracker"):
         tracker = getattr(model, name, None)

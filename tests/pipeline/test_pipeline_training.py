@@ -86,10 +86,14 @@ def test_pp_world8():
                     virtual_pipeline_model_parallel_size=4)])
 
 
+RESUME_MODEL = {"num_layers": 4, "hidden_dropout": 0.2, "attention_dropout": 0.1}
+
+
 def _resume_body(rank, world_size, save, resume):
+    """Dropout on: the RNG tracker shared by a rank's chunks is checkpointed too."""
     par = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
     straight, _ = run_training(tiny_config(
-        world_size, model={"num_layers": 4}, parallel=par,
+        world_size, model=RESUME_MODEL, parallel=par,
         train={"train_iters": 6, "micro_batch_size": 1, "global_batch_size": 4},
         checkpoint={"save": save, "save_interval": 3}))
     if rank == 0:  # keep only the iteration-3 checkpoint for the resumed run
@@ -100,7 +104,7 @@ def _resume_body(rank, world_size, save, resume):
     import torch.distributed as dist
     dist.barrier()
     resumed, _ = run_training(tiny_config(
-        world_size, model={"num_layers": 4}, parallel=par,
+        world_size, model=RESUME_MODEL, parallel=par,
         train={"train_iters": 6, "micro_batch_size": 1, "global_batch_size": 4},
         checkpoint={"save": resume, "load": resume}))
     return straight.losses, resumed.losses
