@@ -16,21 +16,13 @@ rank's model-parallel slice: params 2 B (bf16), grads 4 B (fp32 buffer; 2 B with
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from bench.ranks import run_on_ranks
 
 MIB = 2.0 ** 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(args, world: int, distributed: bool):
@@ -70,31 +62,15 @@ def measure(args, world: int) -> list[tuple]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, args, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(minutes=5))
-    try:
-        queue.put((rank, measure(args, world)))
-    finally:
-        dist.destroy_process_group()
+def _measure_on_rank(rank: int, world: int, args) -> list[tuple]:
+    return measure(args, world)
 
 
 def run_world(args, world: int) -> list[tuple]:
     """Rank 0's measurements on a world of ``world`` ranks (in-process when 1)."""
     if world == 1:
         return measure(args, 1)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue))
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    by_rank = dict(queue.get(timeout=600) for _ in range(world))
-    for proc in procs:
-        proc.join()
-    return by_rank[0]
+    return run_on_ranks(_measure_on_rank, world, args)[0]
 
 
 def main(argv=None) -> None:
@@ -124,9 +100,3 @@ def main(argv=None) -> None:
                   f"{mem.grads / (grad_bytes * n):>9.5f} {mem.optimizer:>12,} "
                   f"{optim_formula:>14,.0f} {mem.optimizer / optim_formula:>9.5f} "
                   f"{mem.optimizer / n:>8.3f}")
-
-if __name__ == "__main__":
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-    main()

@@ -17,20 +17,13 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.ranks import run_on_ranks
 
 
 def _model_cfg(args, dispatcher="alltoall"):
@@ -100,14 +93,11 @@ def bench_experts(args) -> None:
           f"{t_fb[0] / t_fb[1]:.2f}x (best of {args.reps}, interleaved)")
 
 
-def _dispatch_worker(rank, world, port, args, queue):
+def _dispatch_on_rank(rank, world, args):
     from megalite.config import ParallelConfig
     from megalite.moe.layer import MoELayer
     from megalite.parallel.state import ParallelState
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(minutes=5))
     ps = ParallelState.build(ParallelConfig(expert_model_parallel_size=world))
     results = {}
     for dispatcher in ("alltoall", "allgather"):
@@ -122,9 +112,8 @@ def _dispatch_worker(rank, world, port, args, queue):
             layer(x)
             elapsed = time.perf_counter() - t0
         results[dispatcher] = (dict(layer.dispatcher.counter.sent), elapsed)
-    queue.put((rank, results))
     ps.destroy()
-    dist.destroy_process_group()
+    return results
 
 
 def bench_dispatchers(args) -> None:
@@ -133,16 +122,8 @@ def bench_dispatchers(args) -> None:
           f"T={T} tokens/rank, h={h}, k={k}, E={E}, fp32")
     print(f"{'ranks':>5} {'dispatcher':>10} {'dispatch':>11} {'combine':>11} {'metadata':>9} "
           f"{'theory T*k*h*4':>15} {'x (ep-1)/ep':>12} {'dispatch/theory':>16} {'fwd ms':>8}")
-    ctx = mp.get_context("spawn")
     for world in args.ranks:
-        queue, port = ctx.Queue(), _free_port()
-        procs = [ctx.Process(target=_dispatch_worker, args=(r, world, port, args, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        by_rank = dict(queue.get(timeout=600) for _ in range(world))
-        for p in procs:
-            p.join()
+        by_rank = run_on_ranks(_dispatch_on_rank, world, args)
         full = T * k * h * 4
         leaving = full * (world - 1) / world
         for dispatcher in ("alltoall", "allgather"):
@@ -178,9 +159,3 @@ def main(argv=None) -> None:
     if args.ranks:
         bench_dispatchers(args)
 
-
-if __name__ == "__main__":
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-    main()

@@ -20,23 +20,15 @@ activations ``[s, b, h]`` that rank 0 keeps alive.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from bench.ranks import run_on_ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, cases, args, queue):
+def _schedules_on_rank(rank, world, cases, args):
     from megalite.config import ParallelConfig
     from megalite.parallel.state import ParallelState
     from megalite.pipeline.p2p import PipeComm
@@ -47,9 +39,6 @@ def _worker(rank, world, port, cases, args, queue):
         run_schedule,
     )
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(minutes=5))
     shape = (args.seq, args.batch, args.hidden)
     weight = torch.randn(args.hidden, args.hidden) / args.hidden ** 0.5
     matmul_per_ms = None
@@ -108,8 +97,7 @@ def _worker(rank, world, port, cases, args, queue):
         dist.barrier()
         results.append((m, v, total, stats.busy, stats.waiting, stats.peak_live_outputs))
         ps.destroy()
-    queue.put((rank, results))
-    dist.destroy_process_group()
+    return results
 
 
 def main(argv=None) -> None:
@@ -125,17 +113,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     p = args.stages
     cases = [(m, v) for v in args.virtual for m in args.microbatches if m % p == 0 or v == 1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = [ctx.Process(target=_worker, args=(r, p, port, cases, args, queue))
-             for r in range(p)]
-    for proc in procs:
-        proc.start()
-    by_rank = dict(queue.get(timeout=600) for _ in range(p))
-    for proc in procs:
-        proc.join()
+    by_rank = run_on_ranks(_schedules_on_rank, p, cases, args)
     act_bytes = args.seq * args.batch * args.hidden * 4
     print(f"pipeline bubble, p={p}, forward {args.forward_ms} ms + backward "
           f"{2 * args.forward_ms} ms per micro-batch per stage, compute={args.compute}")
@@ -156,9 +134,3 @@ def main(argv=None) -> None:
               f"{live[0] * act_bytes / 2**20 / v:>10.2f} "
               f"{gpipe_live[m][0] * act_bytes / 2**20:>12.2f}")
 
-
-if __name__ == "__main__":
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-    main()
