@@ -48,7 +48,6 @@ from megalite.optim.optimizer import (
     uses_weight_decay,
 )
 from megalite.optim.optimizer_state import (
-    check_per_param,
     init_state,
     named_trainable_params,
     per_param_from_torch,
@@ -209,9 +208,7 @@ class DistributedOptimizer(LossScaledOptimizer):
     @torch.no_grad()
     def load_state_dict_per_param(self, state: dict) -> None:
         """Keep this rank's slices of full per-parameter tensors (no collective)."""
-        keys = state_keys(self.ocfg)
-        check_per_param(state, dict(zip(self.names, (p.shape for p in self.params))), keys,
-                        self.half)
+        keys = self._check_per_param(state)
         self.grads.finish_param_sync()
         step, saved = int(state["step"]), state["params"]
         for pc in self.pieces:

@@ -70,10 +70,23 @@ def param_groups(named_params: list, weight_decay: float) -> list[dict]:
 
 class LossScaledOptimizer:
     """What every megalite optimizer shares: the loss scale (``self.scaler``, from
-    :mod:`megalite.optim.loss_scaler`) and the unscale-and-check prologue of a step."""
+    :mod:`megalite.optim.loss_scaler`), the unscale-and-check prologue of a step, and the
+    validation of a per-parameter state before loading it."""
 
     scaler: object
     ps: ParallelState
+    ocfg: OptimConfig
+    names: list[str]
+    params: list[torch.Tensor]
+    half: bool
+
+    def _check_per_param(self, state: dict) -> tuple[str, ...]:
+        """Check ``state`` (per-parameter form) against this optimizer's parameters;
+        returns the optimizer-state keys it must hold (e.g. exp_avg, exp_avg_sq)."""
+        keys = state_keys(self.ocfg)
+        check_per_param(state, dict(zip(self.names, (p.shape for p in self.params))), keys,
+                        self.half)
+        return keys
 
     @property
     def loss_scale(self) -> float:
@@ -208,9 +221,7 @@ class MixedPrecisionOptimizer(LossScaledOptimizer):
     @torch.no_grad()
     def load_state_dict_per_param(self, state: dict) -> None:
         """Install the per-parameter form (tensors of the parameters' local shapes)."""
-        keys = state_keys(self.ocfg)
-        check_per_param(state, dict(zip(self.names, (p.shape for p in self.params))), keys,
-                        self.half)
+        keys = self._check_per_param(state)
         step = int(state["step"])
         for name, p, master in zip(self.names, self.params, self.masters):
             entry = state["params"][name]
