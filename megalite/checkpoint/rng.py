@@ -12,8 +12,8 @@ import random
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from megalite.parallel import collectives
 from megalite.parallel.state import Group
 
 
@@ -43,9 +43,4 @@ def restore_rng_state(state: dict, tracker=None) -> None:
 
 def gather_rng_states(group: Group, tracker=None) -> list[dict]:
     """Every rank's state over ``group`` (all-gather of python objects), in group order."""
-    mine = capture_rng_state(tracker)
-    if group.size == 1:
-        return [mine]
-    out: list[dict | None] = [None] * group.size
-    dist.all_gather_object(out, mine, group=group.group)
-    return out
+    return collectives.all_gather_object(capture_rng_state(tracker), group)

@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from megalite.checkpoint.files import (
     LATEST,
@@ -46,6 +45,7 @@ from megalite.checkpoint.layout import param_layouts
 from megalite.checkpoint.planner import save_blocks
 from megalite.checkpoint.rng import capture_rng_state
 from megalite.checkpoint.state import FORMAT, save_state
+from megalite.parallel import collectives
 from megalite.parallel.state import ParallelState
 
 
@@ -57,16 +57,14 @@ def layout_of(ps: ParallelState) -> dict:
 
 
 def distributed(ps: ParallelState) -> bool:
-    return ps.world_size > 1 and dist.is_available() and dist.is_initialized()
+    return ps.world_size > 1 and collectives.is_initialized()
 
 
 def gather_objects(obj, ps: ParallelState) -> list:
     """Every rank's ``obj`` (all-gather over the world; a list of one without one)."""
     if not distributed(ps):
         return [obj]
-    out = [None] * ps.world_size
-    dist.all_gather_object(out, obj)
-    return out
+    return collectives.all_gather_object(obj)
 
 
 def raise_if_any(error: str | None, ps: ParallelState, template: str) -> None:
@@ -132,7 +130,7 @@ class CheckpointSaver:
         self.staging: dict[str, torch.Tensor] = {}   # async: CPU buffers reused per save
         self.group = None
         if async_save and distributed(ps):
-            self.group = dist.new_group(backend="gloo")
+            self.group = collectives.new_world_group(backend="gloo")
 
     def save(self, root: str, iteration: int, model, optimizer, scheduler, config: dict,
              consumed_samples: int, *, save_optim: bool = True, save_rng: bool = True,
@@ -217,7 +215,7 @@ class CheckpointSaver:
         finally:
             self.staging.clear()
             if self.group is not None:
-                dist.destroy_process_group(self.group)
+                collectives.destroy_group(self.group)
                 self.group = None
 
     def _publish(self, job: _Job) -> None:

@@ -69,6 +69,8 @@ def run_on_rank_zero_first(build):
     """
     import torch.distributed as dist
 
+    from megalite.parallel.collectives import broadcast_object_list
+
     if not (dist.is_available() and dist.is_initialized()):
         return build()
     status = [None]
@@ -78,9 +80,9 @@ def run_on_rank_zero_first(build):
             result = build()
         except Exception as e:
             status = [f"{type(e).__name__}: {e}"]
-            dist.broadcast_object_list(status, src=0)
+            broadcast_object_list(status, src=0)
             raise
-    dist.broadcast_object_list(status, src=0)
+    broadcast_object_list(status, src=0)
     if status[0] is not None:
         raise DataBuildError(f"rank 0 failed to build the datasets: {status[0]}")
     return build() if dist.get_rank() != 0 else result

@@ -15,9 +15,9 @@ and no gradient. Softmax and loss are computed in fp32 whatever the logits' dtyp
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megalite.layers.embedding import vocab_range
+from megalite.parallel.collectives import ReduceOp, all_reduce
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -33,7 +33,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             logits_max = logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
         if distributed:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group.group)
+            all_reduce(logits_max, tp_group, ReduceOp.MAX)
 
         shifted = logits.float() - logits_max.unsqueeze(-1)  # a new fp32 tensor
         if n_valid < local_vocab:
@@ -48,7 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = probs.sum(dim=-1)
         if distributed:
             both = torch.stack([target_logit, sum_exp])
-            dist.all_reduce(both, group=tp_group.group)
+            all_reduce(both, tp_group)
             target_logit, sum_exp = both[0], both[1]
 
         ignored = target == ignore_index

@@ -26,7 +26,8 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
+
+from megalite.parallel.collectives import all_gather_list
 
 
 def mark_param(param: torch.nn.Parameter, *, partition_dim: int = -1,
@@ -97,9 +98,7 @@ def gather_full(local: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Ten
         return local
     if tp_group.size == 1:
         return unshard([local], param)
-    pieces = [torch.empty_like(local) for _ in range(tp_group.size)]
-    dist.all_gather(pieces, local.contiguous(), group=tp_group.group)
-    return unshard(pieces, param)
+    return unshard(all_gather_list(local, tp_group), param)
 
 
 def stable_seed(seed: int, name: str) -> int:

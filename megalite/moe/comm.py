@@ -1,10 +1,12 @@
 """Collectives of the token dispatchers: uneven all-to-all and uneven gather/scatter.
 
-Every function takes a :class:`megalite.parallel.state.Group` (``pstate.ep`` for the
-expert-parallel exchange, ``pstate.etp`` for expert tensor parallelism) and is the
+Every function takes a :class:`megalite.parallel.state.Group` (``ps.ep`` for the
+expert-parallel exchange, ``ps.etp`` for expert tensor parallelism) and is the
 identity when the group has one member. Uneven sizes go through ``all_to_all_single``
 with explicit split sizes (gloo rejects the list form of ``all_to_all`` when sizes differ),
-so the sizes must be known on both sides first: :func:`exchange_counts` sends them.
+so the sizes must be known on both sides first: :func:`exchange_counts` sends them. The raw
+(non-autograd) exchanges are in :mod:`megalite.parallel.collectives`; this module adds
+their autograd adjoints and the traffic accounting.
 
 Each autograd function is paired with its adjoint in backward:
 
@@ -27,10 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-# torch >= 2.10 renamed the single-tensor all-gather; keep working on both spellings.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from megalite.parallel import collectives
 
 
 @dataclass
@@ -55,10 +55,7 @@ def _row_bytes(x: torch.Tensor) -> int:
 
 def _raw_all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int],
                     group) -> torch.Tensor:
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv),
-                           input_split_sizes=list(send), group=group.group)
-    return out
+    return collectives.all_to_all(x, group, send, recv)
 
 
 def exchange_counts(counts: torch.Tensor, group,
@@ -70,8 +67,7 @@ def exchange_counts(counts: torch.Tensor, group,
     """
     if group.size == 1:
         return counts
-    out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group.group)
+    out = collectives.all_to_all(counts, group)
     if counter is not None:
         counter.add("counts", counts[0].numel() * counts.element_size() * (group.size - 1))
     return out
@@ -83,8 +79,7 @@ def all_gather_stacked(x: torch.Tensor, group,
     """``x`` ``[m, ...]`` on each rank -> ``[n, m, ...]``, row r from rank r (no autograd)."""
     if group.size == 1:
         return x.unsqueeze(0)
-    out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))  # gloo wants dim 0 stacked
-    _all_gather_single(out, x.contiguous(), group=group.group)
+    out = collectives.all_gather_dim0(x, group)  # gloo wants dim 0 stacked
     out = out.view(group.size, *x.shape)
     if counter is not None:
         counter.add(name, x.numel() * x.element_size() * (group.size - 1))

@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.layers.sharding import gather_full, mark_param, shard, stable_seed
+from megalite.parallel.collectives import all_gather_list
 
 
 def padded_index(tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -162,9 +162,7 @@ def gather_expert_full(local: torch.Tensor, param: torch.Tensor, pstate) -> torc
     ep = pstate.ep
     if ep.size == 1:
         return full
-    pieces = [torch.empty_like(full) for _ in range(ep.size)]
-    dist.all_gather(pieces, full.contiguous(), group=ep.group)
-    return torch.cat(pieces, dim=0)
+    return torch.cat(all_gather_list(full, ep), dim=0)
 
 
 def shard_expert_full(full: torch.Tensor, param: torch.Tensor, pstate) -> torch.Tensor:

@@ -22,10 +22,9 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 
-from megalite.optim.comm import all_reduce
 from megalite.optim.data_parallel import is_expert_param
+from megalite.parallel.collectives import ReduceOp, all_reduce
 from megalite.parallel.state import Group, ParallelState
 
 
@@ -70,7 +69,7 @@ def _world_norm(grads: list, ps: ParallelState, norm_type: float) -> float:
     if norm_type == math.inf:
         local = max((g.detach().abs().max().float() for g in grads if g.numel()),
                     default=torch.zeros((), device=device))
-        total = all_reduce(local.reshape(1).clone(), None, dist.ReduceOp.MAX)
+        total = all_reduce(local.reshape(1).clone(), None, ReduceOp.MAX)
         return float(total.item())
     local = torch.zeros(1, dtype=torch.float64, device=device)
     for g in grads:
@@ -114,4 +113,4 @@ def found_non_finite(grads: Iterable[torch.Tensor | None], group: Group | None,
         if g is not None and not torch.isfinite(g).all():
             flag.fill_(1.0)
             break
-    return bool(all_reduce(flag, group, dist.ReduceOp.MAX).item() > 0)
+    return bool(all_reduce(flag, group, ReduceOp.MAX).item() > 0)

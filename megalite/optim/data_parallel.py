@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 
 from megalite.optim.grad_buffer import Bucket, GradBuffer
-from megalite.parallel.grads import all_reduce_coalesced
+from megalite.parallel.collectives import all_reduce_coalesced
 from megalite.parallel.state import ParallelState
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements

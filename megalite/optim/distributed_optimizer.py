@@ -35,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from megalite.config import OptimConfig
 from megalite.optim.clip_grads import clip_coefficient, sharded_grad_norm
@@ -55,9 +54,8 @@ from megalite.optim.optimizer_state import (
     state_keys,
     state_tensor,
 )
+from megalite.parallel import collectives
 from megalite.parallel.state import ParallelState
-
-_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -200,7 +198,7 @@ class DistributedOptimizer(LossScaledOptimizer):
                 full = local
                 if group.size > 1:
                     full = torch.empty(bucket.numel, dtype=torch.float32, device=local.device)
-                    _gather(full, local, group=group.group)
+                    collectives.all_gather_into_tensor(full, local, group)
                 for p, (a, b) in zip(bucket.params, bucket.ranges):
                     out[name_of[id(p)]][key] = full[a:b].view(p.shape).clone()
         return {"step": self.num_steps, "params": out}

@@ -15,7 +15,8 @@ of the group size ``D`` and cut into ``D`` equal shards: rank ``r`` of ``group``
 elements ``[r * N_b / D, (r + 1) * N_b / D)`` of each bucket of ``N_b`` elements.
 
 Collectives of a bucket, all on ``group`` (``ps.dp_cp`` for dense parameters, ``ps.edp``
-for expert parameters), all asynchronous (``start_*`` launches, ``wait_*`` completes):
+for expert parameters), all asynchronous (``start_*`` launches, ``wait_*`` completes), all
+through :mod:`megalite.parallel.collectives`:
 
 - grad sync, plain: ``all_reduce`` (SUM) of the bucket's gradients, in place.
 - grad sync, sharded: ``reduce_scatter`` (SUM) of the bucket's gradients into a fresh
@@ -30,13 +31,9 @@ for expert parameters), all asynchronous (``start_*`` launches, ``wait_*`` compl
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from megalite.parallel import collectives
 from megalite.parallel.state import Group
-
-# torch >= 2.6 renamed the tensor forms; keep the old names as a fallback.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Bucket:
@@ -82,14 +79,13 @@ class Bucket:
         self.grad_sync_launched = True
         if self.group.size == 1:
             return
-        pg = self.group.group
         if self.buffer.sharded:
             self._scattered = torch.empty(self.numel // self.group.size,
                                           dtype=self.grad.dtype, device=self.grad.device)
-            self._grad_work = _reduce_scatter(self._scattered, self.grad, group=pg,
-                                              async_op=True)
+            self._grad_work = collectives.reduce_scatter_tensor(self._scattered, self.grad,
+                                                                self.group, async_op=True)
         else:
-            self._grad_work = dist.all_reduce(self.grad, group=pg, async_op=True)
+            self._grad_work = collectives.all_reduce_async(self.grad, self.group)
 
     def wait_grad_sync(self) -> None:
         """Complete the launched reduction (a no-op if none is in flight)."""
@@ -109,8 +105,8 @@ class Bucket:
             return
         lo, hi = self.shard_range()
         mine = self.param[lo:hi].clone()
-        self._param_work = (_all_gather(self.param, mine, group=self.group.group,
-                                        async_op=True), mine)
+        self._param_work = (collectives.all_gather_into_tensor(self.param, mine, self.group,
+                                                               async_op=True), mine)
 
     def wait_param_sync(self) -> bool:
         """Complete the all-gather; True if one was in flight."""

@@ -1,7 +1,7 @@
 """Autograd-aware collectives for tensor and sequence parallelism.
 
 Every function takes the process group as a :class:`megalite.parallel.state.Group`
-(``pstate.tp`` for tensor/sequence parallelism) and is the identity when the group has
+(``ps.tp`` for tensor/sequence parallelism) and is the identity when the group has
 one member, so single-process code never touches ``torch.distributed``.
 
 Tensor-parallel (TP) regions split the *last* dimension (hidden or vocab); sequence-parallel
@@ -24,21 +24,15 @@ reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0    all-gather d
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-# torch >= 2.10 renamed the single-tensor collectives; keep working on both spellings.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
-                          or dist.reduce_scatter_tensor)
+from megalite.parallel import collectives as C
 
 
-# -- raw collectives (no autograd) -------------------------------------------------------
+# -- raw collectives (no autograd; the bodies live in megalite.parallel.collectives) -----
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group.size == 1:
         return x
-    x = x.contiguous()
-    dist.all_reduce(x, group=group.group)
-    return x
+    return C.all_reduce(x.contiguous(), group)
 
 
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
@@ -50,19 +44,10 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(group.size, dim=-1)[group.rank].contiguous()
 
 
-def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
-    if group.size == 1:
-        return x
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
-    _all_gather_single(out, x, group=group.group)
-    return out
-
-
 def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     if group.size == 1:
         return x
-    stacked = _gather_first(x.unsqueeze(0), group)  # [tp, ..., n/tp]
+    stacked = C.all_gather_dim0(x.unsqueeze(0), group)  # [tp, ..., n/tp]
     return torch.cat(stacked.unbind(0), dim=-1)
 
 
@@ -73,18 +58,6 @@ def _split_first(x: torch.Tensor, group) -> torch.Tensor:
     if size % group.size:
         raise ValueError(f"dim 0 ({size}) is not divisible by the group size {group.size}")
     return x.chunk(group.size, dim=0)[group.rank].contiguous()
-
-
-def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
-    if group.size == 1:
-        return x
-    size = x.shape[0]
-    if size % group.size:
-        raise ValueError(f"dim 0 ({size}) is not divisible by the group size {group.size}")
-    x = x.contiguous()
-    out = x.new_empty((size // group.size, *x.shape[1:]))
-    _reduce_scatter_single(out, x, group=group.group)
-    return out
 
 
 # -- autograd functions ------------------------------------------------------------------
@@ -140,7 +113,7 @@ class _ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_first(grad, ctx.group), None
+        return C.all_gather_dim0(grad, ctx.group), None
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -148,12 +121,12 @@ class _GatherFromSP(torch.autograd.Function):
     def forward(ctx, x, group, tensor_parallel_output_grad):
         ctx.group = group
         ctx.reduce_grad = tensor_parallel_output_grad
-        return _gather_first(x, group)
+        return C.all_gather_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.reduce_grad:
-            return _reduce_scatter_first(grad, ctx.group), None, None
+            return C.reduce_scatter_dim0(grad, ctx.group), None, None
         return _split_first(grad, ctx.group), None, None
 
 
@@ -161,11 +134,11 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_first(x, group)
+        return C.reduce_scatter_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_first(grad, ctx.group), None
+        return C.all_gather_dim0(grad, ctx.group), None
 
 
 # -- public API --------------------------------------------------------------------------

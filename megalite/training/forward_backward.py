@@ -23,10 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from megalite.moe.layer import moe_layers, set_aux_loss_scale
-from megalite.optim.comm import all_reduce
+from megalite.parallel.collectives import all_reduce
 from megalite.pipeline.p2p import PipeComm
 from megalite.pipeline.schedules import ScheduleStats, build_schedule, run_schedule
 
@@ -125,7 +124,7 @@ def forward_backward(c, batches: list[dict], tokens: torch.Tensor, *, train: boo
     run_schedule(steps, forward_step=forward_step, pstate=ps, vpp=vpp, comm=comm,
                  train=train, stats=stats)
     if ps.pp.size > 1:  # only the last stage computed the loss
-        dist.all_reduce(loss_sum, group=ps.pp.group)
+        all_reduce(loss_sum, ps.pp)
     return loss_sum
 
 

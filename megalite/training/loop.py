@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from megalite.checkpoint import CheckpointSaver, save_checkpoint
-from megalite.optim.comm import all_reduce, all_reduce_scalar
+from megalite.parallel.collectives import ReduceOp, all_reduce, all_reduce_scalar
 from megalite.training.forward_backward import RouterLosses, forward_backward
 from megalite.training.metrics import IterationMetrics
 from megalite.training.signals import SignalHandler
@@ -166,7 +165,7 @@ def _exit_reason(c: TrainingComponents, state: TrainState,
         return "signal"
     if t.exit_duration_in_mins is not None:
         minutes = all_reduce_scalar((time.time() - c.start_time) / 60.0, None,
-                                    dist.ReduceOp.MAX, c.ps.device)
+                                    ReduceOp.MAX, c.ps.device)
         if minutes > t.exit_duration_in_mins:
             return "exit-duration"
     if t.exit_interval is not None and state.iteration % t.exit_interval == 0:

@@ -15,10 +15,9 @@ from __future__ import annotations
 import signal
 
 import torch
-import torch.distributed as dist
 from typing_extensions import Self
 
-from megalite.optim.comm import all_reduce_scalar
+from megalite.parallel.collectives import ReduceOp, all_reduce_scalar
 
 
 class SignalHandler:
@@ -48,4 +47,4 @@ class SignalHandler:
         Collective: every rank must call it at the same point when enabled."""
         if not self.enabled:
             return False
-        return all_reduce_scalar(float(self.received), None, dist.ReduceOp.MAX, device) > 0
+        return all_reduce_scalar(float(self.received), None, ReduceOp.MAX, device) > 0

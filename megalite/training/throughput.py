@@ -22,7 +22,7 @@ import time
 import torch
 
 from megalite.optim.clip_grads import counts_in_norm
-from megalite.optim.comm import all_reduce_scalar
+from megalite.parallel.collectives import all_reduce_scalar
 from megalite.parallel.state import ParallelState
 
 # Dense half-precision peaks (FLOP/s) of common accelerators, by substring of the name.
