@@ -13,7 +13,8 @@
 
 Families: GPT-2, Llama (GQA, tied or untied embeddings; megalite rotates in HF's
 rotate-half layout, so q/k need no permutation) and Mixtral (experts stacked ``[E, ...]``;
-hub ``w1/w2/w3`` files or transformers' fused names) -- see megalite.models.hf_mapping.
+hub ``w1/w2/w3`` files or transformers' fused names): one spec each in
+megalite.models.families, which the converter asks for names, configs and architectures.
 
 A megalite checkpoint is layout-free (it reshards on load), so the converter writes one
 weights-only checkpoint (iteration 0) and records the config; the target tensor /
@@ -37,12 +38,10 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import torch
 
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, ParallelConfig
-from megalite.models import hf_mapping
+from megalite.models.families import FamilySpec, family_for_hf, family_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SAFE_INDEX = "model.safetensors.index.json"
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-                 "mixtral": "MixtralForCausalLM"}
 
 
 # -- Hugging Face files ----------------------------------------------------------------------
@@ -102,18 +101,14 @@ def write_hf_weights(state: dict[str, torch.Tensor], directory: str, max_shard: 
     return names
 
 
-def family_of(model_cfg: ModelConfig) -> str:
-    if model_cfg.num_experts is not None:
-        try:
-            hf_mapping.check_mixtral(model_cfg)
-        except ValueError as exc:
-            raise SystemExit(f"no Hugging Face family for this MoE model: {exc}") from None
-        return "mixtral"
-    if model_cfg.position_embedding_type == "rope" and model_cfg.normalization == "RMSNorm":
-        return "llama"
-    if model_cfg.position_embedding_type == "learned_absolute":
-        return "gpt2"
-    raise SystemExit(f"no Hugging Face family for this model ({model_cfg})")
+def unused_hf_tensors(spec: FamilySpec, hf_state: dict[str, torch.Tensor],
+                      full: dict[str, torch.Tensor], model_cfg: ModelConfig) -> list[str]:
+    """Names in ``hf_state`` that converting ``full`` back would not write, in either the
+    in-memory or the hub-file naming, and that are no buffer the family may drop."""
+    in_memory = spec.to_hf(full, model_cfg)
+    written = set(in_memory) | set(spec.to_hub_names(in_memory, model_cfg))
+    return sorted(k for k in set(hf_state) - written
+                  if not k.endswith(spec.ignored_hf_suffixes))
 
 
 # -- flags -------------------------------------------------------------------------------------
@@ -159,12 +154,12 @@ def hf_to_megalite(args) -> None:
 
     hf_cfg = AutoConfig.from_pretrained(args.load_dir)
     try:
-        family, kwargs = hf_mapping.model_config_from_hf(hf_cfg)
+        spec = family_for_hf(getattr(hf_cfg, "model_type", None))
+        kwargs = spec.config_from_hf(hf_cfg)
     except ValueError as exc:
         raise SystemExit(f"cannot convert {args.load_dir}: {exc}") from None
-    if family == "gpt2" and hf_cfg.activation_function != "gelu":
-        print(f"warning: {args.load_dir} uses activation {hf_cfg.activation_function!r}; "
-              "megalite's GPT-2 uses exact GeLU, so logits will differ slightly")
+    for warning in spec.conversion_warnings(hf_cfg):
+        print(f"warning: {args.load_dir}: {warning}")
     cfg = MegaliteConfig(model=ModelConfig(**kwargs), parallel=ParallelConfig(
         tensor_model_parallel_size=args.target_tensor_parallel_size,
         pipeline_model_parallel_size=args.target_pipeline_parallel_size))
@@ -174,17 +169,14 @@ def hf_to_megalite(args) -> None:
     except ConfigError as exc:
         raise SystemExit(f"the target layout does not fit the model: {exc}") from None
     hf_state = read_hf_weights(args.load_dir)
-    full = hf_mapping.from_hf_state_dict(hf_state, cfg.model, family)
-    used = set(hf_mapping.to_hf_state_dict(full, cfg.model, family))
-    hub_moe = ".block_sparse_moe." if family == "mixtral" else None  # read as w1/w2/w3
-    unused = sorted(k for k in set(hf_state) - used if not k.endswith(".attn.bias")
-                    and not (hub_moe and hub_moe in k))
+    full = spec.from_hf(hf_state, cfg.model)
+    unused = unused_hf_tensors(spec, hf_state, full, cfg.model)
     if unused:
         raise SystemExit(f"{len(unused)} tensors of {args.load_dir} have no megalite "
                          f"counterpart, e.g. {unused[:3]}")
     path = save_full_model(cfg, full, args.save_dir)
     flags = training_flags(cfg)
-    print(f"wrote {path} ({family}, {sum(t.numel() for t in full.values()):,} parameters)")
+    print(f"wrote {path} ({spec.name}, {sum(t.numel() for t in full.values()):,} parameters)")
     print("continue training with:\n  pretrain/pretrain_gpt.py " + " ".join(flags)
           + f" --load {args.save_dir} --finetune --save <dir> ...")
 
@@ -193,23 +185,24 @@ def megalite_to_hf(args) -> None:
     from megalite.checkpoint.consolidated import load_full_model
 
     cfg, model = load_full_model(args.load_dir, args.iteration)
-    family = family_of(cfg.model)
-    full = model.full_state_dict()
-    state = hf_mapping.to_hf_state_dict(full, cfg.model, family)
+    try:
+        spec = family_of(cfg.model)
+    except ValueError as exc:
+        raise SystemExit(f"cannot convert {args.load_dir}: {exc}") from None
+    state = spec.to_hf(model.full_state_dict(), cfg.model)
     if not cfg.model.untie_embeddings_and_output_weights:
         state.pop("lm_head.weight", None)   # tied: transformers re-ties it on load
-    if family == "mixtral":                 # per-expert w1/w2/w3, as save_pretrained writes
-        state = hf_mapping.mixtral_to_hub_names(state, cfg.model)
+    state = spec.to_hub_names(state, cfg.model)  # the names save_pretrained writes
     dtype = DTYPES[args.dtype]
     state = {k: v.to(dtype) for k, v in state.items()}
     os.makedirs(args.save_dir, exist_ok=True)
     files = write_hf_weights(state, args.save_dir, parse_size(args.max_shard_size))
-    hf_cfg = hf_mapping.hf_config(cfg.model, family)
-    hf_cfg.architectures = [ARCHITECTURES[family]]
+    hf_cfg = spec.hf_config(cfg.model)
+    hf_cfg.architectures = [spec.hf_architecture]
     hf_cfg.dtype = str(dtype).removeprefix("torch.")
     hf_cfg.save_pretrained(args.save_dir)
     print(f"wrote {args.save_dir}: config.json + {len(files)} safetensors file(s) "
-          f"({family}, {args.dtype})")
+          f"({spec.name}, {args.dtype})")
 
 
 def megalite_to_consolidated(args) -> None:

@@ -12,18 +12,17 @@ import torch
 from safetensors.torch import load_file
 
 from megalite.checkpoint.consolidated import load_full_model
-from megalite.models import hf_mapping
+from megalite.models.families import get_family
 from megalite.parallel.state import ParallelState
 from megalite.training.build import build_components
 from megalite.training.loop import train
 from tests.training.common import REPO, run_training, tiny_config
 
 VOCAB = 61  # tiny_config's NullTokenizer: vocab_size 60 + 1
-LLAMA = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
-         "group_query_attention": True, "num_query_groups": 4, "ffn_hidden_size": 96,
-         "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
-         "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
-MIXTRAL = dict(LLAMA, num_experts=4, moe_router_topk=2)
+LLAMA = {**get_family("llama").defaults, "num_layers": 2, "hidden_size": 64,
+         "num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 4,
+         "ffn_hidden_size": 96}
+MIXTRAL = {**get_family("mixtral").defaults, **LLAMA, "num_experts": 4, "moe_router_topk": 2}
 FAMILY_MODEL = {"gpt2": {}, "llama": LLAMA, "mixtral": MIXTRAL}
 FAMILIES = list(FAMILY_MODEL)
 
@@ -138,7 +137,7 @@ def test_converted_hf_model_continues_training(tmp_path):
     cfg = tiny_config(model=LLAMA, train={"train_iters": 3},
                       checkpoint={"load": conv, "finetune": True, "save": str(tmp_path / "c")})
     c = build_components(cfg, ParallelState.build(cfg.parallel), peak_probe_seconds=0.01)
-    want = hf_mapping.from_hf_state_dict(hf.state_dict(), c.cfg.model, "llama")
+    want = get_family("llama").from_hf(hf.state_dict(), c.cfg.model)
     for name, tensor in c.model.full_state_dict().items():
         assert torch.equal(tensor, want[name]), name
     result = train(c)

@@ -5,31 +5,39 @@ from __future__ import annotations
 import torch
 
 from megalite.config import ModelConfig
+from megalite.models.families import get_family
 
 VOCAB = 50  # padded to 56 at tp=1 and 64 at tp=2/4 (make_vocab_size_divisible_by=8)
+TINY = {"seq_length": 16, "vocab_size": VOCAB, "make_vocab_size_divisible_by": 8,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0, "attention_backend": "sdpa"}
+
+
+def tiny_config(family: str, sizes: dict, overrides: dict) -> ModelConfig:
+    """The family's defaults (its spec's) + the tiny run settings + ``sizes`` + overrides."""
+    return ModelConfig(**{**get_family(family).defaults, **TINY, **sizes, **overrides})
 
 
 def gpt2_config(**overrides) -> ModelConfig:
-    kw = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
-              "vocab_size": VOCAB, "make_vocab_size_divisible_by": 8, "hidden_dropout": 0.0,
-              "attention_dropout": 0.0, "attention_backend": "sdpa"}
-    kw.update(overrides)
-    return ModelConfig(**kw)
+    return tiny_config("gpt2", {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4},
+                       overrides)
 
 
 def llama_config(**overrides) -> ModelConfig:
-    kw = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
-          "group_query_attention": True, "num_query_groups": 4, "ffn_hidden_size": 96,
-          "seq_length": 16, "vocab_size": VOCAB,
-              "make_vocab_size_divisible_by": 8, "normalization": "RMSNorm", "swiglu": True,
-              "position_embedding_type": "rope", "rotary_base": 10000.0, "add_bias_linear": False,
-              "untie_embeddings_and_output_weights": True, "hidden_dropout": 0.0,
-              "attention_dropout": 0.0, "attention_backend": "sdpa"}
-    kw.update(overrides)
-    return ModelConfig(**kw)
+    """GQA (8 heads, 4 groups), untied, RoPE base 10000."""
+    return tiny_config("llama", {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+                                 "group_query_attention": True, "num_query_groups": 4,
+                                 "ffn_hidden_size": 96}, overrides)
 
 
-FAMILIES = {"gpt2": gpt2_config, "llama": llama_config}
+def mixtral_config(**overrides) -> ModelConfig:
+    """Llama's settings plus 4 experts with softmax top-2 routing."""
+    return tiny_config("mixtral", {"num_layers": 2, "hidden_size": 32,
+                                   "num_attention_heads": 4, "group_query_attention": True,
+                                   "num_query_groups": 2, "ffn_hidden_size": 24,
+                                   "num_experts": 4, "moe_router_topk": 2}, overrides)
+
+
+FAMILIES = {"gpt2": gpt2_config, "llama": llama_config}  # the dense ones; mixtral on its own
 
 
 def single_process_state():

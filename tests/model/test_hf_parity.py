@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megalite.models import hf_mapping
+from megalite.models.families import get_family
 from megalite.models.gpt import GPTModel
 from megalite.parallel.mappings import gather_from_tensor_model_parallel_region
 from tests.distributed.harness import parallel_state, run_distributed
@@ -29,15 +29,15 @@ def _random_weights(model, seed=7):
 
 def _hf_reference(family):
     """(model config, our full state dict, HF logits [b, s, vocab], input ids)."""
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    import transformers
 
-    cfg = FAMILIES[family]()
+    spec, cfg = get_family(family), FAMILIES[family]()
     ours = GPTModel(cfg, single_process_state(), seed=1)
     state = _random_weights(ours)
-    hcfg = hf_mapping.hf_config(cfg, family)
+    hcfg = spec.hf_config(cfg)
     hcfg._attn_implementation = "eager"
-    hf = (GPT2LMHeadModel if family == "gpt2" else LlamaForCausalLM)(hcfg).eval()
-    result = hf.load_state_dict(hf_mapping.to_hf_state_dict(state, cfg, family), strict=False)
+    hf = getattr(transformers, spec.hf_architecture)(hcfg).eval()
+    result = hf.load_state_dict(spec.to_hf(state, cfg), strict=False)
     assert not result.unexpected_keys and not result.missing_keys, result
     ids, _ = batch(cfg)
     with torch.no_grad():
@@ -53,8 +53,8 @@ def references():
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_state_dict_round_trip(references, family):
     cfg, state, _, _ = references[family]
-    back = hf_mapping.from_hf_state_dict(hf_mapping.to_hf_state_dict(state, cfg, family),
-                                         cfg, family)
+    spec = get_family(family)
+    back = spec.from_hf(spec.to_hf(state, cfg), cfg)
     assert sorted(back) == sorted(state)
     assert all(torch.equal(back[k], state[k]) for k in state)
 

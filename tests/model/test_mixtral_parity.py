@@ -6,30 +6,16 @@ import pytest
 import torch
 
 from megalite.config import ModelConfig
-from megalite.models import hf_mapping
+from megalite.models.families import family_for_hf, get_family
 from megalite.models.gpt import GPTModel
 from megalite.parallel.mappings import gather_from_tensor_model_parallel_region
 from tests.distributed.harness import parallel_state, run_distributed
-from tests.model.common import VOCAB, batch, single_process_state
+from tests.layouts import layouts
+from tests.model.common import batch, mixtral_config, single_process_state
 
 TOL = 1e-4
-# (tp, sequence_parallel, ep, etp) on 4 ranks; dp = 4 / tp
-LAYOUTS = [(2, False, 2, 2), (2, True, 2, 1), (1, False, 4, 1), (1, False, 2, 1)]
-
-
-def mixtral_config(**overrides) -> ModelConfig:
-    """The Mixtral flag set: Llama's (RMSNorm, SwiGLU, RoPE, GQA, untied, no biases) plus
-    experts with softmax top-k routing."""
-    kw = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
-          "group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 24,
-          "seq_length": 16, "vocab_size": VOCAB, "make_vocab_size_divisible_by": 8,
-          "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
-          "rotary_base": 10000.0, "add_bias_linear": False,
-          "untie_embeddings_and_output_weights": True, "hidden_dropout": 0.0,
-          "attention_dropout": 0.0, "attention_backend": "sdpa",
-          "num_experts": 4, "moe_router_topk": 2, "moe_router_score_function": "softmax"}
-    kw.update(overrides)
-    return ModelConfig(**kw)
+LAYOUTS = layouts("mixtral")   # tp x sp x ep x etp on 4 ranks (tests/layouts.py)
+MIXTRAL = get_family("mixtral")
 
 
 def _random_weights(model, seed=7):
@@ -49,10 +35,10 @@ def reference():
 
     cfg = mixtral_config()
     state = _random_weights(GPTModel(cfg, single_process_state(), seed=1))
-    hcfg = hf_mapping.hf_config(cfg, "mixtral")
+    hcfg = MIXTRAL.hf_config(cfg)
     hcfg._attn_implementation = "eager"
     hf = MixtralForCausalLM(hcfg).eval()
-    hf_state = hf_mapping.to_hf_state_dict(state, cfg, "mixtral")
+    hf_state = MIXTRAL.to_hf(state, cfg)
     hf.load_state_dict(hf_state, strict=True)
     ids, _ = batch(cfg)
     with torch.no_grad():
@@ -62,7 +48,7 @@ def reference():
 
 def test_state_dict_round_trips(reference):
     cfg, state, hf_state, _, _ = reference
-    back = hf_mapping.from_hf_state_dict(hf_state, cfg, "mixtral")
+    back = MIXTRAL.from_hf(hf_state, cfg)
     assert sorted(back) == sorted(state)
     assert all(torch.equal(back[k], state[k]) for k in state)
     # hub checkpoint files: block_sparse_moe.gate and experts.<j>.w1 / w2 / w3 [out, in]
@@ -77,24 +63,26 @@ def test_state_dict_round_trips(reference):
             hub[f"{moe}experts.{j}.w1.weight"] = gate_up[:f]
             hub[f"{moe}experts.{j}.w3.weight"] = gate_up[f:]
             hub[f"{moe}experts.{j}.w2.weight"] = down
-    back = hf_mapping.from_hf_state_dict(hub, cfg, "mixtral")
+    assert MIXTRAL.to_hub_names(hf_state, cfg).keys() == hub.keys()
+    back = MIXTRAL.from_hf(hub, cfg)
     assert sorted(back) == sorted(state)
     assert all(torch.equal(back[k], state[k]) for k in state)
 
 
 def test_config_round_trip_and_refusals(reference):
     cfg = reference[0]
-    family, kwargs = hf_mapping.model_config_from_hf(hf_mapping.hf_config(cfg, "mixtral"))
-    assert family == "mixtral"
+    hcfg = MIXTRAL.hf_config(cfg)
+    assert family_for_hf(hcfg.model_type) is MIXTRAL
+    kwargs = MIXTRAL.config_from_hf(hcfg)
     again = ModelConfig(**{**kwargs, "seq_length": cfg.seq_length})
     for name in ("num_layers", "hidden_size", "num_query_groups", "kv_channels",
                  "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "rotary_base",
                  "untie_embeddings_and_output_weights", "add_bias_linear", "swiglu"):
         assert getattr(again, name) == getattr(cfg, name), name
     with pytest.raises(ValueError, match="moe-router-score-function sigmoid"):
-        hf_mapping.hf_config(mixtral_config(moe_router_score_function="sigmoid"), "mixtral")
+        MIXTRAL.hf_config(mixtral_config(moe_router_score_function="sigmoid"))
     with pytest.raises(ValueError, match="moe-layer-freq 2"):
-        hf_mapping.to_hf_state_dict({}, mixtral_config(moe_layer_freq=2), "mixtral")
+        MIXTRAL.to_hf({}, mixtral_config(moe_layer_freq=2))
 
 
 def test_logits_match_transformers_tp1(reference):
@@ -108,11 +96,9 @@ def test_logits_match_transformers_tp1(reference):
 
 def _layouts_body(rank, world_size, cfg, state, want, ids):
     out = []
-    for tp, sp, ep, etp in LAYOUTS:
-        with parallel_state(tensor_model_parallel_size=tp, sequence_parallel=sp,
-                            expert_model_parallel_size=ep,
-                            expert_tensor_parallel_size=etp) as ps:
-            model = GPTModel(cfg, ps, sequence_parallel=sp, seed=1).eval()
+    for layout in LAYOUTS:
+        with parallel_state(**layout.parallel) as ps:
+            model = GPTModel(cfg, ps, sequence_parallel=layout.get("sp"), seed=1).eval()
             model.load_full_state_dict(state)
             local_experts = model.decoder.layers["0"].mlp.experts.fc1.shape[0]
             full = model.full_state_dict()  # gathers experts over etp and ep
@@ -127,8 +113,7 @@ def _layouts_body(rank, world_size, cfg, state, want, ids):
 def test_logits_match_transformers_tp_ep(reference):
     cfg, state, _, want, ids = reference
     for rank_out in run_distributed(4, _layouts_body, cfg, state, want, ids):
-        for (tp, sp, ep, etp), (local_experts, same, diff) in zip(LAYOUTS, rank_out):
-            layout = dict(tp=tp, sp=sp, ep=ep, etp=etp)
-            assert local_experts == cfg.num_experts // ep, layout
-            assert same, layout
-            assert diff < TOL, (layout, diff)
+        for layout, (local_experts, same, diff) in zip(LAYOUTS, rank_out):
+            assert local_experts == cfg.num_experts // layout.get("ep"), layout.name
+            assert same, layout.name
+            assert diff < TOL, (layout.name, diff)

@@ -1,0 +1,86 @@
+"""What a model family is: :class:`FamilySpec`, the base class of every family's spec.
+
+A spec answers, for one Hugging Face architecture: which ``ModelConfig`` settings make the
+family (``defaults``), whether a given model belongs to it (``problems`` / ``matches``),
+how the tensors are named (``name_table``), and how the two configs translate
+(``hf_config`` / ``config_from_hf``). State dicts are *full* (unsharded), as from
+``GPTModel.full_state_dict()``; ``GPTModel.load_full_state_dict`` shards them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from megalite.models.families.names import NameTable
+
+
+class FamilySpec:
+    """One model family. Subclasses set the class attributes and implement ``problems``,
+    ``name_table``, ``hf_config`` and ``config_from_hf``; the rest has working defaults.
+    """
+
+    name: str                     # megalite's name for it: "llama"
+    hf_model_type: str            # transformers' ``config.model_type``: "llama"
+    hf_architecture: str          # transformers' class, in config.json: "LlamaForCausalLM"
+    defaults: Mapping[str, Any]   # ModelConfig fields that make the family (sizes aside)
+    # Hugging Face tensors with no megalite counterpart that a conversion may drop
+    # (buffers some checkpoints store, e.g. GPT-2's causal mask ``.attn.bias``)
+    ignored_hf_suffixes: tuple[str, ...] = ()
+
+    # -- which models --------------------------------------------------------------------
+    def problems(self, model_cfg) -> list[str]:
+        """What keeps ``model_cfg`` from being a model of this family (empty: nothing)."""
+        raise NotImplementedError
+
+    def matches(self, model_cfg) -> bool:
+        return not self.problems(model_cfg)
+
+    def check(self, model_cfg) -> None:
+        """Raise ``ValueError`` naming every problem unless ``model_cfg`` fits the family."""
+        found = self.problems(model_cfg)
+        if found:
+            raise ValueError(f"not a {self.name} model: {'; '.join(found)}")
+
+    # -- tensors -------------------------------------------------------------------------
+    def name_table(self, model_cfg) -> NameTable:
+        raise NotImplementedError
+
+    def to_hf(self, state: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
+        """Our full state dict -> the ``hf_architecture`` class's state dict (its
+        ``load_state_dict`` names)."""
+        self.check(model_cfg)
+        return self.name_table(model_cfg).to_hf(state, model_cfg.num_layers)
+
+    def from_hf(self, hf_state: dict[str, torch.Tensor], model_cfg
+                ) -> dict[str, torch.Tensor]:
+        """A Hugging Face state dict -> our full state dict. Tensors our configuration does
+        not use (e.g. biases under --disable-bias-linear) must be absent from ``hf_state``."""
+        self.check(model_cfg)
+        return self.name_table(model_cfg).from_hf(hf_state, model_cfg.num_layers)
+
+    def to_hub_names(self, hf_state: dict[str, torch.Tensor], model_cfg
+                     ) -> dict[str, torch.Tensor]:
+        """:meth:`to_hf`'s in-memory names -> the names ``save_pretrained`` writes to
+        checkpoint files, where they differ (Mixtral's experts); :meth:`from_hf` reads
+        both."""
+        return hf_state
+
+    # -- configs -------------------------------------------------------------------------
+    def hf_config(self, model_cfg):
+        """A ``transformers`` config equivalent to ``model_cfg`` (imported lazily)."""
+        raise NotImplementedError
+
+    def config_from_hf(self, hf_cfg) -> dict[str, Any]:
+        """``ModelConfig`` keyword arguments for a ``transformers`` config. Raises
+        ``ValueError`` for what megalite cannot represent."""
+        raise NotImplementedError
+
+    def conversion_warnings(self, hf_cfg) -> list[str]:
+        """Differences :meth:`config_from_hf` accepts but that change the logits slightly."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
