@@ -10,6 +10,7 @@ blending and data-parallel sampling.
     builder.py          build_datasets(data_cfg, tokenizer, seq_length, seed, num_samples)
     samplers.py         PretrainingSampler, build_data_loader
     bundled.py          ensure_bundled_dataset(), BUNDLED_TOKENIZER_MODEL
+    cache_dirs.py       where run-time caches go (the user cache dir, never the source tree)
 
 Submodules are imported on first use, so tools that only tokenize do not import torch.
 """

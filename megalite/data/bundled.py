@@ -5,15 +5,20 @@
 
 ``data/kjv_text_document.bin/.idx`` ship preprocessed with the bundled tokenizer as
 ``GPTSentencePieceTokenizer`` (eod = eos = 2, vocab 8000). Other tokenizer types (whose
-eod id differs) or an explicit ``cache_dir`` get their own copy, made on first use in
-``data/cache/`` (or ``cache_dir``) and reused afterwards.
+eod id differs) or an explicit ``cache_dir`` (such as a run's ``--data-cache-path``) get
+their own copy, made on first use and reused afterwards: in ``cache_dir``, else in
+``<user cache dir>/bundled`` (``$MEGALITE_CACHE_DIR``, ``$XDG_CACHE_HOME/megalite`` or
+``~/.cache/megalite``; see :mod:`megalite.data.cache_dirs`). Nothing is written under
+``data/``, which may be read-only or part of an installed package.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
+from megalite.data.cache_dirs import user_cache_dir
 from megalite.data.indexed_dataset import exists
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
@@ -21,14 +26,19 @@ BUNDLED_CORPUS = str(DATA_DIR / "kjv.jsonl.gz")
 BUNDLED_TOKENIZER_MODEL = str(DATA_DIR / "kjv_bpe_8k.model")
 BUNDLED_TOKENIZER_TYPE = "GPTSentencePieceTokenizer"
 BUNDLED_PREFIX = str(DATA_DIR / "kjv_text_document")  # shipped, made as BUNDLED_TOKENIZER_TYPE
-DEFAULT_CACHE_DIR = str(DATA_DIR / "cache")
+
+
+def bundled_cache_dir() -> str:
+    """Where other tokenizations of the corpus go by default: ``<user cache dir>/bundled``."""
+    return os.path.join(user_cache_dir(), "bundled")
 
 
 def ensure_bundled_dataset(cache_dir: str | None = None,
                            tokenizer_type: str = BUNDLED_TOKENIZER_TYPE) -> str:
     """The prefix of the bundled corpus tokenized with the bundled model as ``tokenizer_type``
     (``GPTSentencePieceTokenizer`` or ``SentencePieceTokenizer``), preprocessing it first if
-    needed (about a second). Safe to call from several processes at once."""
+    needed (about a second) into ``cache_dir`` or :func:`bundled_cache_dir`. Safe to call
+    from several processes at once."""
     if tokenizer_type not in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer"):
         raise ValueError(f"the bundled tokenizer is a SentencePiece model; tokenizer_type "
                          f"{tokenizer_type!r} cannot use it")
@@ -38,8 +48,9 @@ def ensure_bundled_dataset(cache_dir: str | None = None,
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: bundled file missing (regenerate with "
                                     "data/make_corpus.sh)")
-    cache_dir = cache_dir or DEFAULT_CACHE_DIR
-    output = os.path.join(cache_dir, f"kjv_{tokenizer_type}")
+    cache_dir = cache_dir or bundled_cache_dir()
+    # One user cache serves every checkout and version: name the copy after its inputs.
+    output = os.path.join(cache_dir, f"kjv_{tokenizer_type}_{_inputs_digest()}")
     prefix = f"{output}_text_document"
     if not exists(prefix):
         from megalite.data.preprocess import PreprocessOptions, preprocess
@@ -49,3 +60,12 @@ def ensure_bundled_dataset(cache_dir: str | None = None,
             tokenizer_model=BUNDLED_TOKENIZER_MODEL, append_eod=True, log_interval=0,
             strict=True))
     return prefix
+
+
+def _inputs_digest() -> str:
+    """8 hex digits of an md5 over the corpus and the tokenizer model (a few ms)."""
+    digest = hashlib.md5()
+    for path in (BUNDLED_CORPUS, BUNDLED_TOKENIZER_MODEL):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:8]

@@ -2,10 +2,11 @@
 
 A :class:`GPTDataset` exposes one split (a contiguous range of documents) of a ``.bin/.idx``
 as ``num_samples`` (or one epoch of) fixed-length samples. The three index arrays that
-define it (see :mod:`megalite.data.indices`) are built once, saved atomically next to the
-data (``<data dir>/cache/GPTDataset_indices/``) or in ``--data-cache-path`` under a name
-holding an md5 of every parameter they depend on, and memory-mapped back by later runs and
-by the other ranks.
+define it (see :mod:`megalite.data.indices`) are built once, saved atomically in
+``--data-cache-path`` or else next to the data (``<data dir>/cache/GPTDataset_indices/``;
+the user cache directory for data inside megalite's own tree, see
+:mod:`megalite.data.cache_dirs`) under a name holding an md5 of every parameter they depend
+on, and memory-mapped back by later runs and by the other ranks.
 
 Each item is a dict of torch tensors, ``s = seq_length``:
     tokens        int64   [s]  input ids
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megalite.data.cache_dirs import default_index_cache_dir
 from megalite.data.indices import build_gpt_indices
 
 logger = logging.getLogger(__name__)
@@ -98,8 +100,7 @@ class GPTDataset(torch.utils.data.Dataset):
     def _cache_paths(self) -> dict | None:
         if self.prefix is None:
             return None
-        cache_dir = self.config.cache_dir or os.path.join(
-            os.path.dirname(os.path.abspath(self.prefix)), "cache", "GPTDataset_indices")
+        cache_dir = self.config.cache_dir or default_index_cache_dir(self.prefix)
         base = os.path.join(cache_dir, f"{self.description_hash}-{type(self).__name__}-"
                                        f"{self.split_name}")
         return {name: f"{base}-{name}.npy"

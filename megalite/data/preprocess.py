@@ -199,6 +199,8 @@ def count_lines(path: str) -> int:
 
 
 class Stats:
+    """Counts of one run: documents, lines, bytes, tokens per key, skipped and blank lines."""
+
     def __init__(self, keys) -> None:
         self.docs = 0
         self.lines = 0
@@ -212,6 +214,45 @@ class Stats:
     def rates(self) -> tuple[float, float]:
         elapsed = max(time.time() - self.start, 1e-9)
         return self.docs / elapsed, self.bytes / elapsed / 1e6
+
+    def add_chunk(self, encoded, writers: dict, strict_input: str | None) -> int:
+        """Write the chunk's documents and count every line; returns the new documents.
+
+        ``strict_input``: the input's path under ``--strict`` (the first skipped line
+        raises :class:`PreprocessError`), else None (skipped lines are counted, the line
+        numbers of the first five kept per reason).
+        """
+        docs_before = self.docs
+        for number, nbytes, status, payload in encoded:
+            self.lines += 1
+            self.bytes += nbytes
+            if status == "ok":
+                for key, (tokens, lengths) in payload.items():
+                    writers[key].add_document(tokens, lengths)
+                    self.tokens[key] += len(tokens)
+                self.docs += 1
+            elif status == "blank":
+                self.blank += 1
+            else:
+                self._skip(number, *payload, strict_input)
+        return self.docs - docs_before
+
+    def _skip(self, number: int, reason: str, detail: str, strict_input: str | None) -> None:
+        if strict_input is not None:
+            raise PreprocessError(
+                f"{strict_input}: line {number}: {reason}"
+                f"{f' ({detail})' if detail else ''}; stopping (--strict), no output written")
+        self.skipped[reason] += 1
+        if len(self.skipped_lines[reason]) < 5:
+            self.skipped_lines[reason].append(number)
+
+    def summary(self, outputs: dict, dtype) -> dict:
+        docs_per_s, mb_per_s = self.rates()
+        return {"documents": self.docs, "lines": self.lines, "bytes": self.bytes,
+                "tokens": dict(self.tokens), "skipped": dict(self.skipped),
+                "skipped_lines": dict(self.skipped_lines), "blank_lines": self.blank,
+                "seconds": time.time() - self.start, "docs_per_s": docs_per_s,
+                "mb_per_s": mb_per_s, "outputs": outputs, "dtype": dtype.name}
 
 
 def _run_pool(args, encoder_args, chunks):
@@ -253,99 +294,129 @@ def _run_pool(args, encoder_args, chunks):
 
 def preprocess(args: PreprocessOptions) -> dict:
     """Run the conversion; returns the summary numbers. Raises PreprocessError."""
+    dtype = optimal_dtype(_load_tokenizer(args).vocab_size)
+    chunks = read_chunks(args.input, partition_boundaries(args))
+    outputs = PartitionedOutputs(args, dtype)
+    stats = Stats(args.json_keys)
+    progress = Progress(args.log_interval)
+    encoder_args = (tokenizer_spec(args), args.json_keys, args.split_sentences,
+                    args.keep_newlines, args.append_eod)
+    encoded_chunks = _run_pool(args, encoder_args, chunks)
+    try:
+        for part, encoded in encoded_chunks:
+            new_docs = stats.add_chunk(encoded, outputs.writers_for(part),
+                                       args.input if args.strict else None)
+            progress.advance(new_docs, stats)
+        outputs.finish()
+    except BaseException:
+        encoded_chunks.close()  # stops the worker pool now, not when garbage collected
+        outputs.abort()
+        raise
+    finally:
+        progress.close()
+    return stats.summary(outputs.final, dtype)
+
+
+def _load_tokenizer(args: PreprocessOptions):
     if not os.path.isfile(args.input):
         raise PreprocessError(f"{args.input}: input file not found")
     try:
-        tokenizer = create_tokenizer(**tokenizer_spec(args))
+        return create_tokenizer(**tokenizer_spec(args))
     except TokenizerError as e:
         raise PreprocessError(str(e)) from None
-    dtype = optimal_dtype(tokenizer.vocab_size)
-    level = "sentence" if args.split_sentences else "document"
-    outputs = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
 
-    boundaries: list[int] = []
-    if args.partitions > 1:
-        total = count_lines(args.input)
-        boundaries = [1 + total * p // args.partitions for p in range(1, args.partitions)]
-    part_prefix = (lambda key, p: outputs[key] if args.partitions == 1
-                   else f"{outputs[key]}.part{p}-of-{args.partitions}")
 
-    stats = Stats(args.json_keys)
-    writers: dict = {}
-    written_parts: list[str] = []
-    encoder_args = (tokenizer_spec(args), args.json_keys, args.split_sentences,
-                    args.keep_newlines, args.append_eod)
-    bar = None
-    if args.log_interval > 0:
-        from tqdm import tqdm
+def partition_boundaries(args: PreprocessOptions) -> list[int]:
+    """First line numbers (1-based) of partitions 1..P-1: equal shares of the input lines."""
+    if args.partitions <= 1:
+        return []
+    total = count_lines(args.input)
+    return [1 + total * p // args.partitions for p in range(1, args.partitions)]
 
-        bar = tqdm(unit=" docs", desc="preprocess", file=sys.stderr, mininterval=0.5,
-                   dynamic_ncols=True)
-    current_part, last_log = -1, 0
-    encoded_chunks = _run_pool(args, encoder_args, read_chunks(args.input, boundaries))
-    try:
-        for part, encoded in encoded_chunks:
-            if part != current_part:
-                for writer in writers.values():
-                    writer.finalize()
-                writers = {key: IndexedDatasetWriter(part_prefix(key, part), dtype)
-                           for key in args.json_keys}
-                written_parts.extend(part_prefix(key, part) for key in args.json_keys)
-                current_part = part
-            docs_before = stats.docs
-            for number, nbytes, status, payload in encoded:
-                stats.lines += 1
-                stats.bytes += nbytes
-                if status == "ok":
-                    for key, (tokens, lengths) in payload.items():
-                        writers[key].add_document(tokens, lengths)
-                        stats.tokens[key] += len(tokens)
-                    stats.docs += 1
-                elif status == "blank":
-                    stats.blank += 1
-                else:
-                    reason, detail = payload
-                    if args.strict:
-                        raise PreprocessError(
-                            f"{args.input}: line {number}: {reason}"
-                            f"{f' ({detail})' if detail else ''}; stopping (--strict), no "
-                            "output written")
-                    stats.skipped[reason] += 1
-                    if len(stats.skipped_lines[reason]) < 5:
-                        stats.skipped_lines[reason].append(number)
-            if bar is not None:
-                bar.update(stats.docs - docs_before)
-                if stats.docs - last_log >= args.log_interval:
-                    last_log = stats.docs
-                    bar.set_postfix_str(f"{stats.rates()[1]:.2f} MB/s", refresh=False)
-        if not writers:  # empty input: still produce (empty) datasets
-            writers = {key: IndexedDatasetWriter(part_prefix(key, 0), dtype)
-                       for key in args.json_keys}
-            written_parts.extend(part_prefix(key, 0) for key in args.json_keys)
-        for writer in writers.values():
+
+class PartitionedOutputs:
+    """The writers of the partition being filled, and the datasets written so far.
+
+    With ``partitions == 1`` each key is written straight to its final prefix; otherwise
+    to ``<final>.part<p>-of-<P>`` files that :meth:`finish` merges and removes.
+    """
+
+    def __init__(self, args: PreprocessOptions, dtype) -> None:
+        level = "sentence" if args.split_sentences else "document"
+        self.keys = list(args.json_keys)
+        self.final = {key: f"{args.output_prefix}_{key}_{level}" for key in self.keys}
+        self.partitions = args.partitions
+        self.dtype = dtype
+        self.writers: dict = {}
+        self.written: list[str] = []
+        self.part = -1
+
+    def prefix(self, key: str, part: int) -> str:
+        if self.partitions == 1:
+            return self.final[key]
+        return f"{self.final[key]}.part{part}-of-{self.partitions}"
+
+    def writers_for(self, part: int) -> dict:
+        """{key: writer} of ``part``; the previous partition's writers are finalized."""
+        if part != self.part:
+            for writer in self.writers.values():
+                writer.finalize()
+            self._open(part)
+        return self.writers
+
+    def _open(self, part: int) -> None:
+        self.writers = {key: IndexedDatasetWriter(self.prefix(key, part), self.dtype)
+                        for key in self.keys}
+        self.written.extend(self.prefix(key, part) for key in self.keys)
+        self.part = part
+
+    def finish(self) -> None:
+        """Finalize the last partition (an empty input still gives empty datasets) and
+        merge the partitions into the final outputs."""
+        if not self.writers:
+            self._open(0)
+        for writer in self.writers.values():
             writer.finalize()
-        if args.partitions > 1:
-            for key in args.json_keys:
-                parts = [part_prefix(key, p) for p in range(args.partitions)
-                         if part_prefix(key, p) in written_parts]
-                merge_datasets(parts, outputs[key])
-            _remove_datasets(written_parts)
-    except BaseException:
-        encoded_chunks.close()  # stops the worker pool now, not when garbage collected
-        for writer in writers.values():
+        if self.partitions > 1:
+            for key in self.keys:
+                parts = [self.prefix(key, p) for p in range(self.partitions)
+                         if self.prefix(key, p) in self.written]
+                merge_datasets(parts, self.final[key])
+            _remove_datasets(self.written)
+
+    def abort(self) -> None:
+        """Drop the open writers' temporary files and every partition written."""
+        for writer in self.writers.values():
             writer.abort()
-        if args.partitions > 1:
-            _remove_datasets(written_parts)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-    docs_per_s, mb_per_s = stats.rates()
-    return {"documents": stats.docs, "lines": stats.lines, "bytes": stats.bytes,
-            "tokens": dict(stats.tokens), "skipped": dict(stats.skipped),
-            "skipped_lines": dict(stats.skipped_lines), "blank_lines": stats.blank,
-            "seconds": time.time() - stats.start, "docs_per_s": docs_per_s,
-            "mb_per_s": mb_per_s, "outputs": outputs, "dtype": dtype.name}
+        if self.partitions > 1:
+            _remove_datasets(self.written)
+
+
+class Progress:
+    """A tqdm bar of documents on stderr with the MB/s rate refreshed every
+    ``log_interval`` documents; nothing at all with ``log_interval == 0``."""
+
+    def __init__(self, log_interval: int) -> None:
+        self.log_interval = log_interval
+        self.last_log = 0
+        self.bar = None
+        if log_interval > 0:
+            from tqdm import tqdm
+
+            self.bar = tqdm(unit=" docs", desc="preprocess", file=sys.stderr,
+                            mininterval=0.5, dynamic_ncols=True)
+
+    def advance(self, new_docs: int, stats: Stats) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(new_docs)
+        if stats.docs - self.last_log >= self.log_interval:
+            self.last_log = stats.docs
+            self.bar.set_postfix_str(f"{stats.rates()[1]:.2f} MB/s", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _remove_datasets(prefixes) -> None:

@@ -14,6 +14,13 @@ world group and ``torch.set_num_threads(1)``, waiting for test bodies.
     def test_something():
         results = run_distributed(4, _body, 3)   # list of 4 return values, by rank
 
+Each body starts from the same state, whatever the previous body on that rank did:
+seeds 0 (torch, numpy, random), default dtype float32, one thread, grad mode on,
+deterministic-algorithm flags, environment variables and working directory as after
+start-up, and no process group but the world (leftover groups are destroyed). The ranks
+meet on a store the pytest process serves on a port the OS picked
+(:mod:`megalite.parallel.rendezvous`), so two pools never race for one port.
+
 A rank that raises makes ``run_distributed`` raise :class:`DistributedTestError` with
 every failing rank's traceback. A body that does not finish within ``timeout`` seconds
 fails the test and the pool is killed (and rebuilt for the next test), so a hang in one
@@ -24,10 +31,10 @@ may be stuck in a collective.
 from __future__ import annotations
 
 import atexit
+import datetime
 import itertools
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -35,6 +42,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from megalite.parallel.rendezvous import LocalRendezvous, init_world
 
 DEFAULT_TIMEOUT = float(os.environ.get("MEGALITE_TEST_TIMEOUT", "240"))
 _ERROR_GRACE_SECONDS = 5.0
@@ -44,31 +53,65 @@ class DistributedTestError(AssertionError):
     """One or more ranks raised, or the body timed out."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class _CleanState:
+    """The per-process state a test body may change, as captured once after start-up, and
+    put back before every body (see the module docstring)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.dtype = torch.get_default_dtype()
+        self.device = torch.get_default_device()
+        self.deterministic = (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled())
+        self.cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+
+    def restore(self) -> None:
+        import random
+
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        if dict(os.environ) != self.environ:
+            os.environ.clear()
+            os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        torch.set_default_dtype(self.dtype)
+        if torch.get_default_device() != self.device:
+            torch.set_default_device(self.device)
+        enabled, warn_only = self.deterministic
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = self.cudnn
+        torch.set_num_threads(1)
+        torch.set_grad_enabled(True)
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        world = dist.group.WORLD
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group is not world:
+                dist.destroy_process_group(group)
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+    init_world(rank, world_size, port, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+    clean = _CleanState()
     while True:
         task = tasks.get()
         if task is None:
             break
         task_id, fn, args, kwargs = task
         try:
-            torch.manual_seed(0)
+            clean.restore()
             out = fn(rank, world_size, *args, **kwargs)
             results.put((task_id, rank, True, out))
         except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -89,9 +132,11 @@ class RankPool:
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        # served here for the pool's lifetime: the port stays bound, nobody can take it
+        self.rendezvous = LocalRendezvous(datetime.timedelta(seconds=DEFAULT_TIMEOUT))
         self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, world_size, port, self.tasks[r], self.results))
+                                  args=(r, world_size, self.rendezvous.port, self.tasks[r],
+                                        self.results))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -147,6 +192,7 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        self.rendezvous.close()
 
 
 _POOLS: dict[int, RankPool] = {}
