@@ -199,6 +199,37 @@ class ModelConfig:
     def params_dtype_name(self) -> str:
         return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
 
+    def check_layout(self, tp: int, cp: int = 1, ep: int = 1, etp: int | None = None) -> None:
+        """What the model needs from a layout's sizes; the one place these rules live
+        (``MegaliteConfig.validate`` and the model builders call it)."""
+        etp = tp if etp is None else etp
+        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            _require(getattr(self, name) % tp == 0,
+                     f"{name} ({getattr(self, name)}) must be divisible by "
+                     f"tensor_model_parallel_size ({tp})")
+        if self.num_experts is None:
+            return
+        _require(self.num_experts % ep == 0,
+                 f"num_experts ({self.num_experts}) must be divisible by "
+                 f"expert_model_parallel_size ({ep})")
+        if tp > 1:  # the MoE layer splits the sequence over tp, with or without SP
+            _require(self.seq_length % (tp * cp) == 0,
+                     f"seq_length ({self.seq_length}) must be divisible by "
+                     f"tensor_model_parallel_size ({tp}) x context_parallel_size ({cp}) "
+                     f"with --num-experts (MoE layers split the sequence over tp)")
+        _require(self.moe_ffn_hidden_size % etp == 0,
+                 f"moe_ffn_hidden_size ({self.moe_ffn_hidden_size}) must be divisible by "
+                 f"expert_tensor_parallel_size ({etp})")
+        if self.add_bias_linear:
+            _require(etp in (1, tp),
+                     f"expert biases need expert_tensor_parallel_size ({etp}) equal to 1 or "
+                     f"to tensor_model_parallel_size ({tp}); or pass --disable-bias-linear")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None:
+            _require(shared % tp == 0,
+                     f"moe_shared_expert_intermediate_size ({shared}) must be divisible by "
+                     f"tensor_model_parallel_size ({tp})")
+
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         """Vocabulary padded to a multiple of make_vocab_size_divisible_by * tp."""
         _require(self.vocab_size is not None, "vocab_size is unknown: pass --vocab-size or "
@@ -465,15 +496,6 @@ class MegaliteConfig:
         m, p, t = self.model, self.parallel, self.train
         tp = p.tensor_model_parallel_size
         dp = p.data_parallel_size(world_size)
-        _require(m.num_attention_heads % tp == 0,
-                 f"num_attention_heads ({m.num_attention_heads}) must be divisible by "
-                 f"tensor_model_parallel_size ({tp})")
-        _require(m.num_query_groups % tp == 0,
-                 f"num_query_groups ({m.num_query_groups}) must be divisible by "
-                 f"tensor_model_parallel_size ({tp})")
-        _require(m.ffn_hidden_size % tp == 0,
-                 f"ffn_hidden_size ({m.ffn_hidden_size}) must be divisible by "
-                 f"tensor_model_parallel_size ({tp})")
         if p.sequence_parallel:
             _require(m.seq_length % (tp * p.context_parallel_size) == 0,
                      f"seq_length ({m.seq_length}) must be divisible by "
@@ -544,40 +566,13 @@ class MegaliteConfig:
             _require(m.num_experts is not None,
                      "--expert-model-parallel-size / --expert-tensor-parallel-size need "
                      "--num-experts")
-        if m.num_experts is not None:
-            _require(m.num_experts % ep == 0,
-                     f"num_experts ({m.num_experts}) must be divisible by "
-                     f"expert_model_parallel_size ({ep})")
         dense = p.tensor_model_parallel_size * p.context_parallel_size * dp
         _require(dense % (ep * etp) == 0,
                  f"expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) "
                  f"must divide tp x cp x dp ({dense}) for world size {world_size}")
-        if m.num_experts is not None:
-            self._validate_moe_layer()
-
-    def _validate_moe_layer(self) -> None:
-        """What one MoE layer needs from the layout (see ``megalite.moe.layer``)."""
-        m, p = self.model, self.parallel
-        tp, cp, etp = (p.tensor_model_parallel_size, p.context_parallel_size,
-                       p.expert_tensor_parallel_size)
-        if tp > 1:  # the MoE layer splits the sequence over tp, with or without SP
-            _require(m.seq_length % (tp * cp) == 0,
-                     f"seq_length ({m.seq_length}) must be divisible by "
-                     f"tensor_model_parallel_size ({tp}) x context_parallel_size ({cp}) "
-                     f"with --num-experts (MoE layers split the sequence over tp)")
-        _require(m.moe_ffn_hidden_size % etp == 0,
-                 f"moe_ffn_hidden_size ({m.moe_ffn_hidden_size}) must be divisible by "
-                 f"expert_tensor_parallel_size ({etp})")
-        if m.add_bias_linear:
-            _require(etp in (1, tp),
-                     f"expert biases need expert_tensor_parallel_size ({etp}) equal to 1 or "
-                     f"to tensor_model_parallel_size ({tp}); or pass --disable-bias-linear")
-        shared = m.moe_shared_expert_intermediate_size
-        if shared is not None:
-            _require(shared % tp == 0,
-                     f"moe_shared_expert_intermediate_size ({shared}) must be divisible by "
-                     f"tensor_model_parallel_size ({tp})")
-        _require(not (m.moe_token_dispatcher_type == "allgather" and p.variable_seq_lengths),
+        m.check_layout(p.tensor_model_parallel_size, p.context_parallel_size, ep, etp)
+        _require(not (m.num_experts is not None and m.moe_token_dispatcher_type == "allgather"
+                      and p.variable_seq_lengths),
                  "--moe-token-dispatcher-type allgather assumes equal token counts on every "
                  "expert-parallel rank and cannot be used with --variable-seq-lengths; use "
                  "alltoall")

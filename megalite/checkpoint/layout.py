@@ -11,7 +11,9 @@ the parallel layout; each rank writes (and later reads) the block it holds:
   of *each* part, not one block of the concatenation.
 * Vocabulary-padded tensors (``unpadded_size``) store only the real rows, so tp=1 and
   tp=4 agree; a rank whose block lies entirely in the padding holds nothing.
-* Expert parameters (``expert_parallel``) are stacked ``[E_local, ...]`` per expert-parallel
+Each parameter's :class:`~megalite.parallel.params.ParamMeta` says which of these apply.
+
+* Expert parameters (``expert``) are stacked ``[E_local, ...]`` per expert-parallel
   rank and stored as ``[E, ...]``; their tensor-parallel group is ``ps.etp``.
 * The tied output layer of a later pipeline stage (``shared_embedding`` with
   ``init_name`` = the word embedding) is a copy of the word embedding: it is never saved
@@ -25,6 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from megalite.layers.sharding import full_shape
+from megalite.parallel.params import param_meta
+from megalite.pipeline.layout import model_chunks
 
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
 
@@ -73,13 +79,6 @@ class ParamLayout:
     saved: bool = True
 
 
-def model_chunks(model) -> list[torch.nn.Module]:
-    """The pipeline chunks of ``model``: a list / ModuleList of chunks, or one module."""
-    if isinstance(model, (list, tuple, torch.nn.ModuleList)):
-        return list(model)
-    return [model]
-
-
 def named_parameters(model) -> list[tuple[str, str, torch.nn.Parameter]]:
     """(model name, layout-free key, parameter) of every parameter of ``model``.
 
@@ -97,7 +96,7 @@ def named_parameters(model) -> list[tuple[str, str, torch.nn.Parameter]]:
 
 def _groups(param, ps):
     """(tp size, tp rank, ep size, ep rank) that shard ``param``."""
-    if getattr(param, "expert_parallel", False):
+    if param_meta(param).expert:
         return ps.etp.size, ps.etp.rank, ps.ep.size, ps.ep.rank
     return ps.tp.size, ps.tp.rank, 1, 0
 
@@ -106,18 +105,19 @@ def param_pieces(key: str, param: torch.Tensor, tp_size: int, tp_rank: int,
                  ep_size: int = 1, ep_rank: int = 0) -> list[Piece]:
     """The pieces of ``param`` (a local shard carrying the ``layers.sharding``
     attributes) on tensor-parallel rank ``tp_rank`` and expert-parallel rank ``ep_rank``."""
+    meta = param_meta(param)
     local = tuple(param.shape)
     base = list(local)
     base_offsets = [0] * len(local)
     if ep_size > 1:
         base[0] = local[0] * ep_size
         base_offsets[0] = local[0] * ep_rank
-    if not getattr(param, "tensor_model_parallel", False):
+    if not meta.tensor_parallel:
         return [Piece(key, tuple(base), tuple(base_offsets), local)]
-    dim = param.partition_dim
-    if param.partition_parts:
+    dim = meta.partition_dim
+    if meta.partition_parts:
         pieces, start = [], 0
-        for i, part in enumerate(param.partition_parts):
+        for i, part in enumerate(meta.partition_parts):
             size = part // tp_size
             shape, offsets, sizes = list(base), list(base_offsets), list(local)
             shape[dim], offsets[dim], sizes[dim] = part, tp_rank * size, size
@@ -126,7 +126,7 @@ def param_pieces(key: str, param: torch.Tensor, tp_size: int, tp_rank: int,
             start += size
         return pieces
     rows = local[dim]
-    full = param.unpadded_size or rows * tp_size
+    full = meta.unpadded_size or rows * tp_size
     first = tp_rank * rows
     count = max(0, min(rows, full - first))
     if count == 0:  # this rank's block is all vocabulary padding
@@ -138,19 +138,17 @@ def param_pieces(key: str, param: torch.Tensor, tp_size: int, tp_rank: int,
 
 def global_shape(param, tp_size: int, ep_size: int = 1) -> tuple[int, ...]:
     """Shape of the full tensor of ``param``: all experts, all tp shards, no padding."""
-    shape = list(param.shape)
+    shape = list(full_shape(param, tp_size))
     if ep_size > 1:
         shape[0] *= ep_size
-    if getattr(param, "tensor_model_parallel", False):
-        dim = param.partition_dim
-        shape[dim] = param.unpadded_size or shape[dim] * tp_size
     return tuple(shape)
 
 
 def is_tied_copy(key: str, param) -> bool:
     """The output layer of a later pipeline stage that mirrors the word embedding."""
-    return (key != EMBEDDING_WEIGHT and getattr(param, "shared_embedding", False)
-            and getattr(param, "init_name", None) == EMBEDDING_WEIGHT)
+    meta = param_meta(param)
+    return (key != EMBEDDING_WEIGHT and meta.shared_embedding
+            and meta.init_name == EMBEDDING_WEIGHT)
 
 
 def param_layouts(model, ps) -> list[ParamLayout]:
@@ -173,8 +171,9 @@ def param_layouts(model, ps) -> list[ParamLayout]:
 def piece_keys(layout: ParamLayout) -> list[str]:
     """The global tensor keys of ``layout``'s parameter, whether or not this rank holds a
     block of them (a vocabulary shard that is all padding holds none)."""
-    parts = getattr(layout.param, "partition_parts", None)
-    if getattr(layout.param, "tensor_model_parallel", False) and parts:
+    meta = param_meta(layout.param)
+    parts = meta.partition_parts
+    if meta.tensor_parallel and parts:
         return [f"{layout.key}/part{i}" for i in range(len(parts))]
     return [layout.key]
 
@@ -187,5 +186,6 @@ def saved_global_shape(layout: ParamLayout, shapes: dict) -> tuple[int, ...] | N
         return None
     out = list(found[0])
     if len(found) > 1:
-        out[layout.param.partition_dim] = sum(s[layout.param.partition_dim] for s in found)
+        dim = param_meta(layout.param).partition_dim
+        out[dim] = sum(s[dim] for s in found)
     return tuple(out)

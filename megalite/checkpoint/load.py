@@ -97,13 +97,13 @@ def reseed(seed: int, iteration: int, ps: ParallelState, tracker=None) -> None:
     """Deterministic fresh RNG streams for a resumed run whose layout changed: python,
     numpy and torch from ``seed + iteration`` (+100 per pipeline stage, as at start),
     the model-parallel tracker's streams as if built with that seed."""
-    from megalite.parallel.random import RNGTracker
+    from megalite.parallel.random import RNGTracker, stage_seed
 
     base = seed + iteration
-    stage_seed = base + 100 * ps.pp.rank
-    random.seed(stage_seed)
-    np.random.seed(stage_seed % 2 ** 32)
-    torch.manual_seed(stage_seed)
+    seed_here = stage_seed(base, ps)
+    random.seed(seed_here)
+    np.random.seed(seed_here % 2 ** 32)
+    torch.manual_seed(seed_here)
     if tracker is not None:
         tracker.set_states(RNGTracker.from_state(ps, base).get_states())
 

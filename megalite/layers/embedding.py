@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.layers.linear import _divide
-from megalite.layers.sharding import mark_param
+from megalite.parallel.params import mark_param
 from megalite.parallel import mappings
 
 
@@ -20,22 +20,23 @@ class VocabParallelEmbedding(torch.nn.Module):
     """Token ids ``[s, b]`` -> embeddings ``[s, b, h]`` (``[s/tp, b, h]`` with
     ``sequence_parallel``).
 
-    The table ``[padded_vocab/tp, h]`` is sharded on dim 0 over ``tp_group``;
+    The table ``[padded_vocab/tp, h]`` is sharded on dim 0 over ``ps.tp``;
     ``padded_vocab_size`` is ``ModelConfig.padded_vocab_size(tp)``, and the padding rows
     (ids >= ``vocab_size``) are zero and excluded from the layout-invariant full tensor.
     Each rank looks up the ids in its range, zeros the others, and the partial results are
-    summed over ``tp_group`` (all-reduce, or reduce-scatter along the sequence under
+    summed over ``ps.tp`` (all-reduce, or reduce-scatter along the sequence under
     sequence parallelism).
     """
 
     def __init__(self, padded_vocab_size: int, hidden_size: int, *, vocab_size: int,
-                 tp_group, sequence_parallel: bool = False, init_std: float = 0.02,
+                 ps, sequence_parallel: bool = False, init_std: float = 0.02,
                  device=None, dtype=None):
         super().__init__()
         if vocab_size > padded_vocab_size:
             raise ValueError(f"vocab_size ({vocab_size}) exceeds the padded size "
                              f"({padded_vocab_size})")
-        self.tp_group = tp_group
+        self.tp_group = tp_group = ps.tp
+        device = ps.device if device is None else device
         self.sequence_parallel = sequence_parallel
         self.vocab_start, self.vocab_end = vocab_range(padded_vocab_size, tp_group.rank,
                                                        tp_group.size)

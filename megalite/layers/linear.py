@@ -7,7 +7,8 @@ summed over the TP group. A column layer followed by a row layer needs one all-r
 forward and one in backward. Under sequence parallelism the all-reduce becomes an
 all-gather of the sequence before the column layer and a reduce-scatter after the row layer.
 
-Activations use the ``[s, b, h]`` layout; all collectives run on ``tp_group`` (``pstate.tp``).
+Activations use the ``[s, b, h]`` layout; every layer takes the ``ParallelState`` ``ps`` and
+all its collectives run on ``ps.tp``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from megalite.layers.sharding import mark_param
+from megalite.parallel.params import mark_param
 from megalite.parallel import mappings
 
 
@@ -33,16 +34,16 @@ class ColumnParallelLinear(torch.nn.Module):
     Weight ``[out/tp, in]`` sharded on dim 0; bias ``[out/tp]``. ``parts`` gives the sizes
     of fused outputs (e.g. Q, K, V), each sharded separately (see ``layers.sharding``).
     With ``sequence_parallel`` the input is this rank's ``[s/tp, b, in]`` and is
-    all-gathered along the sequence over ``tp_group`` first. ``skip_weight_param`` makes
+    all-gathered along the sequence over ``ps.tp`` first. ``skip_weight_param`` makes
     a layer whose weight is passed to ``forward`` (the tied output layer).
     """
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
+    def __init__(self, input_size: int, output_size: int, *, ps, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, parts: Sequence[int] | None = None,
                  skip_weight_param: bool = False, device=None, dtype=None):
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group = tp_group = ps.tp
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         local = _divide(output_size, tp_group.size, "output size")
@@ -52,7 +53,7 @@ class ColumnParallelLinear(torch.nn.Module):
                                  "interleaved by rank; gather each part instead")
             for p in parts:
                 _divide(p, tp_group.size, "fused output part")
-        kw = {"device": device, "dtype": dtype}
+        kw = {"device": ps.device if device is None else device, "dtype": dtype}
         self.weight = None
         if not skip_weight_param:
             self.weight = mark_param(torch.nn.Parameter(torch.empty(local, input_size, **kw)),
@@ -78,22 +79,22 @@ class RowParallelLinear(torch.nn.Module):
     """``[s, b, in/tp] -> [s, b, out]`` (``[s/tp, b, out]`` with ``sequence_parallel``).
 
     Weight ``[out, in/tp]`` sharded on dim 1; the bias ``[out]`` is replicated and added
-    after the reduction over ``tp_group`` (all-reduce, or reduce-scatter along the sequence
+    after the reduction over ``ps.tp`` (all-reduce, or reduce-scatter along the sequence
     under sequence parallelism, where the bias is marked ``sequence_parallel``). Without
     ``input_is_parallel`` the full input ``[s, b, in]`` is split here first.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
+    def __init__(self, input_size: int, output_size: int, *, ps, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
                  init_std: float = 0.02, device=None, dtype=None):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel")
-        self.tp_group = tp_group
+        self.tp_group = tp_group = ps.tp
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
         local = _divide(input_size, tp_group.size, "input size")
-        kw = {"device": device, "dtype": dtype}
+        kw = {"device": ps.device if device is None else device, "dtype": dtype}
         self.weight = mark_param(torch.nn.Parameter(torch.empty(output_size, local, **kw)),
                                  partition_dim=1, init_std=init_std)
         self.bias = None

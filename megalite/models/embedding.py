@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.layers.embedding import VocabParallelEmbedding
-from megalite.layers.sharding import mark_param
+from megalite.parallel.params import mark_param
 from megalite.parallel.random import REPLICATED, TENSOR_PARALLEL
 
 
@@ -14,22 +14,23 @@ class GPTEmbedding(torch.nn.Module):
     """ids ``[s, b]`` and positions ``[s, b]`` -> ``[s, b, h]`` (``[s/tp, b, h]`` under
     sequence parallelism), followed by dropout.
 
-    The word table is vocabulary-parallel over ``tp_group``; the position table
+    The word table is vocabulary-parallel over ``ps.tp``; the position table
     ``[max_positions, h]`` (``learned_absolute`` only) is replicated. Under sequence
     parallelism the word embedding is reduce-scattered along the sequence and each rank adds
     the positions of its own chunk, so the position table's gradient is partial (it is
     marked ``sequence_parallel``).
     """
 
-    def __init__(self, cfg, padded_vocab_size: int, *, tp_group, sequence_parallel: bool,
+    def __init__(self, cfg, padded_vocab_size: int, ps, *, sequence_parallel: bool,
                  rng, device=None, dtype=None):
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group = ps.tp
+        device = ps.device if device is None else device
         self.sequence_parallel = sequence_parallel
         self.rng = rng
         self.dropout = cfg.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
-            padded_vocab_size, cfg.hidden_size, vocab_size=cfg.vocab_size, tp_group=tp_group,
+            padded_vocab_size, cfg.hidden_size, vocab_size=cfg.vocab_size, ps=ps,
             sequence_parallel=sequence_parallel, init_std=cfg.init_method_std,
             device=device, dtype=dtype)
         self.position_embeddings = None

@@ -5,7 +5,7 @@
            untied output layer.
 * Mixtral: Llama with ``--num-experts E --moe-router-topk k``: every layer's MLP (every
            ``--moe-layer-freq``-th) is a mixture of SwiGLU experts
-           (:class:`megalite.moe.layer.MoELayer`, expert parallel over ``pstate.ep``).
+           (:class:`megalite.moe.layer.MoELayer`, expert parallel over ``ps.ep``).
 
 Tensor parallelism follows Megatron-LM (column/row-parallel projections, vocabulary-parallel
 embedding, output layer and cross entropy), optionally with sequence parallelism.
@@ -13,8 +13,8 @@ Internally activations are ``[s, b, h]``; the public interface is batch-first.
 Parameters are initialized from (seed, parameter name) and sliced for this TP rank, so every
 layout builds the same model (``layers.sharding``); names use global layer numbers
 (``decoder.layers.<i>.``), so a pipeline stage holding layers 4..7 matches too. Expert
-weights are drawn per global expert by their MoE layer (``initialize_params`` skips
-them), so the model is also the same whatever the expert-parallel layout.
+weights are drawn per global expert, so the model is also the same whatever the
+expert-parallel layout. Every parameter is drawn once (``layers.sharding.initialize_params``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from megalite.layers.linear import ColumnParallelLinear
 from megalite.layers.sharding import gather_full, initialize_params, shard
 from megalite.models.embedding import GPTEmbedding
 from megalite.moe.experts import gather_expert_full, shard_expert_full
+from megalite.parallel.params import param_meta, update_meta
 from megalite.parallel.random import RNGTracker
 from megalite.transformer.block import TransformerBlock
 from megalite.transformer.rope import RotaryEmbedding
@@ -42,8 +43,8 @@ class GPTModel(torch.nn.Module):
 
     model_cfg:  ``ModelConfig`` with ``vocab_size`` set; the vocabulary is padded to
                 ``model_cfg.padded_vocab_size(tp)``.
-    pstate:     ``ParallelState``; uses ``pstate.tp`` and ``pstate.device`` (MoE layers
-                also ``ep`` / ``etp`` / ``tp_cp``).
+    ps:         the ``ParallelState``; every layer picks its groups from it (``tp``;
+                MoE layers also ``ep`` / ``etp`` / ``tp_cp``) and ``ps.device``.
     seed:       init and dropout seed.
     pre_process / post_process: this pipeline stage holds the embedding / the output layer.
     first_layer, num_layers: the global layer range of this stage (default: all layers).
@@ -51,47 +52,49 @@ class GPTModel(torch.nn.Module):
                 share one (default: a new tracker seeded from ``seed`` and the pp rank).
     """
 
-    def __init__(self, model_cfg, pstate, sequence_parallel: bool = False, seed: int = 1234,
+    def __init__(self, model_cfg, ps, sequence_parallel: bool = False, seed: int = 1234,
                  pre_process: bool = True, post_process: bool = True, first_layer: int = 0,
                  num_layers: int | None = None, rng: RNGTracker | None = None):
         super().__init__()
         cfg = self.config = model_cfg
         if cfg.vocab_size is None:
             raise ValueError("model_cfg.vocab_size must be set before building GPTModel")
-        self.pstate = pstate
-        tp = self.tp_group = pstate.tp
+        cfg.check_layout(ps.tp.size, ps.cp.size, ps.ep.size, ps.etp.size)
+        self.ps = ps
+        tp = self.tp_group = ps.tp
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.pre_process, self.post_process = pre_process, post_process
         self.padded_vocab_size = cfg.padded_vocab_size(tp.size)
-        self.rng = rng if rng is not None else RNGTracker.from_state(pstate, seed)
+        self.rng = rng if rng is not None else RNGTracker.from_state(ps, seed)
         self.tied = not cfg.untie_embeddings_and_output_weights
-        kw = {"device": pstate.device, "dtype": params_dtype(cfg)}
-        common = dict(tp_group=tp, sequence_parallel=self.sequence_parallel, **kw)
+        kw = {"device": ps.device, "dtype": params_dtype(cfg)}
+        common = dict(sequence_parallel=self.sequence_parallel, **kw)
 
         self.embedding = None
         if pre_process:
-            self.embedding = GPTEmbedding(cfg, self.padded_vocab_size, rng=self.rng, **common)
+            self.embedding = GPTEmbedding(cfg, self.padded_vocab_size, ps, rng=self.rng,
+                                          **common)
         self.rotary = None
         if cfg.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base,
-                                          device=pstate.device)
-        self.decoder = TransformerBlock(cfg, rng=self.rng, first_layer=first_layer,
+                                          device=ps.device)
+        self.decoder = TransformerBlock(cfg, ps, rng=self.rng, first_layer=first_layer,
                                         num_layers=num_layers, post_process=post_process,
-                                        pstate=pstate, seed=seed, **common)
+                                        seed=seed, **common)
         self.output_layer = None
         if post_process:
             share = self.tied and pre_process
             self.output_layer = ColumnParallelLinear(
                 cfg.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
-                init_std=cfg.init_method_std, skip_weight_param=share, **common)
+                init_std=cfg.init_method_std, skip_weight_param=share, ps=ps, **common)
             if not share:
-                self.output_layer.weight.unpadded_size = cfg.vocab_size
+                update_meta(self.output_layer.weight, unpadded_size=cfg.vocab_size)
                 if self.tied:  # a later pipeline stage's copy of the word embedding
-                    self.output_layer.weight.init_name = EMBEDDING_WEIGHT
-                    self.output_layer.weight.shared_embedding = True
+                    update_meta(self.output_layer.weight, init_name=EMBEDDING_WEIGHT,
+                                shared_embedding=True)
         if self.tied and pre_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
-        initialize_params(self, seed, tp)
+            update_meta(self.embedding.word_embeddings.weight, shared_embedding=True)
+        initialize_params(self, seed, ps)
 
     # -- forward -------------------------------------------------------------------------
     def output_weight(self) -> torch.Tensor:
@@ -133,13 +136,13 @@ class GPTModel(torch.nn.Module):
 
     # -- full (layout-invariant) tensors -------------------------------------------------
     def _gather(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        if getattr(param, "expert_parallel", False):  # all experts: over etp, then ep
-            return gather_expert_full(local, param, self.pstate)
+        if param_meta(param).expert:  # all experts: over etp, then ep
+            return gather_expert_full(local, param, self.ps)
         return gather_full(local, param, self.tp_group)
 
     def _shard(self, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        if getattr(param, "expert_parallel", False):
-            return shard_expert_full(full, param, self.pstate)
+        if param_meta(param).expert:
+            return shard_expert_full(full, param, self.ps)
         return shard(full, param, self.tp_group.size, self.tp_group.rank)
 
     @torch.no_grad()

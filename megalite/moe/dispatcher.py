@@ -3,8 +3,8 @@
 Both take this rank's tokens ``x`` ``[T, h]`` with the router's ``probs`` / ``routing_map``
 ``[T, E]`` and return ``[T, h]``: the sum over the chosen experts of
 ``prob * expert(token)``. Probabilities are applied here, on the token's own rank, after
-the expert outputs come back. Groups: ``pstate.ep`` (expert parallel, ``E_l = E / ep``
-experts per rank) and ``pstate.etp`` (expert tensor parallel).
+the expert outputs come back. Groups: ``ps.ep`` (expert parallel, ``E_l = E / ep``
+experts per rank) and ``ps.etp`` (expert tensor parallel).
 
 ``alltoall`` (``--moe-token-dispatcher-type alltoall``), per forward::
 
@@ -63,8 +63,8 @@ def _inverse(index: torch.Tensor) -> torch.Tensor:
 class _Dispatcher:
     """Shared part: the local expert computation, with the etp exchange around it."""
 
-    def __init__(self, num_experts: int, pstate, counter: comm.CommCounter):
-        self.ep, self.etp = pstate.ep, pstate.etp
+    def __init__(self, num_experts: int, ps, counter: comm.CommCounter):
+        self.ep, self.etp = ps.ep, ps.etp
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep.size
         self.first_expert = self.ep.rank * self.num_local
@@ -101,7 +101,7 @@ class _Dispatcher:
 
 
 class AllToAllDispatcher(_Dispatcher):
-    """Uneven all-to-all over ``pstate.ep`` (see the module docstring)."""
+    """Uneven all-to-all over ``ps.ep`` (see the module docstring)."""
 
     def __call__(self, x, probs, routing_map, experts) -> torch.Tensor:
         tokens, token_index, token_probs, counts = permute(x, probs, routing_map)
@@ -116,7 +116,7 @@ class AllToAllDispatcher(_Dispatcher):
 
 
 class AllGatherDispatcher(_Dispatcher):
-    """All-gather over ``pstate.ep``, local experts, reduce-scatter over ``pstate.ep``."""
+    """All-gather over ``ps.ep``, local experts, reduce-scatter over ``ps.ep``."""
 
     def __call__(self, x, probs, routing_map, experts) -> torch.Tensor:
         ep = self.ep

@@ -11,14 +11,15 @@ A rank of expert-parallel rank ``r`` holds experts ``r * E_l ... (r + 1) * E_l -
 so ``y = act(x @ fc1[e]) @ fc2[e]`` for a token routed to local expert ``e``. Under expert
 tensor parallelism (etp > 1) fc1 is split by columns and fc2 by rows, like a dense
 tensor-parallel MLP: each etp rank returns a partial sum that the dispatcher reduces over
-``pstate.etp``; fc2's bias is added on etp rank 0 only and marked ``sequence_parallel``
+``ps.etp``; fc2's bias is added on etp rank 0 only and marked ``sequence_parallel``
 (its gradient is summed over tp, which must then equal etp).
 
 The grouped GEMM pads each expert's tokens to the largest count and runs ``torch.bmm``
 (no Python loop over experts). The per-expert loop it replaces lives in the tests.
 
-Every parameter is marked ``expert_parallel = is_expert = True`` and ``allreduce = False``:
-its gradient is reduced over ``pstate.edp``, not ``pstate.dp_cp``.
+Every parameter is marked ``expert`` (:class:`~megalite.parallel.params.ParamMeta`, with
+the global index of its first expert): its gradient is reduced over ``ps.edp``, not
+``ps.dp_cp``, and it is initialized per global expert (``layers.sharding.initialize_params``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megalite.layers.sharding import gather_full, mark_param, shard, stable_seed
+from megalite.layers.sharding import gather_full, initialize_params, shard
 from megalite.parallel.collectives import all_gather_list
+from megalite.parallel.params import mark_param, update_meta
 
 
 def padded_index(tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -75,24 +77,18 @@ def activation(x: torch.Tensor, swiglu: bool) -> torch.Tensor:
     return F.gelu(x)
 
 
-def _mark_expert(param: torch.nn.Parameter, **kw) -> torch.nn.Parameter:
-    mark_param(param, **kw)
-    param.expert_parallel = param.is_expert = True
-    param.allreduce = False
-    return param
-
-
 class GroupedMLP(torch.nn.Module):
     """This rank's ``E_l`` experts: expert-sorted tokens ``[M, h]`` -> ``[M, h]``.
 
-    ``first_expert`` is the global index of local expert 0; ``etp_group`` is
-    ``pstate.etp``. With etp > 1 the output is this rank's partial sum (see module
-    docstring).
+    ``first_expert`` is the global index of local expert 0; the weights are split over
+    ``ps.etp``. With etp > 1 the output is this rank's partial sum (see module docstring).
     """
 
-    def __init__(self, cfg, num_local_experts: int, first_expert: int, etp_group, *,
+    def __init__(self, cfg, num_local_experts: int, first_expert: int, ps, *,
                  device=None, dtype=None):
         super().__init__()
+        self.ps = ps
+        etp_group = ps.etp
         etp = etp_group.size
         h, ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size
         if ffn % etp:
@@ -103,71 +99,58 @@ class GroupedMLP(torch.nn.Module):
         self.etp_group = etp_group
         parts = (ffn, ffn) if cfg.swiglu else None
         fc1_out = (2 if cfg.swiglu else 1) * ffn // etp
-        kw = {"device": device, "dtype": dtype}
+        kw = {"device": ps.device if device is None else device, "dtype": dtype}
+        mark = {"expert": True, "first_expert": first_expert}
         std = cfg.init_method_std
         out_std = std / math.sqrt(2.0 * cfg.num_layers)  # Megatron's scaled output init
         split = etp > 1
-        self.fc1 = _mark_expert(
+        self.fc1 = mark_param(
             torch.nn.Parameter(torch.empty(num_local_experts, h, fc1_out, **kw)),
-            partition_dim=2 if split else -1, parts=parts if split else None, init_std=std)
-        self.fc2 = _mark_expert(
+            partition_dim=2 if split else -1, parts=parts if split else None, init_std=std,
+            **mark)
+        self.fc2 = mark_param(
             torch.nn.Parameter(torch.empty(num_local_experts, ffn // etp, h, **kw)),
-            partition_dim=1 if split else -1, init_std=out_std)
+            partition_dim=1 if split else -1, init_std=out_std, **mark)
         self.fc1_bias = self.fc2_bias = None
         if cfg.add_bias_linear:
-            self.fc1_bias = _mark_expert(
+            self.fc1_bias = mark_param(
                 torch.nn.Parameter(torch.empty(num_local_experts, fc1_out, **kw)),
                 partition_dim=1 if split else -1, parts=parts if split else None,
-                init_fill=0.0)
-            self.fc2_bias = _mark_expert(
+                init_fill=0.0, **mark)
+            self.fc2_bias = mark_param(
                 torch.nn.Parameter(torch.empty(num_local_experts, h, **kw)), init_fill=0.0,
-                sequence_parallel=split)
+                sequence_parallel=split, **mark)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         fc2_bias = self.fc2_bias if self.etp_group.rank == 0 else None
         return grouped_mlp(x, tokens_per_expert, self.fc1, self.fc2, swiglu=self.swiglu,
                            fc1_bias=self.fc1_bias, fc2_bias=fc2_bias)
 
-    @torch.no_grad()
     def reset_parameters(self, seed: int, prefix: str) -> None:
         """Draw each local expert's full weight from (seed, ``{prefix}.{param}.{expert}``)
         with its *global* expert index, then keep this etp rank's shard: the same experts
-        whatever ep and etp, and a rank only draws the experts it holds."""
-        etp = self.etp_group
-        for name, param in self.named_parameters(recurse=False):
-            param.init_name = f"{prefix}.{name}"
-            local = list(param.shape)
-            if param.tensor_model_parallel:
-                local[param.partition_dim] *= etp.size
-            per_expert = []
-            for e in range(param.shape[0]):
-                if param.init_fill is not None:
-                    per_expert.append(torch.full(local[1:], float(param.init_fill)))
-                    continue
-                gen = torch.Generator().manual_seed(
-                    stable_seed(seed, f"{param.init_name}.{self.first_expert + e}"))
-                per_expert.append(torch.empty(local[1:]).normal_(0.0, param.init_std,
-                                                                 generator=gen))
-            full = torch.stack(per_expert)
-            param.copy_(shard(full, param, etp.size, etp.rank))
+        whatever ep and etp (see ``layers.sharding.initialize_params``)."""
+        for param in self.parameters(recurse=False):
+            update_meta(param, initialized=False, init_name=None)
+        initialize_params(self, seed, self.ps, prefix=prefix)
 
 
 # -- full (layout-invariant) expert tensors ----------------------------------------------
-def gather_expert_full(local: torch.Tensor, param: torch.Tensor, pstate) -> torch.Tensor:
+def gather_expert_full(local: torch.Tensor, param: torch.Tensor, ps) -> torch.Tensor:
     """All experts' full tensor ``[E, ...]`` of the expert parameter ``param`` from this
     rank's ``local`` (``param`` itself or its grad, ``[E_l, ...]``): all-gather the etp
-    shards (collective over ``pstate.etp``), then the expert slices along dim 0
-    (collective over ``pstate.ep``)."""
-    full = gather_full(local, param, pstate.etp)
-    ep = pstate.ep
+    shards (collective over ``ps.etp``), then the expert slices along dim 0
+    (collective over ``ps.ep``)."""
+    full = gather_full(local, param, ps.etp)
+    ep = ps.ep
     if ep.size == 1:
         return full
     return torch.cat(all_gather_list(full, ep), dim=0)
 
 
-def shard_expert_full(full: torch.Tensor, param: torch.Tensor, pstate) -> torch.Tensor:
+def shard_expert_full(full: torch.Tensor, param: torch.Tensor, ps) -> torch.Tensor:
     """This rank's piece of an all-experts full tensor ``[E, ...]`` (the inverse of
     :func:`gather_expert_full`): experts ``ep_rank * E_l ...`` and this etp rank's shard."""
     num_local = param.shape[0]
-    mine = full.narrow(0, pstate.ep.rank * num_local, num_local)
-    return shard(mine, param, pstate.etp.size, pstate.etp.rank)
+    mine = full.narrow(0, ps.ep.rank * num_local, num_local)
+    return shard(mine, param, ps.etp.size, ps.etp.rank)

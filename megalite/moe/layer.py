@@ -2,7 +2,7 @@
 
 ::
 
-    mlp = MoELayer(model_cfg, pstate, layer_number=global_layer, seed=seed,
+    mlp = MoELayer(model_cfg, ps, layer_number=global_layer, seed=seed,
                    sequence_parallel=sp)
     out = mlp(hidden)      # [s, b, h] ([s/tp, b, h] under sequence parallelism), same dtype
     mlp.aux_losses         # {"moe_aux_loss": ..., "moe_z_loss": ...} of the last forward
@@ -10,7 +10,7 @@
 Inside the layer the tokens are always split over tp: without sequence parallelism (and
 tp > 1) the replicated input is scattered along the sequence on entry and all-gathered on
 exit, so no two ranks route or compute the same token and the experts (etp = 1) never see
-a token twice. Then: router -> dispatcher (alltoall / allgather over ``pstate.ep``) ->
+a token twice. Then: router -> dispatcher (alltoall / allgather over ``ps.ep``) ->
 local experts (grouped GEMM) -> weighted combine, plus the shared experts (a dense
 tensor-parallel MLP of ``--moe-shared-expert-intermediate-size`` over every token).
 
@@ -20,17 +20,18 @@ backward d(loss) = ``aux_loss_scale``. The caller never adds them to the LM loss
 the scale its LM loss carries, per layer object, with :meth:`MoELayer.set_aux_loss_scale`
 or :func:`set_aux_loss_scale` over a whole model. With megalite's gradient reduction
 (sums over data parallel) the mean of the per-micro-batch losses needs
-``loss_scale / (num_microbatches * pstate.dp.size)`` (dp without cp: cp ranks hold
+``loss_scale / (num_microbatches * ps.dp.size)`` (dp without cp: cp ranks hold
 slices of the same micro-batch and share one loss). The default 1.0 suits one process
 and one micro-batch; ``megalite.training.forward_backward`` sets it before every step
 and collects the logged values per micro-batch (``RouterLosses``).
 
 Initialization is layout invariant: every tensor is drawn from (seed, global name) and
-sliced; names are ``layers.{layer_number}.mlp.router.weight``,
+sliced, when the layer is built (``layers.sharding.initialize_params``, which marks them
+initialized so the model's own pass does not draw them again); names are
+``layers.{layer_number}.mlp.router.weight``,
 ``layers.{layer_number}.mlp.experts.{fc1,fc2,fc1_bias,fc2_bias}.{global expert}``,
-``layers.{layer_number}.mlp.shared_experts.{fc1,fc2}.{weight,bias}`` (also in
-``param.init_name``). A generic initializer must skip ``param.expert_parallel``
-parameters (they need the ep slice); :meth:`MoELayer.reset_parameters` redoes them all.
+``layers.{layer_number}.mlp.shared_experts.{fc1,fc2}.{weight,bias}`` (the parameter's
+``init_name``). :meth:`MoELayer.reset_parameters` redraws them all.
 """
 
 from __future__ import annotations
@@ -41,49 +42,31 @@ import torch
 
 from megalite.config import ConfigError
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
-from megalite.layers.sharding import init_full_tensor, mark_param, shard
+from megalite.layers.sharding import initialize_params
 from megalite.moe.comm import CommCounter
 from megalite.moe.dispatcher import DISPATCHERS
 from megalite.moe.experts import GroupedMLP, activation
 from megalite.moe.router import AttachAuxLoss, TopKRouter
 from megalite.parallel import mappings
+from megalite.parallel.params import update_meta
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_moe_config(cfg, pstate) -> None:
-    """Clear errors for MoE settings that cannot work on this layout."""
-    if cfg.num_experts is None:
-        raise ConfigError("MoELayer needs --num-experts")
-    if cfg.moe_router_topk > cfg.num_experts:
-        raise ConfigError(f"moe_router_topk ({cfg.moe_router_topk}) must be <= num_experts "
-                          f"({cfg.num_experts})")
-    if cfg.num_experts % pstate.ep.size:
-        raise ConfigError(f"num_experts ({cfg.num_experts}) must be divisible by "
-                          f"expert_model_parallel_size ({pstate.ep.size})")
-    etp = pstate.etp.size
-    if cfg.moe_ffn_hidden_size % etp:
-        raise ConfigError(f"moe_ffn_hidden_size ({cfg.moe_ffn_hidden_size}) must be divisible "
-                          f"by expert_tensor_parallel_size ({etp})")
-    if cfg.add_bias_linear and etp > 1 and etp != pstate.tp.size:
-        raise ConfigError(f"expert biases need expert_tensor_parallel_size ({etp}) equal to 1 "
-                          f"or to tensor_model_parallel_size ({pstate.tp.size})")
-
-
 class SharedExpertMLP(torch.nn.Module):
-    """Dense MLP over every token, tensor parallel over ``pstate.tp``.
+    """Dense MLP over every token, tensor parallel over ``ps.tp``.
 
     ``[s/tp, b, h]`` -> ``[s/tp, b, h]`` when tp > 1 (sequence parallel: all-gather before
     fc1, reduce-scatter after fc2, over tp); ``[s, b, h]`` at tp = 1. fc1 ``[f1/tp, h]``
     (SwiGLU: gate | up parts), fc2 ``[h, ffn/tp]``.
     """
 
-    def __init__(self, cfg, ffn: int, tp_group, *, device=None, dtype=None):
+    def __init__(self, cfg, ffn: int, ps, *, device=None, dtype=None):
         super().__init__()
-        sp = tp_group.size > 1
+        sp = ps.tp.size > 1
         self.swiglu = cfg.swiglu
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        kw = {"tp_group": tp_group, "bias": cfg.add_bias_linear, "sequence_parallel": sp,
+        kw = {"ps": ps, "bias": cfg.add_bias_linear, "sequence_parallel": sp,
               "device": device, "dtype": dtype}
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, (2 if cfg.swiglu else 1) * ffn,
                                         init_std=cfg.init_method_std,
@@ -97,31 +80,26 @@ class SharedExpertMLP(torch.nn.Module):
 class MoELayer(torch.nn.Module):
     """Router + token dispatcher + grouped experts (+ shared experts); see module doc."""
 
-    def __init__(self, cfg, pstate, layer_number: int, seed: int,
+    def __init__(self, cfg, ps, layer_number: int, seed: int,
                  sequence_parallel: bool = False):
         super().__init__()
-        check_moe_config(cfg, pstate)
-        self.pstate = pstate
+        if cfg.num_experts is None:
+            raise ConfigError("MoELayer needs --num-experts")
+        cfg.check_layout(ps.tp.size, ps.cp.size, ps.ep.size, ps.etp.size)
+        self.ps = ps
         self.layer_number = layer_number
         self.seed = seed
-        self.sequence_parallel = sequence_parallel and pstate.tp.size > 1
-        kw = {"device": pstate.device, "dtype": _DTYPES[cfg.params_dtype_name]}
-        self.router = TopKRouter(cfg, pstate.tp_cp, **kw)
-        # tokens are split over tp inside the layer, so the router sees partial batches
-        mark_param(self.router.weight, init_std=cfg.init_method_std,
-                   sequence_parallel=pstate.tp.size > 1)
-        self.router.weight.expert_parallel = False
-        num_local = cfg.num_experts // pstate.ep.size
+        self.sequence_parallel = sequence_parallel and ps.tp.size > 1
+        kw = {"device": ps.device, "dtype": _DTYPES[cfg.params_dtype_name]}
+        self.router = TopKRouter(cfg, ps, **kw)
+        num_local = cfg.num_experts // ps.ep.size
         self.dispatcher = DISPATCHERS[cfg.moe_token_dispatcher_type](
-            cfg.num_experts, pstate, CommCounter())
-        self.experts = GroupedMLP(cfg, num_local, self.dispatcher.first_expert, pstate.etp,
-                                  **kw)
+            cfg.num_experts, ps, CommCounter())
+        self.experts = GroupedMLP(cfg, num_local, self.dispatcher.first_expert, ps, **kw)
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpertMLP(
-                cfg, cfg.moe_shared_expert_intermediate_size, pstate.tp, **kw)
-            for p in self.shared_experts.parameters():
-                p.expert_parallel = False
+                cfg, cfg.moe_shared_expert_intermediate_size, ps, **kw)
         self.aux_loss_scale = 1.0
         self.aux_losses: dict = {}
         self.reset_parameters()
@@ -133,21 +111,13 @@ class MoELayer(torch.nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """(Re)draw every parameter from (seed, global name); see the module docstring."""
-        prefix = f"layers.{self.layer_number}.mlp"
-        tp = self.pstate.tp
-        self.router.weight.init_name = f"{prefix}.router.weight"
-        self.router.weight.copy_(init_full_tensor(self.router.weight,
-                                                  self.router.weight.init_name, self.seed, 1))
-        self.experts.reset_parameters(self.seed, f"{prefix}.experts")
-        if self.shared_experts is not None:
-            for name, p in self.shared_experts.named_parameters():
-                p.init_name = f"{prefix}.shared_experts.{name}"
-                p.copy_(shard(init_full_tensor(p, p.init_name, self.seed, tp.size), p,
-                              tp.size, tp.rank))
+        for p in self.parameters():
+            update_meta(p, initialized=False, init_name=None)
+        initialize_params(self, self.seed, self.ps, prefix=f"layers.{self.layer_number}.mlp")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) -> same shape."""
-        tp, dtype = self.pstate.tp, hidden.dtype
+        tp, dtype = self.ps.tp, hidden.dtype
         scatter = tp.size > 1 and not self.sequence_parallel
         if scatter:
             if hidden.shape[0] % tp.size:

@@ -17,7 +17,7 @@ earliest ones (``position``); the others are dropped (probability 0, not sent). 
 ``--moe-pad-expert-input-to-capacity`` every expert receives exactly ``capacity`` tokens,
 filled up with tokens of probability 0 (earliest first).
 
-Losses, over the micro-batch's tokens on this rank's ``token_group`` (``pstate.tp_cp``:
+Losses, over the micro-batch's tokens on this rank's ``token_group`` (``ps.tp_cp``:
 under sequence/context parallelism each rank holds a different slice of the same
 sequences; the dispatcher scatters the sequence over tp when sequence parallelism is off):
 
@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.parallel import mappings
+from megalite.parallel.params import mark_param
 
 
 # -- pure routing math -------------------------------------------------------------------
@@ -140,13 +141,14 @@ class TopKRouter(torch.nn.Module):
     """Gate ``[s, b, h]`` -> :class:`Routing` of its ``s * b`` tokens.
 
     Weight ``[E, h]``, replicated on every rank (``expert_parallel`` False). Logits and
-    routing are computed in fp32. ``token_group`` (``pstate.tp_cp``) is the group whose
+    routing are computed in fp32. ``token_group`` (``ps.tp_cp``) is the group whose
     ranks hold different tokens of the same micro-batch; the loss statistics are summed
     over it (see the module docstring).
     """
 
-    def __init__(self, cfg, token_group, *, device=None, dtype=None):
+    def __init__(self, cfg, ps, *, device=None, dtype=None):
         super().__init__()
+        token_group = ps.tp_cp
         self.num_experts = cfg.num_experts
         self.topk = cfg.moe_router_topk
         self.score_function = cfg.moe_router_score_function
@@ -158,8 +160,10 @@ class TopKRouter(torch.nn.Module):
         self.drop_policy = cfg.moe_token_drop_policy
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
         self.token_group = token_group
-        self.weight = torch.nn.Parameter(
-            torch.empty(cfg.num_experts, cfg.hidden_size, device=device, dtype=dtype))
+        # tokens are split over tp inside the MoE layer, so the router sees partial batches
+        self.weight = mark_param(torch.nn.Parameter(
+            torch.empty(cfg.num_experts, cfg.hidden_size, device=device, dtype=dtype)),
+            init_std=cfg.init_method_std, sequence_parallel=ps.tp.size > 1)
 
     def forward(self, hidden: torch.Tensor) -> Routing:
         s, b, h = hidden.shape

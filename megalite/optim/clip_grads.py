@@ -6,10 +6,10 @@ Gradients are read from ``param.main_grad`` (the accumulation buffer of
 Each rank adds the squares of the gradient elements it *owns* and one SUM over the world
 (= data parallel x model parallel) gives the norm, so every element counts exactly once:
 
-- model parallel: tensor-parallel shards (``param.tensor_model_parallel``) count on every
+- model parallel: tensor-parallel shards (``param_meta(p).tensor_parallel``) count on every
   tp rank, replicated parameters (norms, biases of row-parallel layers, ...) on tp rank 0
   only (expert-tp rank 0 for expert parameters), and a word embedding shared between the
-  first and last pipeline stage (``param.shared_embedding``) on the first stage only;
+  first and last pipeline stage (``param_meta(p).shared_embedding``) on the first stage only;
 - data parallel: after the data-parallel reduction every replica holds the same gradient,
   so :func:`global_grad_norm` counts it on data-parallel rank 0 only (``ps.dp_cp``, or
   ``ps.edp`` for expert parameters), while the distributed optimizer passes each rank's
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from megalite.optim.data_parallel import is_expert_param
+from megalite.parallel.params import is_expert_param, param_meta
 from megalite.parallel.collectives import ReduceOp, all_reduce
 from megalite.parallel.state import Group, ParallelState
 
@@ -36,10 +36,10 @@ def param_grad(param: torch.Tensor) -> torch.Tensor | None:
 
 def counts_in_norm(param: torch.Tensor, ps: ParallelState) -> bool:
     """Whether this rank's copy of ``param`` counts in the norm across model parallelism."""
-    if getattr(param, "shared_embedding", False) and not ps.is_pipeline_first_stage():
+    if param_meta(param).shared_embedding and not ps.is_pipeline_first_stage():
         return False
     tp_rank = ps.etp.rank if is_expert_param(param) else ps.tp.rank
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+    return param_meta(param).tensor_parallel or tp_rank == 0
 
 
 def _first_replica(param: torch.Tensor, ps: ParallelState) -> bool:

@@ -6,7 +6,7 @@ post-accumulate-grad hook adds each micro-batch's ``param.grad`` into ``main_gra
 frees ``param.grad``, so gradients accumulate across micro-batches in the buffer's dtype.
 
 Reduction, per bucket, over ``ps.dp_cp`` (dense parameters) or ``ps.edp`` (expert
-parameters, see :func:`is_expert_param`): an all-reduce SUM, or with the distributed
+parameters, ``ParamMeta.expert``): an all-reduce SUM, or with the distributed
 optimizer (``use_distributed_optimizer``) a reduce-scatter SUM into this rank's shard.
 
 * ``overlap_grad_reduce`` False: nothing happens during backward; :meth:`finish_grad_sync`
@@ -36,9 +36,9 @@ After the data-parallel sums, :meth:`finish_grad_sync` adds the two model-parall
 (sums commute, so doing them last is exact; with the distributed optimizer only this
 rank's shard is meaningful and it is what gets summed correctly):
 
-1. sequence-parallel parameters (``param.sequence_parallel``): SUM over ``ps.tp``;
+1. sequence-parallel parameters (``param_meta(p).sequence_parallel``): SUM over ``ps.tp``;
 2. the word embedding shared by the first and last pipeline stage
-   (``param.shared_embedding``, pp > 1): SUM over ``ps.embedding``. It sits alone in its
+   (``param_meta(p).shared_embedding``, pp > 1): SUM over ``ps.embedding``. It sits alone in its
    bucket, so both stages own the same element range of it.
 
 Gradients are summed, not averaged: the loop divides the loss by the global token count.
@@ -57,26 +57,18 @@ import torch
 
 from megalite.optim.grad_buffer import Bucket, GradBuffer
 from megalite.parallel.collectives import all_reduce_coalesced
+from megalite.parallel.params import is_expert_param, param_meta
 from megalite.parallel.state import ParallelState
+from megalite.pipeline.layout import model_chunks
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements
 
 
-def is_expert_param(param: torch.Tensor) -> bool:
-    """Expert parameters are reduced over ``ps.edp``: marked ``expert_parallel = True``,
-    ``is_expert = True`` or ``allreduce = False``."""
-    return (getattr(param, "expert_parallel", False) is True
-            or bool(getattr(param, "is_expert", False))
-            or getattr(param, "allreduce", True) is False)
-
-
-def model_chunks(model) -> list:
-    """``model`` as a list of chunks: a Module (a ModuleList gives its items), a list of
-    Modules, or any other iterable of parameters (one chunk, no modules)."""
-    if isinstance(model, torch.nn.ModuleList):
-        return list(model)
+def _param_chunks(model) -> list:
+    """``model`` as a list of chunks: the pipeline chunks of a Module or list of Modules
+    (``pipeline.layout.model_chunks``), or any other iterable of parameters as one chunk."""
     if isinstance(model, torch.nn.Module):
-        return [model]
+        return model_chunks(model)
     items = list(model)
     if items and all(isinstance(m, torch.nn.Module) for m in items):
         return items
@@ -114,7 +106,7 @@ class DataParallelGrads:
         self.sharded = use_distributed_optimizer
         self.grad_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
         self.bucket_size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * ps.dp_cp.size)
-        self.chunks = model_chunks(model)
+        self.chunks = _param_chunks(model)
         self.trace: list | None = None
         self.params: list = []
         self.buffers: list[GradBuffer] = []
@@ -184,12 +176,12 @@ class DataParallelGrads:
         for buf in self.buffers:
             for bucket in buf.buckets:
                 bucket.wait_grad_sync()
-        sp = [p.main_grad for p in self.params if getattr(p, "sequence_parallel", False)]
+        sp = [p.main_grad for p in self.params if param_meta(p).sequence_parallel]
         all_reduce_coalesced(sp, self.ps.tp)
         if self.ps.pp.size > 1 and self.ps.embedding.member:
             shared = []
             for p in self.params:
-                if getattr(p, "shared_embedding", False):
+                if param_meta(p).shared_embedding:
                     bucket = self._where[id(p)][2]
                     lo, hi = bucket.shard_range()
                     shared.append(bucket.grad[lo:hi])  # the whole bucket when not sharded

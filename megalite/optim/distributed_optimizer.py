@@ -44,7 +44,7 @@ from megalite.optim.optimizer import (
     LossScaledOptimizer,
     StepOutcome,
     build_torch_optimizer,
-    uses_weight_decay,
+    param_groups,
 )
 from megalite.optim.optimizer_state import (
     init_state,
@@ -120,12 +120,8 @@ class DistributedOptimizer(LossScaledOptimizer):
                                                    master[s - lo:e - lo]))
                 self.shards.append(shard)
         self.pieces = [pc for sh in self.shards for pc in sh.pieces]
-        groups = []
-        for decay, wd in ((True, ocfg.weight_decay), (False, 0.0)):
-            members = [pc for pc in self.pieces if uses_weight_decay(pc.name, pc.param) == decay]
-            if members:
-                groups.append({"params": [pc.master for pc in members], "weight_decay": wd,
-                               "names": [pc.name for pc in members]})
+        groups = param_groups([(pc.name, pc.param) for pc in self.pieces], ocfg.weight_decay,
+                              updated=[pc.master for pc in self.pieces])
         self.inner = build_torch_optimizer(groups, ocfg) if groups else None
         if self.inner is not None:
             init_state(self.inner, ocfg)

@@ -8,7 +8,7 @@ group and a dtype, laid out back to front (the order backward produces their gra
                      themselves become views into it (param.data = param_data[a:b].view(...))
 
 A bucket holds whole parameters and at least ``bucket_size`` elements (the last one may be
-smaller); a word embedding shared between pipeline stages (``param.shared_embedding``)
+smaller); a word embedding shared between pipeline stages (``param_meta(p).shared_embedding``)
 gets a bucket of its own, so that the first and the last stage split it into identical
 shards. Under the distributed optimizer every bucket is padded with zeros to a multiple
 of the group size ``D`` and cut into ``D`` equal shards: rank ``r`` of ``group`` owns
@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from megalite.parallel import collectives
+from megalite.parallel.params import param_meta
 from megalite.parallel.state import Group
 
 
@@ -173,7 +174,7 @@ class GradBuffer:
                 members, start, offset = [], end, end
 
         for p in params:
-            alone = bool(getattr(p, "shared_embedding", False))
+            alone = param_meta(p).shared_embedding
             if alone:
                 close()
             members.append(p)

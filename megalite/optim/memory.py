@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.optim.data_parallel import model_chunks
+from megalite.pipeline.layout import model_chunks
 
 
 @dataclass

@@ -55,16 +55,21 @@ def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.dim() > 1 and not name.endswith("bias")
 
 
-def param_groups(named_params: list, weight_decay: float) -> list[dict]:
-    """Split ``[(name, tensor), ...]`` into a decayed and a non-decayed group (empty groups
-    are dropped). Each group carries ``names`` for error messages."""
-    decay = [(n, p) for n, p in named_params if uses_weight_decay(n, p)]
-    no_decay = [(n, p) for n, p in named_params if not uses_weight_decay(n, p)]
+def param_groups(named_params: list, weight_decay: float,
+                 updated: list[torch.Tensor] | None = None) -> list[dict]:
+    """Split ``[(name, parameter), ...]`` into a decayed and a non-decayed group (empty
+    groups are dropped; :func:`uses_weight_decay` decides). The groups hold ``updated[i]``
+    for ``named_params[i]``: the tensor the optimizer steps (default: the parameter
+    itself; the distributed optimizer's fp32 shard piece). Each group carries ``names``
+    for error messages."""
+    updated = [p for _, p in named_params] if updated is None else updated
+    members = list(zip(named_params, updated))
     groups = []
-    for members, wd in ((decay, weight_decay), (no_decay, 0.0)):
-        if members:
-            groups.append({"params": [p for _, p in members], "weight_decay": wd,
-                           "names": [n for n, _ in members]})
+    for decay, wd in ((True, weight_decay), (False, 0.0)):
+        chosen = [(n, t) for (n, p), t in members if uses_weight_decay(n, p) == decay]
+        if chosen:
+            groups.append({"params": [t for _, t in chosen], "weight_decay": wd,
+                           "names": [n for n, _ in chosen]})
     return groups
 
 

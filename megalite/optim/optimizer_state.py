@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from megalite.config import OptimConfig
-from megalite.optim.data_parallel import model_chunks
+from megalite.pipeline.layout import model_chunks
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 SGD_KEYS = ("momentum_buffer",)
@@ -31,7 +31,7 @@ def state_keys(ocfg: OptimConfig) -> tuple[str, ...]:
 
 def named_trainable_params(model) -> list[tuple[str, torch.nn.Parameter]]:
     """``[(name, param)]`` over every chunk of ``model`` (see
-    :func:`megalite.optim.data_parallel.model_chunks`); raises if two chunks use one name."""
+    :func:`megalite.pipeline.layout.model_chunks`); raises if two chunks use one name."""
     named, seen_params, seen_names = [], set(), set()
     for chunk in model_chunks(model):
         items = (chunk.named_parameters() if isinstance(chunk, torch.nn.Module)

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from megalite.parallel.collectives import all_reduce_coalesced
+from megalite.parallel.params import param_meta
 
 
 def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_group) -> None:
@@ -19,5 +20,5 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_g
     a no-op when it has one member.
     """
     all_reduce_coalesced([p.grad for p in params
-                          if getattr(p, "sequence_parallel", False) and p.grad is not None],
+                          if param_meta(p).sequence_parallel and p.grad is not None],
                          tp_group)

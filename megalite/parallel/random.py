@@ -27,6 +27,13 @@ REPLICATED = "replicated"
 TENSOR_PARALLEL = "tensor-parallel"
 
 
+def stage_seed(seed: int, ps) -> int:
+    """The seed of this rank's pipeline stage: ``seed + 100 * pp_rank`` (stages differ,
+    tensor/data-parallel ranks of one stage agree). The one place this rule lives: the
+    global RNGs at start-up, the dropout streams and a re-seeded resume all use it."""
+    return seed + 100 * ps.pp.rank
+
+
 def _get_device_state(device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
@@ -62,12 +69,12 @@ class RNGTracker:
         self.states: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def from_state(cls, pstate, seed: int) -> RNGTracker:
-        """The two standard streams for this rank of ``pstate`` (see module docstring)."""
-        tracker = cls(pstate.device)
-        base = seed + 100 * pstate.pp.rank
+    def from_state(cls, ps, seed: int) -> RNGTracker:
+        """The two standard streams for this rank of ``ps`` (see module docstring)."""
+        tracker = cls(ps.device)
+        base = stage_seed(seed, ps)
         tracker.add(REPLICATED, base)
-        tracker.add(TENSOR_PARALLEL, base + 2718 + pstate.tp.rank)
+        tracker.add(TENSOR_PARALLEL, base + 2718 + ps.tp.rank)
         return tracker
 
     def add(self, name: str, seed: int) -> None:

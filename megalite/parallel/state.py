@@ -186,15 +186,22 @@ class ParallelState:
         self._owned.clear()
 
     # -- queries ------------------------------------------------------------------------
-    def is_pipeline_first_stage(self, virtual_rank: int | None = None) -> bool:
-        """True on the stage holding the embedding (for ``virtual_rank`` chunk if given)."""
-        if virtual_rank is not None and self.vpp_size and virtual_rank != 0:
+    @property
+    def num_model_chunks(self) -> int:
+        """Model chunks per pipeline rank: the virtual pipeline size, or 1."""
+        return self.vpp_size or 1
+
+    def is_pipeline_first_stage(self, chunk: int | None = None) -> bool:
+        """True on the first pipeline stage; with ``chunk``, only for that model chunk's
+        piece of the model holding the embedding (chunk 0 of stage 0)."""
+        if chunk is not None and chunk != 0:
             return False
         return self.pp.rank == 0
 
-    def is_pipeline_last_stage(self, virtual_rank: int | None = None) -> bool:
-        """True on the stage holding the output layer (for ``virtual_rank`` if given)."""
-        if virtual_rank is not None and self.vpp_size and virtual_rank != self.vpp_size - 1:
+    def is_pipeline_last_stage(self, chunk: int | None = None) -> bool:
+        """True on the last pipeline stage; with ``chunk``, only for the piece holding the
+        output layer (the last chunk of the last stage)."""
+        if chunk is not None and chunk != self.num_model_chunks - 1:
             return False
         return self.pp.rank == self.pp.size - 1
 

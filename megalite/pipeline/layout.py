@@ -10,7 +10,17 @@ its ``v`` chunks.
 
 from __future__ import annotations
 
+import torch
+
 from megalite.config import ConfigError
+
+
+def model_chunks(model) -> list[torch.nn.Module]:
+    """This rank's pipeline chunks: the items of a ModuleList / list / tuple of chunks
+    (what ``training.build`` makes under pipeline parallelism), or the one module."""
+    if isinstance(model, (list, tuple, torch.nn.ModuleList)):
+        return list(model)
+    return [model]
 
 
 def layers_per_stage(num_layers: int, pp: int, first: int | None = None,

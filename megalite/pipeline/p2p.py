@@ -8,7 +8,7 @@ the same pair of ranks, so the two kinds of message carry different tags.
 Sends are asynchronous (``isend``); a receive blocks until its tensor arrived. Shapes are
 known ahead (``[s, b, h]``, or ``[s/tp, b, h]`` under sequence parallelism), so no shape
 handshake is needed unless ``variable_seq_lengths`` is set. All transfers run on the
-pipeline group ``pstate.pp``; ``dst``/``src`` are global ranks.
+pipeline group ``ps.pp``; ``dst``/``src`` are global ranks.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ class PipeComm:
     measurement.
     """
 
-    def __init__(self, pstate, tensor_shape, dtype: torch.dtype,
+    def __init__(self, ps, tensor_shape, dtype: torch.dtype,
                  variable_seq_lengths: bool = False):
-        self.group = pstate.pp.group
-        self.prev_rank, self.next_rank = pstate.pipeline_neighbours()
+        self.group = ps.pp.group
+        self.prev_rank, self.next_rank = ps.pipeline_neighbours()
         self.shape = tuple(tensor_shape)
         self.dtype = dtype
-        self.device = pstate.device
+        self.device = ps.device
         self.variable = variable_seq_lengths
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
         self.wait_seconds = 0.0

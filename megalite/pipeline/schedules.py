@@ -126,7 +126,7 @@ def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
         (output,), (grad,), False, False, (), True, True)
 
 
-def run_schedule(steps: list[Step], *, forward_step: Callable, pstate, vpp: int,
+def run_schedule(steps: list[Step], *, forward_step: Callable, ps, vpp: int,
                  comm: PipeComm | None, train: bool = True,
                  deallocate: bool = True, stats: ScheduleStats | None = None) -> None:
     """Execute ``steps`` on this pipeline rank.
@@ -137,7 +137,7 @@ def run_schedule(steps: list[Step], *, forward_step: Callable, pstate, vpp: int,
     other piece the activation ``[s, b, h]`` to send on.
     comm: the :class:`PipeComm` of this rank (None when pp == 1).
     """
-    pp, rank = pstate.pp.size, pstate.pp.rank
+    pp, rank = ps.pp.size, ps.pp.rank
     inputs: dict[tuple[int, int], torch.Tensor | None] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
 

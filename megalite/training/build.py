@@ -19,8 +19,7 @@ from __future__ import annotations
 import copy
 import random
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -28,85 +27,20 @@ import torch
 from megalite.checkpoint import load_checkpoint
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.optim.build import build_grads_and_optimizer
-from megalite.optim.data_parallel import DataParallelGrads
 from megalite.optim.lr_schedule import LRScheduler
 from megalite.optim.memory import rank_memory
-from megalite.optim.optimizer import MixedPrecisionOptimizer
+from megalite.parallel.random import stage_seed
 from megalite.parallel.state import ParallelState
-from megalite.training.loop import TrainState
+from megalite.pipeline.layout import model_chunks
+from megalite.training.components import TrainingComponents, TrainState
 from megalite.training.metrics import MetricsLogger
 from megalite.training.throughput import count_layer_params, flops_per_token, peak_flops_per_rank
 from megalite.training.timers import Timers
 
 
-@dataclass
-class TrainingComponents:
-    """The pieces :func:`megalite.training.loop.train` drives (see module docstring)."""
-
-    cfg: MegaliteConfig
-    ps: ParallelState
-    model: torch.nn.Module
-    grads: DataParallelGrads
-    optimizer: MixedPrecisionOptimizer
-    scheduler: LRScheduler
-    timers: Timers
-    metrics: MetricsLogger
-    train_dataset: object
-    valid_dataset: object | None
-    num_microbatches: int
-    flops_per_iteration: float
-    peak_flops: float
-    state: TrainState = field(default_factory=TrainState)
-    rng_tracker: object | None = None
-    tokenizer: object | None = None
-    start_time: float = field(default_factory=time.time)  # wall clock when building began
-
-    def _loader(self, dataset, consumed_samples: int):
-        from megalite.data.samplers import build_data_loader
-
-        t = self.cfg.train
-        with torch.random.fork_rng(devices=[]):
-            return iter(build_data_loader(dataset, consumed_samples, t.micro_batch_size,
-                                          self.ps.dp.rank, self.ps.dp.size,
-                                          self.cfg.data.num_workers))
-
-    def train_iterator(self, consumed_samples: int) -> Iterator:
-        """This rank's training micro-batches, resuming after ``consumed_samples``."""
-        return self._loader(self.train_dataset, consumed_samples)
-
-    def valid_iterator(self, iteration: int) -> Iterator | None:
-        """Validation micro-batches, cycling, positioned as after ``iteration`` training
-        iterations (Megatron's ``consumed_valid_samples``)."""
-        if self.valid_dataset is None:
-            return None
-        t = self.cfg.train
-        total = len(self.valid_dataset)
-        consumed = (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
-        return _cycle(lambda start: self._loader(self.valid_dataset, start),
-                      consumed % total if total else 0)
-
-    def close(self) -> None:
-        self.metrics.close()
-        self.grads.remove_hooks()
-
-
-def _cycle(make: Callable[[int], Iterator], start: int) -> Iterator:
-    """Items of ``make(start)``, then of ``make(0)`` over and over."""
-    iterator = make(start)
-    while True:
-        empty = True
-        for item in iterator:
-            empty = False
-            yield item
-        if empty and start == 0:
-            raise ConfigError("the validation set holds less than one micro-batch per "
-                              "data-parallel rank; lower --micro-batch-size or change --split")
-        iterator, start = make(0), 0
-
-
 def set_seeds(seed: int, ps: ParallelState) -> None:
-    """python / numpy / torch seeds; pipeline stages differ (seed + 100 x pp rank)."""
-    seed = seed + 100 * ps.pp.rank
+    """python / numpy / torch seeds; pipeline stages differ (``parallel.random.stage_seed``)."""
+    seed = stage_seed(seed, ps)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -130,12 +64,11 @@ def default_model_provider(cfg: MegaliteConfig, ps: ParallelState) -> torch.nn.M
                                 p.virtual_pipeline_model_parallel_size,
                                 p.decoder_first_pipeline_num_layers,
                                 p.decoder_last_pipeline_num_layers)[ps.pp.rank]
-    vpp = len(ranges)
     rng = RNGTracker.from_state(ps, cfg.train.seed)  # one dropout stream for all chunks
     return torch.nn.ModuleList(
         GPTModel(cfg.model, ps, sequence_parallel=p.sequence_parallel, seed=cfg.train.seed,
-                 pre_process=ps.pp.rank == 0 and c == 0,
-                 post_process=ps.pp.rank == ps.pp.size - 1 and c == vpp - 1,
+                 pre_process=ps.is_pipeline_first_stage(c),
+                 post_process=ps.is_pipeline_last_stage(c),
                  first_layer=first, num_layers=n, rng=rng)
         for c, (first, n) in enumerate(ranges))
 
@@ -154,8 +87,7 @@ def default_datasets_provider(cfg: MegaliteConfig, tokenizer) -> tuple:
 
 def _rng_tracker(model: torch.nn.Module):
     """The model's dropout RNG tracker (``model.rng``, an RNGTracker), if it has one."""
-    if isinstance(model, torch.nn.ModuleList):  # pipeline chunks share one tracker
-        model = model[0]
+    model = model_chunks(model)[0]  # pipeline chunks share one tracker
     for name in ("rng", "rng_tracker"):
         tracker = getattr(model, name, None)
         if hasattr(tracker, "get_states") and hasattr(tracker, "set_states"):

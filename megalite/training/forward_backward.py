@@ -26,13 +26,9 @@ import torch
 
 from megalite.moe.layer import moe_layers, set_aux_loss_scale
 from megalite.parallel.collectives import all_reduce
+from megalite.pipeline.layout import model_chunks
 from megalite.pipeline.p2p import PipeComm
 from megalite.pipeline.schedules import ScheduleStats, build_schedule, run_schedule
-
-
-def model_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The pipeline chunks of this rank: a ModuleList's items, or the model itself."""
-    return list(model) if isinstance(model, torch.nn.ModuleList) else [model]
 
 
 def activation_shape(cfg, ps) -> tuple[int, int, int]:
@@ -98,12 +94,11 @@ def forward_backward(c, batches: list[dict], tokens: torch.Tensor, *, train: boo
         for chunk in chunks:
             set_aux_loss_scale(chunk, scale / (len(batches) * ps.dp.size))
     loss_sum = torch.zeros(1, dtype=torch.float64, device=ps.device)
-    last_rank = ps.pp.rank == ps.pp.size - 1
 
     def forward_step(chunk: int, mb: int, hidden: torch.Tensor | None):
         batch = batches[mb]
         module = chunks[chunk]
-        is_last = last_rank and chunk == vpp - 1
+        is_last = ps.is_pipeline_last_stage(chunk)
         out = module(batch["tokens"] if hidden is None else None,
                      position_ids=batch.get("position_ids"),
                      labels=batch["labels"] if is_last else None,
@@ -121,7 +116,7 @@ def forward_backward(c, batches: list[dict], tokens: torch.Tensor, *, train: boo
         comm = PipeComm(ps, activation_shape(c.cfg, ps), _dtype(chunks[0]),
                         c.cfg.parallel.variable_seq_lengths)
     steps = build_schedule(ps.pp.size, ps.pp.rank, len(batches), vpp, train=train)
-    run_schedule(steps, forward_step=forward_step, pstate=ps, vpp=vpp, comm=comm,
+    run_schedule(steps, forward_step=forward_step, ps=ps, vpp=vpp, comm=comm,
                  train=train, stats=stats)
     if ps.pp.size > 1:  # only the last stage computed the loss
         all_reduce(loss_sum, ps.pp)

@@ -25,27 +25,19 @@ import torch
 
 from megalite.checkpoint import CheckpointSaver, save_checkpoint
 from megalite.parallel.collectives import ReduceOp, all_reduce, all_reduce_scalar
+from megalite.training.components import TrainState
 from megalite.training.forward_backward import RouterLosses, forward_backward
 from megalite.training.metrics import IterationMetrics
 from megalite.training.signals import SignalHandler
 
 if TYPE_CHECKING:
-    from megalite.training.build import TrainingComponents
+    from megalite.training.components import TrainingComponents
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss or the gradients became NaN/inf; no update or checkpoint was made."""
-
-
-@dataclass
-class TrainState:
-    """Progress that a checkpoint restores."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    skipped_iters: int = 0
 
 
 @dataclass

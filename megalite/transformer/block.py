@@ -18,12 +18,12 @@ class TransformerBlock(torch.nn.Module):
     replayed): ``uniform`` in chunks of ``recompute_num_layers`` layers, ``block`` only the
     first ``recompute_num_layers`` layers of this stage, one by one.
 
-    ``pstate`` and ``seed`` reach the MoE layers (see :class:`TransformerLayer`).
+    ``ps`` (the ParallelState) and ``seed`` reach every layer (see :class:`TransformerLayer`).
     """
 
-    def __init__(self, cfg, *, tp_group, sequence_parallel: bool, rng, first_layer: int = 0,
+    def __init__(self, cfg, ps, *, sequence_parallel: bool, rng, first_layer: int = 0,
                  num_layers: int | None = None, post_process: bool = True,
-                 pstate=None, seed: int = 0, device=None, dtype=None):
+                 seed: int = 0, device=None, dtype=None):
         super().__init__()
         num_layers = cfg.num_layers - first_layer if num_layers is None else num_layers
         self.rng = rng
@@ -31,9 +31,8 @@ class TransformerBlock(torch.nn.Module):
         self.recompute_method = cfg.recompute_method
         self.recompute_num_layers = cfg.recompute_num_layers
         self.layers = torch.nn.ModuleDict({
-            str(i): TransformerLayer(cfg, i, tp_group=tp_group,
-                                     sequence_parallel=sequence_parallel, rng=rng,
-                                     pstate=pstate, seed=seed, device=device, dtype=dtype)
+            str(i): TransformerLayer(cfg, i, ps, sequence_parallel=sequence_parallel, rng=rng,
+                                     seed=seed, device=device, dtype=dtype)
             for i in range(first_layer, first_layer + num_layers)})
         self.final_layernorm = None
         if post_process:

@@ -24,36 +24,34 @@ class TransformerLayer(torch.nn.Module):
 
     ``layer_number`` is the global (0-based) index in the whole model. The MLP is an
     :class:`~megalite.moe.layer.MoELayer` (Mixtral) when ``cfg.num_experts`` is set and
-    ``moe_layer_pattern(cfg)`` selects this layer; it needs ``pstate`` (its ep / etp
-    groups) and ``seed`` (it draws its own experts' slice). Residual-branch
+    ``moe_layer_pattern(cfg)`` selects this layer (it draws its own parameters from
+    ``seed``). ``ps`` is the ParallelState every sub-layer picks its groups from. Residual-branch
     dropout draws from the replicated RNG stream (identical on TP ranks, which hold the
     same activations) or, under sequence parallelism, the tensor-parallel stream (each rank
     holds a different chunk of the sequence).
     """
 
-    def __init__(self, cfg, layer_number: int, *, tp_group, sequence_parallel: bool, rng,
-                 pstate=None, seed: int = 0, device=None, dtype=None):
+    def __init__(self, cfg, layer_number: int, ps, *, sequence_parallel: bool, rng,
+                 seed: int = 0, device=None, dtype=None):
         super().__init__()
         self.layer_number = layer_number
         self.rng = rng
         self.hidden_dropout = cfg.hidden_dropout
         self.dropout_stream = TENSOR_PARALLEL if sequence_parallel else REPLICATED
         kw = {"sequence_parallel": sequence_parallel, "device": device, "dtype": dtype}
-        par = dict(tp_group=tp_group, output_std=output_init_std(cfg), **kw)
+        par = dict(output_std=output_init_std(cfg), **kw)
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
                                           cfg.norm_epsilon, **kw)
         self.self_attention = SelfAttention(
-            cfg, rng=rng, recompute_core=cfg.recompute_granularity == "selective", **par)
+            cfg, ps, rng=rng, recompute_core=cfg.recompute_granularity == "selective", **par)
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
                                             cfg.norm_epsilon, **kw)
         self.is_moe = moe_layer_pattern(cfg)[layer_number]
         if self.is_moe:
-            if pstate is None:
-                raise ValueError("an MoE layer (--num-experts) needs the ParallelState")
-            self.mlp = MoELayer(cfg, pstate, layer_number=layer_number, seed=seed,
+            self.mlp = MoELayer(cfg, ps, layer_number=layer_number, seed=seed,
                                 sequence_parallel=sequence_parallel)
         else:
-            self.mlp = MLP(cfg, **par)
+            self.mlp = MLP(cfg, ps, **par)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0.0:

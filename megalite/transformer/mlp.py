@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megalite.config import ConfigError
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -14,19 +13,16 @@ class MLP(torch.nn.Module):
 
     GeLU: ``fc2(gelu(fc1(x)))`` with fc1 ``[ffn/tp, h]`` per rank. SwiGLU (``cfg.swiglu``):
     fc1 fuses ``[gate; up]`` (``[2 ffn/tp, h]`` per rank, each half sharded separately) and
-    ``fc2(silu(gate) * up)``. fc2 is row-parallel ``[h, ffn/tp]``.
+    ``fc2(silu(gate) * up)``. fc2 is row-parallel ``[h, ffn/tp]``; both over ``ps.tp``.
     """
 
-    def __init__(self, cfg, *, tp_group, sequence_parallel: bool, output_std: float,
+    def __init__(self, cfg, ps, *, sequence_parallel: bool, output_std: float,
                  device=None, dtype=None):
         super().__init__()
         ffn = cfg.ffn_hidden_size
-        if ffn % tp_group.size:
-            raise ConfigError(f"ffn_hidden_size ({ffn}) must be divisible by "
-                              f"tensor_model_parallel_size ({tp_group.size})")
         self.swiglu = cfg.swiglu
-        kw = {"tp_group": tp_group, "sequence_parallel": sequence_parallel, "device": device,
-                  "dtype": dtype, "bias": cfg.add_bias_linear}
+        kw = {"ps": ps, "sequence_parallel": sequence_parallel, "device": device,
+              "dtype": dtype, "bias": cfg.add_bias_linear}
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size, 2 * ffn if cfg.swiglu else ffn,
             parts=(ffn, ffn) if cfg.swiglu else None, init_std=cfg.init_method_std, **kw)

@@ -122,7 +122,7 @@ def _check_live_groups(rank, world_size, layouts):
                     dist.all_reduce(t, group=g.group)
                 assert t.item() == sum(want[name]), (name, sizes)
             out.append((ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(),
-                        ps.is_pipeline_first_stage(virtual_rank=1)))
+                        ps.is_pipeline_first_stage(chunk=1)))
     return out
 
 

@@ -44,11 +44,12 @@ def _check_cross_entropy(group):
     return max((loss - want).abs().max().item(), (local.grad - grad).abs().max().item())
 
 
-def _check_embedding(group, sp):
-    emb = VocabParallelEmbedding(PADDED, H, vocab_size=VOCAB, tp_group=group,
+def _check_embedding(ps, sp):
+    group = ps.tp
+    emb = VocabParallelEmbedding(PADDED, H, vocab_size=VOCAB, ps=ps,
                                  sequence_parallel=sp, init_std=1.0)
     table = _rand(4, VOCAB, H)
-    sharding.initialize_params(emb, 0, group)
+    sharding.initialize_params(emb, 0, ps)
     with torch.no_grad():
         emb.weight.copy_(sharding.shard(table, emb.weight, group.size, group.rank))
     ids = torch.randint(0, VOCAB, (S, B), generator=torch.Generator().manual_seed(5))
@@ -58,11 +59,12 @@ def _check_embedding(group, sp):
     return (emb(ids) - want).abs().max().item()
 
 
-def _check_linear_pair(group):
+def _check_linear_pair(ps):
     """gather_output column layer, then a row layer splitting its full input itself."""
+    group = ps.tp
     w1, w2, x = _rand(6, 24, H), _rand(7, H, 24), _rand(8, S, B, H).requires_grad_(True)
-    col = ColumnParallelLinear(H, 24, tp_group=group, bias=False, gather_output=True)
-    row = RowParallelLinear(24, H, tp_group=group, bias=False, input_is_parallel=False)
+    col = ColumnParallelLinear(H, 24, ps=ps, bias=False, gather_output=True)
+    row = RowParallelLinear(24, H, ps=ps, bias=False, input_is_parallel=False)
     with torch.no_grad():
         col.weight.copy_(sharding.shard(w1, col.weight, group.size, group.rank))
         row.weight.copy_(sharding.shard(w2, row.weight, group.size, group.rank))
@@ -79,16 +81,16 @@ def _check_linear_pair(group):
 
 def _layers_body(rank, world_size):
     with parallel_state(tensor_model_parallel_size=world_size) as ps:
-        return {"ce": _check_cross_entropy(ps.tp), "emb": _check_embedding(ps.tp, False),
-                    "emb_sp": _check_embedding(ps.tp, True), "linear": _check_linear_pair(ps.tp)}
+        return {"ce": _check_cross_entropy(ps.tp), "emb": _check_embedding(ps, False),
+                    "emb_sp": _check_embedding(ps, True), "linear": _check_linear_pair(ps)}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_layers_match_single_rank(world):
     if world == 1:
         ps = single_process_state()
-        results = [{"ce": _check_cross_entropy(ps.tp), "emb": _check_embedding(ps.tp, False),
-                        "linear": _check_linear_pair(ps.tp)}]
+        results = [{"ce": _check_cross_entropy(ps.tp), "emb": _check_embedding(ps, False),
+                        "linear": _check_linear_pair(ps)}]
     else:
         results = run_distributed(world, _layers_body)
     for rank, errors in enumerate(results):

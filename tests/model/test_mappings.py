@@ -68,10 +68,12 @@ def test_mappings_are_identity_on_one_rank():
 
 def _sp_grads_body(rank, world_size):
     from megalite.parallel.grads import allreduce_sequence_parallel_grads
+    from megalite.parallel.params import mark_param
 
     with parallel_state(tensor_model_parallel_size=world_size) as ps:
         a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
-        a.sequence_parallel, b.sequence_parallel = True, False
+        mark_param(a, init_fill=0.0, sequence_parallel=True)
+        mark_param(b, init_fill=0.0, sequence_parallel=False)
         a.grad, b.grad = torch.full((3,), float(rank + 1)), torch.full((2,), float(rank + 1))
         allreduce_sequence_parallel_grads([a, b], ps.tp)
         return a.grad.tolist(), b.grad.tolist()

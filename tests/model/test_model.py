@@ -7,9 +7,9 @@ import torch
 
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.models.gpt import GPTModel
+from megalite.parallel.params import param_meta
 from tests.model.common import FAMILIES, batch, gpt2_config, llama_config, single_process_state
 
-ATTRS = ("tensor_model_parallel", "partition_dim", "sequence_parallel", "shared_embedding")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -24,9 +24,10 @@ def test_interface_shapes_and_param_attributes(family):
     logits = model(ids, position_ids=torch.arange(cfg.seq_length).expand_as(ids))
     assert logits.shape == (*ids.shape, cfg.padded_vocab_size(1))
     assert torch.allclose(logits, model(ids))
-    for name, p in model.named_parameters():
-        assert all(hasattr(p, a) for a in ATTRS), name
-    word = model.embedding.word_embeddings.weight
+    for name, p in model.named_parameters():  # every parameter described, and drawn once
+        meta = param_meta(p)
+        assert meta.initialized and (meta.init_std is None) != (meta.init_fill is None), name
+    word = param_meta(model.embedding.word_embeddings.weight)
     assert word.shared_embedding == (family == "gpt2") and word.partition_dim == 0
 
 
@@ -56,7 +57,7 @@ def test_pipeline_stages_compose_to_full_model():
     last = GPTModel(cfg, ps, seed=2, pre_process=False, first_layer=1)
     # tied output weight on the last stage starts equal to the first stage's embedding
     assert torch.equal(last.output_layer.weight, first.embedding.word_embeddings.weight)
-    assert last.output_layer.weight.shared_embedding
+    assert param_meta(last.output_layer.weight).shared_embedding
     hidden = first(ids)
     assert hidden.shape == (cfg.seq_length, ids.shape[0], cfg.hidden_size)
     assert torch.allclose(last(hidden_states=hidden, labels=labels), full(ids, labels=labels))

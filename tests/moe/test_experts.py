@@ -1,5 +1,7 @@
 """Grouped GEMM vs the per-expert loop, index helpers, init and parameter attributes."""
 
+import types
+
 import pytest
 import torch
 
@@ -7,6 +9,7 @@ from megalite.config import ModelConfig, ParallelConfig
 from megalite.moe.comm import sort_chunks_index
 from megalite.moe.dispatcher import permute, unpermute
 from megalite.moe.experts import GroupedMLP, grouped_mlp, padded_index
+from megalite.parallel.params import is_expert_param, param_meta
 from megalite.parallel.state import Group, ParallelState
 from tests.moe.reference import expert_loop
 
@@ -77,8 +80,14 @@ def _cfg(**kw):
                           "moe_ffn_hidden_size": 6, "swiglu": True, "num_layers": 3, **kw})
 
 
+def _etp_state(size: int = 1, rank: int = 0):
+    """The part of a ParallelState a GroupedMLP reads: its etp group and device."""
+    return types.SimpleNamespace(etp=Group("etp", list(range(size)), rank),
+                                 device=torch.device("cpu"))
+
+
 def test_expert_init_is_layout_invariant_and_params_are_marked():
-    one = Group("etp", [0], 0)
+    one = _etp_state()
     full = GroupedMLP(_cfg(), 4, 0, one)
     full.reset_parameters(7, "layers.2.mlp.experts")
     for first in (0, 2):  # ep = 2: each rank draws only its two experts
@@ -89,17 +98,20 @@ def test_expert_init_is_layout_invariant_and_params_are_marked():
     # etp = 2 keeps columns of gate and of up (fc1) and rows of fc2
     shards = []
     for r in range(2):
-        g = GroupedMLP(_cfg(add_bias_linear=True), 4, 0, Group("etp", [0, 1], r))
+        g = GroupedMLP(_cfg(add_bias_linear=True), 4, 0, _etp_state(2, r))
         g.reset_parameters(7, "layers.2.mlp.experts")
         shards.append(g)
     gate, up = full.fc1.split(6, dim=2)
     assert torch.equal(shards[1].fc1, torch.cat([gate[..., 3:], up[..., 3:]], dim=2))
     assert torch.equal(shards[1].fc2, full.fc2[:, 3:])
     for p in (*full.parameters(), *shards[0].parameters()):
-        assert p.expert_parallel and p.is_expert and p.allreduce is False
-    assert not full.fc1.tensor_model_parallel and shards[0].fc1.partition_dim == 2
-    assert shards[0].fc2.partition_dim == 1 and shards[0].fc2_bias.sequence_parallel
-    assert full.fc2.init_std < full.fc1.init_std  # scaled output init
+        assert param_meta(p).expert and is_expert_param(p)
+    assert all(param_meta(p).first_expert == 2 for p in half.parameters())
+    assert not param_meta(full.fc1).tensor_parallel
+    assert param_meta(shards[0].fc1).partition_dim == 2
+    assert param_meta(shards[0].fc2).partition_dim == 1
+    assert param_meta(shards[0].fc2_bias).sequence_parallel
+    assert param_meta(full.fc2).init_std < param_meta(full.fc1).init_std  # scaled output
 
 
 def test_layer_init_names_and_router_attributes():
@@ -111,9 +123,15 @@ def test_layer_init_names_and_router_attributes():
     c = MoELayer(_cfg(moe_shared_expert_intermediate_size=4), ps, layer_number=6, seed=3)
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), name
-        assert pa.init_fill is not None or not torch.equal(pa, pc), name
-    assert a.router.weight.init_name == "layers.5.mlp.router.weight"
-    assert a.experts.fc1.init_name == "layers.5.mlp.experts.fc1"
-    assert a.shared_experts.fc1.weight.init_name == "layers.5.mlp.shared_experts.fc1.weight"
-    assert a.router.weight.expert_parallel is False and not a.router.weight.sequence_parallel
-    assert all(p.expert_parallel is False for p in a.shared_experts.parameters())
+        assert param_meta(pa).init_fill is not None or not torch.equal(pa, pc), name
+    assert param_meta(a.router.weight).init_name == "layers.5.mlp.router.weight"
+    assert param_meta(a.experts.fc1).init_name == "layers.5.mlp.experts.fc1"
+    assert (param_meta(a.shared_experts.fc1.weight).init_name
+            == "layers.5.mlp.shared_experts.fc1.weight")
+    router = param_meta(a.router.weight)
+    assert not router.expert and not router.sequence_parallel
+    assert not any(param_meta(p).expert for p in a.shared_experts.parameters())
+    # drawn once, when the layer was built; a redraw gives the same values
+    before = [p.detach().clone() for p in a.parameters()]
+    a.reset_parameters()
+    assert all(torch.equal(x, p) for x, p in zip(before, a.parameters()))

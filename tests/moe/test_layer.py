@@ -1,7 +1,5 @@
 """The MoE layer on one process: Hugging Face Mixtral parity, capacity by hand, bad input."""
 
-import types
-
 import pytest
 import torch
 
@@ -9,11 +7,10 @@ from megalite.config import ConfigError, MegaliteConfig, ModelConfig, ParallelCo
 from megalite.moe.layer import (
     MoELayer,
     aux_loss_summary,
-    check_moe_config,
     moe_layer_pattern,
     set_aux_loss_scale,
 )
-from megalite.parallel.state import Group, ParallelState
+from megalite.parallel.state import ParallelState
 from tests.moe.reference import naive_moe
 
 
@@ -135,22 +132,16 @@ def test_bad_input_is_reported():
     with pytest.raises(ConfigError, match="needs --num-experts"):
         MoELayer(ModelConfig(), _state(), layer_number=0, seed=0)
 
-    def fake(ep=1, etp=1, tp=1):
-        grp = lambda n: Group("g", list(range(n)), 0)
-        return types.SimpleNamespace(ep=grp(ep), etp=grp(etp), tp=grp(tp))
-
+    # the layer asks the one place these rules live: ModelConfig.check_layout
     with pytest.raises(ConfigError, match=r"num_experts \(6\) must be divisible by "
                                           r"expert_model_parallel_size \(4\)"):
-        check_moe_config(_cfg(num_experts=6), fake(ep=4))
+        _cfg(num_experts=6).check_layout(tp=1, ep=4, etp=1)
     with pytest.raises(ConfigError, match=r"moe_ffn_hidden_size \(6\) must be divisible"):
-        check_moe_config(_cfg(), fake(etp=4, tp=4))
+        _cfg(hidden_size=8, num_attention_heads=4, ffn_hidden_size=8).check_layout(
+            tp=4, ep=1, etp=4)
     with pytest.raises(ConfigError, match="expert biases need"):
-        check_moe_config(_cfg(add_bias_linear=True, moe_ffn_hidden_size=8),
-                         fake(etp=2, tp=4))
-    too_many = _cfg()
-    too_many.moe_router_topk = 5  # bypassing ModelConfig's own check
-    with pytest.raises(ConfigError, match="must be <= num_experts"):
-        check_moe_config(too_many, fake())
+        _cfg(add_bias_linear=True, moe_ffn_hidden_size=8, num_attention_heads=4,
+             ffn_hidden_size=8).check_layout(tp=4, etp=2)
 
 
 def test_moe_layer_pattern():

@@ -6,7 +6,8 @@ import torch
 
 from megalite.arguments import parse_args
 from megalite.config import ConfigError, OptimConfig, ParallelConfig
-from megalite.optim.data_parallel import DataParallelGrads, is_expert_param
+from megalite.optim.data_parallel import DataParallelGrads
+from megalite.parallel.params import is_expert_param, mark_param, param_meta, update_meta
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.grad_buffer import GradBuffer
 from megalite.optim.loss_scaler import ConstantLossScaler
@@ -33,7 +34,7 @@ class Stack(torch.nn.Module):
 
 def test_layout_buckets_views_and_padding():
     params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 7, 3, 11, 2)]
-    params[2].shared_embedding = True
+    update_meta(params[2], shared_embedding=True)
     group = single_state().dp_cp
     buf = GradBuffer(params, group, torch.float32, bucket_size=9, sharded=False,
                      device=torch.device("cpu"))
@@ -117,15 +118,17 @@ def test_last_microbatch_signalling():
 
 
 def test_expert_param_marks():
+    """One record, one reader: an unmarked parameter is dense; ``expert`` marks experts."""
     p = torch.nn.Parameter(torch.zeros(2))
-    assert not is_expert_param(p)
-    p.expert_parallel = True
-    assert is_expert_param(p)
+    assert not is_expert_param(p) and not param_meta(p).tensor_parallel
+    mark_param(p, init_std=1.0, expert=True, first_expert=4)
+    assert is_expert_param(p) and param_meta(p).first_expert == 4
     q = torch.nn.Parameter(torch.zeros(2))
-    q.expert_parallel = False          # the MoE router / shared experts say so explicitly
-    assert not is_expert_param(q)
-    q.allreduce = False
-    assert is_expert_param(q)
+    mark_param(q, init_std=1.0, sequence_parallel=True)   # e.g. the MoE router
+    assert not is_expert_param(q) and param_meta(q).sequence_parallel
+    r = torch.nn.Parameter(torch.zeros(4, 2))
+    mark_param(r, init_std=1.0, partition_dim=0, sequence_parallel=True)
+    assert not param_meta(r).sequence_parallel   # a sharded tensor's grad is complete
 
 
 def test_bad_construction():

@@ -157,7 +157,7 @@ def _pipeline_body(rank, world_size, cases):
             comm = PipeComm(ps, (S, B, H), torch.float32)
             stats = ScheduleStats()
             run_schedule(build_schedule(world_size, r, m, v), forward_step=forward_step,
-                         pstate=ps, vpp=v, comm=comm, stats=stats)
+                         ps=ps, vpp=v, comm=comm, stats=stats)
             grads = {i: lin.weight.grad.clone() for ch in chunks for i, lin in ch}
             out.append((sum(losses), grads, stats.peak_live_outputs))
     return out

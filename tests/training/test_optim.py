@@ -10,6 +10,7 @@ from megalite.optim.clip_grads import clip_grads_, global_grad_norm
 from megalite.optim.data_parallel import DataParallelGrads
 from megalite.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, build_loss_scaler
 from megalite.optim.optimizer import MixedPrecisionOptimizer, param_groups
+from megalite.parallel.params import mark_param
 from megalite.parallel.state import ParallelState
 from tests.distributed.harness import parallel_state, run_distributed
 from tests.training.common import read_jsonl, run_training, tiny_config
@@ -133,7 +134,7 @@ def _clip_body(rank, world_size):
         full_w_grad = torch.randn(8, 4, generator=g)
         bias_grad = torch.randn(4, generator=g)
         w = torch.nn.Parameter(torch.zeros(4, 4))
-        w.tensor_model_parallel, w.partition_dim = True, 0
+        mark_param(w, init_std=1.0, partition_dim=0)
         b = torch.nn.Parameter(torch.zeros(4))      # replicated on both tp ranks
         w.main_grad = full_w_grad[4 * ps.tp.rank: 4 * ps.tp.rank + 4].clone()
         b.main_grad = bias_grad.clone()

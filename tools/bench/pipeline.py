@@ -92,7 +92,7 @@ def _schedules_on_rank(rank, world, cases, args):
         steps = (all_forward_then_backward(m) if gpipe
                  else build_schedule(world, ps.pp.rank, m, v))
         run_schedule(steps, forward_step=forward_step,
-                     pstate=ps, vpp=v, comm=comm, stats=stats)
+                     ps=ps, vpp=v, comm=comm, stats=stats)
         total = time.perf_counter() - t0
         dist.barrier()
         results.append((m, v, total, stats.busy, stats.waiting, stats.peak_live_outputs))

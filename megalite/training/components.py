@@ -1,0 +1,95 @@
+"""What a training run holds while it runs: its progress and the pieces it drives."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.data import Dataset
+
+from megalite.config import ConfigError, MegaliteConfig
+from megalite.data.tokenizers import Tokenizer
+from megalite.optim.data_parallel import DataParallelGrads
+from megalite.optim.lr_schedule import LRScheduler
+from megalite.optim.optimizer import LossScaledOptimizer
+from megalite.parallel.random import RNGTracker
+from megalite.parallel.state import ParallelState
+from megalite.training.metrics import MetricsLogger
+from megalite.training.timers import Timers
+
+
+@dataclass
+class TrainState:
+    """Progress that a checkpoint restores."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iters: int = 0
+
+
+@dataclass
+class TrainingComponents:
+    """The pieces :func:`megalite.training.loop.train` drives, as built by
+    :func:`megalite.training.build.build_components`."""
+
+    cfg: MegaliteConfig
+    ps: ParallelState
+    model: torch.nn.Module
+    grads: DataParallelGrads
+    optimizer: LossScaledOptimizer     # MixedPrecisionOptimizer or DistributedOptimizer
+    scheduler: LRScheduler
+    timers: Timers
+    metrics: MetricsLogger
+    train_dataset: Dataset
+    valid_dataset: Dataset | None
+    num_microbatches: int
+    flops_per_iteration: float
+    peak_flops: float
+    state: TrainState = field(default_factory=TrainState)
+    rng_tracker: RNGTracker | None = None
+    tokenizer: Tokenizer | None = None
+    start_time: float = field(default_factory=time.time)  # wall clock when building began
+
+    def _loader(self, dataset, consumed_samples: int):
+        from megalite.data.samplers import build_data_loader
+
+        t = self.cfg.train
+        with torch.random.fork_rng(devices=[]):
+            return iter(build_data_loader(dataset, consumed_samples, t.micro_batch_size,
+                                          self.ps.dp.rank, self.ps.dp.size,
+                                          self.cfg.data.num_workers))
+
+    def train_iterator(self, consumed_samples: int) -> Iterator:
+        """This rank's training micro-batches, resuming after ``consumed_samples``."""
+        return self._loader(self.train_dataset, consumed_samples)
+
+    def valid_iterator(self, iteration: int) -> Iterator | None:
+        """Validation micro-batches, cycling, positioned as after ``iteration`` training
+        iterations (Megatron's ``consumed_valid_samples``)."""
+        if self.valid_dataset is None:
+            return None
+        t = self.cfg.train
+        total = len(self.valid_dataset)
+        consumed = (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
+        return _cycle(lambda start: self._loader(self.valid_dataset, start),
+                      consumed % total if total else 0)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.grads.remove_hooks()
+
+
+def _cycle(make: Callable[[int], Iterator], start: int) -> Iterator:
+    """Items of ``make(start)``, then of ``make(0)`` over and over."""
+    iterator = make(start)
+    while True:
+        empty = True
+        for item in iterator:
+            empty = False
+            yield item
+        if empty and start == 0:
+            raise ConfigError("the validation set holds less than one micro-batch per "
+                              "data-parallel rank; lower --micro-batch-size or change --split")
+        iterator, start = make(0), 0

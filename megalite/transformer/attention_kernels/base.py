@@ -1,0 +1,58 @@
+"""The interface every attention kernel implements."""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.parallel.random import TENSOR_PARALLEL
+
+
+class CoreAttention(torch.nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v with dropout on the probabilities.
+
+    q ``[s, b, nh, d]``, k and v ``[s, b, ng, d]`` (``nh`` a multiple of ``ng``: each group
+    of ``nh/ng`` consecutive query heads shares one key/value head) -> ``[s, b, nh * d]``.
+    Dropout draws from the tracker's tensor-parallel stream (heads differ per TP rank).
+
+    Subclasses implement :meth:`attend` and, when they cannot run everywhere,
+    :meth:`unavailable`.
+    """
+
+    name = "base"
+
+    def __init__(self, dropout: float, rng):
+        super().__init__()
+        self.dropout = dropout
+        self.rng = rng
+
+    @property
+    def backend(self) -> str:
+        return self.name
+
+    @classmethod
+    def unavailable(cls, device, dtype: torch.dtype) -> str | None:
+        """Why this kernel cannot run on ``device`` in ``dtype``, or None if it can."""
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        if p > 0.0:
+            with self.rng.fork(TENSOR_PARALLEL):
+                return self.attend(q, k, v, p)
+        return self.attend(q, k, v, p)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               dropout_p: float) -> torch.Tensor:
+        """The kernel itself: shapes as in the class docstring."""
+        raise NotImplementedError
+
+
+def to_batch_heads(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``[s, b, heads, d]`` -> ``[b, heads, s, d]`` views."""
+    return tuple(t.permute(1, 2, 0, 3) for t in tensors)
+
+
+def from_batch_heads(out: torch.Tensor) -> torch.Tensor:
+    """``[b, nh, s, d]`` -> ``[s, b, nh * d]``."""
+    b, nh, s, d = out.shape
+    return out.permute(2, 0, 1, 3).reshape(s, b, nh * d)
