@@ -91,9 +91,6 @@ class GroupedMLP(torch.nn.Module):
         etp_group = ps.etp
         etp = etp_group.size
         h, ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size
-        if ffn % etp:
-            raise ValueError(f"moe_ffn_hidden_size ({ffn}) must be divisible by "
-                             f"expert_tensor_parallel_size ({etp})")
         self.swiglu = cfg.swiglu
         self.first_expert = first_expert
         self.etp_group = etp_group
