@@ -23,7 +23,7 @@ def _state():
 
 def _router(**kw):
     cfg = ModelConfig(hidden_size=8, num_experts=kw.pop("num_experts", 4), **kw)
-    router = TopKRouter(cfg, _state().tp_cp)
+    router = TopKRouter(cfg, _state())
     torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(0))
     return router
 

@@ -7,7 +7,7 @@ from megalite.data.tokenizers import build_tokenizer
 from megalite.optim.memory import rank_memory
 from megalite.parallel.state import ParallelState
 from megalite.training.build import build_components, default_datasets_provider
-from megalite.training.forward_backward import model_chunks
+from megalite.pipeline.layout import model_chunks
 from megalite.training.loop import train
 from tests.training.common import tiny_config
 

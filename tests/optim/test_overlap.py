@@ -12,8 +12,9 @@ from megalite.config import OptimConfig, ParallelConfig
 from megalite.optim.data_parallel import DataParallelGrads
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import ConstantLossScaler
+from megalite.parallel.params import mark_param
 from megalite.parallel.state import ParallelState
-from megalite.training.forward_backward import model_chunks
+from megalite.pipeline.layout import model_chunks
 from tests.distributed.harness import run_distributed
 from tests.optim.common import VARIANTS, config, train_run
 
@@ -82,7 +83,7 @@ class TwoKinds(torch.nn.Module):
         self.dense = torch.nn.Linear(4, 4)
         self.expert = torch.nn.Linear(4, 4)
         for p in self.expert.parameters():
-            p.expert_parallel = True
+            mark_param(p, init_std=0.1, expert=True)
 
     def forward(self, x):
         return (self.expert(torch.tanh(self.dense(x)))).pow(2).sum()
