@@ -70,12 +70,13 @@ def make_ours(cfg, compiled: bool):
 def make_hf(cfg, state):
     from transformers import LlamaForCausalLM
 
-    from megalite.models.hf_mapping import hf_config, to_hf_state_dict
+    from megalite.models.families import get_family
 
-    hcfg = hf_config(cfg, "llama")
+    llama = get_family("llama")
+    hcfg = llama.hf_config(cfg)
     hcfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(hcfg)
-    model.load_state_dict(to_hf_state_dict(state, cfg, "llama"))
+    model.load_state_dict(llama.to_hf(state, cfg))
     return model
 
 
