@@ -78,10 +78,10 @@ def _schedules_on_rank(rank, world, cases, args):
         ps = ParallelState.build(pcfg)
         ms = args.forward_ms / v
 
-        def forward_step(chunk, mb, x, ps=ps, ms=ms, v=v):
+        def forward_step(chunk, mb, x, ps=ps, ms=ms):
             h = torch.zeros(shape, requires_grad=True) if x is None else x
             h = Cost.apply(h, ms)
-            if ps.pp.rank == ps.pp.size - 1 and chunk == v - 1:
+            if ps.is_pipeline_last_stage(chunk):
                 return h.sum()
             return h
 
