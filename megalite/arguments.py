@@ -2,7 +2,7 @@
 
 The parser is generated from the config dataclasses: each field ``foo_bar`` becomes
 ``--foo-bar`` (or the ``flag`` its metadata names), so flags are declared once, in
-``megalite/config.py``. ``--config FILE.yaml`` takes the same keys with underscores, either
+``megalite/config/``. ``--config FILE.yaml`` takes the same keys with underscores, either
 flat (``tensor_model_parallel_size: 2``) or grouped by section (``parallel: {...}``);
 flags given on the command line override the file.
 

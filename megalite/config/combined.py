@@ -1,0 +1,132 @@
+"""All sections together, and the checks that relate them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from megalite.config.data import DataConfig
+from megalite.config.fields import ConfigError, require
+from megalite.config.model import ModelConfig
+from megalite.config.optim import OptimConfig
+from megalite.config.parallel import ParallelConfig
+from megalite.config.run import CheckpointConfig, LoggingConfig, TrainConfig
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class MegaliteConfig:
+    """All sections together; :meth:`validate` checks how they relate."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self, world_size: int) -> MegaliteConfig:
+        """Check the sections against each other for ``world_size`` processes.
+
+        Fills derived values (global batch size default) and returns self.
+        """
+        m, p, t = self.model, self.parallel, self.train
+        tp = p.tensor_model_parallel_size
+        dp = p.data_parallel_size(world_size)
+        if p.sequence_parallel:
+            require(m.seq_length % (tp * p.context_parallel_size) == 0,
+                     f"seq_length ({m.seq_length}) must be divisible by "
+                     f"tensor_model_parallel_size ({tp}) x context_parallel_size "
+                     f"({p.context_parallel_size}) under --sequence-parallel")
+        if p.context_parallel_size > 1:
+            require(m.seq_length % (2 * p.context_parallel_size) == 0,
+                     f"seq_length ({m.seq_length}) must be divisible by 2 x "
+                     f"context_parallel_size ({p.context_parallel_size})")
+        self._validate_pipeline()
+        self._validate_experts(world_size, dp)
+        if t.global_batch_size is None:
+            t.global_batch_size = t.micro_batch_size * dp
+        require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+                 f"global_batch_size ({t.global_batch_size}) must be divisible by "
+                 f"micro_batch_size ({t.micro_batch_size}) x data parallel size ({dp})")
+        num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+        pp = p.pipeline_model_parallel_size
+        if p.virtual_pipeline_model_parallel_size and num_micro % pp:
+            raise ConfigError(
+                f"the interleaved pipeline schedule needs the number of micro-batches "
+                f"({num_micro} = global_batch_size {t.global_batch_size} / (micro_batch_size "
+                f"{t.micro_batch_size} x data parallel {dp})) to be a multiple of "
+                f"pipeline_model_parallel_size ({pp})")
+        if self.checkpoint.save_interval is not None and self.checkpoint.save is None:
+            raise ConfigError("--save-interval needs --save DIR")
+        if not self.data.mock_data and self.data.tokenizer_type == "NullTokenizer":
+            require(m.vocab_size is not None, "NullTokenizer needs --vocab-size")
+        return self
+
+    def _validate_pipeline(self) -> None:
+        m, p = self.model, self.parallel
+        pp = p.pipeline_model_parallel_size
+        first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+        middle_layers = m.num_layers - (first or 0) - (last or 0)
+        middle_stages = pp - (first is not None) - (last is not None)
+        if first is not None or last is not None:
+            require(middle_layers >= 0 and (middle_stages > 0 or middle_layers == 0),
+                     f"decoder first/last pipeline layers ({first}, {last}) do not fit "
+                     f"num_layers ({m.num_layers}) over {pp} pipeline stages")
+            if middle_stages > 0:
+                require(middle_layers % middle_stages == 0,
+                         f"the {middle_layers} layers left after the first/last stage "
+                         f"must divide over the {middle_stages} middle stages")
+        else:
+            require(m.num_layers % pp == 0,
+                     f"num_layers ({m.num_layers}) must be divisible by "
+                     f"pipeline_model_parallel_size ({pp}) (or set "
+                     "--decoder-first/last-pipeline-num-layers)")
+        if p.num_layers_per_virtual_pipeline_stage is not None:
+            per_stage = m.num_layers // pp
+            require(per_stage % p.num_layers_per_virtual_pipeline_stage == 0,
+                     f"layers per pipeline stage ({per_stage}) must be divisible by "
+                     f"num_layers_per_virtual_pipeline_stage "
+                     f"({p.num_layers_per_virtual_pipeline_stage})")
+            p.virtual_pipeline_model_parallel_size = (
+                per_stage // p.num_layers_per_virtual_pipeline_stage)
+        vpp = p.virtual_pipeline_model_parallel_size
+        if vpp is not None and first is None and last is None:
+            require(m.num_layers % (pp * vpp) == 0,
+                     f"num_layers ({m.num_layers}) must be divisible by "
+                     f"pipeline_model_parallel_size ({pp}) x virtual pipeline size ({vpp})")
+
+    def _validate_experts(self, world_size: int, dp: int) -> None:
+        m, p = self.model, self.parallel
+        ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+        if ep > 1 or etp != p.tensor_model_parallel_size:
+            require(m.num_experts is not None,
+                     "--expert-model-parallel-size / --expert-tensor-parallel-size need "
+                     "--num-experts")
+        dense = p.tensor_model_parallel_size * p.context_parallel_size * dp
+        require(dense % (ep * etp) == 0,
+                 f"expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) "
+                 f"must divide tp x cp x dp ({dense}) for world size {world_size}")
+        m.check_layout(p.tensor_model_parallel_size, p.context_parallel_size, ep, etp)
+        require(not (m.num_experts is not None and m.moe_token_dispatcher_type == "allgather"
+                      and p.variable_seq_lengths),
+                 "--moe-token-dispatcher-type allgather assumes equal token counts on every "
+                 "expert-parallel rank and cannot be used with --variable-seq-lengths; use "
+                 "alltoall")
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MegaliteConfig:
+        return cls(**{name: SECTIONS[name](**d.get(name, {})) for name in SECTIONS})

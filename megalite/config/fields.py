@@ -1,0 +1,63 @@
+"""Typed configuration for megalite: the field helper and the error type.
+
+Every setting is a field of one of the section dataclasses below. The field name is the
+Megatron-LM flag name with dashes turned into underscores (``tensor_model_parallel_size``
+is ``--tensor-model-parallel-size``); ``megalite.arguments`` generates the command line
+from these fields, so a flag is declared exactly once, here.
+
+Validation that concerns one section lives in that section's ``__post_init__``; checks that
+relate sections (heads vs tensor parallel size, batch sizes vs data parallel size, world size
+vs the parallel layout) live in :meth:`MegaliteConfig.validate`. Every problem raises
+:class:`ConfigError` with one sentence that names the values and how to fix them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value (or combination of values) that cannot work."""
+
+
+def arg(default: Any = None, help: str = "", *, flag: str | None = None,
+        action: str | None = None, choices: tuple | None = None,
+        nargs: str | None = None, aliases: tuple = (), cli: bool = True):
+    """A dataclass field carrying its command-line description.
+
+    flag:    the CLI flag when it differs from ``--field-name`` (e.g. ``--disable-bias-linear``
+             for ``add_bias_linear``).
+    action:  ``store_true`` / ``store_false`` for booleans (defaults: store_true when the
+             default is False).
+    aliases: extra flag spellings accepted for the same field.
+    cli:     False for derived fields that are not flags.
+    """
+    meta = dict(help=help, flag=flag, action=action, choices=choices, nargs=nargs,
+                aliases=tuple(aliases), cli=cli)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def check_choices(obj: Any) -> None:
+    """Every field declared with ``choices`` holds one of them (None allowed when default)."""
+    for f in dataclasses.fields(obj):
+        choices = f.metadata.get("choices")
+        value = getattr(obj, f.name)
+        if choices and value not in choices and not (value is None and f.default is None):
+            raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}; "
+                              f"got {value!r}")
+
+
+def positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None:
+            require(value > 0, f"{name} must be positive, got {value}")

@@ -1,0 +1,179 @@
+"""Model shape, precision, recomputation and mixture-of-experts settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config.fields import ConfigError, arg, check_choices, positive, require
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = arg(2, "Number of transformer layers.")
+    hidden_size: int = arg(64, "Transformer hidden size.")
+    ffn_hidden_size: int | None = arg(None, "MLP hidden size (default 4 x hidden).")
+    num_attention_heads: int = arg(4, "Number of attention heads.")
+    kv_channels: int | None = arg(None, "Head dimension (default hidden/heads).")
+    group_query_attention: bool = arg(False, "Use grouped-query attention.")
+    num_query_groups: int | None = arg(None, "Number of key/value groups under GQA.")
+    seq_length: int = arg(128, "Sequence length of a training sample.")
+    max_position_embeddings: int | None = arg(None, "Size of the learned position table "
+                                                 "(default seq_length).")
+    position_embedding_type: str = arg("learned_absolute", "Position embedding kind.",
+                                       choices=("learned_absolute", "rope", "none"))
+    rotary_base: float = arg(10000.0, "RoPE base frequency.")
+    rotary_percent: float = arg(1.0, "Fraction of the head dimension that RoPE rotates.")
+    normalization: str = arg("LayerNorm", "Normalization layer.",
+                             choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = arg(1e-5, "Epsilon of the normalization layers.")
+    swiglu: bool = arg(False, "Use SwiGLU in the MLP (Llama).")
+    add_bias_linear: bool = arg(True, "Disable biases in the linear layers.",
+                                flag="--disable-bias-linear", action="store_false")
+    add_qkv_bias: bool = arg(False, "Add a bias to the QKV projection even when "
+                             "--disable-bias-linear is set.")
+    untie_embeddings_and_output_weights: bool = arg(False, "Separate input embedding and "
+                                                    "output layer weights.")
+    hidden_dropout: float = arg(0.1, "Dropout on the residual branch outputs.")
+    attention_dropout: float = arg(0.1, "Dropout on the attention probabilities.")
+    init_method_std: float = arg(0.02, "Std of the normal initialization.")
+    vocab_size: int | None = arg(None, "Vocabulary size (NullTokenizer); otherwise set "
+                                    "from the tokenizer.")
+    make_vocab_size_divisible_by: int = arg(128, "Pad the vocabulary to a multiple of this "
+                                            "times the tensor parallel size.")
+    attention_backend: str = arg("auto", "Attention implementation.",
+                                 choices=("auto", "flash", "sdpa", "local"))
+    recompute_granularity: str | None = arg(None, "Activation recomputation.",
+                                               choices=("full", "selective"))
+    recompute_method: str | None = arg(None, "Which layers full recomputation covers.",
+                                          choices=("uniform", "block"))
+    recompute_num_layers: int | None = arg(None, "Layers per recompute unit (uniform) or "
+                                              "recomputed layers per stage (block).")
+    bf16: bool = arg(False, "Train in bfloat16 with fp32 master weights.")
+    fp16: bool = arg(False, "Train in float16 with dynamic loss scaling.")
+    # Mixture of experts
+    num_experts: int | None = arg(None, "Number of experts (MoE when set).")
+    moe_router_topk: int = arg(2, "Experts per token.")
+    moe_ffn_hidden_size: int | None = arg(None, "Expert MLP hidden size (default ffn).")
+    moe_layer_freq: int = arg(1, "Every n-th layer is an MoE layer.")
+    moe_shared_expert_intermediate_size: int | None = arg(None, "Shared expert size.")
+    moe_router_score_function: str = arg("softmax", "Router score function.",
+                                         choices=("softmax", "sigmoid"))
+    moe_router_topk_scaling_factor: float | None = arg(None, "Scale of top-k scores.")
+    moe_router_load_balancing_type: str = arg("aux_loss", "Load-balancing loss.",
+                                              choices=("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = arg(0.0, "Coefficient of the aux loss.")
+    moe_z_loss_coeff: float | None = arg(None, "Coefficient of the router z-loss.")
+    moe_expert_capacity_factor: float | None = arg(None, "Capacity factor (dropless "
+                                                      "when unset).")
+    moe_token_drop_policy: str = arg("probs", "Which tokens to drop over capacity.",
+                                     choices=("probs", "position"))
+    moe_pad_expert_input_to_capacity: bool = arg(False, "Pad expert inputs to capacity.")
+    moe_token_dispatcher_type: str = arg("alltoall", "Token dispatcher.",
+                                         choices=("alltoall", "allgather"))
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        positive(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                  "ffn_hidden_size", "kv_channels", "num_query_groups",
+                  "make_vocab_size_divisible_by", "vocab_size", "init_method_std",
+                  "norm_epsilon", "rotary_base", "num_experts", "moe_router_topk",
+                  "moe_layer_freq")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.kv_channels is None:
+            require(self.hidden_size % self.num_attention_heads == 0,
+                     f"hidden_size ({self.hidden_size}) must be divisible by "
+                     f"num_attention_heads ({self.num_attention_heads}), or set --kv-channels")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if not self.group_query_attention:
+            require(self.num_query_groups in (None, self.num_attention_heads),
+                     f"--num-query-groups ({self.num_query_groups}) needs "
+                     "--group-query-attention")
+            self.num_query_groups = self.num_attention_heads
+        elif self.num_query_groups is None:
+            raise ConfigError("--group-query-attention needs --num-query-groups")
+        require(self.num_attention_heads % self.num_query_groups == 0,
+                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                 f"num_query_groups ({self.num_query_groups})")
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.position_embedding_type == "learned_absolute":
+            require(self.max_position_embeddings >= self.seq_length,
+                     f"max_position_embeddings ({self.max_position_embeddings}) must be >= "
+                     f"seq_length ({self.seq_length}) with learned absolute positions")
+        require(0.0 < self.rotary_percent <= 1.0,
+                 f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            require(0.0 <= value < 1.0, f"{name} must be in [0, 1), got {value}")
+        require(not (self.bf16 and self.fp16), "--bf16 and --fp16 cannot both be set")
+        if self.recompute_method is not None:
+            require(self.recompute_granularity == "full",
+                     "--recompute-method needs --recompute-granularity full")
+        if self.recompute_granularity == "full":
+            if self.recompute_method is None:
+                self.recompute_method = "uniform"
+            if self.recompute_num_layers is None:
+                self.recompute_num_layers = 1
+        if self.num_experts is not None:
+            require(self.moe_router_topk <= self.num_experts,
+                     f"moe_router_topk ({self.moe_router_topk}) must be <= num_experts "
+                     f"({self.num_experts})")
+            if self.moe_ffn_hidden_size is None:
+                self.moe_ffn_hidden_size = self.ffn_hidden_size
+        positive(self, "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+        if self.moe_router_topk_scaling_factor is not None:
+            require(self.moe_router_topk_scaling_factor > 0,
+                     f"moe_router_topk_scaling_factor must be positive, got "
+                     f"{self.moe_router_topk_scaling_factor}")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            value = getattr(self, name)
+            require(value is None or value >= 0, f"{name} must be >= 0, got {value}")
+        if self.moe_expert_capacity_factor is not None:
+            require(self.moe_expert_capacity_factor > 0,
+                     "moe_expert_capacity_factor must be positive")
+        if self.moe_pad_expert_input_to_capacity:
+            require(self.moe_expert_capacity_factor is not None,
+                     "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+
+    @property
+    def params_dtype_name(self) -> str:
+        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+
+    def check_layout(self, tp: int, cp: int = 1, ep: int = 1, etp: int | None = None) -> None:
+        """What the model needs from a layout's sizes; the one place these rules live
+        (``MegaliteConfig.validate`` and the model builders call it)."""
+        etp = tp if etp is None else etp
+        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            require(getattr(self, name) % tp == 0,
+                     f"{name} ({getattr(self, name)}) must be divisible by "
+                     f"tensor_model_parallel_size ({tp})")
+        if self.num_experts is None:
+            return
+        require(self.num_experts % ep == 0,
+                 f"num_experts ({self.num_experts}) must be divisible by "
+                 f"expert_model_parallel_size ({ep})")
+        if tp > 1:  # the MoE layer splits the sequence over tp, with or without SP
+            require(self.seq_length % (tp * cp) == 0,
+                     f"seq_length ({self.seq_length}) must be divisible by "
+                     f"tensor_model_parallel_size ({tp}) x context_parallel_size ({cp}) "
+                     f"with --num-experts (MoE layers split the sequence over tp)")
+        require(self.moe_ffn_hidden_size % etp == 0,
+                 f"moe_ffn_hidden_size ({self.moe_ffn_hidden_size}) must be divisible by "
+                 f"expert_tensor_parallel_size ({etp})")
+        if self.add_bias_linear:
+            require(etp in (1, tp),
+                     f"expert biases need expert_tensor_parallel_size ({etp}) equal to 1 or "
+                     f"to tensor_model_parallel_size ({tp}); or pass --disable-bias-linear")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None:
+            require(shared % tp == 0,
+                     f"moe_shared_expert_intermediate_size ({shared}) must be divisible by "
+                     f"tensor_model_parallel_size ({tp})")
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
+        """Vocabulary padded to a multiple of make_vocab_size_divisible_by * tp."""
+        require(self.vocab_size is not None, "vocab_size is unknown: pass --vocab-size or "
+                 "a tokenizer")
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return -(-self.vocab_size // multiple) * multiple

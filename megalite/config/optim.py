@@ -1,0 +1,54 @@
+"""Optimizer, learning-rate schedule, loss scaling and clipping settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config.fields import arg, check_choices, positive, require
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = arg("adam", "Optimizer (adam is AdamW).", choices=("adam", "sgd"))
+    lr: float = arg(1e-4, "Peak learning rate.")
+    min_lr: float = arg(0.0, "Minimum learning rate.")
+    lr_decay_style: str = arg("linear", "Learning-rate decay.",
+                              choices=("constant", "linear", "cosine", "inverse-square-root",
+                                       "WSD"))
+    lr_decay_iters: int | None = arg(None, "Decay iterations (default train_iters).")
+    lr_warmup_iters: int = arg(0, "Linear warm-up iterations.")
+    lr_warmup_fraction: float | None = arg(None, "Warm-up as a fraction of decay iters.")
+    lr_wsd_decay_style: str = arg("exponential", "Decay of the WSD cool-down.",
+                                  choices=("exponential", "linear", "cosine"))
+    lr_wsd_decay_iters: int | None = arg(None, "Cool-down iterations of WSD.")
+    weight_decay: float = arg(0.01, "Weight decay (not applied to norms and biases).")
+    adam_beta1: float = arg(0.9, "Adam beta1.")
+    adam_beta2: float = arg(0.999, "Adam beta2.")
+    adam_eps: float = arg(1e-8, "Adam epsilon.")
+    sgd_momentum: float = arg(0.9, "SGD momentum.")
+    clip_grad: float = arg(1.0, "Clip gradients to this global norm (0 disables).")
+    loss_scale: float | None = arg(None, "Static loss scale (fp16); dynamic when unset.")
+    initial_loss_scale: float = arg(2.0 ** 32, "Initial dynamic loss scale.")
+    min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale.")
+    loss_scale_window: int = arg(1000, "Steps without overflow before doubling the scale.")
+    hysteresis: int = arg(2, "Overflows tolerated before halving the scale.")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        require(self.lr >= 0, f"lr must be >= 0, got {self.lr}")
+        require(0 <= self.min_lr <= max(self.lr, self.min_lr),
+                 f"min_lr must be >= 0, got {self.min_lr}")
+        require(self.min_lr <= self.lr,
+                 f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        require(self.lr_warmup_iters >= 0, "lr_warmup_iters must be >= 0")
+        if self.lr_warmup_fraction is not None:
+            require(self.lr_warmup_iters == 0,
+                     "give either --lr-warmup-fraction or --lr-warmup-iters, not both")
+            require(0 <= self.lr_warmup_fraction <= 1,
+                     f"lr_warmup_fraction must be in [0, 1], got {self.lr_warmup_fraction}")
+        require(self.weight_decay >= 0, "weight_decay must be >= 0")
+        require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
+                 "adam betas must be in [0, 1)")
+        require(self.clip_grad >= 0, "clip_grad must be >= 0 (0 disables clipping)")
+        positive(self, "loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis",
+                  "lr_decay_iters", "lr_wsd_decay_iters")

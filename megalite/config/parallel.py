@@ -1,0 +1,76 @@
+"""Parallel layout: tensor, pipeline, context, expert and data parallel settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config.fields import arg, check_choices, positive, require
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = arg(1, "Tensor model parallel size.")
+    pipeline_model_parallel_size: int = arg(1, "Pipeline model parallel size.")
+    virtual_pipeline_model_parallel_size: int | None = arg(
+        None, "Model chunks per pipeline rank (interleaved 1F1B).")
+    num_layers_per_virtual_pipeline_stage: int | None = arg(
+        None, "Layers per virtual pipeline stage (sets the virtual size).")
+    decoder_first_pipeline_num_layers: int | None = arg(None, "Layers on the first stage.")
+    decoder_last_pipeline_num_layers: int | None = arg(None, "Layers on the last stage.")
+    sequence_parallel: bool = arg(False, "Shard norms/dropout activations along the sequence "
+                                  "over the tensor parallel group.")
+    context_parallel_size: int = arg(1, "Context parallel size.")
+    expert_model_parallel_size: int = arg(1, "Expert model parallel size.")
+    expert_tensor_parallel_size: int | None = arg(None, "Tensor parallel size of the "
+                                                     "experts (default: tp).")
+    use_distributed_optimizer: bool = arg(False, "Shard optimizer state over data parallel.")
+    overlap_grad_reduce: bool = arg(False, "Overlap gradient reduction with backward.")
+    overlap_param_gather: bool = arg(False, "Overlap the parameter all-gather with forward.")
+    ddp_bucket_size: int | None = arg(None, "Gradient bucket size in elements.")
+    grad_reduce_in_bf16: bool = arg(False, "Reduce gradients in bfloat16.")
+    distributed_backend: str = arg("auto", "Process group backend (auto: nccl on GPU, "
+                                   "gloo otherwise).", choices=("auto", "nccl", "gloo"))
+    distributed_timeout_minutes: int = arg(10, "Timeout of collectives.")
+    variable_seq_lengths: bool = arg(False, "Exchange shapes before pipeline transfers.")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                  "context_parallel_size", "expert_model_parallel_size",
+                  "expert_tensor_parallel_size", "distributed_timeout_minutes",
+                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+        if self.ddp_bucket_size is not None:
+            require(self.ddp_bucket_size > 0,
+                     f"--ddp-bucket-size must be > 0, got {self.ddp_bucket_size}")
+        if self.overlap_param_gather:
+            require(self.use_distributed_optimizer,
+                     "--overlap-param-gather needs --use-distributed-optimizer")
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            # Megatron silently turns it off; so do we (it is a no-op at tp=1).
+            self.sequence_parallel = False
+        require(self.virtual_pipeline_model_parallel_size is None
+                 or self.num_layers_per_virtual_pipeline_stage is None,
+                 "give either --virtual-pipeline-model-parallel-size or "
+                 "--num-layers-per-virtual-pipeline-stage, not both")
+        vpp = (self.virtual_pipeline_model_parallel_size
+               or self.num_layers_per_virtual_pipeline_stage)
+        if vpp is not None:
+            require(self.pipeline_model_parallel_size > 1,
+                     "virtual pipeline stages need --pipeline-model-parallel-size > 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        mp = self.model_parallel_size
+        require(world_size % mp == 0,
+                 f"world size ({world_size}) must be divisible by tensor_model_parallel_size "
+                 f"({self.tensor_model_parallel_size}) x pipeline_model_parallel_size "
+                 f"({self.pipeline_model_parallel_size}) x context_parallel_size "
+                 f"({self.context_parallel_size}) = {mp}")
+        return world_size // mp
