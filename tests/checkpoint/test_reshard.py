@@ -3,7 +3,8 @@
 One world-8 run trains 10 + 3 iterations at (tp2, pp2, dp2) with the distributed optimizer
 and saves at iteration 10; the checkpoint of iteration 10 is then resumed at
 (tp1, pp1, dp1) in this process (plain optimizer) and at (tp4, pp1, dp2) on 8 ranks
-(distributed optimizer): iterations 11..13 must match the uninterrupted run.
+(distributed optimizer): iterations 11..13 must match the uninterrupted run. The three
+layouts are the ``reshard`` rows of ``tests/layouts.py``.
 """
 
 import json
@@ -14,18 +15,17 @@ import pytest
 
 from megalite.checkpoint import LATEST
 from tests.distributed.harness import run_distributed
-from tests.training.common import run_training, tiny_config
+from tests.layouts import by_name, tiny
+from tests.training.common import run_training
 
 SAVE_AT, ITERS = 10, 13
-ORIGINAL = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
-            "use_distributed_optimizer": True}
-TP4_DP2 = {"tensor_model_parallel_size": 4, "use_distributed_optimizer": True}
+ORIGINAL = by_name("reshard-tp2-pp2-dp2-distopt")
+SINGLE = by_name("reshard-single")
+TP4_DP2 = by_name("reshard-tp4-dp2-distopt")
 
 
-def _train(rank, world_size, parallel, checkpoint):
-    cfg = tiny_config(world_size, parallel=parallel, train={"train_iters": ITERS},
-                      checkpoint=checkpoint)
-    result, _ = run_training(cfg)
+def _train(rank, world_size, layout, checkpoint):
+    result, _ = run_training(tiny(layout, train={"train_iters": ITERS}, checkpoint=checkpoint))
     return result.losses
 
 
@@ -43,7 +43,8 @@ def _resume_dir(src: str, dst: str) -> str:
 def original(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reshard")
     save = str(tmp / "tp2pp2dp2")
-    losses = run_distributed(8, _train, ORIGINAL, {"save": save, "save_interval": SAVE_AT})
+    losses = run_distributed(ORIGINAL.world_size, _train, ORIGINAL,
+                             {"save": save, "save_interval": SAVE_AT})
     return tmp, save, losses[-1]
 
 
@@ -66,8 +67,8 @@ def test_saved_layout_and_metadata(original):
 def test_resume_at_tp1_pp1_dp1(original, capsys):
     tmp, save, reference = original
     load = _resume_dir(save, str(tmp / "to_tp1"))
-    result, _ = run_training(tiny_config(train={"train_iters": ITERS},
-                                         checkpoint={"load": load, "save": load}))
+    result, _ = run_training(tiny(SINGLE, train={"train_iters": ITERS},
+                                  checkpoint={"load": load, "save": load}))
     _assert_continues(result.losses, reference)
     out = capsys.readouterr().out
     assert "saved at tp=2 pp=2 dp=2" in out and "re-seeded" in out
@@ -76,5 +77,5 @@ def test_resume_at_tp1_pp1_dp1(original, capsys):
 def test_resume_at_tp4_pp1_dp2(original):
     tmp, save, reference = original
     load = _resume_dir(save, str(tmp / "to_tp4"))
-    losses = run_distributed(8, _train, TP4_DP2, {"load": load, "save": load})
+    losses = run_distributed(TP4_DP2.world_size, _train, TP4_DP2, {"load": load, "save": load})
     _assert_continues(losses[-1], reference)

@@ -1,5 +1,6 @@
-"""Every TP layout (tp 1/2/4, sequence parallel on/off, recompute none/selective/full)
-builds the same model and gives the same loss and full gradients as tp=1.
+"""Every TP layout (tp 1/2/4, sequence parallel on/off, recompute none/selective/full; the
+``model`` rows of ``tests/layouts.py``) builds the same model and gives the same loss and
+full gradients as tp=1, for GPT-2 and Llama (GQA).
 
 fp32, dropout 0. Tolerance rtol 1e-5 / atol 1e-6: TP changes only the summation order
 of the row-parallel partial sums and the cross-entropy reductions.
@@ -10,19 +11,13 @@ import torch
 
 from megalite.models.gpt import GPTModel
 from megalite.parallel.grads import allreduce_sequence_parallel_grads
-from tests.distributed.harness import parallel_state, run_distributed
+from tests.distributed.harness import parallel_state
+from tests.layouts import layouts, run_by_world
 from tests.model.common import FAMILIES, batch, single_process_state
 
 RTOL, ATOL = 1e-5, 1e-6
 SEED = 11
-RECOMPUTE = {
-    "none": {},
-    "selective": {"recompute_granularity": "selective"},
-    "full-uniform": {"recompute_granularity": "full", "recompute_method": "uniform",
-                         "recompute_num_layers": 2},
-    "full-block": {"recompute_granularity": "full", "recompute_method": "block",
-                       "recompute_num_layers": 1},
-}
+ROWS = layouts("model")
 
 
 def _loss_and_grads(model, cfg, tp_group):
@@ -45,8 +40,9 @@ def _compare(got: dict, want: dict) -> list[str]:
     return bad + [f"unexpected {n}" for n in set(got) - set(want)]
 
 
-def _run_case(ps, family, recompute, sp, ref):
-    cfg = FAMILIES[family](**RECOMPUTE[recompute])
+def _run_case(ps, family, layout, ref):
+    cfg = FAMILIES[family](**layout.model)
+    sp = layout.get("sp")
     model = GPTModel(cfg, ps, sequence_parallel=sp, seed=SEED)
     problems = [f"init {p}" for p in _compare(model.full_state_dict(), ref["params"])]
     loss, grads = _loss_and_grads(model, cfg, ps.tp)
@@ -68,26 +64,27 @@ def references():
     return refs
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("recompute", ["selective", "full-uniform", "full-block"])
-def test_recompute_matches_tp1(references, family, recompute):
-    problems = _run_case(single_process_state(), family, recompute, False, references[family])
-    assert not problems, problems
+def _body(rank, world_size, rows, references):
+    """Each row's {family: problems} on this rank."""
+    out = []
+    for layout in rows:
+        with parallel_state(**layout.parallel) as ps:
+            out.append({family: _run_case(ps, family, layout, references[family])
+                        for family in FAMILIES})
+    return out
 
 
-def _tp_body(rank, world_size, references):
-    problems = {}
-    for sp in (False, True):
-        with parallel_state(tensor_model_parallel_size=world_size, sequence_parallel=sp) as ps:
-            for family in FAMILIES:
-                for recompute in RECOMPUTE:
-                    found = _run_case(ps, family, recompute, sp, references[family])
-                    if found:
-                        problems[(family, sp, recompute)] = found
-    return problems
+@pytest.fixture(scope="module")
+def distributed(references):
+    return run_by_world([r for r in ROWS if r.world_size > 1], _body, references)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_matches_tp1(references, tp):
-    for rank, problems in enumerate(run_distributed(tp, _tp_body, references)):
-        assert not problems, (rank, problems)
+@pytest.mark.parametrize("layout", ROWS, ids=str)
+def test_layout_matches_tp1(references, distributed, layout):
+    if layout.world_size == 1:
+        ranks = [{family: _run_case(single_process_state(), family, layout, references[family])
+                  for family in FAMILIES}]
+    else:
+        ranks = distributed(layout)
+    for rank, problems in enumerate(ranks):
+        assert not any(problems.values()), (layout.name, rank, problems)

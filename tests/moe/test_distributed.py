@@ -24,17 +24,14 @@ import torch.distributed as dist
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.layers.sharding import gather_full
 from megalite.moe.layer import MoELayer
+from megalite.parallel.params import param_meta
 from megalite.parallel.state import ParallelState
 from tests.distributed.harness import parallel_state, run_distributed
+from tests.layouts import layouts
 
 WORLD = 4
 S, B, H = 8, 2, 16
-# (tp, sequence_parallel, ep, etp, cp); dp = WORLD / (tp * cp)
-LAYOUTS = [(1, False, 1, 1, 1), (1, False, 2, 1, 1), (1, False, 4, 1, 1),
-           (2, True, 1, 1, 1), (2, True, 2, 1, 1), (2, True, 4, 1, 1),
-           (2, True, 1, 2, 1), (2, True, 2, 2, 1),
-           (2, False, 2, 1, 1),   # tp without sequence parallelism
-           (1, False, 2, 1, 2), (2, True, 4, 1, 2)]  # context parallel
+LAYOUTS = layouts("moe-layer")   # tp x sp x ep x etp x cp on 4 ranks (tests/layouts.py)
 DISPATCHERS = ("alltoall", "allgather")
 CONFIGS = {
     # Mixtral: SwiGLU, no biases, softmax top-2, aux + z loss
@@ -53,13 +50,14 @@ CONFIGS = {
 
 
 def _configs(layout):
-    tp, _, _, _, cp = layout
-    return [n for n in CONFIGS if n != "capacity" or tp * cp == 1]
+    return [n for n in CONFIGS if n != "capacity" or layout.get("tp") * layout.get("cp") == 1]
+
+
 TOL = {"rtol": 1e-5, "atol": 2e-6}
 
 
-def _cfg(name, dispatcher):
-    return ModelConfig(hidden_size=H, num_layers=4, num_experts=8, moe_router_topk=2,
+def _cfg(name, dispatcher, num_experts):
+    return ModelConfig(hidden_size=H, num_layers=4, num_experts=num_experts, moe_router_topk=2,
                        moe_ffn_hidden_size=8, init_method_std=0.2,
                        moe_token_dispatcher_type=dispatcher, **CONFIGS[name])
 
@@ -72,9 +70,8 @@ def _data(d):
 def _local(t, layout, tp_rank, cp_rank):
     """This rank's piece of a micro-batch tensor ``[s, b, h]``: its cp chunk of the
     sequence, then its tp chunk of that under sequence parallelism."""
-    tp, sp, cp = layout
-    t = t.chunk(cp)[cp_rank]
-    return t.chunk(tp)[tp_rank] if sp else t
+    t = t.chunk(layout.get("cp"))[cp_rank]
+    return t.chunk(layout.get("tp"))[tp_rank] if layout.get("sp") else t
 
 
 def _all_reduce(t, group):
@@ -85,7 +82,7 @@ def _all_reduce(t, group):
 
 def _full_tensor(t, param, ps):
     """A parameter (or its grad) in full shape: unshard over etp / tp, stack over ep."""
-    if not getattr(param, "expert_parallel", False):
+    if not param_meta(param).expert:
         return gather_full(t, param, ps.tp)
     t = gather_full(t, param, ps.etp)
     if ps.ep.size == 1:
@@ -98,23 +95,21 @@ def _full_tensor(t, param, ps):
 def _reduced_grad(param, ps):
     # fc2's bias under etp > 1 is used on etp rank 0 only: no gradient elsewhere
     g = torch.zeros_like(param) if param.grad is None else param.grad.clone()
-    if param.sequence_parallel:
+    if param_meta(param).sequence_parallel:
         _all_reduce(g, ps.tp)
-    return _all_reduce(g, ps.edp if param.expert_parallel else ps.dp_cp)
+    return _all_reduce(g, ps.edp if param_meta(param).expert else ps.dp_cp)
 
 
 def _body(rank, world_size, layouts):
+    """Per layout: a record per (config, dispatcher) on this rank."""
     results = []
-    for tp, sp, ep, etp, cp in layouts:
-        with parallel_state(tensor_model_parallel_size=tp, sequence_parallel=sp,
-                            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                            context_parallel_size=cp) as ps:
-            for name, dispatcher in itertools.product(_configs((tp, sp, ep, etp, cp)),
-                                                      DISPATCHERS):
-                layer = MoELayer(_cfg(name, dispatcher), ps, layer_number=3, seed=11,
-                                 sequence_parallel=sp)
-                x, g = (_local(t, (tp, sp, cp), ps.tp.rank, ps.cp.rank)
-                        for t in _data(ps.dp.rank))
+    for layout in layouts:
+        results.append([])
+        with parallel_state(**layout.parallel) as ps:
+            for name, dispatcher in itertools.product(_configs(layout), DISPATCHERS):
+                layer = MoELayer(_cfg(name, dispatcher, layout.model["num_experts"]), ps,
+                                 layer_number=3, seed=11, sequence_parallel=layout.get("sp"))
+                x, g = (_local(t, layout, ps.tp.rank, ps.cp.rank) for t in _data(ps.dp.rank))
                 x.requires_grad_(True)
                 out = layer(x)
                 (out * g).sum().backward()
@@ -122,8 +117,8 @@ def _body(rank, world_size, layouts):
                           for n, p in layer.named_parameters()}
                 grads = {n: _full_tensor(_reduced_grad(p, ps), p, ps)
                          for n, p in layer.named_parameters()}
-                results.append({
-                    "layout": (tp, sp, ep, etp, cp), "config": name, "dispatcher": dispatcher,
+                results[-1].append({
+                    "layout": layout.name, "config": name, "dispatcher": dispatcher,
                     "dp": ps.dp.rank, "tp_rank": ps.tp.rank, "cp_rank": ps.cp.rank,
                     "out": out.detach(), "x_grad": x.grad,
                     "aux": {k: float(v) for k, v in layer.aux_losses.items()},
@@ -132,9 +127,9 @@ def _body(rank, world_size, layouts):
     return results
 
 
-def _reference(name):
+def _reference(name, num_experts):
     """Per micro-batch d: output, input grad, aux values, param grads; and the params."""
-    layer = MoELayer(_cfg(name, "alltoall"), ParallelState.build(ParallelConfig()),
+    layer = MoELayer(_cfg(name, "alltoall", num_experts), ParallelState.build(ParallelConfig()),
                      layer_number=3, seed=11)
     refs = []
     for d in range(WORLD):
@@ -151,19 +146,33 @@ def _reference(name):
 
 @pytest.fixture(scope="module")
 def distributed_results():
-    return run_distributed(WORLD, _body, LAYOUTS)
+    """{layout name: [this layout's records on rank 0, 1, ...]}; one world-4 call."""
+    per_rank = run_distributed(WORLD, _body, LAYOUTS)
+    return {lay.name: [out[n] for out in per_rank] for n, lay in enumerate(LAYOUTS)}
 
 
-def test_every_layout_matches_single_process(distributed_results):
-    refs = {name: _reference(name) for name in CONFIGS}
+@pytest.fixture(scope="module")
+def references():
+    """Per (config, number of experts): the single-process layer and per-micro-batch
+    results, built on first use."""
+    cache = {}
+
+    def get(name, num_experts):
+        if (name, num_experts) not in cache:
+            cache[name, num_experts] = _reference(name, num_experts)
+        return cache[name, num_experts]
+    return get
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_every_layout_matches_single_process(distributed_results, references, layout):
     checked = set()
-    for rank_results in distributed_results:
+    for rank_results in distributed_results[layout.name]:
         for r in rank_results:
-            tp, sp, _ep, _etp, cp = r["layout"]
             where = (r["layout"], r["config"], r["dispatcher"], r["dp"], r["tp_rank"])
-            layer, per_mb = refs[r["config"]]
+            layer, per_mb = references(r["config"], layout.model["num_experts"])
             ref = per_mb[r["dp"]]
-            want_out, want_xg = (_local(t, (tp, sp, cp), r["tp_rank"], r["cp_rank"])
+            want_out, want_xg = (_local(t, layout, r["tp_rank"], r["cp_rank"])
                                  for t in (ref["out"], ref["x_grad"]))
             torch.testing.assert_close(r["out"], want_out, **TOL, msg=lambda m, w=where: f"{w} {m}")
             torch.testing.assert_close(r["x_grad"], want_xg, **TOL,
@@ -171,41 +180,42 @@ def test_every_layout_matches_single_process(distributed_results):
             assert set(r["aux"]) == set(ref["aux"]) and ref["aux"], where
             for k, v in ref["aux"].items():
                 assert r["aux"][k] == pytest.approx(v, rel=1e-5), (where, k)
-            dp = WORLD // (tp * cp)
             for n, p in layer.named_parameters():
                 assert torch.equal(r["params"][n], p.detach()), (where, n)
-                want = sum(per_mb[d]["grads"][n] for d in range(dp))
+                want = sum(per_mb[d]["grads"][n] for d in range(layout.dp))
                 torch.testing.assert_close(r["grads"][n], want, **TOL,
                                            msg=lambda m, w=where, n=n: f"{w} {n} {m}")
-            checked.add((r["layout"], r["config"], r["dispatcher"]))
-    assert len(checked) == sum(len(_configs(lay)) for lay in LAYOUTS) * len(DISPATCHERS)
+            checked.add((r["config"], r["dispatcher"]))
+    assert len(checked) == len(_configs(layout)) * len(DISPATCHERS)
 
 
-def test_dispatchers_count_their_bytes(distributed_results):
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_dispatchers_count_their_bytes(distributed_results, layout):
     """alltoall sends only the routed copies that leave their rank (and brings them back);
     allgather sends every token to every peer and reduce-scatters the same amount."""
     totals = {}
-    for rank_results in distributed_results:
+    for rank_results in distributed_results[layout.name]:
         for r in rank_results:
-            key = (r["layout"], r["config"], r["dispatcher"])
+            key = (r["config"], r["dispatcher"])
             for name, n in r["sent"].items():
                 totals.setdefault(key, {}).setdefault(name, 0)
                 totals[key][name] += n
-    for (layout, config, dispatcher), sent in totals.items():
-        tp, _sp, ep, etp, cp = layout
+    tp, ep, etp, cp = (layout.get(s) for s in ("tp", "ep", "etp", "cp"))
+    for (config, dispatcher), sent in totals.items():
+        what = (layout.name, config, dispatcher)
         tokens = S * B // (tp * cp)  # per rank (split over tp even without SP)
         copies = WORLD * tokens * 2 * H * 4  # T * k * h * fp32 over all ranks
         if ep == 1:
-            assert "dispatch" not in sent, layout
+            assert "dispatch" not in sent, what
         elif dispatcher == "alltoall":
-            assert 0 < sent["dispatch"] == sent["combine"] < copies, layout
+            assert 0 < sent["dispatch"] == sent["combine"] < copies, what
             assert sent["counts"] == WORLD * (ep - 1) * (8 // ep) * 8  # int64 counts
         else:
             assert sent["dispatch"] == sent["combine"] == WORLD * tokens * H * 4 * (ep - 1)
         if etp > 1:
-            assert sent["etp_gather"] == sent["etp_reduce_scatter"] > 0, layout
+            assert sent["etp_gather"] == sent["etp_reduce_scatter"] > 0, what
         else:
-            assert "etp_gather" not in sent, layout
+            assert "etp_gather" not in sent, what
 
 
 def _comm_body(rank, world_size):

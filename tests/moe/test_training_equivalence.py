@@ -25,9 +25,10 @@ from megalite.config import ParallelConfig
 from megalite.models.gpt import GPTModel
 from megalite.moe.layer import moe_layers, set_aux_loss_scale
 from megalite.parallel.state import ParallelState
-from megalite.training.forward_backward import RouterLosses, forward_backward, model_chunks
-from tests.distributed.harness import run_distributed
-from tests.training.common import read_jsonl, run_training, tiny_config
+from megalite.pipeline.layout import model_chunks
+from megalite.training.forward_backward import RouterLosses, forward_backward
+from tests.layouts import Layout, layouts, run_by_world, tiny
+from tests.training.common import read_jsonl, run_training
 
 ITERS = 4
 LOSS_TOL = 2e-5     # absolute, lm_loss (about 4.1)
@@ -40,40 +41,21 @@ MIXTRAL = {"num_layers": 2, "normalization": "RMSNorm", "swiglu": True,
            "untie_embeddings_and_output_weights": True, "group_query_attention": True,
            "num_query_groups": 2, "ffn_hidden_size": 64, "num_experts": 4,
            "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
-# 4 layers, MoE every other layer: with pp 2 x vpp 2 the second stage holds no MoE layer
-PIPELINE_MODEL = {"num_layers": 4, "moe_layer_freq": 2}
-
-# (tp, sequence_parallel, ep, etp) on 4 ranks; dp = 4 / tp. etp * ep must divide tp * dp.
-DENSE_LAYOUTS = [(1, False, 1, 1), (1, False, 2, 1), (1, False, 4, 1),
-                 (2, True, 1, 2), (2, True, 2, 2), (2, True, 4, 1)]
-LAYOUTS = [dict(parallel=dict(tensor_model_parallel_size=tp, sequence_parallel=sp,
-                              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp),
-                model=dict(moe_token_dispatcher_type=dispatcher))
-           for tp, sp, ep, etp in DENSE_LAYOUTS for dispatcher in ("alltoall", "allgather")]
-# the distributed optimizer with overlapped reduction: expert shards over edp
-DISTOPT_LAYOUT = dict(parallel=dict(tensor_model_parallel_size=2, sequence_parallel=True,
-                                    expert_model_parallel_size=2,
-                                    expert_tensor_parallel_size=1,
-                                    use_distributed_optimizer=True, overlap_grad_reduce=True))
-PIPELINE_LAYOUT = dict(parallel=dict(pipeline_model_parallel_size=2,
-                                     virtual_pipeline_model_parallel_size=2,
-                                     tensor_model_parallel_size=2, sequence_parallel=True,
-                                     expert_model_parallel_size=2,
-                                     expert_tensor_parallel_size=1),
-                       model=dict(PIPELINE_MODEL, moe_token_dispatcher_type="alltoall"))
+# ep x tp(+SP) x etp x dispatcher, the distributed optimizer (expert shards over edp), and
+# pp 2 x vpp 2 with 4 layers, MoE every other one (the second stage holds no MoE layer)
+LAYOUTS = layouts("moe-training")
 
 
-def _cfg(world, layout, jsonl):
-    model = {**MIXTRAL, **layout.get("model", {})}
-    return tiny_config(world, model=model, parallel=layout.get("parallel", {}),
-                       train={"train_iters": ITERS}, logging={"metrics_jsonl": jsonl})
+def _cfg(layout, jsonl, world=None):
+    return tiny(layout, world, model=MIXTRAL, train={"train_iters": ITERS},
+                logging={"metrics_jsonl": jsonl})
 
 
 def _train(rank, world_size, layouts, directory):
     out = []
-    for n, layout in enumerate(layouts):
-        jsonl = os.path.join(directory, f"layout{n}.jsonl")
-        _, c = run_training(_cfg(world_size, layout, jsonl))
+    for layout in layouts:
+        jsonl = os.path.join(directory, f"{layout.name}.jsonl")
+        _, c = run_training(_cfg(layout, jsonl))
         params = {}
         for chunk in model_chunks(c.model):
             params.update(chunk.full_state_dict())  # collective over tp, etp and ep
@@ -81,9 +63,15 @@ def _train(rank, world_size, layouts, directory):
     return out
 
 
-def _reference(directory, model=None):
+def _reference_model(layout):
+    """The model of the single-process reference: the dispatcher only moves tokens
+    between ranks, so one reference serves both."""
+    return {k: v for k, v in layout.model.items() if k != "moe_token_dispatcher_type"}
+
+
+def _reference(directory, model):
     jsonl = os.path.join(directory, "reference.jsonl")
-    _, c = run_training(_cfg(1, {"model": model or {}}, jsonl))
+    _, c = run_training(_cfg(Layout("reference", 1, model=model), jsonl))
     return read_jsonl(jsonl), c.model.full_state_dict()
 
 
@@ -107,19 +95,37 @@ def _check_params(rank_params, ref_params, what):
     assert seen == set(ref_params), (what, set(ref_params) - seen)
 
 
-def test_mixtral_training_matches_single_process(tmp_path):
-    ref_rows, ref_params = _reference(str(tmp_path / "ref"))
-    pipe_rows, pipe_params = _reference(str(tmp_path / "ref_pipe"), PIPELINE_MODEL)
-    assert ref_rows[-1]["lm_loss"] < ref_rows[0]["lm_loss"]
-    assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in ref_rows)
-    layouts = [*LAYOUTS, DISTOPT_LAYOUT, PIPELINE_LAYOUT]
-    results = run_distributed(4, _train, layouts, str(tmp_path), timeout=600)
-    for n, layout in enumerate(layouts):
-        what = str(layout)
-        pipeline = layout is PIPELINE_LAYOUT
-        rows = read_jsonl(str(tmp_path / f"layout{n}.jsonl"))
-        _check_rows(rows, pipe_rows if pipeline else ref_rows, what)
-        _check_params([r[n] for r in results], pipe_params if pipeline else ref_params, what)
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe_training")
+
+
+@pytest.fixture(scope="module")
+def references(directory):
+    """Single-process metrics rows and full parameters, by reference model."""
+    refs = {}
+    for layout in LAYOUTS:
+        key = repr(sorted(_reference_model(layout).items()))
+        if key not in refs:
+            refs[key] = _reference(str(directory / f"ref{len(refs)}"), _reference_model(layout))
+            rows = refs[key][0]
+            assert rows[-1]["lm_loss"] < rows[0]["lm_loss"]
+            assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in rows)
+    return refs
+
+
+@pytest.fixture(scope="module")
+def trained(directory):
+    return run_by_world(LAYOUTS, _train, str(directory), timeout=600)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_mixtral_training_matches_single_process(directory, references, trained, layout):
+    ref_rows, ref_params = references[repr(sorted(_reference_model(layout).items()))]
+    params = trained(layout)
+    rows = read_jsonl(str(directory / f"{layout.name}.jsonl"))
+    _check_rows(rows, ref_rows, layout.name)
+    _check_params(params, ref_params, layout.name)
 
 
 # -- the router-loss gradient factor, on one process ---------------------------------------
@@ -136,7 +142,7 @@ def _batches(cfg, num, seed=0):
 def test_router_loss_gradient_scale():
     """forward_backward's gradients equal those of ``sum_mb lm_sum / tokens +
     mean_mb (sum of every layer's aux + z loss)``, times the loss scale."""
-    cfg = _cfg(1, {}, None)
+    cfg = _cfg(Layout("reference", 1), None)
     ps = ParallelState.build(ParallelConfig())
     batches = _batches(cfg.model, 3)
     tokens = sum(b["loss_mask"].sum() for b in batches).double()

@@ -12,36 +12,36 @@ import pytest
 
 from megalite.checkpoint import read_latest_iteration
 from tests.distributed.harness import run_distributed
+from tests.layouts import by_name, tiny
 from tests.training.common import read_jsonl, run_training, tiny_config
 
 ITERS = 6
+INVARIANCE, RESUME = by_name("training-tp2-sp-dp2"), by_name("resume-tp2-dp2")
 
 
 def _layout_body(rank, world_size, tmp):
-    tp = {"tensor_model_parallel_size": 2}
     out = {}
     # (a) layout invariance: tp=2 with sequence parallelism, dp=2, metrics from one rank
-    cfg = tiny_config(world_size, parallel=dict(tp, sequence_parallel=True),
-                      train={"train_iters": ITERS},
-                      logging={"metrics_jsonl": os.path.join(tmp, "tp2dp2.jsonl")})
+    cfg = tiny(INVARIANCE, train={"train_iters": ITERS},
+               logging={"metrics_jsonl": os.path.join(tmp, "tp2dp2.jsonl")})
     out["invariance"], _ = run_training(cfg)
     # (b) straight run with dropout, (c) the same in two halves through a checkpoint
     dropout = {"hidden_dropout": 0.2, "attention_dropout": 0.2}
-    cfg = tiny_config(world_size, parallel=tp, model=dropout, train={"train_iters": ITERS})
+    cfg = tiny(RESUME, model=dropout, train={"train_iters": ITERS})
     out["straight"], _ = run_training(cfg)
     save = os.path.join(tmp, "ckpt")
-    cfg = tiny_config(world_size, parallel=tp, model=dropout,
-                      train={"train_iters": ITERS, "exit_interval": ITERS // 2},
-                      checkpoint={"save": save})
+    cfg = tiny(RESUME, model=dropout, train={"train_iters": ITERS, "exit_interval": ITERS // 2},
+               checkpoint={"save": save})
     out["first_half"], _ = run_training(cfg)
-    cfg = tiny_config(world_size, parallel=tp, model=dropout, train={"train_iters": ITERS},
-                      checkpoint={"save": save, "load": save})
+    cfg = tiny(RESUME, model=dropout, train={"train_iters": ITERS},
+               checkpoint={"save": save, "load": save})
     out["second_half"], _ = run_training(cfg)
     return {k: (v.losses, v.exit_reason, v.iteration) for k, v in out.items()}
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
+    assert INVARIANCE.world_size == RESUME.world_size == 4
     tmp = str(tmp_path_factory.mktemp("layouts"))
     return tmp, run_distributed(4, _layout_body, tmp)
 

@@ -1,0 +1,257 @@
+"""The layouts of the equivalence tests: one declarative table that every suite reads.
+
+A row (:class:`Layout`) is a world size, the ``ParallelConfig`` fields of the layout, and the
+``ModelConfig`` / ``TrainConfig`` overrides the layout needs (a number of experts, enough
+layers for the pipeline, micro-batches for the interleaved schedule). Its ``tags`` say
+which suite runs it:
+
+==============  ========================================================================
+tag             suite
+==============  ========================================================================
+model           tests/model/test_equivalence.py: tp x sp x recompute, loss and grads
+mixtral         tests/model/test_mixtral_parity.py: tp x ep x etp against transformers
+moe-layer       tests/moe/test_distributed.py: one MoE layer, ep x tp x etp x cp
+moe-training    tests/moe/test_training_equivalence.py: Mixtral training, x dispatcher
+optim           tests/optim/test_equivalence.py: dp x tp x pp x distributed optimizer
+pipeline        tests/pipeline/test_pipeline_training.py: pp x vpp x tp x sp x dp
+training        tests/training/test_resume_and_layouts.py: tp x sp x dp, loss and metrics
+resume          exact resumption at one layout (training, pipeline suites)
+reshard         tests/checkpoint/test_reshard.py: save at one layout, resume at others
+==============  ========================================================================
+
+A new parallelism adds its rows here (and a dimension to ``tests/fuzz/draw.py``); a
+failing fuzz draw prints a ``Layout(...)`` that can be pasted into the table as a row.
+``tests/test_layouts.py`` checks the table itself with megalite's own config validation.
+Row names are derived from the fields (``optim-tp2-pp2-dp2-distopt``) and are the pytest
+ids of the suites (``ids=str``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+# short names used in the table -> ParallelConfig fields, in the order names list them
+SHORT = {"tp": "tensor_model_parallel_size", "sp": "sequence_parallel",
+         "pp": "pipeline_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size",
+         "first": "decoder_first_pipeline_num_layers",
+         "last": "decoder_last_pipeline_num_layers", "cp": "context_parallel_size",
+         "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size",
+         "distopt": "use_distributed_optimizer", "overlap_grad": "overlap_grad_reduce",
+         "overlap_param": "overlap_param_gather", "bucket": "ddp_bucket_size"}
+_FLAG_NAMES = {"sp": "sp", "distopt": "distopt", "overlap_grad": "ogr", "overlap_param": "opg"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One row: ``parallel`` holds ParallelConfig fields, ``model`` / ``train`` / ``optim``
+    config overrides (applied over the suite's own settings)."""
+
+    name: str
+    world_size: int
+    parallel: dict = dataclasses.field(default_factory=dict)
+    model: dict = dataclasses.field(default_factory=dict)
+    train: dict = dataclasses.field(default_factory=dict)
+    tags: tuple = ()
+    optim: dict = dataclasses.field(default_factory=dict)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def get(self, short: str) -> Any:
+        """A parallel field by its short name (``layout.get("tp")``), as ParallelConfig
+        resolves it: defaults filled in (etp = tp), sequence parallel off at tp 1."""
+        return getattr(parallel_config(self), SHORT[short])
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: world / (tp x pp x cp)."""
+        return self.world_size // (self.get("tp") * self.get("pp") * self.get("cp"))
+
+
+def slug(world_size: int, parallel: dict) -> str:
+    """``tp2-sp-pp2-dp2-distopt``: the sizes above 1 (dp derived), then the flags set."""
+    short = {s: parallel[f] for s, f in SHORT.items() if f in parallel}
+    mp = short.get("tp", 1) * short.get("pp", 1) * short.get("cp", 1)
+    parts = []
+    for s, value in short.items():
+        if s in _FLAG_NAMES:
+            parts += [_FLAG_NAMES[s]] if value else []
+        elif s != "bucket" and value is not None and (value > 1 or s in ("etp", "first",
+                                                                          "last")):
+            parts.append(f"{s}{value}")
+    dp = world_size // mp
+    if dp > 1:  # after the model-parallel sizes, before the expert sizes
+        at = next((i for i, p in enumerate(parts) if p.startswith(("ep", "etp", "distopt",
+                                                                   "ogr", "opg"))), len(parts))
+        parts.insert(at, f"dp{dp}")
+    return "-".join(parts) or "single"
+
+
+def row(suite: str, world_size: int, variant: str = "", *, model: dict | None = None,
+        train: dict | None = None, tags: Iterable[str] = (), **short: Any) -> Layout:
+    """A table row; ``short`` uses the keys of :data:`SHORT` (``tp=2, sp=True``)."""
+    parallel = {SHORT[k]: v for k, v in short.items()}
+    name = "-".join(p for p in (suite, slug(world_size, parallel), variant) if p)
+    return Layout(name, world_size, parallel, dict(model or {}), dict(train or {}),
+                  (suite, *tags))
+
+
+# -- model: tensor parallelism x sequence parallelism x recomputation (GPT-2 and Llama) ---
+RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full-uniform": {"recompute_granularity": "full", "recompute_method": "uniform",
+                     "recompute_num_layers": 2},
+    "full-block": {"recompute_granularity": "full", "recompute_method": "block",
+                   "recompute_num_layers": 1},
+}
+_MODEL = [row("model", tp, kind, model=RECOMPUTE[kind], tp=tp, sp=sp)
+          for tp in (1, 2, 4) for sp in ((False,) if tp == 1 else (False, True))
+          for kind in RECOMPUTE if (tp, kind) != (1, "none")]   # tp1 / none: the reference
+
+# -- mixtral: logits against transformers on 4 ranks, dp = 4 / tp ------------------------
+_MIXTRAL_MODEL = {"num_experts": 4}
+_MIXTRAL = [row("mixtral", 4, model=_MIXTRAL_MODEL, tp=2, sp=False, ep=2, etp=2),
+            row("mixtral", 4, model=_MIXTRAL_MODEL, tp=2, sp=True, ep=2, etp=1),
+            row("mixtral", 4, model=_MIXTRAL_MODEL, tp=1, sp=False, ep=4, etp=1),
+            row("mixtral", 4, model=_MIXTRAL_MODEL, tp=1, sp=False, ep=2, etp=1)]
+
+# -- moe-layer: one MoE layer on 4 ranks, (tp, sp, ep, etp, cp); dp = 4 / (tp x cp) -------
+_MOE_LAYER = [row("moe-layer", 4, model={"num_experts": 8}, tp=tp, sp=sp, ep=ep, etp=etp,
+                  cp=cp)
+              for tp, sp, ep, etp, cp in (
+                  (1, False, 1, 1, 1), (1, False, 2, 1, 1), (1, False, 4, 1, 1),
+                  (2, True, 1, 1, 1), (2, True, 2, 1, 1), (2, True, 4, 1, 1),
+                  (2, True, 1, 2, 1), (2, True, 2, 2, 1),
+                  (2, False, 2, 1, 1),                         # tp without sequence parallel
+                  (1, False, 2, 1, 2), (2, True, 4, 1, 2))]    # context parallel
+
+# -- moe-training: a tiny Mixtral trained on 4 ranks --------------------------------------
+_MOE_TRAINING = [
+    *(row("moe-training", 4, dispatcher,
+          model={"num_experts": 4, "moe_token_dispatcher_type": dispatcher},
+          tp=tp, sp=sp, ep=ep, etp=etp)
+      for tp, sp, ep, etp in ((1, False, 1, 1), (1, False, 2, 1), (1, False, 4, 1),
+                              (2, True, 1, 2), (2, True, 2, 2), (2, True, 4, 1))
+      for dispatcher in ("alltoall", "allgather")),
+    # the distributed optimizer with overlapped reduction: expert shards over edp
+    row("moe-training", 4, model={"num_experts": 4}, tp=2, sp=True, ep=2, etp=1,
+        distopt=True, overlap_grad=True),
+    # 4 layers, MoE every other one: with pp 2 x vpp 2 the second stage holds no MoE layer
+    row("moe-training", 4, model={"num_experts": 4, "num_layers": 4, "moe_layer_freq": 2,
+                                  "moe_token_dispatcher_type": "alltoall"},
+        pp=2, vpp=2, tp=2, sp=True, ep=2, etp=1),
+]
+
+# -- optim: each layout x (plain | distributed optimizer) x (overlap off | on) ------------
+OPTIM_VARIANTS = {
+    "": {},
+    "ogr": {"overlap_grad": True},
+    "distopt": {"distopt": True},
+    "distopt-ogr-opg": {"distopt": True, "overlap_grad": True, "overlap_param": True},
+}
+_OPTIM_LAYOUTS = [
+    (2, {}, None), (4, {}, None), (4, {"tp": 2, "sp": True}, None), (4, {"pp": 2}, None),
+    (4, {"pp": 2, "vpp": 2}, {"num_layers": 4}),   # its own reference (4 layers)
+    (8, {"tp": 2}, None), (8, {"tp": 2, "pp": 2}, None), (8, {"pp": 2}, None),
+]
+_OPTIM = [row("optim", world, model=model, **sizes, **flags)
+          for world, sizes, model in _OPTIM_LAYOUTS for flags in OPTIM_VARIANTS.values()]
+
+# -- pipeline: an 8-layer GPT, micro-batch 1, global batch 8 ------------------------------
+_PIPE_MODEL, _PIPE_TRAIN = {"num_layers": 8}, {"micro_batch_size": 1, "global_batch_size": 8}
+_PIPELINE = [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **sizes)
+             for world, sizes in (
+                 (2, {"pp": 2}), (2, {"pp": 2, "vpp": 2}), (2, {"pp": 2, "first": 3}),
+                 (4, {"pp": 4}), (4, {"pp": 4, "vpp": 2}), (4, {"pp": 2, "tp": 2}),
+                 (4, {"pp": 2, "tp": 2, "sp": True, "vpp": 2}), (4, {"pp": 2, "vpp": 2}),
+                 (8, {"pp": 2, "tp": 2, "sp": True, "vpp": 2}), (8, {"pp": 4, "tp": 2}),
+                 (8, {"pp": 4, "vpp": 2}), (8, {"pp": 2, "tp": 2, "vpp": 4}))]
+
+# -- training: tp 2 (+ sp) x dp 2 against one process -------------------------------------
+_TRAINING = [row("training", 4, tp=2, sp=True)]
+
+# -- resume: save and resume at the same layout, with dropout (bitwise the same losses) ---
+_RESUME = [row("resume", 4, tp=2),                                  # test_resume_and_layouts
+           row("resume", 2, model={"num_layers": 4},                # test_pipeline_training
+               train={"micro_batch_size": 1, "global_batch_size": 4}, pp=2, vpp=2)]
+
+# -- reshard: save at tp2 x pp2 x dp2, resume at tp1 (one process) and tp4 x dp2 ----------
+_RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
+            row("reshard", 1), row("reshard", 8, tp=4, distopt=True)]
+
+SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "pipeline", "training",
+          "resume", "reshard")
+LAYOUTS: tuple[Layout, ...] = (*_MODEL, *_MIXTRAL, *_MOE_LAYER, *_MOE_TRAINING, *_OPTIM,
+                               *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD)
+
+
+def layouts(tag: str | None = None, world: int | None = None,
+            where: Callable[[Layout], bool] | None = None) -> list[Layout]:
+    """The rows carrying ``tag`` (all rows when None), of world size ``world`` if given."""
+    return [r for r in LAYOUTS if (tag is None or tag in r.tags)
+            and (world is None or r.world_size == world) and (where is None or where(r))]
+
+
+def by_name(name: str) -> Layout:
+    """The row called ``name``."""
+    for r in LAYOUTS:
+        if r.name == name:
+            return r
+    raise KeyError(f"no layout {name!r} in tests/layouts.py")
+
+
+def parallel_config(lay: Layout):
+    """The row's ``ParallelConfig``."""
+    from megalite.config import ParallelConfig
+
+    return ParallelConfig(**lay.parallel)
+
+
+def tiny(lay: Layout, world_size: int | None = None, *, model: dict | None = None,
+         parallel: dict | None = None, train: dict | None = None, optim: dict | None = None,
+         **sections):
+    """``tests.training.common.tiny_config`` for this row, validated for ``world_size``
+    (default: the row's): the suite's ``model`` / ``parallel`` / ``train`` / ``optim``
+    settings with the row's over them; other ``sections`` as given."""
+    from tests.training.common import tiny_config
+
+    return tiny_config(lay.world_size if world_size is None else world_size,
+                       model={**(model or {}), **lay.model},
+                       parallel={**(parallel or {}), **lay.parallel},
+                       train={**(train or {}), **lay.train},
+                       optim={**(optim or {}), **lay.optim}, **sections)
+
+
+def run_by_world(rows: Iterable[Layout], body: Callable, *args: Any, **kwargs: Any):
+    """Lazily run ``body(rank, world_size, rows_of_that_world, *args)`` once per world size
+    on pooled ranks; ``body`` returns a list aligned with its rows. Returns a function
+    ``results(layout) -> [that row's result on rank 0, 1, ...]`` (an error of a world's run
+    is raised again for each of its rows)."""
+    from tests.distributed.harness import run_distributed
+
+    rows = list(rows)
+    done: dict[str, list] = {}
+    failed: dict[int, BaseException] = {}
+
+    def results(lay: Layout) -> list:
+        world = lay.world_size
+        if world in failed:
+            raise failed[world]
+        if lay.name not in done:
+            group = [r for r in rows if r.world_size == world]
+            try:
+                per_rank = run_distributed(world, body, group, *args, **kwargs)
+            except BaseException as e:
+                failed[world] = e
+                raise
+            for n, r in enumerate(group):
+                done[r.name] = [out[n] for out in per_rank]
+        return done[lay.name]
+
+    return results
