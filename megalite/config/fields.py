@@ -24,18 +24,22 @@ class ConfigError(ValueError):
 
 def arg(default: Any = None, help: str = "", *, flag: str | None = None,
         action: str | None = None, choices: tuple | None = None,
-        nargs: str | None = None, aliases: tuple = (), cli: bool = True):
+        nargs: str | None = None, aliases: tuple = (), cli: bool = True,
+        no_effect: str | None = None):
     """A dataclass field carrying its command-line description.
 
-    flag:    the CLI flag when it differs from ``--field-name`` (e.g. ``--disable-bias-linear``
-             for ``add_bias_linear``).
-    action:  ``store_true`` / ``store_false`` for booleans (defaults: store_true when the
-             default is False).
-    aliases: extra flag spellings accepted for the same field.
-    cli:     False for derived fields that are not flags.
+    flag:      the CLI flag when it differs from ``--field-name`` (e.g.
+               ``--disable-bias-linear`` for ``add_bias_linear``).
+    action:    ``store_true`` / ``store_false`` for booleans (defaults: store_true when the
+               default is False).
+    aliases:   extra flag spellings accepted for the same field.
+    cli:       False for derived fields that are not flags.
+    no_effect: for a Megatron flag megalite accepts but that changes nothing here (it tunes
+               speed on other hardware), why; set away from its default, it is listed once at
+               start-up as "accepted, no effect here" (:func:`no_effect_settings`).
     """
     meta = dict(help=help, flag=flag, action=action, choices=choices, nargs=nargs,
-                aliases=tuple(aliases), cli=cli)
+                aliases=tuple(aliases), cli=cli, no_effect=no_effect)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -61,3 +65,14 @@ def positive(obj: Any, *names: str) -> None:
         value = getattr(obj, name)
         if value is not None:
             require(value > 0, f"{name} must be positive, got {value}")
+
+
+def no_effect_settings(section: Any) -> list[tuple[str, str]]:
+    """(field name, reason) of ``section``'s fields marked ``no_effect`` whose value differs
+    from the default."""
+    out = []
+    for f in dataclasses.fields(section):
+        reason = f.metadata.get("no_effect")
+        if reason and getattr(section, f.name) != f.default:
+            out.append((f.name, reason))
+    return out

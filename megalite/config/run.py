@@ -42,6 +42,9 @@ class CheckpointConfig:
     finetune: bool = arg(False, "Load weights only and start at iteration 0.")
     async_save: bool = arg(False, "Write checkpoints in a background thread.")
     ckpt_verify: bool = arg(False, "Record and check file checksums.")
+    ckpt_format: str = arg("torch_dist", "Checkpoint format: torch_dist is megalite's "
+                           "native format (torch.distributed.checkpoint with layout-free keys).",
+                           choices=("torch_dist",))
 
     def __post_init__(self) -> None:
         check_choices(self)
