@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from megalite.config.fields import ConfigError, arg, check_choices, positive, require
 
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+
 
 @dataclass
 class ModelConfig:
@@ -21,11 +24,18 @@ class ModelConfig:
                                                  "(default seq_length).")
     position_embedding_type: str = arg("learned_absolute", "Position embedding kind.",
                                        choices=("learned_absolute", "rope", "none"))
+    add_position_embedding: bool = arg(True, "No learned absolute position table: with "
+                                       "--position-embedding-type rope a no-op, with "
+                                       "learned_absolute no positions at all.",
+                                       flag="--no-position-embedding", action="store_false")
     rotary_base: float = arg(10000.0, "RoPE base frequency.")
     rotary_percent: float = arg(1.0, "Fraction of the head dimension that RoPE rotates.")
     normalization: str = arg("LayerNorm", "Normalization layer.",
                              choices=("LayerNorm", "RMSNorm"))
     norm_epsilon: float = arg(1e-5, "Epsilon of the normalization layers.")
+    apply_layernorm_1p: bool = arg(False, "Zero-centred norm weights: the weight w is "
+                                   "stored and initialised at 0 and the norm scales by "
+                                   "1 + w (LayerNorm and RMSNorm).")
     swiglu: bool = arg(False, "Use SwiGLU in the MLP (Llama).")
     add_bias_linear: bool = arg(True, "Disable biases in the linear layers.",
                                 flag="--disable-bias-linear", action="store_false")
@@ -40,8 +50,24 @@ class ModelConfig:
                                     "from the tokenizer.")
     make_vocab_size_divisible_by: int = arg(128, "Pad the vocabulary to a multiple of this "
                                             "times the tensor parallel size.")
-    attention_backend: str = arg("auto", "Attention implementation.",
-                                 choices=("auto", "flash", "sdpa", "local"))
+    attention_backend: str = arg("auto", "Attention implementation (Megatron's fused / "
+                                 "unfused are sdpa / local here).",
+                                 choices=("auto", "flash", "sdpa", "local", "fused", "unfused"))
+    masked_softmax_fusion: bool = arg(
+        True, "Disable the fused masked-softmax kernel.", flag="--no-masked-softmax-fusion",
+        action="store_false",
+        no_effect="the attention kernel (--attention-backend) computes its own softmax; "
+                  "megalite has no separate masked-softmax kernel to turn off")
+    use_mcore_models: bool = arg(
+        False, "Use the Megatron-Core model implementation.",
+        no_effect="megalite has one model implementation, laid out as Megatron-Core's; "
+                  "there is no legacy model to choose between")
+    cross_entropy_loss_fusion: bool = arg(False, "Fused vocab-parallel cross entropy: the "
+                                          "loss is computed in chunks of the sequence so the "
+                                          "fp32 copy of the logits is never whole in memory.")
+    cross_entropy_fusion_impl: str = arg("native", "Implementation of the fused cross "
+                                         "entropy (te needs Transformer Engine).",
+                                         choices=("native", "te"))
     recompute_granularity: str | None = arg(None, "Activation recomputation.",
                                                choices=("full", "selective"))
     recompute_method: str | None = arg(None, "Which layers full recomputation covers.",
@@ -50,6 +76,16 @@ class ModelConfig:
                                               "recomputed layers per stage (block).")
     bf16: bool = arg(False, "Train in bfloat16 with fp32 master weights.")
     fp16: bool = arg(False, "Train in float16 with dynamic loss scaling.")
+    # fp8 (parsed and validated; megalite.training.fp8 refuses to train where it cannot run)
+    fp8_format: str | None = arg(None, "fp8 GEMMs: e4m3 everywhere, or hybrid (e4m3 "
+                                 "forward, e5m2 gradients).", choices=FP8_FORMATS)
+    fp8_recipe: str = arg("delayed", "fp8 scaling recipe.", choices=FP8_RECIPES)
+    fp8_amax_history_len: int = arg(1, "Length of the amax history window (delayed "
+                                    "scaling).")
+    fp8_amax_compute_algo: str = arg("most_recent", "How the scale is computed from the "
+                                     "amax history.", choices=("most_recent", "max"))
+    fp8_param_gather: bool = arg(False, "Keep parameters in fp8 and gather them in fp8 "
+                                 "(needs --fp8-format).")
     # Mixture of experts
     num_experts: int | None = arg(None, "Number of experts (MoE when set).")
     moe_router_topk: int = arg(2, "Experts per token.")
@@ -70,6 +106,10 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = arg(False, "Pad expert inputs to capacity.")
     moe_token_dispatcher_type: str = arg("alltoall", "Token dispatcher.",
                                          choices=("alltoall", "allgather"))
+    moe_grouped_gemm: bool = arg(
+        False, "Run the local experts as one grouped GEMM.",
+        no_effect="megalite's experts always run as one grouped GEMM (a padded batched "
+                  "matmul over the local experts); there is no per-expert loop to replace")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -77,7 +117,12 @@ class ModelConfig:
                   "ffn_hidden_size", "kv_channels", "num_query_groups",
                   "make_vocab_size_divisible_by", "vocab_size", "init_method_std",
                   "norm_epsilon", "rotary_base", "num_experts", "moe_router_topk",
-                  "moe_layer_freq")
+                  "moe_layer_freq", "fp8_amax_history_len")
+        require(self.cross_entropy_fusion_impl == "native",
+                 "--cross-entropy-fusion-impl te needs Transformer Engine, which megalite "
+                 "does not use; use native (the default)")
+        require(not self.fp8_param_gather or self.fp8_format is not None,
+                 "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.kv_channels is None:
@@ -97,7 +142,7 @@ class ModelConfig:
                  f"num_query_groups ({self.num_query_groups})")
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
-        if self.position_embedding_type == "learned_absolute":
+        if self.learned_positions:
             require(self.max_position_embeddings >= self.seq_length,
                      f"max_position_embeddings ({self.max_position_embeddings}) must be >= "
                      f"seq_length ({self.seq_length}) with learned absolute positions")
@@ -135,6 +180,12 @@ class ModelConfig:
         if self.moe_pad_expert_input_to_capacity:
             require(self.moe_expert_capacity_factor is not None,
                      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+
+    @property
+    def learned_positions(self) -> bool:
+        """The model has a learned absolute position table (``learned_absolute`` without
+        ``--no-position-embedding``)."""
+        return self.position_embedding_type == "learned_absolute" and self.add_position_embedding
 
     @property
     def params_dtype_name(self) -> str:

@@ -33,6 +33,7 @@ from megalite.parallel.random import stage_seed
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.layout import model_chunks
 from megalite.training.components import TrainingComponents, TrainState
+from megalite.training.fp8 import check_fp8_available
 from megalite.training.metrics import MetricsLogger
 from megalite.training.throughput import count_layer_params, flops_per_token, peak_flops_per_rank
 from megalite.training.timers import Timers
@@ -109,6 +110,7 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
     ``cfg`` must be validated for this world (``cfg.validate(world_size)``); it is copied,
     and the copy gets ``model.vocab_size`` from the tokenizer.
     """
+    check_fp8_available(cfg.model, ps.device)  # before any work: one clear sentence
     start_time = time.time()
     cfg = copy.deepcopy(cfg)
     t = cfg.train
