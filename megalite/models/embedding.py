@@ -15,10 +15,11 @@ class GPTEmbedding(torch.nn.Module):
     sequence parallelism), followed by dropout.
 
     The word table is vocabulary-parallel over ``ps.tp``; the position table
-    ``[max_positions, h]`` (``learned_absolute`` only) is replicated. Under sequence
-    parallelism the word embedding is reduce-scattered along the sequence and each rank adds
-    the positions of its own chunk, so the position table's gradient is partial (it is
-    marked ``sequence_parallel``).
+    ``[max_positions, h]`` (``learned_absolute`` only, and not with
+    ``--no-position-embedding``, which leaves no positions at all) is replicated. Under
+    sequence parallelism the word embedding is reduce-scattered along the sequence and each
+    rank adds the positions of its own chunk, so the position table's gradient is partial
+    (it is marked ``sequence_parallel``).
     """
 
     def __init__(self, cfg, padded_vocab_size: int, ps, *, sequence_parallel: bool,
@@ -34,7 +35,7 @@ class GPTEmbedding(torch.nn.Module):
             sequence_parallel=sequence_parallel, init_std=cfg.init_method_std,
             device=device, dtype=dtype)
         self.position_embeddings = None
-        if cfg.position_embedding_type == "learned_absolute":
+        if cfg.learned_positions:
             self.position_embeddings = torch.nn.Embedding(
                 cfg.max_position_embeddings, cfg.hidden_size, device=device, dtype=dtype)
             mark_param(self.position_embeddings.weight, init_std=cfg.init_method_std,

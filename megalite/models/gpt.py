@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite.layers.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from megalite.layers.cross_entropy import vocab_parallel_cross_entropy
 from megalite.layers.linear import ColumnParallelLinear
 from megalite.layers.sharding import gather_full, initialize_params, shard
@@ -112,6 +113,8 @@ class GPTModel(torch.nn.Module):
         on a stage without the embedding. Returns: hidden states ``[s(/tp), b, h]`` when
         not ``post_process``; else with ``labels`` the per-token loss fp32 ``[b, s]``,
         without them this rank's logits ``[b, s, padded_vocab/tp]`` in the compute dtype.
+        ``--cross-entropy-loss-fusion`` computes the loss in chunks of tokens
+        (``layers.chunked_cross_entropy``).
         """
         pos = None if position_ids is None else position_ids.t()
         if self.pre_process:
@@ -130,8 +133,11 @@ class GPTModel(torch.nn.Module):
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group,
-                                            vocab_size=self.config.vocab_size)
+        cross_entropy = (chunked_vocab_parallel_cross_entropy
+                         if self.config.cross_entropy_loss_fusion
+                         else vocab_parallel_cross_entropy)
+        loss = cross_entropy(logits, labels.t(), self.tp_group,
+                             vocab_size=self.config.vocab_size)
         return loss.t().contiguous()
 
     # -- full (layout-invariant) tensors -------------------------------------------------

@@ -39,6 +39,7 @@ class TransformerBlock(torch.nn.Module):
             self.final_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
                                               cfg.norm_epsilon,
                                               sequence_parallel=sequence_parallel,
+                                              zero_centered=cfg.apply_layernorm_1p,
                                               device=device, dtype=dtype)
 
     @staticmethod

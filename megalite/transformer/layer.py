@@ -40,12 +40,13 @@ class TransformerLayer(torch.nn.Module):
         self.dropout_stream = TENSOR_PARALLEL if sequence_parallel else REPLICATED
         kw = {"sequence_parallel": sequence_parallel, "device": device, "dtype": dtype}
         par = dict(output_std=output_init_std(cfg), **kw)
+        norm = dict(zero_centered=cfg.apply_layernorm_1p, **kw)
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
-                                          cfg.norm_epsilon, **kw)
+                                          cfg.norm_epsilon, **norm)
         self.self_attention = SelfAttention(
             cfg, ps, rng=rng, recompute_core=cfg.recompute_granularity == "selective", **par)
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
-                                            cfg.norm_epsilon, **kw)
+                                            cfg.norm_epsilon, **norm)
         self.is_moe = moe_layer_pattern(cfg)[layer_number]
         if self.is_moe:
             self.mlp = MoELayer(cfg, ps, layer_number=layer_number, seed=seed,

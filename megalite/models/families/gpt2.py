@@ -29,6 +29,8 @@ class GPT2Spec(FamilySpec):
         return [text for bad, text in [
             (c.position_embedding_type != "learned_absolute",
              f"position embeddings {c.position_embedding_type!r} (GPT-2: learned_absolute)"),
+            (c.position_embedding_type == "learned_absolute" and not c.add_position_embedding,
+             "no position table (--no-position-embedding; GPT-2 has learned positions)"),
             (c.normalization != "LayerNorm", f"{c.normalization} (GPT-2: LayerNorm)"),
             (c.swiglu, "SwiGLU (GPT-2: GeLU)"),
             (c.num_experts is not None, "experts (--num-experts)"),

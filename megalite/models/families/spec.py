@@ -5,6 +5,12 @@ family (``defaults``), whether a given model belongs to it (``problems`` / ``mat
 how the tensors are named (``name_table``), and how the two configs translate
 (``hf_config`` / ``config_from_hf``). State dicts are *full* (unsharded), as from
 ``GPTModel.full_state_dict()``; ``GPTModel.load_full_state_dict`` shards them.
+
+Zero-centred norms (``--apply-layernorm-1p``) store ``w`` where Hugging Face stores
+``1 + w``: :meth:`FamilySpec.to_hf` adds the one and :meth:`FamilySpec.from_hf` subtracts
+it, in the tensor's dtype. For Hugging Face weights in [0.5, 2] (any trained norm's
+neighbourhood of one) ``w - 1`` is exact in floating point, so HF -> megalite -> HF gives
+back the same bits; elsewhere the round trip is exact to one rounding of ``w - 1``.
 """
 
 from __future__ import annotations
@@ -15,6 +21,14 @@ from typing import Any
 import torch
 
 from megalite.models.families.names import NameTable
+
+NORM_WEIGHT_SUFFIX = "layernorm.weight"  # input_, pre_mlp_ and final_layernorm.weight
+
+
+def shift_norm_weights(state: dict[str, torch.Tensor], delta: float
+                       ) -> dict[str, torch.Tensor]:
+    """``state`` with ``delta`` added to every norm weight (our names), other tensors as is."""
+    return {k: v + delta if k.endswith(NORM_WEIGHT_SUFFIX) else v for k, v in state.items()}
 
 
 class FamilySpec:
@@ -50,16 +64,20 @@ class FamilySpec:
 
     def to_hf(self, state: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
         """Our full state dict -> the ``hf_architecture`` class's state dict (its
-        ``load_state_dict`` names)."""
+        ``load_state_dict`` names); 1p norm weights ``w`` become ``1 + w``."""
         self.check(model_cfg)
+        if model_cfg.apply_layernorm_1p:
+            state = shift_norm_weights(state, 1.0)
         return self.name_table(model_cfg).to_hf(state, model_cfg.num_layers)
 
     def from_hf(self, hf_state: dict[str, torch.Tensor], model_cfg
                 ) -> dict[str, torch.Tensor]:
         """A Hugging Face state dict -> our full state dict. Tensors our configuration does
-        not use (e.g. biases under --disable-bias-linear) must be absent from ``hf_state``."""
+        not use (e.g. biases under --disable-bias-linear) must be absent from ``hf_state``.
+        With ``--apply-layernorm-1p`` norm weights ``w`` become ``w - 1``."""
         self.check(model_cfg)
-        return self.name_table(model_cfg).from_hf(hf_state, model_cfg.num_layers)
+        state = self.name_table(model_cfg).from_hf(hf_state, model_cfg.num_layers)
+        return shift_norm_weights(state, -1.0) if model_cfg.apply_layernorm_1p else state
 
     def to_hub_names(self, hf_state: dict[str, torch.Tensor], model_cfg
                      ) -> dict[str, torch.Tensor]:

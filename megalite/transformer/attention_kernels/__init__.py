@@ -11,6 +11,9 @@ context-parallel attention that wraps one) is one file and one line in ``KERNELS
 ``flash``  flash-attn's ``flash_attn_func`` (CUDA, fp16/bf16; imported lazily)
 ``auto``   flash when installed and usable here, else sdpa
 =========  ===========================================================================
+
+Megatron's ``AttnBackend`` names are accepted too (``MEGATRON_ALIASES``): ``fused`` is
+sdpa (a fused kernel) and ``unfused`` is local (explicit scores and softmax).
 """
 
 from __future__ import annotations
@@ -29,12 +32,17 @@ KERNELS: dict[str, type[CoreAttention]] = {
     "flash": FlashAttention,
 }
 
-__all__ = ["KERNELS", "CoreAttention", "build_core_attention", "select_attention_backend"]
+MEGATRON_ALIASES: dict[str, str] = {"fused": "sdpa", "unfused": "local"}
+
+__all__ = ["KERNELS", "MEGATRON_ALIASES", "CoreAttention", "build_core_attention",
+           "select_attention_backend"]
 
 
 def select_attention_backend(requested: str, device, dtype: torch.dtype) -> str:
-    """Resolve ``auto`` and check that the requested kernel can run on ``device`` in
-    ``dtype``; raises :class:`ConfigError` naming the alternatives when it cannot."""
+    """Resolve ``auto`` and Megatron's names (``fused``, ``unfused``) to a kernel of
+    ``KERNELS`` and check that it can run on ``device`` in ``dtype``; raises
+    :class:`ConfigError` naming the alternatives when it cannot."""
+    requested = MEGATRON_ALIASES.get(requested, requested)
     if requested == "auto":
         return "flash" if FlashAttention.unavailable(device, dtype) is None else "sdpa"
     if requested not in KERNELS:
