@@ -1,10 +1,10 @@
-# megalite: make install | pretrain | test | bench | lint | clean
+# megalite: make install | pretrain | test | fuzz | bench | lint | clean
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?= -q -m "not slow" --durations=15
 
-.PHONY: install pretrain test test-all bench lint clean
+.PHONY: install pretrain test test-all fuzz bench lint clean
 
 install: $(STAMP)
 
@@ -24,6 +24,17 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q tests
+
+# The layout fuzzer (tests/fuzz): N random layouts against the single-process run, seeds
+# MEGALITE_FUZZ_BASE .. +N-1 (printed; default: from the clock). MEGALITE_FUZZ_SEED=s
+# reruns exactly the draw of seed s.
+N ?= 20
+fuzz: install
+	@base=$${MEGALITE_FUZZ_BASE:-$$(date +%s)}; \
+	if [ -n "$$MEGALITE_FUZZ_SEED" ]; then echo "fuzz: the draw of seed $$MEGALITE_FUZZ_SEED"; \
+	else echo "fuzz: $(N) draws, seeds $$base..$$((base + $(N) - 1)) (MEGALITE_FUZZ_BASE=$$base)"; fi; \
+	MEGALITE_FUZZ_BASE=$$base MEGALITE_FUZZ_N=$(N) $(PY) -m pytest -v -s \
+		--durations=5 tests/fuzz/test_layout_fuzz.py
 
 bench: install
 	$(PY) tools/benchmark.py all

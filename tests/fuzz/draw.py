@@ -1,0 +1,159 @@
+"""Random layouts for the layout fuzzer: one seed -> one :class:`tests.layouts.Layout`.
+
+A draw picks a tiny model (GPT-2 or Llama style, 2-8 layers, hidden 32/64, 4 heads, GQA
+with 1 or 2 groups or none, vocabulary 50/60 padded per tp, tied or untied embeddings,
+recompute none/selective/full-uniform/full-block, dense or MoE with 4 experts top-2 and
+either dispatcher, fp32 or bf16), AdamW or SGD with gradient clipping on or off, and a
+layout of 1 to 8 ranks (tp 1/2/4 with or without sequence parallelism, pp 1/2/4 with
+virtual stages or an uneven first/last stage, dp 1-4, ep and etp, the distributed
+optimizer, overlapped grad reduction and param gather, small buckets), and a global batch
+of 1-4 micro-batches per data-parallel rank.
+
+Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
+if ``MegaliteConfig.validate`` and the pipeline's own layer split
+(``megalite.pipeline.layout.chunk_layer_ranges``) accept it, and drawn again otherwise.
+The draw is a pure function of the seed (``random.Random(seed)``), so
+``MEGALITE_FUZZ_SEED=<seed> make fuzz`` draws the same layout again.
+"""
+
+from __future__ import annotations
+
+import random
+
+from megalite.config import ConfigError
+from tests.layouts import RECOMPUTE, SHORT, Layout, slug, tiny
+
+MAX_WORLD = 8
+MAX_ATTEMPTS = 1000
+LLAMA = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+         "add_bias_linear": False}
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
+       "moe_z_loss_coeff": 0.001}
+
+
+def _sizes(rng: random.Random) -> dict:
+    """tp, pp (+ virtual stages or an uneven first/last stage), dp; short names."""
+    p = {"tp": rng.choice((1, 2, 2, 4)), "pp": rng.choice((1, 2, 2, 4)),
+         "dp": rng.choice((1, 2, 2, 3, 4))}
+    if p["tp"] > 1:
+        p["sp"] = rng.random() < 0.5
+    if p["pp"] > 1:
+        shape = rng.choice(("even", "vpp", "vpp", "first", "last", "first+last"))
+        if shape == "vpp":
+            p["vpp"] = rng.choice((2, 2, 4) if p["pp"] == 2 else (2,))   # <= 8 layers
+        for end in ("first", "last"):
+            if end in shape:
+                p[end] = rng.randint(1, 3)
+    return p
+
+
+def _num_layers(rng: random.Random, p: dict) -> int:
+    """2-8 layers, drawn so that the pipeline shape usually fits (validation decides)."""
+    if "vpp" in p:
+        pieces = p["pp"] * p["vpp"]
+        return pieces * rng.choice((1, 1, 2) if pieces <= 4 else (1,))
+    if "first" in p or "last" in p:
+        return rng.randint(2, 8)
+    return p["pp"] * rng.choice((1, 2)) if p["pp"] > 1 else rng.choice((2, 3, 4))
+
+
+def _model(rng: random.Random, num_layers: int) -> dict:
+    m = {"num_layers": num_layers, "hidden_size": rng.choice((32, 64)),
+         "num_attention_heads": 4, "vocab_size": rng.choice((50, 60))}
+    if rng.random() < 0.5:
+        m.update(LLAMA)
+    groups = rng.choice((None, None, 1, 2))
+    if groups is not None:
+        m.update(group_query_attention=True, num_query_groups=groups)
+    if rng.random() < 0.3:
+        m["ffn_hidden_size"] = 48
+    if rng.random() < 0.5:
+        m["untie_embeddings_and_output_weights"] = True
+    m.update(RECOMPUTE[rng.choice(tuple(RECOMPUTE))])
+    if rng.random() < 0.4:
+        m.update(MOE, moe_token_dispatcher_type=rng.choice(("alltoall", "allgather")))
+        if rng.random() < 0.3:
+            m["moe_layer_freq"] = 2
+        if rng.random() < 0.3:
+            m["moe_ffn_hidden_size"] = 32
+        if rng.random() < 0.2:
+            m["moe_shared_expert_intermediate_size"] = 32
+        if rng.random() < 0.3:
+            m["moe_router_score_function"] = "sigmoid"
+    if rng.random() < 0.2:
+        m["bf16"] = True
+    return m
+
+
+def _options(rng: random.Random, p: dict, moe: bool) -> None:
+    """Expert sizes and the data-parallel options, into ``p``."""
+    if moe:
+        p["ep"] = rng.choice((1, 2, 2, 4))
+        p["etp"] = rng.choice((p["tp"], p["tp"], 1, 2))
+    if rng.random() < 0.5:
+        p["distopt"] = True
+        p["overlap_param"] = rng.random() < 0.5
+    p["overlap_grad"] = rng.random() < 0.5
+    if rng.random() < 0.5:
+        p["bucket"] = 2000   # elements: parameters straddle buckets (and their dp shards)
+
+
+def _optim(rng: random.Random) -> dict:
+    """AdamW (the default) or SGD with momentum, which is linear in the gradient, so a
+    gradient off by a constant factor shows in the parameters; clipping on or off."""
+    o = {}
+    if rng.random() < 0.4:
+        o.update(optimizer="sgd", lr=0.05, min_lr=0.005)
+    if rng.random() < 0.3:
+        o["clip_grad"] = 0.0
+    return o
+
+
+def _train(rng: random.Random, p: dict) -> dict:
+    """Micro-batch 1 or 2; 1, 2 or 4 micro-batches per data-parallel rank (a multiple of
+    pp under virtual stages)."""
+    micro = rng.choice((1, 2))
+    num_micro = p["pp"] * rng.choice((1, 2)) if "vpp" in p else rng.choice((1, 2, 4))
+    return {"micro_batch_size": micro, "global_batch_size": micro * p["dp"] * num_micro}
+
+
+def _draw_once(rng: random.Random, seed: int) -> Layout | None:
+    short = _sizes(rng)
+    world = short["tp"] * short["pp"] * short["dp"]
+    model = _model(rng, _num_layers(rng, short))
+    _options(rng, short, "num_experts" in model)
+    train, optim = _train(rng, short), _optim(rng)
+    if world > MAX_WORLD:
+        return None
+    parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
+    marks = [k for k, on in (("moe", "num_experts" in model), ("bf16", model.get("bf16")),
+                             ("sgd", optim.get("optimizer") == "sgd")) if on]
+    name = "-".join([f"fuzz{seed}", slug(world, parallel), *marks])
+    return Layout(name, world, parallel, model, train, ("fuzz",), optim)
+
+
+def rejection(layout: Layout) -> str | None:
+    """Why megalite refuses this layout (its own validation), or None if it accepts it."""
+    from megalite.pipeline.layout import chunk_layer_ranges
+
+    try:
+        cfg = tiny(layout)
+        p = cfg.parallel
+        chunk_layer_ranges(cfg.model.num_layers, p.pipeline_model_parallel_size,
+                           p.virtual_pipeline_model_parallel_size,
+                           p.decoder_first_pipeline_num_layers,
+                           p.decoder_last_pipeline_num_layers)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def draw_layout(seed: int) -> Layout:
+    """The layout of ``seed``: the first draw of ``random.Random(seed)`` that fits 1 to 8
+    ranks and that megalite accepts."""
+    rng = random.Random(seed)
+    for _ in range(MAX_ATTEMPTS):
+        layout = _draw_once(rng, seed)
+        if layout is not None and rejection(layout) is None:
+            return layout
+    raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")
