@@ -87,6 +87,11 @@ class MegaliteConfig:
                 require(middle_layers % middle_stages == 0,
                          f"the {middle_layers} layers left after the first/last stage "
                          f"must divide over the {middle_stages} middle stages")
+                require(middle_layers >= middle_stages,
+                        f"decoder first/last pipeline layers ({first}, {last}) leave "
+                        f"{middle_layers} of num_layers ({m.num_layers}) for "
+                        f"{middle_stages} middle stages: every pipeline stage needs at least "
+                        "one layer")
         else:
             require(m.num_layers % pp == 0,
                      f"num_layers ({m.num_layers}) must be divisible by "

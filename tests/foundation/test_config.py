@@ -45,6 +45,12 @@ def make(world=1, model=None, parallel=None, train=None):
     (dict(model=dict(num_experts=6), parallel=dict(expert_model_parallel_size=4)), 4,
      r"num_experts \(6\) must be divisible by expert_model_parallel_size \(4\)"),
     (dict(parallel=dict(expert_model_parallel_size=2)), 2, r"need --num-experts"),
+    # found by the layout fuzzer (seed 1001): middle stages left without a layer
+    (dict(model=dict(num_layers=2), parallel=dict(pipeline_model_parallel_size=4,
+                                                  decoder_first_pipeline_num_layers=1,
+                                                  decoder_last_pipeline_num_layers=1)), 4,
+     r"leave 0 of num_layers \(2\) for 2 middle stages: every pipeline stage needs at "
+     r"least one layer"),
 ])
 def test_cross_section_errors(kwargs, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -47,7 +47,10 @@ class CachedDatasets:
         key = (cfg.model.seq_length, cfg.model.vocab_size, t.seed, t.global_batch_size,
                t.train_iters, t.eval_iters, t.eval_interval)
         if key not in self.built:
-            tok = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
+            # config() already set the model's vocabulary to the tokenizer's (the NullTokenizer
+            # adds one id, eod): build the same tokenizer, so eod stays inside the vocabulary
+            tok = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size - 1)
+            assert tok.vocab_size == cfg.model.vocab_size
             self.built[key] = default_datasets_provider(cfg, tok)
         return self.built[key]
 
