@@ -116,7 +116,8 @@ ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "kv_channels", "group_query_attention", "num_query_groups", "seq_length",
                 "max_position_embeddings", "position_embedding_type", "rotary_base",
                 "normalization", "norm_epsilon", "swiglu", "add_bias_linear", "add_qkv_bias",
-                "untie_embeddings_and_output_weights", "num_experts", "moe_router_topk",
+                "untie_embeddings_and_output_weights", "apply_layernorm_1p",
+                "add_position_embedding", "num_experts", "moe_router_topk",
                 "moe_ffn_hidden_size")
 MOE_ONLY = ("moe_router_topk", "moe_ffn_hidden_size")
 
