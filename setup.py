@@ -15,6 +15,7 @@ setup(
         "numpy>=1.24",
         "sentencepiece>=0.2",
         "tokenizers>=0.20",
+        "tiktoken>=0.7",  # TikTokenizer; reads local rank files only
         "safetensors>=0.4",
         "pyyaml>=6.0",
         "tqdm>=4.66",

@@ -26,6 +26,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import torch.distributed as dist
 
 from megalite.arguments import main_parse
+from megalite.compat import no_effect_line
 from megalite.config import ConfigError
 from megalite.parallel.state import ParallelState, init_distributed
 from megalite.training.build import build_components
@@ -36,6 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = main_parse(argv)
     rank, world = init_distributed(cfg.parallel.distributed_backend,
                                    cfg.parallel.distributed_timeout_minutes)
+    ignored = no_effect_line(cfg)
+    if rank == 0 and ignored:
+        print(ignored, flush=True)
     ps = None
     try:
         try:

@@ -32,7 +32,7 @@ from megalite.data.preprocess import (
     format_summary,
     preprocess,
 )
-from megalite.data.tokenizers import TOKENIZER_TYPES
+from megalite.data.tokenizers import TIKTOKEN_PATTERNS, TOKENIZER_TYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,13 +46,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Store each sentence as its own sequence (simple punctuation rule).")
     g.add_argument("--keep-newlines", action="store_true",
                    help="With --split-sentences, keep newlines at the end of sentences.")
-    g.add_argument("--lang", default="english", help="Accepted for compatibility; unused.")
+    g.add_argument("--lang", default="english",
+                   help="Accepted for compatibility; unused (sentences are split by a "
+                        "punctuation rule, not a language model).")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    g.add_argument("--tokenizer-model", help="SentencePiece model / HF tokenizer path.")
+    g.add_argument("--tokenizer-model", help="SentencePiece model / HF tokenizer path / "
+                   "TikTokenizer rank file (.json or .tiktoken).")
     g.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json.")
     g.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt.")
-    g.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size.")
+    g.add_argument("--vocab-size", type=int,
+                   help="NullTokenizer vocabulary size; TikTokenizer: total ids (optional).")
+    g.add_argument("--tiktoken-pattern", choices=sorted(TIKTOKEN_PATTERNS),
+                   help="TikTokenizer pre-tokenisation regex (default: v2).")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids reserved for special tokens (default: 1000).")
+    g.add_argument("--tiktoken-special-tokens", nargs="+",
+                   help="TikTokenizer: special tokens, ids 0, 1, ... (must include <unk> <s> "
+                        "</s>).")
     g.add_argument("--append-eod", action="store_true",
                    help="Append the end-of-document token to each document.")
     g = p.add_argument_group("output")
@@ -79,8 +90,15 @@ def _exit_on_sigterm(signum, frame):
 def main(argv=None) -> int:
     args = vars(parse_args(argv))
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    for compat_only in ("lang", "keep_sequential_samples"):
-        args.pop(compat_only)
+    ignored = []
+    if args.pop("lang") != "english":
+        ignored.append("--lang (sentences are split by a punctuation rule, not a per-language "
+                       "model)")
+    if args.pop("keep_sequential_samples"):
+        ignored.append("--keep-sequential-samples (the output always follows the input "
+                       "order)")
+    if ignored:
+        print("accepted, no effect here: " + "; ".join(ignored), flush=True)
     try:
         summary = preprocess(PreprocessOptions(**args))
     except PreprocessError as e:

@@ -18,11 +18,29 @@ class DataConfig:
     data_cache_path: str | None = arg(None, "Where to cache the dataset indices.")
     mock_data: bool = arg(False, "Use synthetic data.")
     tokenizer_type: str | None = arg(None, "Tokenizer.", choices=(
-        "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
-        "GPT2BPETokenizer", "NullTokenizer"))
-    tokenizer_model: str | None = arg(None, "Tokenizer model file or directory.")
+        "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+        "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "NullTokenizer"))
+    tokenizer_model: str | None = arg(None, "Tokenizer model file or directory "
+                                      "(TikTokenizer: a .json or .tiktoken rank file).")
     vocab_file: str | None = arg(None, "Vocabulary file (GPT2BPETokenizer).")
     merge_file: str | None = arg(None, "BPE merges file (GPT2BPETokenizer).")
+    tiktoken_pattern: str | None = arg(None, "TikTokenizer pre-tokenisation regex: v1, or v2 "
+                                       "(Llama-3 style; used when unset).", choices=("v1", "v2"))
+    tiktoken_num_special_tokens: int = arg(1000, "TikTokenizer: ids reserved for special "
+                                           "tokens, before the BPE ranks.")
+    tiktoken_special_tokens: list | None = arg(
+        None, "TikTokenizer: special tokens, ids 0, 1, ...; must include <unk> <s> </s> "
+        "(default: <unk> <s> </s> <mask> <pad> <cls> <sep>).", nargs="+")
+    mmap_bin_files: bool = arg(
+        True, "Memory-map the .bin files (off: plain file reads).", action="store_false",
+        flag="--no-mmap-bin-files",
+        no_effect="the .bin is read with plain file reads instead of mmap; the samples are "
+                  "the same")
+    create_attention_mask_in_dataloader: bool = arg(
+        True, "Build the attention mask in the data loader.", action="store_false",
+        flag="--no-create-attention-mask-in-dataloader",
+        no_effect="megalite never builds a mask in the data loader; causal (and document) "
+                  "masking happens in the attention kernel")
     num_workers: int = arg(0, "Data-loader worker processes.")
     reset_position_ids: bool = arg(False, "Restart position ids at each document.")
     reset_attention_mask: bool = arg(False, "Do not attend across documents.")
@@ -31,6 +49,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         check_choices(self)
         require(self.num_workers >= 0, "num_workers must be >= 0")
+        require(self.tiktoken_num_special_tokens >= 0,
+                f"--tiktoken-num-special-tokens must be >= 0, got "
+                f"{self.tiktoken_num_special_tokens}")
         parts = self.split.replace("/", ",").split(",")
         try:
             values = [float(p) for p in parts]

@@ -32,6 +32,11 @@ class ParallelConfig:
                                    "gloo otherwise).", choices=("auto", "nccl", "gloo"))
     distributed_timeout_minutes: int = arg(10, "Timeout of collectives.")
     variable_seq_lengths: bool = arg(False, "Exchange shapes before pipeline transfers.")
+    empty_unused_memory_level: int = arg(
+        0, "Free unused device memory after each step (1) or also after the optimizer (2).",
+        choices=(0, 1, 2),
+        no_effect="it empties the CUDA caching allocator; on CPU the allocator returns memory "
+                  "by itself")
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -57,7 +57,7 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, seed: int,
         reset_position_ids=data_cfg.reset_position_ids,
         reset_attention_mask=data_cfg.reset_attention_mask,
         eod_mask_loss=data_cfg.eod_mask_loss, cache_dir=data_cfg.data_cache_path,
-        vocab_size=tokenizer.vocab_size)
+        vocab_size=tokenizer.vocab_size, mmap_bin_files=getattr(data_cfg, "mmap_bin_files", True))
     return run_on_rank_zero_first(lambda: _build_all(data_cfg, config, tuple(num_samples)))
 
 
@@ -171,7 +171,8 @@ def _build_splits(prefix: str | None, matrix, sizes, config: GPTDatasetConfig,
     ``requested`` are the blend's sample counts (used to decide which splits are wanted).
     """
     requested = sizes if requested is None else requested
-    indexed = IndexedDataset(prefix) if prefix is not None else None
+    indexed = (IndexedDataset(prefix, mmap=config.mmap_bin_files) if prefix is not None
+               else None)
     num_sequences = len(indexed) if indexed is not None else MockLowLevelDataset.size
     out = []
     for i, name in enumerate(SPLIT_NAMES):

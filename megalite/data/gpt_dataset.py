@@ -51,6 +51,7 @@ class GPTDatasetConfig:
     vocab_size: int | None = None  # bounds the mock data's token ids
     add_extra_token: bool = True  # samples of seq_length + 1 tokens (input/label shift)
     drop_last_partial_validation_sequence: bool = True
+    mmap_bin_files: bool = True  # False: read the .bin with plain reads (same tokens)
 
 
 class GPTDataset(torch.utils.data.Dataset):

@@ -16,8 +16,10 @@ sequence back to back. ``PREFIX.idx`` describes them (all integers little-endian
             (int8[S]   sequence modes, only in Megatron's multimodal datasets; tolerated)
 
 Without sentence splitting a document is one sequence. The reader memory-maps both files
-and checks the header and both file sizes first, so a truncated or foreign file fails with
-one message naming the file and the problem instead of returning garbage.
+(or, with ``mmap=False`` / ``--no-mmap-bin-files``, reads the ``.bin`` with plain positioned
+reads; the tokens are the same) and checks the header and both file sizes first, so a
+truncated or foreign file fails with one message naming the file and the problem instead of
+returning garbage.
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ def optimal_dtype(vocab_size: int | None) -> np.dtype:
 class IndexedDataset:
     """Memory-mapped reader of ``PREFIX.bin`` / ``PREFIX.idx``.
 
+    ``mmap=False`` reads the ``.bin`` with ``os.pread`` per request instead of mapping it
+    (Megatron's ``--no-mmap-bin-files``: for file systems where mmap is slow); the index is
+    mapped either way.
+
     Attributes (numpy views into the mmapped index):
         sequence_lengths:  int32 [S]   tokens per sequence
         sequence_pointers: int64 [S]   byte offset of each sequence in the .bin
@@ -89,8 +95,9 @@ class IndexedDataset:
     Pickles as its prefix, so DataLoader workers reopen the files.
     """
 
-    def __init__(self, prefix: str, verify_pointers: bool = False) -> None:
+    def __init__(self, prefix: str, verify_pointers: bool = False, mmap: bool = True) -> None:
         self.prefix = prefix
+        self.mmap = mmap
         self._open(verify_pointers)
 
     # -- construction -------------------------------------------------------------------
@@ -143,10 +150,11 @@ class IndexedDataset:
                 f"{expected_bin} bytes of {self.dtype.name} tokens; the .bin is "
                 f"{'truncated' if bin_size < expected_bin else 'too long'} or belongs to "
                 "another index")
-        if bin_size == 0:
-            self._bin = np.zeros(0, dtype=self.dtype)
-        else:
+        self._bin = self._bin_file = None
+        if bin_size and self.mmap:
             self._bin = np.memmap(bpath, mode="r", dtype=np.uint8)
+        elif bin_size:
+            self._bin_file = open(bpath, "rb", buffering=0)  # noqa: SIM115 (lives with self)
 
     def _check_index(self, ipath: str, verify_pointers: bool) -> None:
         docs, lengths = self.document_indices, self.sequence_lengths
@@ -170,11 +178,25 @@ class IndexedDataset:
                     f", expected {expected[bad[0]]} (sequences must be stored back to back)")
 
     def __getstate__(self) -> dict:
-        return {"prefix": self.prefix}
+        return {"prefix": self.prefix, "mmap": self.mmap}
 
     def __setstate__(self, state: dict) -> None:
         self.prefix = state["prefix"]
+        self.mmap = state.get("mmap", True)
         self._open(verify_pointers=False)
+
+    def _tokens(self, start: int, count: int) -> np.ndarray:
+        """``count`` tokens from byte ``start`` of the .bin (read-only array)."""
+        if count == 0:
+            return np.zeros(0, dtype=self.dtype)
+        if self._bin is not None:
+            return np.frombuffer(self._bin, self.dtype, count, start)
+        nbytes = count * self.dtype.itemsize
+        data = os.pread(self._bin_file.fileno(), nbytes, start)
+        if len(data) != nbytes:
+            raise IndexedDatasetError(f"{bin_path(self.prefix)}: short read at byte {start} "
+                                      f"({len(data)} of {nbytes} bytes); the file changed")
+        return np.frombuffer(data, self.dtype)
 
     # -- access -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -198,9 +220,7 @@ class IndexedDataset:
             raise IndexError(f"{bin_path(self.prefix)}: tokens [{offset}, {offset + length}) "
                              f"out of range for sequence {idx} of length {seq_len}")
         start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
-        if length == 0:
-            return np.zeros(0, dtype=self.dtype)
-        return np.frombuffer(self._bin, self.dtype, length, start)
+        return self._tokens(start, length)
 
     def __getitem__(self, idx: int) -> np.ndarray:
         if not -len(self) <= idx < len(self):
@@ -214,9 +234,7 @@ class IndexedDataset:
             return np.zeros(0, dtype=self.dtype)
         start = int(self.sequence_pointers[first])
         count = int(self.sequence_lengths[first:last].sum(dtype=np.int64))
-        if count == 0:
-            return np.zeros(0, dtype=self.dtype)
-        return np.frombuffer(self._bin, self.dtype, count, start)
+        return self._tokens(start, count)
 
 
 # ----------------------------------------------------------------------------------------

@@ -49,6 +49,9 @@ class PreprocessOptions:
     vocab_file: str | None = None
     merge_file: str | None = None
     vocab_size: int | None = None
+    tiktoken_pattern: str | None = None
+    tiktoken_num_special_tokens: int = 1000
+    tiktoken_special_tokens: list | None = None
     json_keys: list = field(default_factory=lambda: ["text"])
     append_eod: bool = False
     split_sentences: bool = False
@@ -66,7 +69,9 @@ class PreprocessError(RuntimeError):
 def tokenizer_spec(args: PreprocessOptions) -> dict:
     return {"tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
             "vocab_file": args.vocab_file, "merge_file": args.merge_file,
-            "vocab_size": args.vocab_size}
+            "vocab_size": args.vocab_size, "tiktoken_pattern": args.tiktoken_pattern,
+            "tiktoken_num_special_tokens": args.tiktoken_num_special_tokens,
+            "tiktoken_special_tokens": args.tiktoken_special_tokens}
 
 
 # ----------------------------------------------------------------------------------------

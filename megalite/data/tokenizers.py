@@ -11,22 +11,32 @@ positions; padded positions are also masked out of the loss, so ``pad == eod`` i
                                map to their ids.
     GPTSentencePieceTokenizer  --tokenizer-model m.model; the model's pieces only; eod is the
                                model's eos id (Llama style).
+    Llama2Tokenizer            --tokenizer-model m.model; as GPTSentencePieceTokenizer, and
+                               every tokenize() call starts with the model's bos id (Megatron's
+                               Llama-2 wrapper); eod is eos.
     HuggingFaceTokenizer       --tokenizer-model: a local tokenizer.json file or a directory
                                saved by transformers (never the hub); eod is the eos token.
     GPT2BPETokenizer           --vocab-file vocab.json --merge-file merges.txt (byte-level
                                BPE through the ``tokenizers`` library); eod is <|endoftext|>.
+    TikTokenizer               --tokenizer-model ranks.json|ranks.tiktoken (a local file,
+                               never fetched) --tiktoken-pattern v1|v2
+                               --tiktoken-num-special-tokens K --tiktoken-special-tokens ...;
+                               ids 0..K-1 are the special tokens, BPE rank r is id K + r; eod
+                               is </s> (see :class:`TikTokenizer`).
     NullTokenizer              --vocab-size N; text is space-separated ids; eod is N and
                                vocab_size N + 1 (synthetic data).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import re
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "NullTokenizer")
 
 
 class TokenizerError(ValueError):
@@ -142,6 +152,20 @@ class GPTSentencePieceTokenizer(SentencePieceTokenizer):
         return self.sp.decode_ids([int(i) for i in ids])
 
 
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron's Llama-2 SentencePiece wrapper: the model's pieces, ``bos`` first in every
+    ``tokenize`` result, eod = eos (pad falls back to eos when the model has none)."""
+
+    def _setup(self) -> None:
+        super()._setup()
+        if self.bos < 0:
+            raise TokenizerError(f"{self.model_file}: the model has no bos piece, which "
+                                 "Llama2Tokenizer puts at the start of every text")
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos, *self.sp.encode_as_ids(text)]
+
+
 # ----------------------------------------------------------------------------------------
 # Hugging Face
 # ----------------------------------------------------------------------------------------
@@ -241,6 +265,135 @@ class GPT2BPETokenizer(Tokenizer):
 
 
 # ----------------------------------------------------------------------------------------
+# tiktoken
+# ----------------------------------------------------------------------------------------
+def _tiktoken_patterns() -> dict[str, str]:
+    """Megatron's two pre-tokenisation regexes (data, assembled from their alternatives).
+
+    v1 splits words as runs of letters; v2 (Llama-3 style) also splits a word at a lower- to
+    upper-case step ("camelCase" -> "camel", "Case") and keeps "/" and newlines after
+    punctuation with it.
+    """
+    lead = r"[^\r\n\p{L}\p{N}]?"  # one optional non-letter, non-digit before a word
+    upper = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+    lower = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+    v1 = [lead + r"+\p{L}+", r"\p{N}", r" ?[^\s\p{L}\p{N}]++[\r\n]*", r"\s*[\r\n]",
+          r"\s+(?!\S)", r"\s+"]
+    v2 = [lead + upper + "*" + lower + "+", lead + upper + "+" + lower + "*", r"\p{N}",
+          r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"]
+    return {"v1": "|".join(v1), "v2": "|".join(v2)}
+
+
+TIKTOKEN_PATTERNS = _tiktoken_patterns()
+TIKTOKEN_DEFAULT_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
+TIKTOKEN_REQUIRED_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+
+
+def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
+    """``{token bytes: rank}`` from a local BPE rank file, in either of two formats.
+
+    ``*.json``: Megatron's list of ``{"rank": i, "token_bytes": base64, "token_str": ...}``
+    in rank order. Anything else: tiktoken's text format, one ``base64 rank`` per line.
+    (Read here rather than with ``tiktoken.load``, which caches files by path name.)
+    Every single byte must have a rank, so any text can be encoded.
+    """
+    ranks: dict[bytes, int] = {}
+    try:
+        if path.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                entries = json.load(f)
+            if not isinstance(entries, list):
+                raise TokenizerError(f"{path}: expected a JSON list of {{rank, token_bytes, "
+                                     f"token_str}} objects")
+            for i, entry in enumerate(entries):
+                if not isinstance(entry, dict) or entry.get("rank") != i:
+                    raise TokenizerError(f"{path}: entry {i} must be an object with "
+                                         f"\"rank\": {i} (ranks in order from 0)")
+                ranks[base64.b64decode(entry["token_bytes"], validate=True)] = i
+        else:
+            with open(path, "rb") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token, validate=True)] = int(rank)
+    except (KeyError, ValueError, binascii.Error, UnicodeDecodeError) as e:
+        where = "" if path.endswith(".json") else f" line {n}"
+        raise TokenizerError(f"{path}:{where} not a tiktoken rank file ({type(e).__name__}: "
+                             f"{e})") from None
+    if len(set(ranks.values())) != len(ranks):
+        raise TokenizerError(f"{path}: two tokens share a rank")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise TokenizerError(f"{path}: {len(missing)} single bytes have no rank (first: "
+                             f"{missing[0]}); a byte-level BPE file ranks all 256 bytes")
+    return ranks
+
+
+class TikTokenizer(Tokenizer):
+    """Byte-level BPE through the ``tiktoken`` package, with Megatron's id layout.
+
+    Ids ``0 .. num_special_tokens-1`` are the special tokens (``special_tokens`` in order,
+    then fillers ``<SPECIAL_i>``); BPE rank ``r`` is id ``num_special_tokens + r``. With
+    ``vocab_size`` (``--vocab-size``) only the ranks below ``vocab_size - num_special_tokens``
+    are kept (the file must have that many); without it every rank of the file is used
+    (Megatron defaults to 2**17 ids instead). eod = eos = ``</s>``, bos = ``<s>``, pad =
+    ``<pad>`` (eos when absent). Special-token strings in the text encode to their ids.
+    """
+
+    def __init__(self, path: str, pattern: str | None = None, num_special_tokens: int = 1000,
+                 special_tokens=None, vocab_size: int | None = None) -> None:
+        try:
+            import tiktoken
+        except ImportError:
+            raise TokenizerError("TikTokenizer needs the tiktoken package: pip install "
+                                 "tiktoken") from None
+        path = _require_file(path, "--tokenizer-model", "TikTokenizer")
+        pattern = pattern or "v2"
+        if pattern not in TIKTOKEN_PATTERNS:
+            raise TokenizerError(f"--tiktoken-pattern must be v1 or v2, got {pattern!r}")
+        special = list(TIKTOKEN_DEFAULT_SPECIAL_TOKENS if special_tokens is None
+                       else special_tokens)
+        missing = [t for t in TIKTOKEN_REQUIRED_SPECIAL_TOKENS if t not in special]
+        if missing or len(set(special)) != len(special):
+            raise TokenizerError(f"--tiktoken-special-tokens must be distinct and include "
+                                 f"{' '.join(TIKTOKEN_REQUIRED_SPECIAL_TOKENS)}; got "
+                                 f"{' '.join(special)}")
+        if num_special_tokens < len(special):
+            raise TokenizerError(f"--tiktoken-num-special-tokens ({num_special_tokens}) is "
+                                 f"smaller than the {len(special)} special tokens")
+        special += [f"<SPECIAL_{i}>" for i in range(len(special), num_special_tokens)]
+        ranks = read_tiktoken_ranks(path)
+        if vocab_size is not None:
+            inner = vocab_size - num_special_tokens
+            if inner < 256 or inner > len(ranks):
+                raise TokenizerError(
+                    f"--vocab-size {vocab_size} leaves {inner} ids for BPE ranks after "
+                    f"{num_special_tokens} special tokens; {path} has {len(ranks)} (need 256 "
+                    f"to {len(ranks)})")
+            ranks = {tok: r for tok, r in ranks.items() if r < inner}
+        else:
+            inner = max(ranks.values()) + 1
+        self.vocab_size = num_special_tokens + inner
+        self.num_special_tokens = num_special_tokens
+        self.special_tokens = {name: i for i, name in enumerate(special)}
+        self._enc = tiktoken.Encoding(
+            name=os.path.splitext(os.path.basename(path))[0],
+            pat_str=TIKTOKEN_PATTERNS[pattern],
+            mergeable_ranks={tok: r + num_special_tokens for tok, r in ranks.items()},
+            special_tokens=self.special_tokens)
+        self.bos = self.special_tokens["<s>"]
+        self.eod = self.eos = self.special_tokens["</s>"]
+        self.pad = self.special_tokens.get("<pad>", self.eos)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special="all")
+
+    def detokenize(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+# ----------------------------------------------------------------------------------------
 # Null (synthetic data)
 # ----------------------------------------------------------------------------------------
 class NullTokenizer(Tokenizer):
@@ -267,18 +420,27 @@ class NullTokenizer(Tokenizer):
 # ----------------------------------------------------------------------------------------
 # Factory
 # ----------------------------------------------------------------------------------------
+_SENTENCEPIECE = {"SentencePieceTokenizer": SentencePieceTokenizer,
+                  "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+                  "Llama2Tokenizer": Llama2Tokenizer}
+
+
 def create_tokenizer(tokenizer_type: str | None, *, tokenizer_model: str | None = None,
                      vocab_file: str | None = None, merge_file: str | None = None,
-                     vocab_size: int | None = None) -> Tokenizer:
+                     vocab_size: int | None = None, tiktoken_pattern: str | None = None,
+                     tiktoken_num_special_tokens: int = 1000,
+                     tiktoken_special_tokens=None) -> Tokenizer:
     """Build a tokenizer from flag values (the form tools and worker processes use)."""
-    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-        cls = (SentencePieceTokenizer if tokenizer_type == "SentencePieceTokenizer"
-               else GPTSentencePieceTokenizer)
-        return cls(_require_file(tokenizer_model, "--tokenizer-model", tokenizer_type))
+    if tokenizer_type in _SENTENCEPIECE:
+        return _SENTENCEPIECE[tokenizer_type](
+            _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type))
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "TikTokenizer":
+        return TikTokenizer(tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens,
+                            tiktoken_special_tokens, vocab_size)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of "
@@ -289,7 +451,7 @@ def build_tokenizer(data_cfg, vocab_size: int | None = None) -> Tokenizer:
     """The tokenizer a :class:`megalite.config.DataConfig` asks for.
 
     ``vocab_size`` (ModelConfig.vocab_size) is used by NullTokenizer, which is also chosen
-    when no tokenizer type is given together with ``--mock-data``.
+    when no tokenizer type is given together with ``--mock-data``, and by TikTokenizer.
     """
     kind = data_cfg.tokenizer_type
     if kind is None:
@@ -300,4 +462,6 @@ def build_tokenizer(data_cfg, vocab_size: int | None = None) -> Tokenizer:
                                  "--vocab-size for the NullTokenizer)")
     return create_tokenizer(kind, tokenizer_model=data_cfg.tokenizer_model,
                             vocab_file=data_cfg.vocab_file, merge_file=data_cfg.merge_file,
-                            vocab_size=vocab_size)
+                            vocab_size=vocab_size, tiktoken_pattern=data_cfg.tiktoken_pattern,
+                            tiktoken_num_special_tokens=data_cfg.tiktoken_num_special_tokens,
+                            tiktoken_special_tokens=data_cfg.tiktoken_special_tokens)

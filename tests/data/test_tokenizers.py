@@ -168,3 +168,50 @@ def test_train_tokenizer_tool(tmp_path, model_type):
     with pytest.raises(SystemExit, match="Vocabulary size too high"):
         tool.main(["--input", str(corpus), "--model-prefix", str(prefix), "--vocab-size",
                    "5000", "--model-type", model_type])
+
+
+def test_llama2_tokenizer_prepends_bos():
+    tok = create_tokenizer("Llama2Tokenizer", tokenizer_model=BUNDLED_TOKENIZER_MODEL)
+    plain = create_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=BUNDLED_TOKENIZER_MODEL)
+    assert (tok.vocab_size, tok.eod, tok.bos, tok.pad) == (8000, 2, 1, 3)
+    ids = tok.tokenize(TEXT)
+    assert ids == [1, *plain.tokenize(TEXT)]
+    assert tok.detokenize(ids) == TEXT
+    built = build_tokenizer(DataConfig(tokenizer_type="Llama2Tokenizer",
+                                       tokenizer_model=BUNDLED_TOKENIZER_MODEL))
+    assert built.tokenize("And God said") == tok.tokenize("And God said")
+
+
+def test_gpt2_bpe_files_from_the_tokenizers_library(tmp_path):
+    """vocab.json + merges.txt written by `tokenizers` load offline, same ids both ways."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer(add_prefix_space=False)
+    bpe.train_from_iterator([TEXT] * 20, vocab_size=300, special_tokens=["<|endoftext|>"],
+                            show_progress=False)
+    bpe.save_model(str(tmp_path))
+    tok = GPT2BPETokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    assert tok.eod == 0 and tok.vocab_size == bpe.get_vocab_size()
+    assert tok.tokenize(TEXT) == bpe.encode(TEXT).ids
+    assert tok.detokenize(tok.tokenize(TEXT)) == TEXT
+
+
+def test_gpt2_bpe_missing_files_one_sentence(gpt2_files, tmp_path):
+    vocab_file, merge_file, _ = gpt2_files
+    with pytest.raises(TokenizerError) as err:
+        build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer",
+                                   vocab_file=str(tmp_path / "gone.json"), merge_file=merge_file))
+    assert str(err.value) == f"{tmp_path / 'gone.json'}: file not found (--vocab-file of " \
+                             "GPT2BPETokenizer)"
+    with pytest.raises(TokenizerError, match=r"^GPT2BPETokenizer needs --vocab-file$"):
+        build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", merge_file=merge_file))
+
+
+def test_tokenizer_type_choices_match_the_factory():
+    from megalite.config.fields import ConfigError
+    from megalite.data.tokenizers import TOKENIZER_TYPES
+
+    choices = {f.name: f for f in __import__("dataclasses").fields(DataConfig)}
+    assert set(choices["tokenizer_type"].metadata["choices"]) == set(TOKENIZER_TYPES)
+    with pytest.raises(ConfigError, match="tokenizer_type must be one of"):
+        DataConfig(tokenizer_type="Llama3Tokenizer")

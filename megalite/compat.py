@@ -1,0 +1,87 @@
+"""How megalite treats Megatron-LM flags: implemented, accepted without effect, or refused.
+
+Two users of the same facts, both read from the parser and the fields' metadata (never from
+a hand-kept list):
+
+* :func:`no_effect_line` - the one start-up line naming the flags a run set that megalite
+  accepts but that change nothing here (fields declared with ``arg(..., no_effect=why)``)::
+
+      accepted, no effect here: --no-mmap-bin-files (...); --use-mcore-models (...)
+
+* :func:`flag_status` - what megalite does with one flag and its values, for the README's
+  compatibility table (``tools/megatron_flags.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+
+from megalite.arguments import build_parser, flag_of
+from megalite.config import SECTIONS
+from megalite.config.fields import no_effect_settings
+
+IMPLEMENTED = "implemented"
+NO_EFFECT = "accepted, no effect here"
+REFUSED = "refused"
+
+
+def _field(name: str) -> dataclasses.Field:
+    for cls in SECTIONS.values():
+        for f in dataclasses.fields(cls):
+            if f.name == name:
+                return f
+    raise KeyError(name)
+
+
+def no_effect_flags(cfg) -> list[str]:
+    """``"--flag [value] (reason)"`` for every no-effect field ``cfg`` sets away from its
+    default, over all sections, in section order."""
+    out = []
+    for section_name in SECTIONS:
+        section = getattr(cfg, section_name)
+        for name, reason in no_effect_settings(section):
+            f, value = _field(name), getattr(section, name)
+            shown = flag_of(f) if isinstance(value, bool) else f"{flag_of(f)} {value}"
+            out.append(f"{shown} ({reason})")
+    return out
+
+
+def no_effect_line(cfg) -> str | None:
+    """The start-up line listing :func:`no_effect_flags`, or None when there are none."""
+    flags = no_effect_flags(cfg)
+    return "accepted, no effect here: " + "; ".join(flags) if flags else None
+
+
+def flag_status(flag: str, values: Sequence[str] = (),
+                parser: argparse.ArgumentParser | None = None) -> tuple[str, str]:
+    """(status, reason) of ``flag`` given with ``values``, as megalite's parser sees it.
+
+    IMPLEMENTED: a known flag that acts. NO_EFFECT: a known flag whose field is declared
+    ``no_effect``; the reason is that declaration. REFUSED: an unknown flag, or values the
+    parser rejects (a choice it does not offer); the reason is the parser's message.
+    Checks that relate several flags run later, at start-up, and are not judged here.
+    """
+    parser = parser or build_parser()
+    try:
+        ns, unknown = parser.parse_known_args([flag, *values])
+    except argparse.ArgumentError as e:
+        return REFUSED, str(e)
+    if unknown:
+        return REFUSED, "unknown flag"
+    dests = [d for d in vars(ns) if d != "config"]
+    if len(dests) != 1:
+        return IMPLEMENTED, ""
+    reason = _field(dests[0]).metadata.get("no_effect")
+    return (NO_EFFECT, reason) if reason else (IMPLEMENTED, "")
+
+
+def has_choices(flag: str, parser: argparse.ArgumentParser | None = None) -> bool:
+    """Whether a known ``flag`` takes one of a fixed set of values (so rows of the table
+    differ by value)."""
+    parser = parser or build_parser()
+    for action in parser._actions:  # argparse offers no public lookup by option string
+        if flag in action.option_strings:
+            return bool(action.choices)
+    return False

@@ -1,0 +1,45 @@
+"""The README's Megatron flag table is what tools/megatron_flags.py generates from the parser
+(so a stale table fails the tests)."""
+
+import importlib.util
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location(
+        "megatron_flags", os.path.join(REPO, "tools", "megatron_flags.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_table_is_current():
+    tool = _tool()
+    assert tool.main(["--check", os.path.join(REPO, "README.md")]) == 0, (
+        "README.md's Megatron flag table is stale: python tools/megatron_flags.py --write "
+        "README.md")
+
+
+def test_check_fails_on_a_stale_table_and_write_fixes_it(tmp_path, capsys):
+    tool = _tool()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{tool.BEGIN}\n| old |\n{tool.END}\nafter\n")
+    assert tool.main(["--check", str(readme)]) == 1
+    assert "stale" in capsys.readouterr().err
+    assert tool.main(["--write", str(readme)]) == 0
+    assert tool.main(["--check", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# x\n") and text.endswith(f"{tool.END}\nafter\n")
+    assert "| `--no-mmap-bin-files` | ✓ |  |  | accepted, no effect here: " in text
+    assert "| `--tokenizer-type Llama2Tokenizer` |  | ✓ |  | implemented |" in text
+
+
+def test_rows_come_from_the_parser():
+    tool = _tool()
+    rows = {r["flag"]: r for r in tool.rows()}
+    assert rows["--tiktoken-pattern v2"]["status"] == "implemented"
+    assert rows["--empty-unused-memory-level 1"]["status"] == "accepted, no effect here"
+    assert tool.split_flags('--a 1 --b --c "x y" z') == [("--a", ["1"]), ("--b", []),
+                                                         ("--c", ["x y", "z"])]
