@@ -31,7 +31,10 @@ def _base_type(tp: Any) -> Any:
     if isinstance(tp, str):
         tp = eval(tp, vars(typing) | {"Optional": Optional})
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if args else tp
+    base = args[0] if args and typing.get_origin(tp) is not list else tp
+    if typing.get_origin(base) is list:  # list[int] with nargs: each value an int
+        return typing.get_args(base)[0]
+    return base
 
 
 def _fields():

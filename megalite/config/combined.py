@@ -54,6 +54,8 @@ class MegaliteConfig:
                      f"context_parallel_size ({p.context_parallel_size})")
         self._validate_pipeline()
         self._validate_experts(world_size, dp)
+        self._validate_training_length()
+        self._validate_batch_schedule(dp)
         if t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * dp
         require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
@@ -72,6 +74,47 @@ class MegaliteConfig:
         if not self.data.mock_data and self.data.tokenizer_type == "NullTokenizer":
             require(m.vocab_size is not None, "NullTokenizer needs --vocab-size")
         return self
+
+    def _validate_training_length(self) -> None:
+        """Megatron's rule: iteration-based and sample-based lengths and LR schedules do
+        not mix."""
+        t, o = self.train, self.optim
+        # here, not in TrainConfig: the built run's copy gets train_iters from train_samples
+        # (training.build), and a checkpoint records that copy
+        require(not (t.train_iters is not None and t.train_samples is not None),
+                 "give either --train-iters or --train-samples, not both")
+        if t.train_iters is not None:
+            base = "--train-iters (iteration-based training)"
+            for name in ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples"):
+                require(not getattr(o, name), f"{base} excludes "
+                        f"--{name.replace('_', '-')}; use the matching --...-iters flag")
+        if t.train_samples is not None:
+            base = "--train-samples (sample-based training)"
+            for name in ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters"):
+                require(not getattr(o, name), f"{base} excludes "
+                        f"--{name.replace('_', '-')}; use the matching --...-samples flag")
+
+    def _validate_batch_schedule(self, dp: int) -> None:
+        """Resolve the final global batch of a schedule and check every batch size of it
+        against micro_batch_size x dp (``megalite.training.batch_schedule``)."""
+        from megalite.training.batch_schedule import BatchSchedule, parse_step_schedule
+
+        t, p = self.train, self.parallel
+        if t.step_batch_size_schedule:
+            final = parse_step_schedule(t.step_batch_size_schedule, self.model.seq_length)[-1][1]
+            require(t.global_batch_size in (None, final),
+                     f"--global-batch-size ({t.global_batch_size}) differs from the last batch "
+                     f"size of --step-batch-size-schedule ({final}); drop one or make them "
+                     "equal")
+            t.global_batch_size = final
+        elif t.rampup_batch_size:
+            require(t.global_batch_size is not None,
+                     "--rampup-batch-size needs --global-batch-size (the size it ramps up to)")
+        else:
+            return
+        vpp = p.virtual_pipeline_model_parallel_size
+        BatchSchedule.from_config(t, self.model.seq_length).check_divisible(
+            t.micro_batch_size, dp, p.pipeline_model_parallel_size if vpp else None)
 
     def _validate_pipeline(self) -> None:
         m, p = self.model, self.parallel

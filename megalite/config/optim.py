@@ -16,11 +16,19 @@ class OptimConfig:
                               choices=("constant", "linear", "cosine", "inverse-square-root",
                                        "WSD"))
     lr_decay_iters: int | None = arg(None, "Decay iterations (default train_iters).")
+    lr_decay_samples: int | None = arg(None, "Decay samples (sample-based training; "
+                                       "default train_samples).")
     lr_warmup_iters: int = arg(0, "Linear warm-up iterations.")
+    lr_warmup_samples: int = arg(0, "Linear warm-up samples (sample-based training).")
     lr_warmup_fraction: float | None = arg(None, "Warm-up as a fraction of decay iters.")
     lr_wsd_decay_style: str = arg("exponential", "Decay of the WSD cool-down.",
                                   choices=("exponential", "linear", "cosine"))
     lr_wsd_decay_iters: int | None = arg(None, "Cool-down iterations of WSD.")
+    lr_wsd_decay_samples: int | None = arg(None, "Cool-down samples of WSD (sample-based).")
+    decoupled_lr: float | None = arg(None, "Peak learning rate of the input embedding and "
+                                     "output layer (their own schedule, same shape).")
+    decoupled_min_lr: float | None = arg(None, "Minimum learning rate of the input embedding "
+                                         "and output layer (default --min-lr).")
     weight_decay: float = arg(0.01, "Weight decay (not applied to norms and biases).")
     adam_beta1: float = arg(0.9, "Adam beta1.")
     adam_beta2: float = arg(0.999, "Adam beta2.")
@@ -41,14 +49,31 @@ class OptimConfig:
         require(self.min_lr <= self.lr,
                  f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         require(self.lr_warmup_iters >= 0, "lr_warmup_iters must be >= 0")
+        require(self.lr_warmup_samples >= 0, "lr_warmup_samples must be >= 0")
         if self.lr_warmup_fraction is not None:
             require(self.lr_warmup_iters == 0,
                      "give either --lr-warmup-fraction or --lr-warmup-iters, not both")
+            require(self.lr_warmup_samples == 0,
+                     "give either --lr-warmup-fraction or --lr-warmup-samples, not both")
             require(0 <= self.lr_warmup_fraction <= 1,
                      f"lr_warmup_fraction must be in [0, 1], got {self.lr_warmup_fraction}")
+        for iters, samples in (("lr_decay_iters", "lr_decay_samples"),
+                               ("lr_warmup_iters", "lr_warmup_samples"),
+                               ("lr_wsd_decay_iters", "lr_wsd_decay_samples")):
+            require(not getattr(self, iters) or not getattr(self, samples),
+                     f"give either --{iters.replace('_', '-')} or "
+                     f"--{samples.replace('_', '-')}, not both")
+        if self.decoupled_lr is not None:
+            require(self.decoupled_lr >= 0, f"decoupled_lr must be >= 0, got {self.decoupled_lr}")
+        if self.decoupled_min_lr is not None:
+            require(self.decoupled_lr is not None, "--decoupled-min-lr needs --decoupled-lr")
+            require(0 <= self.decoupled_min_lr <= self.decoupled_lr,
+                     f"decoupled_min_lr ({self.decoupled_min_lr}) must be in [0, decoupled_lr "
+                     f"({self.decoupled_lr})]")
         require(self.weight_decay >= 0, "weight_decay must be >= 0")
         require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
                  "adam betas must be in [0, 1)")
         require(self.clip_grad >= 0, "clip_grad must be >= 0 (0 disables clipping)")
         positive(self, "loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis",
-                  "lr_decay_iters", "lr_wsd_decay_iters")
+                  "lr_decay_iters", "lr_wsd_decay_iters", "lr_decay_samples",
+                  "lr_wsd_decay_samples")

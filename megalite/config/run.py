@@ -12,7 +12,32 @@ class TrainConfig:
     micro_batch_size: int = arg(1, "Samples per micro-batch per data-parallel rank.")
     global_batch_size: int | None = arg(None, "Samples per optimizer step "
                                            "(default micro_batch_size x dp).")
-    train_iters: int | None = arg(None, "Optimizer steps to train for.")
+    train_iters: int | None = arg(None, "Optimizer steps to train for (or --train-samples).")
+    train_samples: int | None = arg(None, "Samples to train for (sample-based training, "
+                                    "excludes --train-iters); the run stops before a batch "
+                                    "that would exceed it.")
+    rampup_batch_size: list[int] | None = arg(
+        None, "START INCREMENT RAMPUP_SAMPLES: the global batch grows from START to "
+        "--global-batch-size in steps of INCREMENT, one step per RAMPUP_SAMPLES / "
+        "((global - START) / INCREMENT) consumed samples (Megatron's ramp-up).", nargs="*")
+    step_batch_size_schedule: str | None = arg(
+        None, "\"THRESHOLD:BS THRESHOLD:BS ...\": the global batch is the BS of the last "
+        "threshold reached; thresholds are consumed tokens (K/M/B/T suffixes), converted to "
+        "samples by // --seq-length; the first must be 0, the last BS is the global batch.")
+    calculate_per_token_loss: bool = arg(
+        False, "Normalise the loss by the global number of loss tokens of the step (sum over "
+        "micro-batches and data-parallel ranks), Megatron's per-token loss. megalite does this "
+        "by default; the flag only rules out --per-microbatch-loss.")
+    per_microbatch_loss: bool = arg(
+        False, "Megatron's default normalisation instead of megalite's: each micro-batch's "
+        "token mean, averaged over micro-batches and data-parallel ranks.")
+    manual_gc: bool = arg(False, "Disable Python's automatic garbage collector; collect "
+                          "every --manual-gc-interval iterations on all ranks together.")
+    manual_gc_interval: int = arg(0, "Iterations between gc.collect() under --manual-gc "
+                                  "(0: only around evaluations).")
+    manual_gc_eval: bool = arg(True, "Under --manual-gc, collect before and after each "
+                               "evaluation.", flag="--no-manual-gc-eval",
+                               action="store_false")
     eval_iters: int = arg(100, "Batches per evaluation.")
     eval_interval: int = arg(1000, "Iterations between evaluations.")
     seed: int = arg(1234, "Random seed.")
@@ -25,9 +50,21 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        positive(self, "micro_batch_size", "global_batch_size", "train_iters",
+        positive(self, "micro_batch_size", "global_batch_size", "train_iters", "train_samples",
                   "eval_interval", "exit_interval", "exit_duration_in_mins")
         require(self.eval_iters >= 0, "eval_iters must be >= 0")
+        require(self.manual_gc_interval >= 0,
+                f"manual_gc_interval must be >= 0, got {self.manual_gc_interval}")
+        require(not (self.calculate_per_token_loss and self.per_microbatch_loss),
+                "--calculate-per-token-loss and --per-microbatch-loss select different loss "
+                "normalisations; give one")
+        if self.rampup_batch_size is not None:
+            require(len(self.rampup_batch_size) == 3,
+                    "--rampup-batch-size takes 3 values: START INCREMENT RAMPUP_SAMPLES; got "
+                    f"{self.rampup_batch_size}")
+            self.rampup_batch_size = [int(v) for v in self.rampup_batch_size]
+            require(self.step_batch_size_schedule is None,
+                    "give either --rampup-batch-size or --step-batch-size-schedule, not both")
 
 
 @dataclass
@@ -62,7 +99,19 @@ class LoggingConfig:
     timing_log_level: int = arg(0, "0: iteration time only; 1: + forward/backward/"
                                 "optimizer; 2: + communication.", choices=(0, 1, 2))
     log_throughput: bool = arg(True, "Report tokens/s and MFU.")
+    profile: bool = arg(False, "Record a torch.profiler trace of iterations "
+                        "--profile-step-start+1 .. --profile-step-end on --profile-ranks, "
+                        "written to --tensorboard-dir (else SAVE/profile, else ./profile).")
+    use_pytorch_profiler: bool = arg(False, "Use torch.profiler for --profile (the only "
+                                     "profiler here; accepted for Megatron scripts).")
+    profile_step_start: int = arg(10, "Iterations done when profiling starts.")
+    profile_step_end: int = arg(12, "Iterations done when profiling stops.")
+    profile_ranks: list[int] = arg([0], "Global ranks to profile.", nargs="+")
 
     def __post_init__(self) -> None:
         check_choices(self)
         positive(self, "log_interval")
+        require(0 <= self.profile_step_start < self.profile_step_end,
+                f"--profile-step-start ({self.profile_step_start}) must be >= 0 and below "
+                f"--profile-step-end ({self.profile_step_end})")
+        self.profile_ranks = [int(r) for r in self.profile_ranks]

@@ -121,7 +121,8 @@ class DistributedOptimizer(LossScaledOptimizer):
                 self.shards.append(shard)
         self.pieces = [pc for sh in self.shards for pc in sh.pieces]
         groups = param_groups([(pc.name, pc.param) for pc in self.pieces], ocfg.weight_decay,
-                              updated=[pc.master for pc in self.pieces])
+                              updated=[pc.master for pc in self.pieces],
+                              decoupled_lr=ocfg.decoupled_lr is not None)
         self.inner = build_torch_optimizer(groups, ocfg) if groups else None
         if self.inner is not None:
             init_state(self.inner, ocfg)

@@ -55,21 +55,41 @@ def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.dim() > 1 and not name.endswith("bias")
 
 
+EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def is_embedding_or_output(name: str) -> bool:
+    """The parameters ``--decoupled-lr`` applies to (Megatron's rule): the input word
+    embedding and the output layer's weight (also a later stage's copy of a tied
+    embedding), not position embeddings or anything else."""
+    return name.endswith(EMBEDDING_OR_OUTPUT)
+
+
 def param_groups(named_params: list, weight_decay: float,
-                 updated: list[torch.Tensor] | None = None) -> list[dict]:
+                 updated: list[torch.Tensor] | None = None,
+                 decoupled_lr: bool = False) -> list[dict]:
     """Split ``[(name, parameter), ...]`` into a decayed and a non-decayed group (empty
     groups are dropped; :func:`uses_weight_decay` decides). The groups hold ``updated[i]``
     for ``named_params[i]``: the tensor the optimizer steps (default: the parameter
     itself; the distributed optimizer's fp32 shard piece). Each group carries ``names``
-    for error messages."""
+    for error messages.
+
+    ``decoupled_lr`` (``--decoupled-lr`` set): the embedding and output parameters
+    (:func:`is_embedding_or_output`) go to groups of their own, after the others, marked
+    ``decoupled_lr: True`` for :meth:`megalite.optim.lr_schedule.LRScheduler.apply`."""
     updated = [p for _, p in named_params] if updated is None else updated
     members = list(zip(named_params, updated))
     groups = []
-    for decay, wd in ((True, weight_decay), (False, 0.0)):
-        chosen = [(n, t) for (n, p), t in members if uses_weight_decay(n, p) == decay]
-        if chosen:
-            groups.append({"params": [t for _, t in chosen], "weight_decay": wd,
-                           "names": [n for n, _ in chosen]})
+    for decoupled in ((False, True) if decoupled_lr else (False,)):
+        for decay, wd in ((True, weight_decay), (False, 0.0)):
+            chosen = [(n, t) for (n, p), t in members if uses_weight_decay(n, p) == decay
+                      and (not decoupled_lr or is_embedding_or_output(n) == decoupled)]
+            if chosen:
+                group = {"params": [t for _, t in chosen], "weight_decay": wd,
+                         "names": [n for n, _ in chosen]}
+                if decoupled:
+                    group["decoupled_lr"] = True
+                groups.append(group)
     return groups
 
 
@@ -135,7 +155,8 @@ class MixedPrecisionOptimizer(LossScaledOptimizer):
             self.masters = [p.detach().clone().float() for p in self.params]
         else:
             self.masters = self.params
-        groups = param_groups(list(zip(self.names, self.masters)), ocfg.weight_decay)
+        groups = param_groups(list(zip(self.names, self.masters)), ocfg.weight_decay,
+                              decoupled_lr=ocfg.decoupled_lr is not None)
         self.inner = build_torch_optimizer(groups, ocfg)
         init_state(self.inner, ocfg)
         self.num_steps = 0

@@ -32,6 +32,7 @@ from megalite.optim.memory import rank_memory
 from megalite.parallel.random import stage_seed
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.layout import model_chunks
+from megalite.training.batch_schedule import BatchSchedule
 from megalite.training.components import TrainingComponents, TrainState
 from megalite.training.fp8 import check_fp8_available
 from megalite.training.metrics import MetricsLogger
@@ -77,9 +78,12 @@ def default_model_provider(cfg: MegaliteConfig, ps: ParallelState) -> torch.nn.M
 def default_datasets_provider(cfg: MegaliteConfig, tokenizer) -> tuple:
     from megalite.data import build_datasets
 
+    from megalite.training.batch_schedule import BatchSchedule
+
     t = cfg.train
     eval_runs = t.train_iters // t.eval_interval + 1
-    samples = (t.train_iters * t.global_batch_size,
+    schedule = BatchSchedule.from_config(t, cfg.model.seq_length)
+    samples = (schedule.consumed_after(t.train_iters),
                eval_runs * t.eval_iters * t.global_batch_size,
                t.eval_iters * t.global_batch_size)
     return build_datasets(cfg.data, tokenizer, cfg.model.seq_length, t.seed,
@@ -114,8 +118,14 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
     start_time = time.time()
     cfg = copy.deepcopy(cfg)
     t = cfg.train
+    schedule = BatchSchedule.from_config(t, cfg.model.seq_length)
+    if t.train_samples is not None:  # sample-based: the copy gets the number of iterations
+        t.train_iters = schedule.iterations_for(t.train_samples)
+        if t.train_iters == 0:
+            raise ConfigError(f"--train-samples ({t.train_samples}) is less than one global "
+                              f"batch ({schedule.global_batch_size(0)})")
     if t.train_iters is None:
-        raise ConfigError("--train-iters is required")
+        raise ConfigError("--train-iters or --train-samples is required")
     if ps.cp.size > 1:
         raise ConfigError("the training loop does not drive context parallelism yet; "
                           "use --context-parallel-size 1")
@@ -138,7 +148,10 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
     timers = Timers(cfg.logging.timing_log_level, ps.device)
     # DistributedOptimizer under --use-distributed-optimizer; buckets/overlap from cfg.parallel
     grads, optimizer = build_grads_and_optimizer(model, cfg, ps, timers)
-    scheduler = LRScheduler.from_config(cfg.optim, t.train_iters)
+    samples_based = t.train_samples is not None or schedule.variable
+    scheduler = LRScheduler.from_config(
+        cfg.optim, t.train_iters, train_samples=t.train_samples,
+        global_batch_size=t.global_batch_size if samples_based else None)
     rng_tracker = _rng_tracker(model)
     log_rank = ps.world_size - 1
     metrics = MetricsLogger(cfg.logging, t.train_iters, enabled=ps.rank == log_rank,
@@ -171,13 +184,17 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
     per_token = flops_per_token(num_params, m.num_layers, m.hidden_size, m.seq_length,
                                 m.padded_vocab_size(ps.tp.size))
     peak, peak_source = peak_flops_per_rank(ps.device, peak_probe_seconds)
+    per_step = (f"{num_micro}" if not schedule.variable else
+                "by batch-size schedule " + ", ".join(
+                    f"{b // (t.micro_batch_size * dp)} from {th} samples"
+                    for th, b in schedule.entries))
     metrics.print(f" {ps.describe()} | transformer-layer parameters: {num_params:,} | "
                   f"precision: {dtype} | "
-                  f"micro-batches per step: {num_micro} | MFU peak: {peak_source}")
+                  f"micro-batches per step: {per_step} | MFU peak: {peak_source}")
     return TrainingComponents(
         cfg=cfg, ps=ps, model=model, grads=grads, optimizer=optimizer, scheduler=scheduler,
         timers=timers, metrics=metrics, train_dataset=train_ds, valid_dataset=valid_ds,
         num_microbatches=num_micro,
         flops_per_iteration=per_token * t.global_batch_size * cfg.model.seq_length,
         peak_flops=peak, state=state, rng_tracker=rng_tracker, tokenizer=tokenizer,
-        start_time=start_time)
+        start_time=start_time, batch_schedule=schedule)

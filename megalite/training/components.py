@@ -16,6 +16,7 @@ from megalite.optim.lr_schedule import LRScheduler
 from megalite.optim.optimizer import LossScaledOptimizer
 from megalite.parallel.random import RNGTracker
 from megalite.parallel.state import ParallelState
+from megalite.training.batch_schedule import BatchSchedule
 from megalite.training.metrics import MetricsLogger
 from megalite.training.timers import Timers
 
@@ -44,13 +45,21 @@ class TrainingComponents:
     metrics: MetricsLogger
     train_dataset: Dataset
     valid_dataset: Dataset | None
-    num_microbatches: int
-    flops_per_iteration: float
+    num_microbatches: int              # of a final-size global batch (and of evaluation)
+    flops_per_iteration: float         # of a final-size global batch
     peak_flops: float
     state: TrainState = field(default_factory=TrainState)
     rng_tracker: RNGTracker | None = None
     tokenizer: Tokenizer | None = None
     start_time: float = field(default_factory=time.time)  # wall clock when building began
+    batch_schedule: BatchSchedule | None = None  # None: constant --global-batch-size
+
+    @property
+    def schedule(self) -> BatchSchedule:
+        """The global batch size per consumed samples (``megalite.training.batch_schedule``)."""
+        if self.batch_schedule is None:
+            return BatchSchedule.constant(self.cfg.train.global_batch_size)
+        return self.batch_schedule
 
     def _loader(self, dataset, consumed_samples: int):
         from megalite.data.samplers import build_data_loader
@@ -62,7 +71,10 @@ class TrainingComponents:
                                           self.cfg.data.num_workers))
 
     def train_iterator(self, consumed_samples: int) -> Iterator:
-        """This rank's training micro-batches, resuming after ``consumed_samples``."""
+        """This rank's training micro-batches, resuming after ``consumed_samples``: one
+        stream in which every ``micro_batch_size x dp`` samples are one micro-batch per dp
+        rank, so a step of ``n`` micro-batches per rank consumes exactly ``n x micro x dp``
+        samples, whatever the batch size of the step."""
         return self._loader(self.train_dataset, consumed_samples)
 
     def valid_iterator(self, iteration: int) -> Iterator | None:

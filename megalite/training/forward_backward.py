@@ -6,9 +6,23 @@ pipeline stage the 1F1B steps are F0 B0 F1 B1 ... (plain gradient accumulation);
 of a data-parallel rank read the same micro-batches: the first stage needs the tokens, the
 last the labels and loss mask, and every stage the position ids (RoPE).
 
-Loss normalization: each micro-batch's summed masked loss is divided by the valid-token
-count of the whole global batch (``tokens``), so the summed gradients are those of the
-global-batch token mean, for any dp / micro-batch / pipeline split.
+Loss normalization. Two modes, chosen by :func:`loss_divisors`:
+
+- ``global-tokens`` (megalite's default, and what Megatron's ``--calculate-per-token-loss``
+  computes): each micro-batch's summed masked loss is divided by the valid-token count of
+  the whole global batch (``tokens``, SUM over micro-batches and ``ps.dp_cp``), and the
+  data-parallel reduction sums, so the gradient is that of the global-batch token mean
+  ``sum_i l_i m_i / sum_i m_i``, for any dp / micro-batch / pipeline split. Megatron gets
+  the same by summing and dividing the gradients by the global token count at the end.
+  megalite keeps it as the default because it is the only layout-invariant choice (the
+  design's contract), so ``--calculate-per-token-loss`` selects what already runs.
+- ``per-microbatch`` (``--per-microbatch-loss``: Megatron's default without the flag): each
+  micro-batch's token mean ``sum l m / sum m`` over its own tokens, divided by
+  ``num_microbatches x dp`` (Megatron divides by the number of micro-batches and averages
+  gradients over dp). With uneven loss masks this weights tokens of sparse micro-batches
+  more, and the result depends on the micro-batch split.
+
+The reported ``lm_loss`` is the global token mean in both modes.
 
 MoE router losses (aux, z) reach the gradient inside the MoE layers (not through the LM
 loss). Their objective is the mean over the global batch's micro-batches, so before the
@@ -74,13 +88,26 @@ class RouterLosses:
                 for i, key in enumerate(self.KEYS) if totals[n + i] > 0}
 
 
-def forward_backward(c, batches: list[dict], tokens: torch.Tensor, *, train: bool = True,
+def loss_divisors(batches: list[dict], tokens: torch.Tensor, per_microbatch: bool,
+                  dp: int) -> list[torch.Tensor]:
+    """What each micro-batch's summed masked loss is divided by (see module docstring):
+    ``tokens`` (global count, fp64) for every micro-batch, or with ``per_microbatch`` its
+    own token count (at least 1) x ``len(batches)`` x ``dp``."""
+    if not per_microbatch:
+        return [tokens] * len(batches)
+    scale = float(len(batches) * dp)
+    return [b["loss_mask"].double().sum().clamp_min(1.0).reshape(1) * scale
+            for b in batches]
+
+
+def forward_backward(c, batches: list[dict], tokens, *, train: bool = True,
                      loss_scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
                      stats: ScheduleStats | None = None,
                      router_losses: RouterLosses | None = None) -> torch.Tensor:
     """Run this rank's micro-batches ``batches`` (dicts of ``[b, s]`` tensors).
 
-    tokens: fp64 scalar tensor, valid tokens of the whole global batch (every rank).
+    tokens: fp64 scalar tensor, valid tokens of the whole global batch (every rank), or a
+        list with one divisor per micro-batch (:func:`loss_divisors`).
     loss_scale: applied to each micro-batch's normalized loss before backward (fp16).
     router_losses: if given, collects the MoE router losses of every micro-batch.
     Returns the fp64 SUM of the masked per-token loss over this rank's micro-batches,
@@ -94,6 +121,7 @@ def forward_backward(c, batches: list[dict], tokens: torch.Tensor, *, train: boo
         for chunk in chunks:
             set_aux_loss_scale(chunk, scale / (len(batches) * ps.dp.size))
     loss_sum = torch.zeros(1, dtype=torch.float64, device=ps.device)
+    divisors = tokens if isinstance(tokens, list) else [tokens] * len(batches)
 
     def forward_step(chunk: int, mb: int, hidden: torch.Tensor | None):
         batch = batches[mb]
@@ -109,7 +137,7 @@ def forward_backward(c, batches: list[dict], tokens: torch.Tensor, *, train: boo
             return out
         masked = (out.float() * batch["loss_mask"].float()).sum()
         loss_sum.add_(masked.detach().double())
-        return loss_scale(masked / tokens.float())
+        return loss_scale(masked / divisors[mb].float())
 
     comm = None
     if ps.pp.size > 1:

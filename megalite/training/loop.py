@@ -5,7 +5,16 @@ data-parallel size and micro-batch split: a step first counts the valid (``loss_
 tokens of all its micro-batches on all data-parallel ranks (SUM over ``ps.dp_cp``), then
 back-propagates each micro-batch's *summed* masked loss divided by that global count, and
 the data-parallel reduction SUMS gradients. The gradient is then exactly that of the
-global-batch mean loss, whatever the layout.
+global-batch mean loss, whatever the layout. (``--per-microbatch-loss`` selects
+Megatron's default per-micro-batch mean instead: ``forward_backward.loss_divisors``.)
+
+Batch size: the step after ``consumed`` samples has ``schedule.global_batch_size(consumed)``
+samples (``megalite.training.batch_schedule``: constant, ``--rampup-batch-size`` or
+``--step-batch-size-schedule``), i.e. that many / (micro x dp) micro-batches per rank, drawn
+from one data stream; the LR schedule advances by the step's samples when it counts
+samples. ``--train-samples`` becomes a number of iterations at build time.
+Around the steps: ``--manual-gc`` (``manual_gc.ManualGC``) and ``--profile``
+(``profiling.StepProfiler``).
 
 A NaN/inf loss (``--check-for-nan-in-loss-and-grad``, on by default) raises
 :class:`NonFiniteLossError` naming the iteration before the optimizer or a checkpoint sees
@@ -26,8 +35,10 @@ import torch
 from megalite.checkpoint import CheckpointSaver, save_checkpoint
 from megalite.parallel.collectives import ReduceOp, all_reduce, all_reduce_scalar
 from megalite.training.components import TrainState
-from megalite.training.forward_backward import RouterLosses, forward_backward
+from megalite.training.forward_backward import RouterLosses, forward_backward, loss_divisors
+from megalite.training.manual_gc import ManualGC
 from megalite.training.metrics import IterationMetrics
+from megalite.training.profiling import StepProfiler
 from megalite.training.signals import SignalHandler
 
 if TYPE_CHECKING:
@@ -61,6 +72,8 @@ class TrainResult:
     losses: dict = field(default_factory=dict)
     valid_losses: dict = field(default_factory=dict)
     moe_losses: dict = field(default_factory=dict)
+    batch_sizes: dict = field(default_factory=dict)     # iteration -> global batch size
+    gc_collected_at: list = field(default_factory=list)  # --manual-gc collections
 
 
 # -- one step ---------------------------------------------------------------------------
@@ -84,9 +97,10 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int) -> St
     c.model.train()
     batches = [_to_device(b, ps.device) for b in batches]
     tokens = count_tokens(batches, ps.dp_cp)
+    divisors = loss_divisors(batches, tokens, c.cfg.train.per_microbatch_loss, ps.dp.size)
     router = RouterLosses(ps.device) if c.cfg.model.num_experts is not None else None
     with timers("forward-backward", log_level=1):
-        loss_sum = forward_backward(c, batches, tokens, loss_scale=c.optimizer.scale_loss,
+        loss_sum = forward_backward(c, batches, divisors, loss_scale=c.optimizer.scale_loss,
                                     router_losses=router)
     lm_loss = float((all_reduce(loss_sum, ps.dp_cp) / tokens).item())
     moe_losses = router.means() if router is not None else {}  # collective (world)
@@ -104,7 +118,7 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int) -> St
                                  f"(loss {lm_loss:.6g}); stopping without updating the model "
                                  "or writing a checkpoint")
     if outcome.updated:
-        c.scheduler.step()
+        c.scheduler.advance(len(batches) * c.cfg.train.micro_batch_size * ps.dp.size)
     return StepResult(lm_loss=lm_loss, lr=lr, updated=outcome.updated,
                       grad_norm=outcome.grad_norm, loss_scale=c.optimizer.loss_scale,
                       moe_losses=moe_losses)
@@ -169,7 +183,8 @@ def train(c: TrainingComponents) -> TrainResult:
     """Run from ``c.state`` to ``--train-iters`` (or an exit condition); see module doc."""
     cfg, state, metrics = c.cfg, c.state, c.metrics
     t, ck = cfg.train, cfg.checkpoint
-    gbs, seq = t.global_batch_size, cfg.model.seq_length
+    seq, schedule = cfg.model.seq_length, c.schedule
+    micro_times_dp = t.micro_batch_size * c.ps.dp.size
     result = TrainResult(iteration=state.iteration, exit_reason="finished")
     if state.iteration >= t.train_iters:
         metrics.print(f" already trained for {state.iteration} iterations "
@@ -180,29 +195,40 @@ def train(c: TrainingComponents) -> TrainResult:
     last_saved = state.iteration if ck.load else None
     saver = CheckpointSaver(c.ps, async_save=bool(ck.save) and ck.async_save,
                             verify=ck.ckpt_verify)
-    with SignalHandler(enabled=t.exit_signal_handler) as signals:
+    with SignalHandler(enabled=t.exit_signal_handler) as signals, \
+            ManualGC.from_config(t) as manual_gc, \
+            StepProfiler.from_config(cfg, c.ps.rank) as profiler:
         while state.iteration < t.train_iters:
+            gbs = schedule.global_batch_size(state.consumed_train_samples)
             tick = time.perf_counter()
-            with c.timers("batch-generator", log_level=1):
-                batches = [next(train_iter) for _ in range(c.num_microbatches)]
-            step = train_step(c, batches, state.iteration + 1)
+            with profiler.iteration(state.iteration):
+                with c.timers("batch-generator", log_level=1):
+                    batches = [next(train_iter) for _ in range(gbs // micro_times_dp)]
+                step = train_step(c, batches, state.iteration + 1)
             elapsed = time.perf_counter() - tick
             state.iteration += 1
             state.consumed_train_samples += gbs
             state.skipped_iters += int(not step.updated)
             result.losses[state.iteration] = step.lm_loss
+            result.batch_sizes[state.iteration] = gbs
             if step.moe_losses:
                 result.moe_losses[state.iteration] = step.moe_losses
+            manual_gc.after_iteration(state.iteration)
 
             extra = dict(step.moe_losses)  # MoE router losses, if any
+            if schedule.variable:
+                extra["global_batch_size"] = gbs
             if (valid_iter is not None and t.eval_iters > 0
                     and state.iteration % t.eval_interval == 0):
+                manual_gc.around_eval()
                 valid_loss = evaluate(c, valid_iter, t.eval_iters)
+                manual_gc.around_eval()
                 result.valid_losses[state.iteration] = valid_loss
                 extra.update(validation_loss=valid_loss,
                              validation_ppl=math.exp(min(20.0, valid_loss)))
             tokens_per_sec = gbs * seq / elapsed
-            mfu = c.flops_per_iteration / (elapsed * c.peak_flops * c.ps.world_size)
+            flops = c.flops_per_iteration * (gbs / schedule.final_batch_size)
+            mfu = flops / (elapsed * c.peak_flops * c.ps.world_size)
             metrics.record(IterationMetrics(
                 iteration=state.iteration, lm_loss=step.lm_loss, grad_norm=step.grad_norm,
                 lr=step.lr, loss_scale=step.loss_scale, skipped=not step.updated,
@@ -224,6 +250,7 @@ def train(c: TrainingComponents) -> TrainResult:
                 result.exit_reason = reason
                 metrics.print(f" exiting at iteration {state.iteration}: {reason}")
                 break
+        result.gc_collected_at = list(manual_gc.collected_at)
     if ck.save and last_saved != state.iteration and state.iteration > 0:
         save(c, state, saver)
     saver.close()  # waits for an async save and publishes it

@@ -14,7 +14,9 @@ JSONL contract (one object per iteration, see DESIGN.md)::
 ``grad_norm`` is null on a skipped iteration. An iteration that ran an evaluation also
 carries ``validation_loss`` and ``validation_ppl``; an MoE model's iterations carry
 ``moe_aux_loss`` / ``moe_z_loss`` (means over MoE layers and the global batch), which
-also reach the human line (averaged over the log window), TensorBoard and wandb.
+also reach the human line (averaged over the log window), TensorBoard and wandb. Under a
+batch-size schedule (``--rampup-batch-size``, ``--step-batch-size-schedule``) every
+iteration carries its ``global_batch_size``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,87 @@
+"""``--profile``: a torch.profiler trace of a few training iterations per profiled rank.
+
+Ranks in ``--profile-ranks`` (global ranks, default ``[0]``) record the iterations run
+while ``--profile-step-start <= iterations done < --profile-step-end`` (the defaults 10 and
+12 record iterations 11 and 12 of the log), each wrapped in a ``megalite/iteration N``
+range. When the last one ends, the trace is written with
+``torch.profiler.tensorboard_trace_handler`` as ``rank{R}.<time>.pt.trace.json`` under
+``--tensorboard-dir`` (else ``SAVE/profile``, else ``./profile``): a Chrome-trace JSON that
+TensorBoard's profiler plugin, Perfetto (ui.perfetto.dev) or chrome://tracing open.
+``--use-pytorch-profiler`` is accepted for Megatron scripts; torch.profiler is the only
+profiler here (there is no nsys path).
+
+    with StepProfiler.from_config(cfg, ps.rank) as profiler:  # exit: writes a cut-short trace
+        with profiler.iteration(done):    # done = iterations finished before this one
+            train_step(...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+
+def profile_dir(cfg) -> str:
+    """Where traces go: --tensorboard-dir, else SAVE/profile, else ./profile."""
+    if cfg.logging.tensorboard_dir:
+        return cfg.logging.tensorboard_dir
+    if cfg.checkpoint.save:
+        return os.path.join(cfg.checkpoint.save, "profile")
+    return "profile"
+
+
+class StepProfiler:
+    """Records iterations ``[start, end)`` (0-based: iterations done before each) on an
+    enabled rank; a no-op elsewhere."""
+
+    def __init__(self, enabled: bool, start: int, end: int, out_dir: str, rank: int):
+        self.enabled, self.start, self.end = enabled, start, end
+        self.out_dir, self.rank = out_dir, rank
+        self._prof: torch.profiler.profile | None = None
+        self.trace_written = False
+
+    @classmethod
+    def from_config(cls, cfg, rank: int) -> StepProfiler:
+        lg = cfg.logging
+        return cls(lg.profile and rank in lg.profile_ranks, lg.profile_step_start,
+                   lg.profile_step_end, profile_dir(cfg), rank)
+
+    def _begin(self) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        handler = torch.profiler.tensorboard_trace_handler(self.out_dir,
+                                                           worker_name=f"rank{self.rank}")
+        self._prof = torch.profiler.profile(activities=activities, record_shapes=True,
+                                            on_trace_ready=handler)
+        self._prof.start()
+
+    @contextlib.contextmanager
+    def iteration(self, done: int):
+        """Context of the iteration that follows ``done`` finished ones."""
+        if (self.enabled and self._prof is None and not self.trace_written
+                and self.start <= done < self.end):
+            self._begin()
+        if self._prof is None:
+            yield
+            return
+        with torch.profiler.record_function(f"megalite/iteration {done + 1}"):
+            yield
+        if done + 1 >= self.end:
+            self.close()
+
+    def __enter__(self) -> StepProfiler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop recording and write the trace (if recording)."""
+        if self._prof is not None:
+            self._prof.stop()  # calls the trace handler
+            self._prof = None
+            self.trace_written = True

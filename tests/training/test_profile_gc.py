@@ -1,0 +1,124 @@
+"""``--manual-gc`` (collector off, collections at chosen iterations on every rank) and
+``--profile`` (a torch.profiler trace of the configured iterations on the profiled ranks)."""
+
+import gc
+import glob
+import json
+import os
+
+import pytest
+
+from megalite.arguments import parse_args
+from megalite.config import ConfigError
+from megalite.data.tokenizers import build_tokenizer
+from megalite.training.build import default_datasets_provider
+from tests.distributed.harness import run_distributed
+from tests.training.common import run_training, tiny_config
+
+
+class _RecordingDataset:
+    """Delegates to a dataset; records whether automatic gc was on at each read."""
+
+    def __init__(self, inner, seen):
+        self.inner, self.seen = inner, seen
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        self.seen.append(gc.isenabled())
+        return self.inner[i]
+
+
+def _manual_gc_run(world_size=1, **train):
+    seen = []
+
+    def datasets(cfg, _):
+        tokenizer = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
+        train_ds, valid_ds, test_ds = default_datasets_provider(cfg, tokenizer)
+        return _RecordingDataset(train_ds, seen), valid_ds, test_ds
+
+    cfg = tiny_config(world_size, train={"train_iters": 7, "eval_interval": 4, "eval_iters": 1,
+                                         "manual_gc": True, **train})
+    # the vocabulary the default build would take from the tokenizer
+    cfg.model.vocab_size = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size).vocab_size
+    collections = []
+
+    def callback(phase, info):
+        if phase == "start" and not gc.isenabled():  # while the collector is off
+            collections.append(info["generation"])
+
+    gc.callbacks.append(callback)
+    try:
+        result, _ = run_training(cfg, datasets_provider=datasets)
+    finally:
+        gc.callbacks.remove(callback)
+    return result, seen, collections
+
+
+def test_manual_gc_collects_at_the_interval_and_around_eval():
+    assert gc.isenabled()
+    result, seen, collections = _manual_gc_run(manual_gc_interval=3)
+    assert result.gc_collected_at == [3, "eval", "eval", 6]
+    assert seen and not any(seen)             # the automatic collector was off throughout
+    assert gc.isenabled()                     # and is back on afterwards
+    # while it was off, only our full collections ran: one at the start + 4
+    assert collections == [2] * 5
+
+
+def test_manual_gc_interval_0_and_no_eval():
+    result, _, _ = _manual_gc_run(manual_gc_interval=0, manual_gc_eval=False)
+    assert result.gc_collected_at == []
+    cfg = parse_args(["--manual-gc", "--manual-gc-interval", "5", "--no-manual-gc-eval"])
+    assert (cfg.train.manual_gc, cfg.train.manual_gc_interval, cfg.train.manual_gc_eval) == (
+        True, 5, False)
+    with pytest.raises(ConfigError, match="manual_gc_interval must be >= 0"):
+        parse_args(["--manual-gc-interval", "-1"])
+
+
+def _gc_body(rank, world_size):
+    result, seen, _ = _manual_gc_run(world_size, manual_gc_interval=2)
+    return result.gc_collected_at, any(seen)
+
+
+def test_manual_gc_on_all_ranks_at_the_same_iterations():
+    per_rank = run_distributed(2, _gc_body)
+    assert per_rank[0] == per_rank[1] == ([2, 4, "eval", "eval", 6], False)
+
+
+def _profiled_iterations(path):
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return sorted({int(e["name"].rsplit(" ", 1)[1]) for e in events
+                   if e.get("name", "").startswith("megalite/iteration ")})
+
+
+def _profile_body(rank, world_size, out):
+    cfg = tiny_config(world_size, train={"train_iters": 6},
+                      logging={"profile": True, "use_pytorch_profiler": True,
+                               "profile_step_start": 2, "profile_step_end": 4,
+                               "tensorboard_dir": out})
+    run_training(cfg)
+
+
+def test_profile_writes_a_trace_for_rank_0_covering_the_steps(tmp_path):
+    out = str(tmp_path / "tb")
+    run_distributed(2, _profile_body, out)
+    traces = glob.glob(os.path.join(out, "*.pt.trace.json"))
+    assert [os.path.basename(p).split(".")[0] for p in traces] == ["rank0"]
+    assert _profiled_iterations(traces[0]) == [3, 4]  # iterations done 2 and 3
+
+
+def test_profile_without_tensorboard_dir_uses_save_and_ranks_flag(tmp_path):
+    save = str(tmp_path / "ckpt")
+    cfg = tiny_config(train={"train_iters": 3}, checkpoint={"save": save},
+                      logging={"profile": True, "profile_step_start": 0,
+                               "profile_step_end": 1, "profile_ranks": [0]})
+    run_training(cfg)
+    traces = glob.glob(os.path.join(save, "profile", "rank0.*.pt.trace.json"))
+    assert len(traces) == 1 and _profiled_iterations(traces[0]) == [1]
+    cfg = parse_args(["--profile", "--profile-ranks", "0", "3", "--profile-step-start", "4",
+                      "--profile-step-end", "6", "--use-pytorch-profiler"])
+    assert cfg.logging.profile_ranks == [0, 3]
+    with pytest.raises(ConfigError, match="--profile-step-start \\(6\\) must be >= 0 and"):
+        parse_args(["--profile-step-start", "6", "--profile-step-end", "6"])
