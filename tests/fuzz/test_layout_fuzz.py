@@ -27,16 +27,17 @@ from tests.fuzz.draw import draw_layout
 
 # on worlds 4 and 8 (the pools other suites use), ~40 s together on 2 cores:
 #   5  tp2 x pp2 x dp2, MoE ep4 etp1 allgather, tied embeddings across stages, full recompute
-#  28  pp2 with an uneven last stage x dp4, distributed optimizer + overlap, bf16
 #  41  tp4 + sp x dp2, distributed optimizer, no clipping
+#  56  tp2 + sp x pp2 with an uneven last stage x dp2, distributed optimizer + overlap, bf16
 #  77  tp2 + sp x pp2 x dp2, MoE ep2 etp2 alltoall, distributed optimizer + overlap, bf16
 #  93  tp4 + sp x pp2 x vpp2, tied embeddings across stages
-# Together they caught each of the planted bugs of the closing note of issue 12 (a loss
+# Together they caught each of the planted bugs of the closing note of issue 12 (with seed
+# 28, which drew the uneven stage then and draws another layout since validation grew; a loss
 # normalised by local token counts, expert grads reduced over dp instead of edp, the tied
 # embedding's grad not summed or summed twice across stages, sequence-parallel norm grads
 # not summed over tp). test_default_draws_cover_every_parallelism keeps the coverage when
 # draw.py changes.
-DEFAULT_SEEDS = (5, 28, 41, 77, 93)
+DEFAULT_SEEDS = (5, 41, 56, 77, 93)
 
 
 def _seeds() -> list[int]:
