@@ -116,7 +116,90 @@ def load_yaml(path: str) -> dict[str, Any]:
             close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ArgumentError(f"--config {path}: unknown key '{key}'{hint}")
-    return flat
+    specs = _field_specs()
+    return {key: coerce_value(key, value, specs[key], f"--config {path}")
+            for key, value in flat.items()}
+
+
+# -- YAML values get the command line's types and choices --------------------------------
+_TRUE = ("true", "yes", "1")
+_FALSE = ("false", "no", "0")
+_TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a number",
+               str: "a string", list: "a string"}
+_PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings",
+            list: "strings"}
+
+
+def _field_specs() -> dict[str, tuple]:
+    """{field name: (element type, optional, is_list, choices)} for every CLI field."""
+    specs = {}
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True):
+                continue
+            hint = hints[f.name]
+            optional = type(None) in typing.get_args(hint) or f.default is None
+            specs[f.name] = (_base_type(hint), optional, bool(f.metadata.get("nargs")),
+                             f.metadata.get("choices"))
+    return specs
+
+
+def _scalar(value: Any, tp: Any) -> Any:
+    """``value`` as the parser's type ``tp`` would give it from a flag; ValueError if not."""
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ValueError
+    if isinstance(value, bool) or isinstance(value, (dict, list)):
+        raise ValueError  # a boolean is no number or string; a mapping is no scalar
+    if tp is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            return int(value.strip())  # as the command line converts "2"
+        raise ValueError  # 2.5 (or 2.0) is not an integer
+    if tp is float:
+        return float(value.strip() if isinstance(value, str) else value)
+    if tp in (str, list):
+        return value if isinstance(value, str) else str(value)  # as typed on the line
+    return tp(value)
+
+
+def coerce_value(key: str, value: Any, spec: tuple, where: str) -> Any:
+    """A YAML ``value`` for field ``key`` checked and converted like its flag: the flag's
+    type (strings convert as on the command line; booleans take true/false, yes/no, 1/0),
+    its choices, and a list or a whitespace-separated string for multi-value flags.
+    Raises ArgumentError naming the key, the value and the expected type."""
+    tp, optional, is_list, choices = spec
+    if value is None:
+        if optional:
+            return None
+        raise ArgumentError(f"{where}: {key}: null is not allowed; expected "
+                            f"{_TYPE_NAMES.get(tp, tp.__name__)}")
+    if is_list:
+        items = value.split() if isinstance(value, str) else value
+        if not isinstance(items, list):
+            items = [items]
+        expected = f"a list (or space-separated string) of {_PLURALS.get(tp, tp.__name__)}"
+    else:
+        items = [value]
+        expected = _TYPE_NAMES.get(tp, tp.__name__)
+    try:
+        out = [_scalar(v, tp) for v in items]
+    except (TypeError, ValueError):
+        raise ArgumentError(f"{where}: {key}: {value!r} is not valid; expected "
+                            f"{expected}") from None
+    if choices:
+        bad = [v for v in out if v not in choices]
+        if bad:
+            raise ArgumentError(f"{where}: {key}: {bad[0]!r} is not one of "
+                                f"{', '.join(map(str, choices))}")
+    return out if is_list else out[0]
 
 
 def config_from_values(values: dict[str, Any]) -> MegaliteConfig:

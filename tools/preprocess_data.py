@@ -10,7 +10,10 @@ writes ``out/corpus_text_document.bin/.idx`` (``PREFIX_{key}_document`` for each
 object; its documents (one per key) are written, or the whole line is skipped and counted:
 blank lines, invalid UTF-8, malformed JSON, a non-object, a missing key, a value that is not
 text, an empty document. The summary lists the skipped lines by reason; with ``--strict``
-the first one stops the run with its line number and exit code 1. Outputs are written to
+the first one stops the run with its line number and exit code 1. An input that gives no
+document at all (empty, or every line skipped) is an error too (exit code 1, the skipped
+lines counted by reason, nothing written), as is an ``--output-prefix`` directory that
+cannot be written (checked before any tokenizing). Outputs are written to
 temporary names and renamed only at the end, so a failed or interrupted run leaves nothing
 that looks like a dataset.
 """
@@ -103,6 +106,9 @@ def main(argv=None) -> int:
         summary = preprocess(PreprocessOptions(**args))
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # e.g. the disk filled up while writing; partial outputs removed
+        print(f"error: {e}; no output written", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted; no output written", file=sys.stderr)

@@ -174,6 +174,10 @@ def _build_splits(prefix: str | None, matrix, sizes, config: GPTDatasetConfig,
     indexed = (IndexedDataset(prefix, mmap=config.mmap_bin_files) if prefix is not None
                else None)
     num_sequences = len(indexed) if indexed is not None else MockLowLevelDataset.size
+    if indexed is not None and not np.any(indexed.sequence_lengths):
+        raise DataBuildError(f"{prefix}: the dataset holds no tokens ({num_sequences} "
+                             "documents); preprocess a non-empty input into it, or leave "
+                             "it out of the data paths")
     out = []
     for i, name in enumerate(SPLIT_NAMES):
         if matrix[i] is None or requested[i] == 0:

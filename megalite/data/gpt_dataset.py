@@ -48,10 +48,14 @@ class GPTDatasetConfig:
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     cache_dir: str | None = None
-    vocab_size: int | None = None  # bounds the mock data's token ids
+    vocab_size: int | None = None  # bounds the mock data's ids; every sample's ids are checked
     add_extra_token: bool = True  # samples of seq_length + 1 tokens (input/label shift)
     drop_last_partial_validation_sequence: bool = True
     mmap_bin_files: bool = True  # False: read the .bin with plain reads (same tokens)
+
+
+class TokenIdError(ValueError):
+    """A token id outside ``[0, vocab_size)`` in a sample: the data does not fit the model."""
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -132,8 +136,8 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
 
-    def sample_tokens(self, idx: int) -> tuple[np.ndarray, int]:
-        """(int64 [seq_length + 1] tokens of sample ``idx``, how many are real (not pad))."""
+    def _sample_parts(self, idx: int) -> list[tuple[int, int, np.ndarray]]:
+        """[(document, offset in it, tokens)] that make up sample ``idx``."""
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range for {len(self)} samples")
         extra = int(self.config.add_extra_token)
@@ -141,21 +145,45 @@ class GPTDataset(torch.utils.data.Dataset):
         doc_beg, off_beg = (int(x) for x in self.sample_index[i])
         doc_end, off_end = (int(x) for x in self.sample_index[i + 1])
         if doc_beg == doc_end:
-            parts = [self.indexed.get(int(self.document_index[doc_beg]), off_beg,
-                                      off_end - off_beg + extra)]
-        else:
-            parts = []
-            for k in range(doc_beg, doc_end + 1):
-                doc = int(self.document_index[k])
-                offset = off_beg if k == doc_beg else 0
-                length = None if k < doc_end else off_end + extra
-                parts.append(self.indexed.get(doc, offset, length))
-        text = np.concatenate(parts).astype(np.int64)
+            doc = int(self.document_index[doc_beg])
+            return [(doc, off_beg, self.indexed.get(doc, off_beg, off_end - off_beg + extra))]
+        parts = []
+        for k in range(doc_beg, doc_end + 1):
+            doc = int(self.document_index[k])
+            offset = off_beg if k == doc_beg else 0
+            length = None if k < doc_end else off_end + extra
+            parts.append((doc, offset, self.indexed.get(doc, offset, length)))
+        return parts
+
+    def sample_tokens(self, idx: int) -> tuple[np.ndarray, int]:
+        """(int64 [seq_length + 1] tokens of sample ``idx``, how many are real (not pad)).
+
+        With ``config.vocab_size`` set, every id is checked to lie in ``[0, vocab_size)``
+        (one max and one min per sample): :class:`TokenIdError` names the document."""
+        parts = self._sample_parts(idx)
+        text = np.concatenate([p for _, _, p in parts]).astype(np.int64)
+        vocab = self.config.vocab_size
+        if vocab is not None and len(text) and (text.max() >= vocab or text.min() < 0):
+            raise self._token_id_error(idx, parts, vocab)
         real = len(text)
-        want = self.config.seq_length + extra
+        want = self.config.seq_length + int(self.config.add_extra_token)
         if real < want:
             text = np.concatenate([text, np.full(want - real, self.config.pad, np.int64)])
         return text, real
+
+    def _token_id_error(self, idx: int, parts, vocab: int) -> TokenIdError:
+        for doc, offset, tokens in parts:
+            bad = np.flatnonzero((tokens >= vocab) | (tokens < 0))
+            if len(bad):
+                pos = int(bad[0])
+                where = self.prefix if self.prefix is not None else "mock data"
+                return TokenIdError(
+                    f"{where}: document {doc} holds token id {int(tokens[pos])} at position "
+                    f"{offset + pos}, outside the vocabulary of {vocab} ids (sample {idx} of "
+                    f"the {self.split_name} split); the .bin is damaged or was written with "
+                    "another tokenizer: re-run tools/preprocess_data.py with the training "
+                    "tokenizer")
+        raise AssertionError("no out-of-vocabulary id found")  # unreachable
 
     def __getitem__(self, idx: int) -> dict:
         text, real = self.sample_tokens(idx)

@@ -4,7 +4,8 @@
 Each input line is one JSON object; its documents (one per ``json_keys`` key) are written, or
 the whole line is skipped and counted: blank lines, invalid UTF-8, malformed JSON, a
 non-object, a missing key, a value that is not text, an empty document. With ``strict`` the
-first skipped line raises :class:`PreprocessError` naming its line number. Outputs are
+first skipped line raises :class:`PreprocessError` naming its line number; a run that
+finds no document at all raises it too (with the skipped lines counted by reason). Outputs are
 written under temporary names and renamed only at the end, so a failed or interrupted run
 leaves nothing that looks like a dataset. Worker processes tokenize chunks of lines
 (``multiprocessing.Pool.imap``, input order kept).
@@ -300,6 +301,7 @@ def _run_pool(args, encoder_args, chunks):
 def preprocess(args: PreprocessOptions) -> dict:
     """Run the conversion; returns the summary numbers. Raises PreprocessError."""
     dtype = optimal_dtype(_load_tokenizer(args).vocab_size)
+    check_output_dir(args.output_prefix)
     chunks = read_chunks(args.input, partition_boundaries(args))
     outputs = PartitionedOutputs(args, dtype)
     stats = Stats(args.json_keys)
@@ -312,6 +314,9 @@ def preprocess(args: PreprocessOptions) -> dict:
             new_docs = stats.add_chunk(encoded, outputs.writers_for(part),
                                        args.input if args.strict else None)
             progress.advance(new_docs, stats)
+        if stats.docs == 0:  # an empty dataset is no success: write nothing, say why
+            raise PreprocessError(f"{args.input}: no documents to write "
+                                  f"({nothing_written(stats)}); no output written")
         outputs.finish()
     except BaseException:
         encoded_chunks.close()  # stops the worker pool now, not when garbage collected
@@ -320,6 +325,36 @@ def preprocess(args: PreprocessOptions) -> dict:
     finally:
         progress.close()
     return stats.summary(outputs.final, dtype)
+
+
+def nothing_written(stats: Stats) -> str:
+    """Why a run found no documents: its lines, blank ones, and skipped ones by reason."""
+    if stats.lines == 0:
+        return "the input is empty"
+    parts = [f"{stats.lines} line{'s' if stats.lines != 1 else ''} read"]
+    if stats.blank:
+        parts.append(f"{stats.blank} blank")
+    for reason, n in sorted(stats.skipped.items(), key=lambda kv: -kv[1]):
+        first = ", ".join(str(x) for x in stats.skipped_lines[reason])
+        parts.append(f"{n} x {reason} (line{'s' if n > 1 else ''} {first}"
+                     f"{', ...' if n > 5 else ''})")
+    return ", ".join(parts)
+
+
+def check_output_dir(prefix: str) -> None:
+    """The directory of ``--output-prefix`` exists (is created) and takes a file; else one
+    PreprocessError naming it, before any tokenizing."""
+    import tempfile
+
+    directory = os.path.dirname(os.path.abspath(prefix))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise PreprocessError(f"--output-prefix {prefix}: cannot write to the directory "
+                              f"{directory} ({e.strerror or e}); choose a writable "
+                              "location") from None
 
 
 def _load_tokenizer(args: PreprocessOptions):
@@ -376,8 +411,7 @@ class PartitionedOutputs:
         self.part = part
 
     def finish(self) -> None:
-        """Finalize the last partition (an empty input still gives empty datasets) and
-        merge the partitions into the final outputs."""
+        """Finalize the last partition and merge the partitions into the final outputs."""
         if not self.writers:
             self._open(0)
         for writer in self.writers.values():

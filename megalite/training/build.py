@@ -36,6 +36,7 @@ from megalite.training.batch_schedule import BatchSchedule
 from megalite.training.components import TrainingComponents, TrainState
 from megalite.training.fp8 import check_fp8_available
 from megalite.training.metrics import MetricsLogger
+from megalite.training.preflight import preflight
 from megalite.training.throughput import count_layer_params, flops_per_token, peak_flops_per_rank
 from megalite.training.timers import Timers
 
@@ -154,6 +155,7 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
         global_batch_size=t.global_batch_size if samples_based else None)
     rng_tracker = _rng_tracker(model)
     log_rank = ps.world_size - 1
+    preflight(cfg, model, ps, log_rank)  # outputs writable, disk space: before any work
     metrics = MetricsLogger(cfg.logging, t.train_iters, enabled=ps.rank == log_rank,
                             config=cfg.to_dict())
     metrics.print(f" rank {ps.rank}: {rank_memory(model, grads, optimizer).describe()}")

@@ -169,10 +169,37 @@ def test_interrupted_run_leaves_nothing(tmp_path):
     assert outputs(tmp_path) == []
 
 
-def test_empty_input_gives_an_empty_dataset(tmp_path, capsys):
+def test_empty_input_is_an_error_and_writes_nothing(tmp_path, capsys):
     src = tmp_path / "empty.jsonl"
     src.write_bytes(b"")
-    assert run(tmp_path, src) == 0
-    assert "done: 0 documents" in capsys.readouterr().out
-    ds = IndexedDataset(str(tmp_path / "out_text_document"))
-    assert len(ds) == ds.num_documents == ds.num_tokens == 0
+    for partitions in ("1", "2"):
+        assert run(tmp_path, src, "--partitions", partitions) == 1
+        err = capsys.readouterr().err
+        assert "empty.jsonl: no documents to write (the input is empty)" in err
+        assert "no output written" in err and len(err.strip().splitlines()) == 1
+        assert outputs(tmp_path) == []
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_all_malformed_input_is_an_error_with_counts_per_reason(tmp_path, capsys, workers):
+    lines = [b"{not json"] * 7 + [b'{"other": "x"}'] * 2 + [b"", b'{"text": ""}']
+    src = write_jsonl(tmp_path / "bad.jsonl", lines)
+    assert run(tmp_path, src, "--workers", workers) == 1
+    err = capsys.readouterr().err
+    assert "bad.jsonl: no documents to write (11 lines read, 1 blank, " in err
+    assert "7 x malformed JSON (lines 1, 2, 3, 4, 5, ...)" in err
+    assert "2 x missing key 'text' (lines 8, 9)" in err
+    assert "1 x empty document in key 'text' (line 11)" in err
+    assert outputs(tmp_path) == []
+
+
+def test_unwritable_output_directory_is_one_clear_error(tmp_path, corpus, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    argv = ["--input", str(corpus), "--output-prefix", str(blocker / "sub" / "out"),
+            "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+            BUNDLED_TOKENIZER_MODEL, "--log-interval", "0"]
+    assert TOOL.main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"--output-prefix {blocker / 'sub' / 'out'}: cannot write to the directory" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
