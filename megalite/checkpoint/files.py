@@ -17,8 +17,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
+import zlib
+
+try:  # xxh3 hashes ~4x faster than zlib's crc32; any file saved with it needs it to verify
+    import xxhash
+except ImportError:  # pragma: no cover - depends on the environment
+    xxhash = None
 
 METADATA = "metadata.json"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -73,18 +80,46 @@ def fsync_tree(path: str) -> None:
 
 
 # -- manifest ------------------------------------------------------------------------------
+FAST_CHECKSUM = "xxh3_64" if xxhash is not None else "crc32"
+
+
 def sha256_file(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def manifest_entries(root: str, names: list[str], checksums: bool) -> dict[str, dict]:
-    """``{name: {"bytes": size[, "sha256": hex]}}`` for files ``names`` under ``root``."""
+def fast_checksum(path: str, algorithm: str = FAST_CHECKSUM) -> str:
+    """The file's xxh3_64 or crc32 as hex, hashed from a read-only map of it (no copy; both
+    release the GIL, so a thread can hash while another reads)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            data = b""
+        else:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            if algorithm == "xxh3_64":
+                if xxhash is None:
+                    raise CheckpointError(
+                        f"checkpoint file {path} was checksummed with xxh3_64, which needs "
+                        "the xxhash package (pip install xxhash); or load with "
+                        "--no-ckpt-verify")
+                return xxhash.xxh3_64_hexdigest(data)
+            return f"{zlib.crc32(data):08x}"
+        finally:
+            if isinstance(data, mmap.mmap):
+                data.close()
+
+
+def manifest_entries(root: str, names: list[str], fast: bool = True,
+                     sha256: bool = False) -> dict[str, dict]:
+    """``{name: {"bytes": size[, FAST_CHECKSUM: hex][, "sha256": hex]}}`` for ``names``."""
     out = {}
     for name in names:
         path = os.path.join(root, name)
         entry = {"bytes": os.path.getsize(path)}
-        if checksums:
+        if fast:
+            entry[FAST_CHECKSUM] = fast_checksum(path)
+        if sha256:
             entry["sha256"] = sha256_file(path)
         out[name] = entry
     return out
@@ -92,6 +127,11 @@ def manifest_entries(root: str, names: list[str], checksums: bool) -> dict[str, 
 
 def read_metadata(iter_dir: str) -> dict:
     """``metadata.json`` of an iteration directory; a clear error for anything else."""
+    return parse_metadata(iter_dir, read_metadata_bytes(iter_dir))
+
+
+def read_metadata_bytes(iter_dir: str) -> bytes:
+    """The raw ``metadata.json`` (its sha256 identifies a checkpoint across ranks)."""
     path = os.path.join(iter_dir, METADATA)
     if not os.path.isdir(iter_dir):
         raise CheckpointError(f"checkpoint directory {iter_dir} does not exist")
@@ -103,9 +143,14 @@ def read_metadata(iter_dir: str) -> dict:
                     "format, which this version does not read.")
         raise CheckpointError(f"{path} is missing: {iter_dir} is not a megalite checkpoint "
                               f"(or was damaged).{hint} Found: {entries[:8]}")
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def parse_metadata(iter_dir: str, raw: bytes) -> dict:
+    path = os.path.join(iter_dir, METADATA)
     try:
-        with open(path) as f:
-            meta = json.load(f)
+        meta = json.loads(raw)
     except ValueError as exc:
         raise CheckpointError(f"{path} is damaged: {exc}") from None
     from megalite.checkpoint.state import FORMAT
@@ -116,8 +161,8 @@ def read_metadata(iter_dir: str) -> dict:
     return meta
 
 
-def verify_files(iter_dir: str, manifest: dict, names: list[str], checksums: bool) -> None:
-    """Check that each of ``names`` exists with its manifest size (and checksum)."""
+def check_sizes(iter_dir: str, manifest: dict, names: list[str]) -> None:
+    """Each of ``names`` exists with its manifest size."""
     for name in names:
         want = manifest[name]
         path = os.path.join(iter_dir, name)
@@ -127,13 +172,61 @@ def verify_files(iter_dir: str, manifest: dict, names: list[str], checksums: boo
         if size != want["bytes"]:
             raise CheckpointError(f"checkpoint file {path} is damaged: {size} bytes, the "
                                   f"manifest says {want['bytes']} (truncated?)")
-        if checksums and "sha256" in want and sha256_file(path) != want["sha256"]:
+
+
+def check_checksums(iter_dir: str, manifest: dict, names: list[str], *, fast: bool = True,
+                    sha256: bool = False) -> None:
+    """``fast``: the xxh3_64 / crc32 recorded at save (files saved before megalite recorded
+    one are skipped); ``sha256``: the sha256 recorded under ``--ckpt-verify`` (required)."""
+    for name in names:
+        want = manifest[name]
+        path = os.path.join(iter_dir, name)
+        if fast:
+            for algorithm in ("xxh3_64", "crc32"):
+                if algorithm in want and fast_checksum(path, algorithm) != want[algorithm]:
+                    raise CheckpointError(f"checkpoint file {path} is damaged: its "
+                                          f"{algorithm} differs from the manifest's")
+        if sha256 and "sha256" not in want:
+            raise CheckpointError(f"checkpoint file {path} has no sha256 in the manifest "
+                                  "(saved without --ckpt-verify); load without "
+                                  "--ckpt-verify (the default checksum is still checked)")
+        if sha256 and sha256_file(path) != want["sha256"]:
             raise CheckpointError(f"checkpoint file {path} is damaged: its sha256 differs "
                                   "from the manifest's")
-        if checksums and "sha256" not in want:
-            raise CheckpointError(f"checkpoint file {path} has no checksum in the manifest "
-                                  "(saved without --ckpt-verify); load without "
-                                  "--ckpt-verify")
+
+
+def published_iterations(root: str) -> list[int]:
+    """Iterations of the ``iter_*`` directories under ``root`` (published saves), sorted."""
+    entries = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(m.group(1)) for e in entries if (m := ITER_RE.fullmatch(e)))
+
+
+def complete_iterations(root: str, below: int | None = None) -> list[int]:
+    """Published iterations (below ``below``) whose metadata reads and whose every file has
+    its manifest size, newest first: what a damaged checkpoint can fall back to (their
+    checksums are checked when they are loaded)."""
+    out = []
+    for it in reversed(published_iterations(root)):
+        if below is not None and it >= below:
+            continue
+        d = iteration_dir(root, it)
+        try:
+            manifest = read_metadata(d)["files"]
+            check_sizes(d, manifest, sorted(manifest))
+        except (CheckpointError, OSError, KeyError):
+            continue
+        out.append(it)
+    return out
+
+
+def fallback_hint(root: str, iteration: int) -> str:
+    """One sentence naming the older complete checkpoint to load instead."""
+    older = complete_iterations(root, below=iteration)
+    if not older:
+        return f"no older complete checkpoint exists under {root}"
+    more = f" (also: {', '.join(map(str, older[1:6]))})" if len(older) > 1 else ""
+    return (f"the newest older complete checkpoint is iteration {older[0]}{more}: load it "
+            f"with --ckpt-step {older[0]}")
 
 
 # -- what --load means ----------------------------------------------------------------------
@@ -174,3 +267,18 @@ def find_iteration(root: str, *, save_dir: str | None = None,
            "--load without --save pointing at the same directory expects a checkpoint")
     raise CheckpointError(f"--load {root}: the directory {what}, and {why}. To start from "
                           f"scratch drop --load, or pass --save {root} as well")
+
+
+def choose_iteration(root: str, step: int | None, *, save_dir: str | None = None,
+                     finetune: bool = False) -> int | None:
+    """``step`` (``--ckpt-step``) when ``root`` holds it -- else an error listing the
+    iterations it does hold -- or :func:`find_iteration`'s choice without one."""
+    if step is None:
+        return find_iteration(root, save_dir=save_dir, finetune=finetune)
+    if not os.path.isdir(iteration_dir(root, step)):
+        held = published_iterations(root)
+        what = (f"available: {', '.join(map(str, held))}" if held else
+                "it holds no published iteration")
+        raise CheckpointError(f"--ckpt-step {step}: {root} has no iteration {step} "
+                              f"({iteration_dir(root, step)} does not exist); {what}")
+    return step

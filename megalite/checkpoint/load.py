@@ -7,13 +7,22 @@ handed to the optimizer. RNG states are per rank and cannot be resharded: they a
 restored only when the layout is unchanged, otherwise every generator is re-seeded from
 (seed, iteration) and the log says so.
 
-All checks (files, manifest, names and shapes) agree across ranks before any rank starts
-reading, so a bad checkpoint is one :class:`CheckpointError` everywhere, not a hang.
+Rank 0 alone decides what to load (the ``latest`` pointer or ``--ckpt-step``) and
+broadcasts the iteration with the sha256 of its ``metadata.json``; every rank checks that
+it sees that same checkpoint, so a directory rewritten under a running load (another job)
+is one error, never ranks restoring different iterations. All checks (files, manifest,
+names and shapes) agree across ranks before any rank starts reading, so a bad checkpoint is
+one :class:`CheckpointError` everywhere, not a hang. The files' checksums (xxh3_64 or
+crc32, recorded at every save) are verified by default in a thread while DCP reads
+(files split over ranks); a damaged file is named with the older complete iteration to
+fall back to.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,10 +32,13 @@ from torch.distributed.checkpoint import TensorStorageMetadata
 
 from megalite.checkpoint.files import (
     CheckpointError,
-    find_iteration,
+    check_checksums,
+    check_sizes,
+    choose_iteration,
+    fallback_hint,
     iteration_dir,
-    read_metadata,
-    verify_files,
+    parse_metadata,
+    read_metadata_bytes,
 )
 from megalite.checkpoint.layout import param_layouts, piece_keys, saved_global_shape
 from megalite.checkpoint.planner import load_blocks
@@ -38,6 +50,7 @@ from megalite.checkpoint.state import (
     optimizer_load_state,
     rng_key,
 )
+from megalite.parallel import collectives
 from megalite.parallel.state import ParallelState
 
 
@@ -52,21 +65,69 @@ class LoadedCheckpoint:
     rng_restored: bool = False
 
 
-def _check_files(iter_dir: str, ps: ParallelState, verify: bool) -> dict:
-    """metadata.json, then every manifest file's size (all ranks) and, with ``verify``,
-    checksums (files split over ranks). Collective; returns the metadata."""
+def resolve_checkpoint(root: str, ps: ParallelState, *, step: int | None = None,
+                       save_dir: str | None = None, finetune: bool = False
+                       ) -> tuple[int | None, str | None]:
+    """(iteration, sha256 of its metadata.json) as rank 0 resolves them -- the latest
+    pointer or ``step`` -- broadcast to every rank; (None, None): start from scratch.
+    Collective; a failure is the same :class:`CheckpointError` on every rank."""
+    decision: list = [None]
+    if ps.rank == 0:
+        try:
+            iteration = choose_iteration(root, step, save_dir=save_dir, finetune=finetune)
+            identity = None
+            if iteration is not None:
+                raw = read_metadata_bytes(iteration_dir(root, iteration))
+                identity = hashlib.sha256(raw).hexdigest()
+            decision = [(iteration, identity, None)]
+        except CheckpointError as exc:
+            decision = [(None, None, str(exc))]
+    if distributed(ps):
+        collectives.broadcast_object_list(decision, src=0)
+    iteration, identity, error = decision[0]
+    if error is not None:
+        raise CheckpointError(error if ps.rank == 0 else f"on rank 0: {error}")
+    return iteration, identity
+
+
+def _check_files(iter_dir: str, identity: str, ps: ParallelState, sha256: bool) -> dict:
+    """metadata.json (the one rank 0 chose), then every manifest file's size (all ranks)
+    and, with ``sha256``, those checksums (files split over ranks). Collective; returns
+    the metadata."""
     meta, error = None, None
     try:
-        meta = read_metadata(iter_dir)
+        raw = read_metadata_bytes(iter_dir)
+        if hashlib.sha256(raw).hexdigest() != identity:
+            raise CheckpointError(
+                f"{iter_dir} changed while it was being loaded: this rank reads another "
+                "metadata.json than rank 0 did. Is another job saving to this directory? "
+                "Stop it, or load a fixed iteration with --ckpt-step")
+        meta = parse_metadata(iter_dir, raw)
         names = sorted(meta["files"])
-        verify_files(iter_dir, meta["files"], names, checksums=False)
-        if verify:
-            mine = names[ps.rank::ps.world_size]
-            verify_files(iter_dir, meta["files"], mine, checksums=True)
+        check_sizes(iter_dir, meta["files"], names)
+        if sha256:
+            check_checksums(iter_dir, meta["files"], names[ps.rank::ps.world_size],
+                            fast=False, sha256=True)
     except CheckpointError as exc:
         error = str(exc)
     raise_if_any(error, ps, "{error}")
     return meta
+
+
+class _ChecksumThread(threading.Thread):
+    """Verifies this rank's share of the files' fast checksums while DCP reads them (the
+    hashes release the GIL). ``error`` after :meth:`join`."""
+
+    def __init__(self, iter_dir: str, manifest: dict, names: list[str]):
+        super().__init__(name="checkpoint-verify", daemon=True)
+        self.args_ = (iter_dir, manifest, names)
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            check_checksums(*self.args_, fast=True)
+        except (CheckpointError, OSError) as exc:
+            self.error = str(exc)
 
 
 def _check_model(layouts, shapes: dict, path: str, ps: ParallelState) -> None:
@@ -108,28 +169,9 @@ def reseed(seed: int, iteration: int, ps: ParallelState, tracker=None) -> None:
         tracker.set_states(RNGTracker.from_state(ps, base).get_states())
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, ps: ParallelState, *,
-                    load_optim: bool = True, load_rng: bool = True, finetune: bool = False,
-                    rng_tracker=None, iteration: int | None = None,
-                    save_dir: str | None = None, verify: bool = False
-                    ) -> LoadedCheckpoint | None:
-    """Restore the latest (or ``iteration``'s) checkpoint under ``root`` into the objects,
-    resharding to this layout. Collective over the world.
-
-    Returns None -- start from scratch -- only when ``root`` holds no checkpoint and
-    ``save_dir`` is the same directory (see :func:`megalite.checkpoint.files.find_iteration`
-    for the rules). ``finetune``: weights only; iteration and consumed samples restart at
-    0. ``load_optim`` False: fresh optimizer moments and loss scaler (the lr schedule
-    still continues). ``load_rng`` False: keep this run's seeds. ``verify``: check the
-    files' sha256 against the manifest. Raises :class:`CheckpointError` naming the first
-    missing or damaged file, or the first tensor whose name or shape differs.
-    """
-    if iteration is None:
-        iteration = find_iteration(root, save_dir=save_dir, finetune=finetune)
-        if iteration is None:
-            return None
-    iter_dir = iteration_dir(root, iteration)
-    meta = _check_files(iter_dir, ps, verify)
+def _read(iter_dir: str, meta: dict, model, optimizer, ps: ParallelState,
+          load_optim: bool, load_rng: bool, finetune: bool):
+    """Check the model against the checkpoint and read the blocks (collective)."""
     reader = dcp.FileSystemReader(iter_dir)
     entries = reader.read_metadata().state_dict_metadata
     shapes = {k[len("model/"):]: tuple(v.size) for k, v in entries.items()
@@ -160,7 +202,52 @@ def load_checkpoint(root: str, model, optimizer, scheduler, ps: ParallelState, *
         state[rng_key(ps.rank)] = None
     load_blocks(state, pieces, reader, no_dist=not distributed(ps))
 
-    common = state[COMMON]
+    return state[COMMON], per_param, want_optim, want_rng, same_layout, state
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, ps: ParallelState, *,
+                    load_optim: bool = True, load_rng: bool = True, finetune: bool = False,
+                    rng_tracker=None, iteration: int | None = None,
+                    save_dir: str | None = None, verify: bool = True,
+                    sha256: bool = False) -> LoadedCheckpoint | None:
+    """Restore the latest (or ``iteration``'s) checkpoint under ``root`` into the objects,
+    resharding to this layout. Collective over the world.
+
+    Returns None -- start from scratch -- only when ``root`` holds no checkpoint and
+    ``save_dir`` is the same directory (see :func:`megalite.checkpoint.files.find_iteration`
+    for the rules). ``finetune``: weights only; iteration and consumed samples restart at
+    0. ``load_optim`` False: fresh optimizer moments and loss scaler (the lr schedule
+    still continues). ``load_rng`` False: keep this run's seeds. ``iteration``
+    (``--ckpt-step``): that one instead of the latest. ``verify`` (default; off with
+    ``--no-ckpt-verify``): check the files' fast checksums; ``sha256`` (``--ckpt-verify``):
+    also their sha256. Raises :class:`CheckpointError` naming the first missing or damaged
+    file, or the first tensor whose name or shape differs.
+    """
+    iteration, identity = resolve_checkpoint(root, ps, step=iteration, save_dir=save_dir,
+                                             finetune=finetune)
+    if iteration is None:
+        return None
+    iter_dir = iteration_dir(root, iteration)
+    meta = _check_files(iter_dir, identity, ps, sha256)
+    checker = None
+    if verify:
+        names = sorted(meta["files"])
+        checker = _ChecksumThread(iter_dir, meta["files"], names[ps.rank::ps.world_size])
+        checker.start()
+    try:
+        common, per_param, want_optim, want_rng, same_layout, state = _read(
+            iter_dir, meta, model, optimizer, ps, load_optim, load_rng, finetune)
+    except Exception as exc:
+        if checker is not None:
+            checker.join()
+            if checker.error is not None:  # the damage explains the failure
+                raise CheckpointError(f"{checker.error}; "
+                                      f"{fallback_hint(root, iteration)}") from exc
+        raise
+    if checker is not None:
+        checker.join()
+        raise_if_any(checker.error, ps, "{error}; " + fallback_hint(root, iteration)
+                     + " (or pass --no-ckpt-verify to load this one as it is)")
     if optimizer is not None:
         optimizer.reload_model_params()
     if finetune:

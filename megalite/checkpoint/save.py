@@ -5,8 +5,9 @@ A save, collective over the world:
 1. rank 0 (re)creates ``iter_XXXXXXX.tmp``;
 2. every rank builds its flat state dict (:mod:`megalite.checkpoint.state`) and DCP
    writes the blocks (``torch.distributed.checkpoint.save`` with
-   :class:`~megalite.checkpoint.planner.BlockSavePlanner`); each rank lists the sizes (and
-   sha256 with ``verify``) of the files it wrote;
+   :class:`~megalite.checkpoint.planner.BlockSavePlanner`); each rank lists the sizes and
+   fast checksums (xxh3_64 with the xxhash package, else zlib's crc32; plus sha256 with
+   ``verify``, ``--ckpt-verify``) of the files it wrote;
 3. *publish*: when every rank succeeded, rank 0 writes ``metadata.json`` (format,
    iteration, layout, config, manifest), renames the directory to ``iter_XXXXXXX`` and
    replaces ``latest_checkpointed_iteration.txt``. A failure anywhere raises
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite.checkpoint.files import (
+    FAST_CHECKSUM,
     LATEST,
     METADATA,
     CheckpointError,
@@ -109,7 +111,8 @@ class _Job:
               checksums: bool) -> None:
         try:
             write_blocks(state, pieces, self.tmp, group, no_dist)
-            self.files = manifest_entries(self.tmp, _my_files(self.tmp, rank), checksums)
+            self.files = manifest_entries(self.tmp, _my_files(self.tmp, rank),
+                                          sha256=checksums)
         except Exception as exc:  # noqa: BLE001 - reported collectively at publication
             self.error = repr(exc)
 
@@ -119,7 +122,8 @@ class CheckpointSaver:
 
     Create it on every rank (collective when async: it makes a gloo process group for the
     background collectives), call :meth:`save` for each checkpoint and :meth:`close` at
-    the end. ``verify``: record sha256 checksums in the manifest.
+    the end. The manifest always holds each file's fast checksum; ``verify``
+    (``--ckpt-verify``): sha256 as well.
     """
 
     def __init__(self, ps: ParallelState, *, async_save: bool = False, verify: bool = False):
@@ -164,7 +168,9 @@ class CheckpointSaver:
         meta = {"format": FORMAT, "iteration": iteration,
                 "consumed_samples": consumed_samples, "layout": layout_of(ps),
                 "optimizer_state": names if save_optim and optimizer is not None else None,
-                "rng": save_rng, "checksums": self.verify, "config": config}
+                "rng": save_rng,
+                "checksums": [FAST_CHECKSUM] + (["sha256"] if self.verify else []),
+                "config": config}
         job = _Job(root, iteration, tmp, final, meta)
         no_dist = not distributed(ps)
         if self.async_save:

@@ -78,7 +78,11 @@ class CheckpointConfig:
     no_load_rng: bool = arg(False, "Do not load the RNG states.")
     finetune: bool = arg(False, "Load weights only and start at iteration 0.")
     async_save: bool = arg(False, "Write checkpoints in a background thread.")
-    ckpt_verify: bool = arg(False, "Record and check file checksums.")
+    ckpt_verify: bool = arg(False, "Also record (at save) and check (at load) each file's "
+                            "sha256, on top of the fast checksum always recorded.")
+    no_ckpt_verify: bool = arg(False, "Do not check the files' fast checksums (xxh3_64 or "
+                               "crc32) at load; sizes are still checked.")
+    ckpt_step: int | None = arg(None, "Load this iteration of --load instead of the latest.")
     ckpt_format: str = arg("torch_dist", "Checkpoint format: torch_dist is megalite's "
                            "native format (torch.distributed.checkpoint with layout-free keys).",
                            choices=("torch_dist",))
@@ -86,6 +90,12 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         check_choices(self)
         positive(self, "save_interval")
+        require(not (self.ckpt_verify and self.no_ckpt_verify),
+                "--ckpt-verify (check sha256 too) and --no-ckpt-verify contradict each other")
+        require(self.ckpt_step is None or self.ckpt_step >= 0,
+                f"--ckpt-step must be >= 0, got {self.ckpt_step}")
+        require(self.ckpt_step is None or self.load is not None,
+                "--ckpt-step needs --load (the directory to take that iteration from)")
 
 
 @dataclass

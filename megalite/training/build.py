@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from megalite.checkpoint import load_checkpoint
+from megalite.checkpoint.lock import acquire_save_lock
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.optim.build import build_grads_and_optimizer
 from megalite.optim.lr_schedule import LRScheduler
@@ -162,12 +163,14 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
 
     state = TrainState()
     ck = cfg.checkpoint
+    save_lock = acquire_save_lock(ck.save, ps) if ck.save else None  # one job per --save
     if ck.load:
         loaded = load_checkpoint(ck.load, model, optimizer, scheduler, ps,
                                  load_optim=not ck.no_load_optim,
                                  load_rng=not ck.no_load_rng, finetune=ck.finetune,
                                  rng_tracker=rng_tracker, save_dir=ck.save,
-                                 verify=ck.ckpt_verify)
+                                 iteration=ck.ckpt_step, verify=not ck.no_ckpt_verify,
+                                 sha256=ck.ckpt_verify)
         if loaded is None:
             metrics.print(f" no checkpoint in {ck.load}; starting from scratch")
         else:
@@ -199,4 +202,4 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
         num_microbatches=num_micro,
         flops_per_iteration=per_token * t.global_batch_size * cfg.model.seq_length,
         peak_flops=peak, state=state, rng_tracker=rng_tracker, tokenizer=tokenizer,
-        start_time=start_time, batch_schedule=schedule)
+        start_time=start_time, batch_schedule=schedule, save_lock=save_lock)

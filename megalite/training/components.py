@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import Dataset
 
+from megalite.checkpoint.lock import SaveLock
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.data.tokenizers import Tokenizer
 from megalite.optim.data_parallel import DataParallelGrads
@@ -53,6 +54,7 @@ class TrainingComponents:
     tokenizer: Tokenizer | None = None
     start_time: float = field(default_factory=time.time)  # wall clock when building began
     batch_schedule: BatchSchedule | None = None  # None: constant --global-batch-size
+    save_lock: SaveLock | None = None  # rank 0 of a job with --save holds SAVE/.megalite.lock
 
     @property
     def schedule(self) -> BatchSchedule:
@@ -91,6 +93,9 @@ class TrainingComponents:
     def close(self) -> None:
         self.metrics.close()
         self.grads.remove_hooks()
+        if self.save_lock is not None:
+            self.save_lock.release()
+            self.save_lock = None
 
 
 def _cycle(make: Callable[[int], Iterator], start: int) -> Iterator:

@@ -4,8 +4,9 @@
 
 1. Throughput (one process): a Llama-style GPTModel of about ``--size-mb`` MB of fp32
    weights, saved and loaded with megalite's checkpoint (DCP, fsynced, manifest with
-   sizes) against raw ``torch.save`` / ``torch.load`` of the same state dict (fsynced
-   too), in MB/s. Loads read back what was just written, so they come from the page cache
+   sizes and fast checksums, verified at load; also without verification and the
+   checksum alone) against raw ``torch.save`` / ``torch.load`` of the same state dict
+   (fsynced too), in MB/s. Loads read back what was just written, so they come from the page cache
    (this machine cannot drop it for one process), as on a node that just saved.
    Async: how long ``save()`` blocks (staging copy + planning) and when the background
    write is published.
@@ -63,6 +64,7 @@ def _torch_save(state: dict, path: str) -> None:
 def throughput(args, root: str) -> None:
     from megalite.checkpoint import CheckpointSaver, load_checkpoint, save_checkpoint
     from megalite.checkpoint.consolidated import single_process_state
+    from megalite.checkpoint.files import FAST_CHECKSUM, iteration_dir, manifest_entries
     from megalite.models.gpt import GPTModel
 
     ps = single_process_state()
@@ -85,6 +87,11 @@ def throughput(args, root: str) -> None:
             ckpt, 2 * i, model, None, None, ps, {}, 0, save_optim=False, save_rng=False))
         record("megalite load", lambda: load_checkpoint(
             ckpt, model, None, None, ps, load_rng=False))
+        record("megalite load (--no-ckpt-verify)", lambda: load_checkpoint(
+            ckpt, model, None, None, ps, load_rng=False, verify=False))
+        written = iteration_dir(ckpt, 2 * i)
+        record(f"  {FAST_CHECKSUM} of its files", lambda d=written: manifest_entries(
+            d, sorted(n for n in os.listdir(d) if n != "metadata.json")))
         record("megalite async: save() blocks", lambda: saver.save(
             ckpt, 2 * i + 1, model, None, None, {}, 0, save_optim=False, save_rng=False))
         times.setdefault("megalite async: total (write, publish)", []).append(

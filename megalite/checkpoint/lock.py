@@ -1,0 +1,171 @@
+"""One job per ``--save`` directory: ``SAVE/.megalite.lock``.
+
+Rank 0 of a job that saves creates the lock atomically (``O_CREAT | O_EXCL``) with its
+host, pid, start time and a heartbeat, which a daemon thread rewrites every
+``HEARTBEAT_SECONDS`` (a thread rather than the training loop: a step or an evaluation
+can outlast any interval, and the heartbeat only says the process is alive). A second
+job finds the lock and stops with one sentence naming the holder, unless the lock is
+stale -- its heartbeat older than ``STALE_SECONDS``, or its pid gone on this host -- in
+which case it is taken over with a log line. :meth:`SaveLock.release` (at a clean exit)
+removes it; a killed job leaves it behind, stale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+from megalite.checkpoint.files import CheckpointError
+
+LOCK = ".megalite.lock"
+HEARTBEAT_SECONDS = 60.0
+STALE_SECONDS = 600.0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def _read(path: str) -> dict:
+    """The lock's fields; a lock being written (or unreadable) counts from its mtime."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        try:
+            return {"heartbeat": os.path.getmtime(path)}
+        except OSError:
+            return {}
+
+
+def stale_reason(info: dict, stale_after: float = STALE_SECONDS) -> str | None:
+    """Why the lock ``info`` may be taken over, or None while its holder looks alive."""
+    age = time.time() - float(info.get("heartbeat", 0))
+    if age > stale_after:
+        return f"its heartbeat is {age:.0f}s old (over {stale_after:.0f}s)"
+    if info.get("host") == socket.gethostname() and "pid" in info:
+        if info["pid"] == os.getpid():
+            return "it was left by an earlier run in this process"
+        if not _pid_alive(int(info["pid"])):
+            return f"pid {info['pid']} no longer runs on this host"
+    return None
+
+
+class SaveLock:
+    """The held lock of ``directory``; :meth:`acquire` it, :meth:`release` at exit."""
+
+    def __init__(self, directory: str, heartbeat_seconds: float = HEARTBEAT_SECONDS):
+        self.path = os.path.join(directory, LOCK)
+        self.info = {"host": socket.gethostname(), "pid": os.getpid(),
+                     "started": time.time(), "heartbeat": time.time()}
+        self._stop = threading.Event()
+        self._interval = heartbeat_seconds
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def acquire(cls, directory: str, *, stale_after: float = STALE_SECONDS,
+                heartbeat_seconds: float = HEARTBEAT_SECONDS, log=print) -> SaveLock:
+        """Take the lock of ``directory`` (created if missing) or raise
+        :class:`CheckpointError` naming the live job that holds it."""
+        os.makedirs(directory, exist_ok=True)
+        lock = cls(directory, heartbeat_seconds)
+        for _ in range(3):
+            try:
+                fd = os.open(lock.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                info = _read(lock.path)
+                reason = stale_reason(info, stale_after)
+                if reason is None:
+                    age = time.time() - float(info.get("heartbeat", 0))
+                    raise CheckpointError(
+                        f"--save {directory} is in use by another job (host "
+                        f"{info.get('host', '?')}, pid {info.get('pid', '?')}, heartbeat "
+                        f"{age:.0f}s ago): stop it or save elsewhere; if it is gone, delete "
+                        f"{lock.path} (a lock is taken over by itself after "
+                        f"{stale_after:.0f}s without heartbeat)") from None
+                lock._take_over(info, reason, log)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(lock.info, f)
+            lock._thread = threading.Thread(target=lock._beat, name="save-lock-heartbeat",
+                                            daemon=True)
+            lock._thread.start()
+            return lock
+        raise CheckpointError(f"could not take {lock.path}: other jobs keep taking it")
+
+    def _take_over(self, info: dict, reason: str, log) -> None:
+        """Move the stale lock aside (one taker wins the rename); if what was moved is not
+        the lock judged stale (a new holder raced in), put it back."""
+        aside = f"{self.path}.stale{os.getpid()}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        if _read(aside) != info:
+            try:
+                os.link(aside, self.path)
+            finally:
+                os.remove(aside)
+            return
+        os.remove(aside)
+        log(f" taking over the lock {self.path} of host {info.get('host', '?')} pid "
+            f"{info.get('pid', '?')}: {reason}")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.refresh()
+            except (OSError, CheckpointError) as exc:
+                print(f" warning: {exc}", flush=True)
+                return
+
+    def refresh(self) -> None:
+        """Rewrite the heartbeat (atomically); an error if another job took the lock."""
+        held = _read(self.path)
+        if {k: held.get(k) for k in ("host", "pid", "started")} != \
+                {k: self.info[k] for k in ("host", "pid", "started")}:
+            raise CheckpointError(f"{self.path} now belongs to host {held.get('host')} pid "
+                                  f"{held.get('pid')}: another job took over this --save "
+                                  "directory")
+        self.info["heartbeat"] = time.time()
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.info, f)
+        os.replace(tmp, self.path)
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock if it is still ours."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        held = _read(self.path)
+        if held.get("pid") == self.info["pid"] and held.get("started") == self.info["started"]:
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def acquire_save_lock(directory: str, ps, log=print) -> SaveLock | None:
+    """:meth:`SaveLock.acquire` on rank 0, the outcome shared (collective): the lock on
+    rank 0, None on the others, or the same :class:`CheckpointError` on every rank."""
+    from megalite.checkpoint.save import raise_if_any
+
+    lock, error = None, None
+    if ps.rank == 0:
+        try:
+            lock = SaveLock.acquire(directory, log=log)
+        except (CheckpointError, OSError) as exc:
+            error = str(exc)
+    raise_if_any(error, ps, "{error}")
+    return lock
