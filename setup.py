@@ -19,6 +19,7 @@ setup(
         "safetensors>=0.4",
         "pyyaml>=6.0",
         "tqdm>=4.66",
+        "xxhash>=3.0",  # the default checkpoint checksum (zlib's crc32 is the fallback)
     ],
     extras_require={
         "dev": [
