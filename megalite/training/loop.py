@@ -19,7 +19,9 @@ Around the steps: ``--manual-gc`` (``manual_gc.ManualGC``) and ``--profile``
 A NaN/inf loss (``--check-for-nan-in-loss-and-grad``, on by default) raises
 :class:`NonFiniteLossError` naming the iteration before the optimizer or a checkpoint sees
 it. Non-finite gradients skip the step under fp16 (loss scaling backs off); otherwise they
-raise too.
+raise too. fp16 loss scaling that cannot learn (every step skipped, or every gradient
+zero, for a window) raises :class:`~megalite.training.health.LossScaleError` before that
+iteration's checkpoint (``megalite.training.health``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from megalite.checkpoint import CheckpointSaver, save_checkpoint
 from megalite.parallel.collectives import ReduceOp, all_reduce, all_reduce_scalar
 from megalite.training.components import TrainState
 from megalite.training.forward_backward import RouterLosses, forward_backward, loss_divisors
+from megalite.training.health import LossScaleError, LossScaleWatchdog  # noqa: F401 (re-export)
 from megalite.training.manual_gc import ManualGC
 from megalite.training.metrics import IterationMetrics
 from megalite.training.profiling import StepProfiler
@@ -193,6 +196,7 @@ def train(c: TrainingComponents) -> TrainResult:
     train_iter = c.train_iterator(state.consumed_train_samples)
     valid_iter = c.valid_iterator(state.iteration)
     last_saved = state.iteration if ck.load else None
+    watchdog = LossScaleWatchdog.from_config(cfg)
     saver = CheckpointSaver(c.ps, async_save=bool(ck.save) and ck.async_save,
                             verify=ck.ckpt_verify)
     with SignalHandler(enabled=t.exit_signal_handler) as signals, \
@@ -241,6 +245,8 @@ def train(c: TrainingComponents) -> TrainResult:
                     and cfg.logging.timing_log_level > 0):
                 metrics.print(" timers (ms/iter) | " + c.timers.summary(
                     normalizer=cfg.logging.log_interval))
+            watchdog.after_step(state.iteration, step.updated, step.grad_norm,
+                                step.loss_scale, step.lm_loss)
 
             if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
                 save(c, state, saver)
