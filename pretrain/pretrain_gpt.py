@@ -9,7 +9,10 @@
 Flags are Megatron-LM's (``megalite.arguments``). Exit status: 0 when training finished or
 stopped on ``--exit-interval`` / ``--exit-duration-in-mins`` / SIGTERM with
 ``--exit-signal-handler`` (a checkpoint is saved first when ``--save`` is set); 2 on a bad
-flag or configuration; 1 on any other error (NaN loss, unreadable checkpoint, ...).
+flag or configuration; 3 on a data error; 4 on a checkpoint error; 5 on a numerical error
+(NaN loss); 1 on any other error (see ``megalite.errors``). A known error prints one line
+per rank, ``megalite: error (rank R): ...`` (its traceback too with ``MEGALITE_TRACEBACK=1``);
+any other keeps its traceback.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch.distributed as dist
 
 from megalite.arguments import main_parse
 from megalite.compat import no_effect_line
-from megalite.config import ConfigError
+from megalite.errors import report_error
 from megalite.parallel.state import ParallelState, init_distributed
 from megalite.training.build import build_components
 from megalite.training.loop import train
@@ -42,13 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(ignored, flush=True)
     ps = None
     try:
-        try:
-            cfg.validate(world)
-            ps = ParallelState.build(cfg.parallel)
-            components = build_components(cfg, ps)
-        except ConfigError as e:
-            print(f"megalite: error (rank {rank}): {e}", file=sys.stderr, flush=True)
-            return 2
+        cfg.validate(world)
+        ps = ParallelState.build(cfg.parallel)
+        components = build_components(cfg, ps)
         try:
             result = train(components)
         finally:
@@ -57,6 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f" training stopped at iteration {result.iteration} "
                   f"({result.exit_reason})", flush=True)
         return 0
+    except Exception as e:
+        code = report_error(e, rank)
+        if code is None:
+            raise
+        return code
     finally:
         if ps is not None:
             ps.destroy()

@@ -31,6 +31,8 @@ LR=${LR:-3e-4}
 # ----------------------------------------------------------------------------------------
 
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/_forward_sigterm.sh
+source scripts/_forward_sigterm.sh
 PYTHON=${PYTHON:-python}
 
 MODEL=(   # ~8B Llama-style
@@ -58,7 +60,7 @@ OUTPUT=(
   --tensorboard-dir "$RUN_DIR/tensorboard" --exit-signal-handler
 )
 
-exec "$PYTHON" -m torch.distributed.run \
+run_forwarding_sigterm "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id megalite \
   pretrain/pretrain_gpt.py "${MODEL[@]}" "${DATA[@]}" "${TRAINING[@]}" "${OUTPUT[@]}" "$@"

@@ -24,6 +24,8 @@ LR=${LR:-3e-4}
 # ----------------------------------------------------------------------------------------
 
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/_forward_sigterm.sh
+source scripts/_forward_sigterm.sh
 PYTHON=${PYTHON:-python}
 
 MODEL=(   # ~1B Llama-style
@@ -51,5 +53,6 @@ OUTPUT=(
   --tensorboard-dir "$RUN_DIR/tensorboard" --exit-signal-handler
 )
 
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$GPUS_PER_NODE" \
+run_forwarding_sigterm "$PYTHON" -m torch.distributed.run \
+  --standalone --nproc_per_node "$GPUS_PER_NODE" \
   pretrain/pretrain_gpt.py "${MODEL[@]}" "${DATA[@]}" "${TRAINING[@]}" "${OUTPUT[@]}" "$@"

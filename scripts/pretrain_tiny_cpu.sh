@@ -19,6 +19,8 @@ OUT=${OUT:-runs/pretrain_tiny_cpu}   # checkpoints, metrics.jsonl, tensorboard
 # ----------------------------------------------------------------------------------------
 
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/_forward_sigterm.sh
+source scripts/_forward_sigterm.sh
 PYTHON=${PYTHON:-.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=python3
 
@@ -48,6 +50,6 @@ OUTPUT=(
 )
 
 # OMP_NUM_THREADS=1: one core per rank; more threads per rank only fight over 2 cores.
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} exec "$PYTHON" -m torch.distributed.run \
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} run_forwarding_sigterm "$PYTHON" -m torch.distributed.run \
   --standalone --nproc_per_node "$NPROC" \
   pretrain/pretrain_gpt.py "${MODEL[@]}" "${DATA[@]}" "${TRAINING[@]}" "${OUTPUT[@]}" "$@"

@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 
 try:
@@ -38,6 +39,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import torch
 
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, ParallelConfig
+from megalite.errors import exit_code_of
 from megalite.models.families import FamilySpec, family_for_hf, family_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -253,8 +255,24 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     convert = {"megalite": hf_to_megalite, "hf": megalite_to_hf,
                "megalite-consolidated": megalite_to_consolidated}[args.target]
-    convert(args)
+    try:
+        convert(args)
+    except Exception as exc:
+        code = exit_code_of(exc)
+        if code is None:
+            raise
+        if os.environ.get("MEGALITE_TRACEBACK") == "1":
+            import traceback
+
+            traceback.print_exc()
+        print(f"convert_checkpoint: error: {own_flags(str(exc))}", file=sys.stderr)
+        return code
     return 0
+
+
+def own_flags(message: str) -> str:
+    """``message`` with pretrain_gpt.py's checkpoint flags as this tool's."""
+    return re.sub(r"--ckpt-step\b", "--iteration", message)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,18 @@ without torch.distributed (or on a world of one).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from megalite.checkpoint.files import find_iteration, iteration_dir, read_metadata
+from megalite.checkpoint.files import (
+    LATEST,
+    CheckpointError,
+    iteration_dir,
+    published_iterations,
+    read_latest_iteration,
+    read_metadata,
+)
 from megalite.checkpoint.load import load_checkpoint
 from megalite.checkpoint.save import save_checkpoint
 from megalite.config import MegaliteConfig, ParallelConfig
@@ -24,9 +33,26 @@ def single_process_state() -> ParallelState:
 
 
 def checkpoint_config(root: str, iteration: int | None = None) -> tuple[MegaliteConfig, int]:
-    """The run configuration recorded in the checkpoint, and its iteration."""
+    """The run configuration recorded in the checkpoint, and its iteration.
+
+    Its errors name no command-line flag (tools call this with their own flags)."""
+    held = published_iterations(root)
     if iteration is None:
-        iteration = find_iteration(root)
+        iteration = read_latest_iteration(root)
+        if iteration is None and held:
+            raise CheckpointError(
+                f"{root} holds iterations {', '.join(map(str, held))} but no {LATEST}; "
+                f"choose one explicitly")
+        if iteration is None:
+            what = ("does not exist" if not os.path.exists(root) else
+                    "holds no megalite checkpoint")
+            if os.path.exists(os.path.join(root, "config.json")):
+                what += " (it looks like a Hugging Face model)"
+            raise CheckpointError(f"{root}: the directory {what}")
+    elif iteration not in held:
+        what = (f"available: {', '.join(map(str, held))}" if held else
+                "it holds no published iteration")
+        raise CheckpointError(f"{root} has no iteration {iteration}; {what}")
     meta = read_metadata(iteration_dir(root, iteration))
     return MegaliteConfig.from_dict(meta["config"]), iteration
 

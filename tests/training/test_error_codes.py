@@ -1,0 +1,136 @@
+"""Exit codes and one-line errors (megalite.errors) of pretrain_gpt.py and the converter,
+and the launch script's exit code 0 after a SIGTERM-triggered save. Real processes."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from megalite.checkpoint import read_latest_iteration
+from megalite.errors import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_DATA, EXIT_NUMERICAL, exit_code_of
+from tests.training.common import ENTRYPOINT, PYTHON, REPO, read_jsonl, subprocess_env, tiny_flags
+
+CONVERTER = os.path.join(REPO, "tools", "convert_checkpoint.py")
+
+
+def _two_ranks(flags):
+    """Both ranks of a world of two as plain processes (torchrun reports any failure as
+    its own exit code 1; the ranks' codes are what this checks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([PYTHON, ENTRYPOINT, *flags], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(2)]
+    try:
+        return [(p.communicate(timeout=150)[1], p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_exit_code_table():
+    from megalite.checkpoint import CheckpointError
+    from megalite.config import ConfigError
+    from megalite.data.builder import DataBuildError
+    from megalite.training.loop import NonFiniteLossError
+
+    assert exit_code_of(ConfigError("x")) == EXIT_CONFIG == 2
+    assert exit_code_of(DataBuildError("x")) == EXIT_DATA == 3
+    assert exit_code_of(CheckpointError("x")) == EXIT_CHECKPOINT == 4
+    assert exit_code_of(NonFiniteLossError("x")) == EXIT_NUMERICAL == 5
+    assert exit_code_of(ValueError("x")) is None
+
+
+def test_data_error_one_line_per_rank_exit_3(tmp_path):
+    flags = tiny_flags(**{"--data-path": str(tmp_path / "missing_prefix")})
+    flags.remove("--mock-data")
+    results = _two_ranks(flags)
+    assert [code for _, code in results] == [3, 3], results
+    for rank, (stderr, _) in enumerate(results):
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"megalite: error (rank {rank}): "), stderr
+        assert lines[0].endswith(f"{tmp_path}/missing_prefix.idx: file not found (an indexed "
+                                 f"dataset needs both missing_prefix.idx and "
+                                 f"missing_prefix.bin)"), stderr
+
+
+def test_checkpoint_error_exit_4_and_traceback_on_request(tmp_path):
+    load = tmp_path / "ckpt"
+    (load / "iter_0000002").mkdir(parents=True)   # a truncated save: no metadata
+    (load / "latest_checkpointed_iteration.txt").write_text("2")
+    flags = tiny_flags(**{"--load": str(load)})
+    proc = subprocess.run([PYTHON, ENTRYPOINT, *flags], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 4, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"megalite: error (rank 0): {load}/iter_0000002/metadata.json is missing: "
+        f"{load}/iter_0000002 is not a megalite checkpoint (or was damaged). Found: []"]
+    proc = subprocess.run([PYTHON, ENTRYPOINT, *flags],
+                          env=subprocess_env(MEGALITE_TRACEBACK="1"),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 4, proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "CheckpointError" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("megalite: error (rank 0): ")
+
+
+def test_config_error_exit_2(tmp_path):
+    flags = tiny_flags(**{"--global-batch-size": 7})
+    proc = subprocess.run([PYTHON, ENTRYPOINT, *flags], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        line for line in proc.stderr.strip().splitlines() if line.startswith("megalite: error")]
+    assert "global_batch_size (7) must be divisible" in proc.stderr
+
+
+def test_converter_errors_name_its_own_flags(tmp_path):
+    foreign = tmp_path / "notckpt"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not a checkpoint")
+    for extra in ([], ["--iteration", "3"]):
+        proc = subprocess.run([PYTHON, CONVERTER, "--source", "megalite", "--target", "hf",
+                               "--load-dir", str(foreign), "--save-dir", str(tmp_path / "o"),
+                               *extra], env=subprocess_env(), capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert proc.returncode == 4, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("convert_checkpoint: error: "), lines
+        for flag in ("--load ", "--save ", "--ckpt-step", "--finetune"):
+            assert flag not in lines[0], lines
+    assert "holds no megalite checkpoint" in subprocess.run(
+        [PYTHON, CONVERTER, "--source", "megalite", "--target", "megalite-consolidated",
+         "--load-dir", str(foreign), "--save-dir", str(tmp_path / "o")], env=subprocess_env(),
+        capture_output=True, text=True, timeout=120, check=False).stderr
+
+
+def test_tiny_cpu_script_exits_zero_after_sigterm_save(tmp_path):
+    out = tmp_path / "run"
+    env = subprocess_env(OUT=str(out), TRAIN_ITERS="100000", PYTHON=sys.executable,
+                         SEQ_LEN="32", MICRO_BATCH="2", GLOBAL_BATCH="4")
+    proc = subprocess.Popen(["bash", os.path.join(REPO, "scripts", "pretrain_tiny_cpu.sh"),
+                             "--log-interval", "1", "--eval-iters", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 150
+        while not (metrics.exists() and len(read_jsonl(str(metrics))) >= 1):
+            assert time.monotonic() < deadline, "training did not start"
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)   # the script's pid, as a scheduler would
+        output = proc.communicate(timeout=150)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output
+    last = read_jsonl(str(metrics))[-1]["iteration"]
+    assert read_latest_iteration(str(out / "checkpoints")) == last, output
+    assert "SignalException" not in output and "Traceback" not in output, output
