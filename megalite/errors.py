@@ -18,8 +18,9 @@ code meaning
 A known error prints one line per rank on stderr, ``megalite: error (rank R): ...``;
 ``MEGALITE_TRACEBACK=1`` prints its traceback first.
 
-Classes are matched by name along the exception's MRO (only classes defined in
-megalite), so this module imports none of the modules that define them.
+Each known error class declares its code by deriving from :class:`KnownError` (through
+:class:`DataError`, :class:`NumericalError`, or with its own ``exit_code``); this module
+imports nothing of megalite, so every layer can import it.
 """
 
 from __future__ import annotations
@@ -36,30 +37,28 @@ EXIT_CHECKPOINT = 4
 EXIT_NUMERICAL = 5
 
 
-class NumericalError(RuntimeError):
-    """Base class a numerical failure may derive from to get exit code 5."""
+class KnownError(Exception):
+    """Base of the errors megalite reports as one line; ``exit_code`` is the process exit
+    code. A subclass also derives from the builtin type callers catch (ValueError, ...)."""
+
+    exit_code = EXIT_UNKNOWN
 
 
-EXIT_CODES: dict[str, int] = {
-    "ConfigError": EXIT_CONFIG,
-    "DataBuildError": EXIT_DATA,
-    "IndexedDatasetError": EXIT_DATA,
-    "TokenizerError": EXIT_DATA,
-    "TokenIdError": EXIT_DATA,
-    "PreprocessError": EXIT_DATA,
-    "CheckpointError": EXIT_CHECKPOINT,
-    "NumericalError": EXIT_NUMERICAL,
-    "NonFiniteLossError": EXIT_NUMERICAL,
-    "LossScaleError": EXIT_NUMERICAL,
-}
+class DataError(KnownError):
+    """Dataset prefixes, ``.bin``/``.idx`` files, tokenizers, token ids, preprocessing."""
+
+    exit_code = EXIT_DATA
+
+
+class NumericalError(KnownError, RuntimeError):
+    """A NaN/Inf loss or a loss scale that cannot learn."""
+
+    exit_code = EXIT_NUMERICAL
 
 
 def exit_code_of(exc: BaseException) -> int | None:
     """The exit code of a known megalite exception, None for any other."""
-    for cls in type(exc).__mro__:
-        if cls.__module__.split(".")[0] == "megalite" and cls.__name__ in EXIT_CODES:
-            return EXIT_CODES[cls.__name__]
-    return None
+    return exc.exit_code if isinstance(exc, KnownError) else None
 
 
 def report_error(exc: BaseException, rank: int | None = None, *, prog: str = "megalite",

@@ -22,6 +22,8 @@ import os
 import re
 import zlib
 
+from megalite.errors import EXIT_CHECKPOINT, KnownError
+
 try:  # xxh3 hashes ~4x faster than zlib's crc32; any file saved with it needs it to verify
     import xxhash
 except ImportError:  # pragma: no cover - depends on the environment
@@ -32,8 +34,10 @@ LATEST = "latest_checkpointed_iteration.txt"
 ITER_RE = re.compile(r"iter_(\d{7})")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(KnownError, RuntimeError):
     """A checkpoint that cannot be written, found, read, or does not fit the model."""
+
+    exit_code = EXIT_CHECKPOINT
 
 
 def iteration_dir(root: str, iteration: int) -> str:

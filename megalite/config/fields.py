@@ -17,9 +17,13 @@ import dataclasses
 from dataclasses import field
 from typing import Any
 
+from megalite.errors import EXIT_CONFIG, KnownError
 
-class ConfigError(ValueError):
+
+class ConfigError(KnownError, ValueError):
     """A configuration value (or combination of values) that cannot work."""
+
+    exit_code = EXIT_CONFIG
 
 
 def arg(default: Any = None, help: str = "", *, flag: str | None = None,

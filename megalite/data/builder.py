@@ -35,13 +35,14 @@ from megalite.data.indices import (
     split_documents,
     split_matrix,
 )
+from megalite.errors import DataError
 
 logger = logging.getLogger(__name__)
 
 Splits = tuple  # (train, valid, test), each a dataset or None
 
 
-class DataBuildError(ValueError):
+class DataBuildError(DataError, ValueError):
     """Data flags or files that cannot give the requested datasets."""
 
 

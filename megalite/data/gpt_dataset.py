@@ -32,6 +32,7 @@ import torch
 
 from megalite.data.cache_dirs import default_index_cache_dir
 from megalite.data.indices import build_gpt_indices
+from megalite.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class GPTDatasetConfig:
     mmap_bin_files: bool = True  # False: read the .bin with plain reads (same tokens)
 
 
-class TokenIdError(ValueError):
+class TokenIdError(DataError, ValueError):
     """A token id outside ``[0, vocab_size)`` in a sample: the data does not fit the model."""
 
 

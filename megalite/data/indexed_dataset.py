@@ -32,6 +32,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from megalite.errors import DataError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = 34  # 9 magic + 8 version + 1 dtype code + 8 sequence count + 8 document count
@@ -50,7 +52,7 @@ DTYPE_CODES = {
 CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(DataError, ValueError):
     """A ``.bin``/``.idx`` file that is missing, truncated or not in the expected format."""
 
 

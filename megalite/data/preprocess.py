@@ -34,6 +34,7 @@ from megalite.data.indexed_dataset import (
 )
 from megalite.data.jsonl import open_binary
 from megalite.data.tokenizers import TokenizerError, create_tokenizer
+from megalite.errors import DataError
 
 CHUNK_BYTES = 256 << 10  # input handed to a worker at a time
 CHUNK_LINES = 512
@@ -63,7 +64,7 @@ class PreprocessOptions:
     strict: bool = False
 
 
-class PreprocessError(RuntimeError):
+class PreprocessError(DataError, RuntimeError):
     """A fatal problem with the input or the flags (reported as one line, exit code 1)."""
 
 

@@ -35,11 +35,13 @@ import json
 import os
 import re
 
+from megalite.errors import DataError
+
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                    "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "NullTokenizer")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(DataError, ValueError):
     """A tokenizer that cannot be built from the given files or flags."""
 
 

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import math
 
+from megalite.errors import NumericalError
+
 WINDOW = 10
 
 
-class LossScaleError(RuntimeError):
+class LossScaleError(NumericalError):
     """fp16 loss scaling cannot learn (every step skipped, or all gradients zero)."""
 
 

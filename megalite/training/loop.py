@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megalite.checkpoint import CheckpointSaver, save_checkpoint
+from megalite.errors import NumericalError
 from megalite.parallel.collectives import ReduceOp, all_reduce, all_reduce_scalar
 from megalite.training.components import TrainState
 from megalite.training.forward_backward import RouterLosses, forward_backward, loss_divisors
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(NumericalError):
     """The loss or the gradients became NaN/inf; no update or checkpoint was made."""
 
 
