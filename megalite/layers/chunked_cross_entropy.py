@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from megalite.layers.embedding import vocab_range
-from megalite.parallel.collectives import ReduceOp, all_reduce
+from megalite.layers.cross_entropy import (
+    global_logits_max,
+    local_targets,
+    loss_from_parts,
+    valid_vocab,
+)
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 elements per chunk by default (16 MiB)
 
@@ -41,21 +45,12 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, tp_group, padded_vocab_size, vocab_size, ignore_index,
                 chunk_rows):
         local_vocab = logits.shape[-1]
-        start, _ = vocab_range(padded_vocab_size, tp_group.rank, tp_group.size)
-        n_valid = max(0, min(local_vocab, vocab_size - start))
-        distributed = tp_group.size > 1
+        start, n_valid = valid_vocab(local_vocab, padded_vocab_size, vocab_size, tp_group)
         flat = logits.reshape(-1, local_vocab)          # [N, V/tp], a view when contiguous
         flat_target = target.reshape(-1)
+        logits_max = global_logits_max(flat, n_valid, tp_group)
 
-        if n_valid > 0:
-            logits_max = flat[:, :n_valid].max(dim=-1).values.float()
-        else:
-            logits_max = flat.new_full(flat.shape[:1], float("-inf"), dtype=torch.float32)
-        if distributed:
-            all_reduce(logits_max, tp_group, ReduceOp.MAX)
-
-        outside = (flat_target < start) | (flat_target >= start + local_vocab)
-        local_target = (flat_target - start).masked_fill(outside, 0)
+        local_target, outside = local_targets(flat_target, start, local_vocab)
         sum_exp = torch.empty_like(logits_max)
         target_logit = torch.empty_like(logits_max)
         for rows in _chunks(flat.shape[0], chunk_rows):
@@ -63,13 +58,8 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
             target_logit[rows] = shifted.gather(-1, local_target[rows].unsqueeze(-1)).squeeze(-1)
             sum_exp[rows] = shifted.exp_().sum(dim=-1)
         target_logit.masked_fill_(outside, 0.0)
-        if distributed:
-            both = torch.stack([target_logit, sum_exp])
-            all_reduce(both, tp_group)
-            target_logit, sum_exp = both[0], both[1]
-
         ignored = flat_target == ignore_index
-        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        loss, sum_exp = loss_from_parts(target_logit, sum_exp, ignored, tp_group)
         ctx.save_for_backward(flat, logits_max, sum_exp, local_target, outside, ignored)
         ctx.shape, ctx.n_valid, ctx.chunk_rows = logits.shape, n_valid, chunk_rows
         return loss.view(target.shape)

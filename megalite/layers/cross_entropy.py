@@ -20,39 +20,64 @@ from megalite.layers.embedding import vocab_range
 from megalite.parallel.collectives import ReduceOp, all_reduce
 
 
+def valid_vocab(local_vocab: int, padded_vocab_size: int, vocab_size: int,
+                tp_group) -> tuple[int, int]:
+    """(first vocabulary id of this rank's ``local_vocab`` columns, how many of them are
+    real ids rather than padding)."""
+    start, _ = vocab_range(padded_vocab_size, tp_group.rank, tp_group.size)
+    return start, max(0, min(local_vocab, vocab_size - start))
+
+
+def global_logits_max(logits: torch.Tensor, n_valid: int, tp_group) -> torch.Tensor:
+    """fp32 ``[...]``: the max of ``logits`` ``[..., V/tp]`` over the real vocabulary of
+    every rank (this rank's first ``n_valid`` columns, then MAX all-reduce over
+    ``tp_group``)."""
+    if n_valid > 0:
+        logits_max = logits[..., :n_valid].max(dim=-1).values.float()
+    else:
+        logits_max = logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
+    if tp_group.size > 1:
+        all_reduce(logits_max, tp_group, ReduceOp.MAX)
+    return logits_max
+
+
+def local_targets(target: torch.Tensor, start: int, local_vocab: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target ids as columns of this rank's slice, 0 where outside it; the outside mask)."""
+    outside = (target < start) | (target >= start + local_vocab)
+    return (target - start).masked_fill(outside, 0), outside
+
+
+def loss_from_parts(target_logit: torch.Tensor, sum_exp: torch.Tensor, ignored: torch.Tensor,
+                    tp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum this rank's shifted target logits (0 where the target is elsewhere) and sums of
+    exponentials over ``tp_group`` (one all-reduce), and return (per-token loss, ignored
+    tokens at 0; the global sum of exponentials)."""
+    if tp_group.size > 1:
+        both = torch.stack([target_logit, sum_exp])
+        all_reduce(both, tp_group)
+        target_logit, sum_exp = both[0], both[1]
+    return (sum_exp.log() - target_logit).masked_fill(ignored, 0.0), sum_exp
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp_group, padded_vocab_size, vocab_size, ignore_index):
         local_vocab = logits.shape[-1]
-        start, _ = vocab_range(padded_vocab_size, tp_group.rank, tp_group.size)
-        n_valid = max(0, min(local_vocab, vocab_size - start))
-        distributed = tp_group.size > 1
-
-        if n_valid > 0:
-            logits_max = logits[..., :n_valid].max(dim=-1).values.float()
-        else:
-            logits_max = logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
-        if distributed:
-            all_reduce(logits_max, tp_group, ReduceOp.MAX)
+        start, n_valid = valid_vocab(local_vocab, padded_vocab_size, vocab_size, tp_group)
+        logits_max = global_logits_max(logits, n_valid, tp_group)
 
         shifted = logits.float() - logits_max.unsqueeze(-1)  # a new fp32 tensor
         if n_valid < local_vocab:
             shifted[..., n_valid:] = float("-inf")
 
-        outside = (target < start) | (target >= start + local_vocab)
-        local_target = (target - start).masked_fill(outside, 0)
+        local_target, outside = local_targets(target, start, local_vocab)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(outside, 0.0)
 
         probs = shifted.exp_()
-        sum_exp = probs.sum(dim=-1)
-        if distributed:
-            both = torch.stack([target_logit, sum_exp])
-            all_reduce(both, tp_group)
-            target_logit, sum_exp = both[0], both[1]
-
         ignored = target == ignore_index
-        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        loss, sum_exp = loss_from_parts(target_logit, probs.sum(dim=-1), ignored, tp_group)
         probs.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(probs, local_target, outside, ignored)
         ctx.logits_dtype = logits.dtype
