@@ -3,7 +3,6 @@ items 4 and 5): HF -> megalite -> HF is bit-identical, a trained megalite checkp
 converted to HF gives our logits in ``AutoModelForCausalLM``, and a converted HF model
 continues training here."""
 
-import importlib.util
 import json
 import os
 
@@ -16,7 +15,8 @@ from megalite.models.families import get_family
 from megalite.parallel.state import ParallelState
 from megalite.training.build import build_components
 from megalite.training.loop import train
-from tests.training.common import REPO, run_training, tiny_config
+from tests.training.common import run_training, tiny_config
+from tests.tools import load_tool
 
 VOCAB = 61  # tiny_config's NullTokenizer: vocab_size 60 + 1
 LLAMA = {**get_family("llama").defaults, "num_layers": 2, "hidden_size": 64,
@@ -28,11 +28,7 @@ FAMILIES = list(FAMILY_MODEL)
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "convert_checkpoint", os.path.join(REPO, "tools", "convert_checkpoint.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("convert_checkpoint")
 
 
 def convert(*argv):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,16 +10,6 @@ import pytest
 from megalite.data.indexed_dataset import IndexedDatasetWriter
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def load_tool(name: str):
-    """Import ``tools/<name>.py`` as a module (tools/ is not a package)."""
-    path = REPO / "tools" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_tool_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def random_documents(rng: np.random.Generator, count: int, max_len: int, vocab: int,

@@ -18,7 +18,8 @@ from megalite.data.indexed_dataset import (
     merge_datasets,
     optimal_dtype,
 )
-from tests.data.conftest import load_tool, random_documents, write_dataset
+from tests.data.conftest import random_documents, write_dataset
+from tests.tools import load_tool
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.int32, np.int64,

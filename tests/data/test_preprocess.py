@@ -12,7 +12,7 @@ import pytest
 from megalite.data.bundled import BUNDLED_TOKENIZER_MODEL
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.tokenizers import create_tokenizer
-from tests.data.conftest import load_tool
+from tests.tools import load_tool
 
 TOOL = load_tool("preprocess_data")
 TOKENIZER = create_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=BUNDLED_TOKENIZER_MODEL)

@@ -94,7 +94,7 @@ def test_errors_are_one_sentence(tmp_path):
 
 def test_preprocess_tool_takes_the_tiktoken_flags(tmp_path):
     from megalite.data.indexed_dataset import IndexedDataset
-    from tests.data.conftest import load_tool
+    from tests.tools import load_tool
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"hello the World {i}"})

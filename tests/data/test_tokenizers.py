@@ -151,7 +151,7 @@ def test_missing_model_file(tmp_path):
 
 @pytest.mark.parametrize("model_type", ["bpe", "unigram"])
 def test_train_tokenizer_tool(tmp_path, model_type):
-    from tests.data.conftest import load_tool
+    from tests.tools import load_tool
 
     corpus = tmp_path / "c.jsonl"
     lines = [json.dumps({"text": f"{TEXT} Verse {i}.\nAnd God saw it."}) for i in range(200)]

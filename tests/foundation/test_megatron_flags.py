@@ -1,18 +1,15 @@
 """The README's Megatron flag table is what tools/megatron_flags.py generates from the parser
 (so a stale table fails the tests)."""
 
-import importlib.util
 import os
+
+from tests.tools import load_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "megatron_flags", os.path.join(REPO, "tools", "megatron_flags.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("megatron_flags")
 
 
 def test_readme_table_is_current():
