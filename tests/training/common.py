@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
 
 import torch
@@ -106,6 +108,20 @@ def subprocess_env(**extra) -> dict:
 
 
 PYTHON = sys.executable
+
+
+def start_two_ranks(flags: list[str], stderr=subprocess.PIPE) -> list[subprocess.Popen]:
+    """The entrypoint as the two ranks of a world of two, plain processes with torchrun's
+    environment variables (no torchrun: each rank's own exit code is kept); text stdout
+    piped, stderr as given. The master port is a free one picked just before."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    return [subprocess.Popen([PYTHON, ENTRYPOINT, *flags], stdout=subprocess.PIPE,
+                             stderr=stderr, text=True,
+                             env=subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+            for r in range(2)]
 
 
 def params_snapshot(model: torch.nn.Module) -> dict:

@@ -5,7 +5,6 @@ These start real processes (a few seconds each), so there are only a few.
 
 import os
 import signal
-import socket
 import subprocess
 import textwrap
 import time
@@ -17,6 +16,7 @@ from tests.training.common import (
     ENTRYPOINT,
     PYTHON,
     read_jsonl,
+    start_two_ranks,
     subprocess_env,
     tiny_config,
     tiny_flags,
@@ -41,12 +41,6 @@ CRASHING_DRIVER = textwrap.dedent("""
     save.write_blocks = write
     runpy.run_path({entrypoint!r}, run_name="__main__")
 """)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_rank_killed_mid_save_keeps_previous_checkpoint(tmp_path):
@@ -76,12 +70,7 @@ def test_sigterm_to_one_rank_saves_and_exits_zero(tmp_path):
     save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
     flags = tiny_flags(**{"--train-iters": 100000, "--save": save, "--metrics-jsonl": metrics,
                           "--exit-signal-handler": None, "--log-interval": 1000})
-    port = str(_free_port())
-    procs = [subprocess.Popen([PYTHON, ENTRYPOINT, *flags], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for r in range(2)]
+    procs = start_two_ranks(flags, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while not (os.path.exists(metrics) and len(read_jsonl(metrics)) >= 3):

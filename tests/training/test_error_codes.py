@@ -3,14 +3,21 @@ and the launch script's exit code 0 after a SIGTERM-triggered save. Real process
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from megalite.checkpoint import read_latest_iteration
 from megalite.errors import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_DATA, EXIT_NUMERICAL, exit_code_of
-from tests.training.common import ENTRYPOINT, PYTHON, REPO, read_jsonl, subprocess_env, tiny_flags
+from tests.training.common import (
+    ENTRYPOINT,
+    PYTHON,
+    REPO,
+    read_jsonl,
+    start_two_ranks,
+    subprocess_env,
+    tiny_flags,
+)
 
 CONVERTER = os.path.join(REPO, "tools", "convert_checkpoint.py")
 
@@ -18,14 +25,7 @@ CONVERTER = os.path.join(REPO, "tools", "convert_checkpoint.py")
 def _two_ranks(flags):
     """Both ranks of a world of two as plain processes (torchrun reports any failure as
     its own exit code 1; the ranks' codes are what this checks)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = [subprocess.Popen([PYTHON, ENTRYPOINT, *flags], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for r in range(2)]
+    procs = start_two_ranks(flags)
     try:
         return [(p.communicate(timeout=150)[1], p.returncode) for p in procs]
     finally:
