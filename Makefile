@@ -1,10 +1,10 @@
-# megalite: make install | pretrain | test | fuzz | bench | lint | clean
+# megalite: make install | pretrain | test | test-gpu | fuzz | bench | lint | clean
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-PYTEST_ARGS ?= -q -m "not slow" --durations=15
+PYTEST_ARGS ?= -q -m "not slow and not gpu" --durations=15
 
-.PHONY: install pretrain test test-all fuzz bench lint clean
+.PHONY: install pretrain test test-gpu test-all fuzz bench lint clean
 
 install: $(STAMP)
 
@@ -21,6 +21,12 @@ pretrain: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+# The tests that need CUDA (pytest marker `gpu`, in tests/gpu): bf16 on CUDA against CPU fp32,
+# attention backends against local, exact resume and async save on CUDA, --compile against
+# eager. Without a GPU each is skipped with the reason (-rs prints it).
+test-gpu: install
+	$(PY) -m pytest -q -rs -m gpu --durations=15 tests
 
 test-all: install
 	$(PY) -m pytest -q tests

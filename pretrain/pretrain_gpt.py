@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megalite.arguments import main_parse
 from megalite.compat import no_effect_line
 from megalite.errors import report_error
+from megalite.parallel.device import DeviceSetupError, check_device_setup
 from megalite.parallel.state import ParallelState, init_distributed
 from megalite.training.build import build_components
 from megalite.training.loop import train
@@ -38,8 +39,13 @@ from megalite.training.loop import train
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = main_parse(argv)
-    rank, world = init_distributed(cfg.parallel.distributed_backend,
-                                   cfg.parallel.distributed_timeout_minutes)
+    try:  # GPU set-up mistakes (ranks > GPUs, nccl without CUDA, ...): one line, before any work
+        check_device_setup(cfg)
+        rank, world = init_distributed(cfg.parallel.distributed_backend,
+                                       cfg.parallel.distributed_timeout_minutes,
+                                       device=cfg.parallel.device)
+    except DeviceSetupError as e:
+        return report_error(e, int(os.environ.get("RANK", "0")))
     ignored = no_effect_line(cfg)
     if rank == 0 and ignored:
         print(ignored, flush=True)

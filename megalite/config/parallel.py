@@ -30,6 +30,10 @@ class ParallelConfig:
     grad_reduce_in_bf16: bool = arg(False, "Reduce gradients in bfloat16.")
     distributed_backend: str = arg("auto", "Process group backend (auto: nccl on GPU, "
                                    "gloo otherwise).", choices=("auto", "nccl", "gloo"))
+    device: str = arg("auto", "Where each rank computes: cuda:LOCAL_RANK (cuda), the CPU "
+                      "(cpu), or cuda when a GPU is visible, else cpu (auto; the "
+                      "MEGALITE_DEVICE environment variable can set it).",
+                      choices=("auto", "cpu", "cuda"))
     distributed_timeout_minutes: int = arg(10, "Timeout of collectives.")
     variable_seq_lengths: bool = arg(False, "Exchange shapes before pipeline transfers.")
     empty_unused_memory_level: int = arg(

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ConfigError, ParallelConfig
+from megalite.parallel.device import select_backend, select_device
 
 GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "tp_cp", "ep", "etp", "edp",
                "embedding", "position_embedding")
@@ -145,7 +146,8 @@ class ParallelState:
     @classmethod
     def build(cls, pcfg: ParallelConfig, device: torch.device | None = None,
               timeout_minutes: int | None = None) -> ParallelState:
-        """Create every group for ``pcfg`` on the current world.
+        """Create every group for ``pcfg`` on the current world; ``device`` defaults to
+        ``select_device(pcfg.device)`` (``--device``, :mod:`megalite.parallel.device`).
 
         torch.distributed must be initialized unless the world is one process. Every rank
         must call this collectively (groups are created in the same order everywhere).
@@ -158,7 +160,7 @@ class ParallelState:
                              pcfg.pipeline_model_parallel_size, pcfg.context_parallel_size,
                              pcfg.expert_model_parallel_size, pcfg.expert_tensor_parallel_size)
         if device is None:
-            device = default_device()
+            device = select_device(pcfg.device)
         state = cls(world_size=world, rank=rank, device=device,
                     vpp_size=pcfg.virtual_pipeline_model_parallel_size)
         minutes = timeout_minutes or pcfg.distributed_timeout_minutes
@@ -216,28 +218,33 @@ class ParallelState:
                 f"pp {self.pp.rank}/{self.pp.size} ep {self.ep.rank}/{self.ep.size}")
 
 
-def default_device() -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is present, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+def default_device(flag: str = "auto") -> torch.device:
+    """This rank's device for ``--device flag``: cuda:LOCAL_RANK when CUDA is requested or
+    (``auto``) present, else cpu; ``MEGALITE_DEVICE`` stands in for ``auto``
+    (:func:`megalite.parallel.device.select_device`, the one place that decides)."""
+    return select_device(flag)
 
 
-def init_distributed(backend: str = "auto", timeout_minutes: int = 10) -> tuple[int, int]:
+def init_distributed(backend: str = "auto", timeout_minutes: int = 10,
+                     device: str = "auto") -> tuple[int, int]:
     """Initialize torch.distributed from torchrun's environment if present.
 
     Without ``WORLD_SIZE`` in the environment (plain ``python script.py``) nothing is
-    initialized and (rank, world) = (0, 1). backend ``auto`` picks nccl when CUDA is
-    available, else gloo. Returns (rank, world_size).
+    initialized and (rank, world) = (0, 1). ``device`` is ``--device`` and ``backend``
+    ``--distributed-backend`` (``auto``: nccl on a CUDA device, else gloo); both are
+    resolved by :mod:`megalite.parallel.device`, which raises
+    :class:`~megalite.parallel.device.DeviceSetupError` before any process group exists
+    when they cannot run here (more ranks than GPUs, nccl without CUDA). On CUDA the
+    rank's GPU becomes the current device. Returns (rank, world_size).
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    chosen = select_device(device)
+    backend = select_backend(backend, chosen, device)
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and "MASTER_ADDR" not in os.environ:
         return 0, 1
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend,
                             timeout=datetime.timedelta(minutes=timeout_minutes))
     return dist.get_rank(), dist.get_world_size()
