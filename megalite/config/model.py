@@ -53,6 +53,11 @@ class ModelConfig:
     attention_backend: str = arg("auto", "Attention implementation (Megatron's fused / "
                                  "unfused are sdpa / local here).",
                                  choices=("auto", "flash", "sdpa", "local", "fused", "unfused"))
+    cp_comm_type: str = arg("p2p", "How attention exchanges keys/values under "
+                            "--context-parallel-size > 1: p2p (ring attention), allgather "
+                            "(gather keys/values over cp) or a2a (Ulysses all-to-all from "
+                            "sequence to heads); a2a+p2p is not supported.",
+                            choices=("p2p", "allgather", "a2a", "a2a+p2p"))
     masked_softmax_fusion: bool = arg(
         True, "Disable the fused masked-softmax kernel.", flag="--no-masked-softmax-fusion",
         action="store_false",
@@ -118,6 +123,9 @@ class ModelConfig:
                   "make_vocab_size_divisible_by", "vocab_size", "init_method_std",
                   "norm_epsilon", "rotary_base", "num_experts", "moe_router_topk",
                   "moe_layer_freq", "fp8_amax_history_len")
+        require(self.cp_comm_type != "a2a+p2p",
+                 "--cp-comm-type a2a+p2p (hierarchical context parallelism) is not "
+                 "supported; use p2p, allgather or a2a")
         require(self.cross_entropy_fusion_impl == "native",
                  "--cross-entropy-fusion-impl te needs Transformer Engine, which megalite "
                  "does not use; use native (the default)")
@@ -199,6 +207,12 @@ class ModelConfig:
             require(getattr(self, name) % tp == 0,
                      f"{name} ({getattr(self, name)}) must be divisible by "
                      f"tensor_model_parallel_size ({tp})")
+        if cp > 1 and self.cp_comm_type == "a2a":  # Ulysses splits the heads over cp
+            for name in ("num_attention_heads", "num_query_groups"):
+                require(getattr(self, name) % (tp * cp) == 0,
+                         f"--cp-comm-type a2a needs {name} ({getattr(self, name)}) divisible "
+                         f"by tensor_model_parallel_size ({tp}) x context_parallel_size "
+                         f"({cp}); use --cp-comm-type p2p or allgather")
         if self.num_experts is None:
             return
         require(self.num_experts % ep == 0,

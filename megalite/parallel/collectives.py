@@ -198,6 +198,28 @@ def all_to_all(x: torch.Tensor, group: Group, send: Sequence[int] | None = None,
     return out
 
 
+# -- ring (context parallel) ------------------------------------------------------------
+def ring_exchange(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, list]:
+    """Start passing ``x`` (any shape) one step around the ring of ``group`` (``ps.cp`` for
+    ring attention): send it to the next rank (``rank + 1 mod n``), receive a tensor of the
+    same shape from the previous one. Returns ``(received, works)``; ``received`` is
+    valid after :func:`wait_all` (``works``). With one member ``x`` itself comes back."""
+    if group.size == 1:
+        return x, []
+    n, r = group.size, group.rank
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, group.ranks[(r + 1) % n], group=group.group),
+           dist.P2POp(dist.irecv, out, group.ranks[(r - 1) % n], group=group.group)]
+    return out, dist.batch_isend_irecv(ops)
+
+
+def wait_all(works: list) -> None:
+    """Complete the work handles of :func:`ring_exchange`."""
+    for work in works:
+        work.wait()
+
+
 # -- python objects ----------------------------------------------------------------------
 def all_gather_object(obj, group: Group | None = None) -> list:
     """Every rank's picklable ``obj`` over ``group`` (None: the world), in rank order

@@ -12,6 +12,9 @@ context-parallel attention that wraps one) is one file and one line in ``KERNELS
 ``auto``   flash when installed and usable here, else sdpa
 =========  ===========================================================================
 
+With ``--context-parallel-size`` > 1 the kernel is wrapped by the context-parallel
+attention of ``--cp-comm-type`` (``context_parallel/``: p2p ring, allgather, a2a).
+
 Megatron's ``AttnBackend`` names are accepted too (``MEGATRON_ALIASES``): ``fused`` is
 sdpa (a fused kernel) and ``unfused`` is local (explicit scores and softmax).
 """
@@ -62,4 +65,11 @@ def build_core_attention(cfg, ps, rng, *, device=None, dtype=None) -> CoreAttent
     """
     device = ps.device if device is None else device
     name = select_attention_backend(cfg.attention_backend, device, dtype or torch.float32)
-    return KERNELS[name](cfg.attention_dropout, rng)
+    kernel = KERNELS[name](cfg.attention_dropout, rng)
+    if ps.cp.size > 1:
+        from megalite.transformer.attention_kernels.context_parallel import (
+            build_context_parallel_attention,
+        )
+
+        kernel = build_context_parallel_attention(kernel, cfg.cp_comm_type, ps)
+    return kernel

@@ -14,11 +14,14 @@ class CoreAttention(torch.nn.Module):
     of ``nh/ng`` consecutive query heads shares one key/value head) -> ``[s, b, nh * d]``.
     Dropout draws from the tracker's tensor-parallel stream (heads differ per TP rank).
 
-    Subclasses implement :meth:`attend` and, when they cannot run everywhere,
-    :meth:`unavailable`.
+    Subclasses implement :meth:`attend`, when they cannot run everywhere
+    :meth:`unavailable`, and for ring context parallelism ``lse_block``.
     """
 
     name = "base"
+    # (q, k, v, keep, scale, dropout_p, generator) -> (out, lse): one block with its
+    # log-sum-exp, for ring attention (``context_parallel.blocks``); None: cannot
+    lse_block = None
 
     def __init__(self, dropout: float, rng):
         super().__init__()

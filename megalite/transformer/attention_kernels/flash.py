@@ -7,10 +7,12 @@ import importlib.util
 import torch
 
 from megalite.transformer.attention_kernels.base import CoreAttention
+from megalite.transformer.attention_kernels.context_parallel.blocks import flash_block
 
 
 class FlashAttention(CoreAttention):
     name = "flash"
+    lse_block = staticmethod(flash_block)
 
     @classmethod
     def unavailable(cls, device, dtype):

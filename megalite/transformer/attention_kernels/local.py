@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megalite.transformer.attention_kernels.context_parallel.blocks import explicit_block
 from megalite.transformer.attention_kernels.base import (
     CoreAttention,
     from_batch_heads,
@@ -31,6 +32,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 class LocalAttention(CoreAttention):
     name = "local"
+    lse_block = staticmethod(explicit_block)
 
     def attend(self, q, k, v, dropout_p):
         return from_batch_heads(local_attention(*to_batch_heads(q, k, v), dropout_p))

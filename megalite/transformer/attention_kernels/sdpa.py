@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from megalite.transformer.attention_kernels.context_parallel.blocks import sdpa_block
 from megalite.transformer.attention_kernels.base import (
     CoreAttention,
     from_batch_heads,
@@ -13,6 +14,7 @@ from megalite.transformer.attention_kernels.base import (
 
 class SdpaAttention(CoreAttention):
     name = "sdpa"
+    lse_block = staticmethod(sdpa_block)
 
     def attend(self, q, k, v, dropout_p):
         nh = q.shape[2]
