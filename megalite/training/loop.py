@@ -13,8 +13,9 @@ samples (``megalite.training.batch_schedule``: constant, ``--rampup-batch-size``
 ``--step-batch-size-schedule``), i.e. that many / (micro x dp) micro-batches per rank, drawn
 from one data stream; the LR schedule advances by the step's samples when it counts
 samples. ``--train-samples`` becomes a number of iterations at build time.
-Around the steps: ``--manual-gc`` (``manual_gc.ManualGC``) and ``--profile``
-(``profiling.StepProfiler``).
+Around the steps: ``--manual-gc`` (``manual_gc.ManualGC``), ``--profile``
+(``profiling.StepProfiler``) and, on CUDA, the device-memory line and peak
+(``memory_log.MemoryReporter``).
 
 A NaN/inf loss (``--check-for-nan-in-loss-and-grad``, on by default) raises
 :class:`NonFiniteLossError` naming the iteration before the optimizer or a checkpoint sees
@@ -41,6 +42,7 @@ from megalite.training.components import TrainState
 from megalite.training.forward_backward import RouterLosses, forward_backward, loss_divisors
 from megalite.training.health import LossScaleError, LossScaleWatchdog  # noqa: F401 (re-export)
 from megalite.training.manual_gc import ManualGC
+from megalite.training.memory_log import MemoryReporter
 from megalite.training.metrics import IterationMetrics
 from megalite.training.profiling import StepProfiler
 from megalite.training.signals import SignalHandler
@@ -198,6 +200,7 @@ def train(c: TrainingComponents) -> TrainResult:
     valid_iter = c.valid_iterator(state.iteration)
     last_saved = state.iteration if ck.load else None
     watchdog = LossScaleWatchdog.from_config(cfg)
+    memory = MemoryReporter(c.ps, cfg.logging.log_interval)  # CUDA memory line + peak
     saver = CheckpointSaver(c.ps, async_save=bool(ck.save) and ck.async_save,
                             verify=ck.ckpt_verify)
     with SignalHandler(enabled=t.exit_signal_handler) as signals, \
@@ -221,6 +224,7 @@ def train(c: TrainingComponents) -> TrainResult:
             manual_gc.after_iteration(state.iteration)
 
             extra = dict(step.moe_losses)  # MoE router losses, if any
+            extra.update(memory.after_iteration(state.iteration))  # {} off CUDA
             if schedule.variable:
                 extra["global_batch_size"] = gbs
             if (valid_iter is not None and t.eval_iters > 0
