@@ -15,6 +15,8 @@ moe-training    tests/moe/test_training_equivalence.py: Mixtral training, x disp
 optim           tests/optim/test_equivalence.py: dp x tp x pp x distributed optimizer
 pipeline        tests/pipeline/test_pipeline_training.py: pp x vpp x tp x sp x dp
 training        tests/training/test_resume_and_layouts.py: tp x sp x dp, loss and metrics
+cp              tests/context_parallel/test_training_equivalence.py: cp x comm type x tp x
+                sp x pp x vpp x dp x distributed optimizer x ep, loss, grad norm, params
 resume          exact resumption at one layout (training, pipeline suites)
 reshard         tests/checkpoint/test_reshard.py: save at one layout, resume at others
 ==============  ========================================================================
@@ -185,10 +187,34 @@ _RESUME = [row("resume", 4, tp=2),                                  # test_resum
 _RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
             row("reshard", 1), row("reshard", 8, tp=4, distopt=True)]
 
+# -- cp: context parallelism, each comm type, trained against one process -----------------
+# a Llama-style GQA model (4 heads, 2 query groups: a2a at cp 2 splits both) at seq 32
+CP_MODEL = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+            "add_bias_linear": False, "group_query_attention": True, "num_query_groups": 2,
+            "seq_length": 32}
+CP_MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
+
+
+def _cp_row(world: int, comm: str, model: dict | None = None, train: dict | None = None,
+            **short: Any) -> Layout:
+    return row("cp", world, comm, model={**CP_MODEL, "cp_comm_type": comm, **(model or {})},
+               train=train, **short)
+
+
+_CP = [
+    *(_cp_row(2, comm, cp=2) for comm in ("p2p", "allgather", "a2a")),
+    _cp_row(4, "p2p", cp=4),
+    _cp_row(4, "p2p", tp=2, sp=True, cp=2),
+    _cp_row(4, "allgather", pp=2, cp=2),
+    _cp_row(4, "a2a", model={"num_layers": 4}, pp=2, vpp=2, cp=2),
+    _cp_row(4, "p2p", cp=2, distopt=True),
+    _cp_row(4, "allgather", model=CP_MOE, cp=2, ep=2),
+]
+
 SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "pipeline", "training",
-          "resume", "reshard")
+          "resume", "reshard", "cp")
 LAYOUTS: tuple[Layout, ...] = (*_MODEL, *_MIXTRAL, *_MOE_LAYER, *_MOE_TRAINING, *_OPTIM,
-                               *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD)
+                               *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD, *_CP)
 
 
 def layouts(tag: str | None = None, world: int | None = None,

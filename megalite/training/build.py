@@ -128,9 +128,6 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
                               f"batch ({schedule.global_batch_size(0)})")
     if t.train_iters is None:
         raise ConfigError("--train-iters or --train-samples is required")
-    if ps.cp.size > 1:
-        raise ConfigError("the training loop does not drive context parallelism yet; "
-                          "use --context-parallel-size 1")
     dp = ps.dp.size
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
 

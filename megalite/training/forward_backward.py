@@ -46,8 +46,9 @@ from megalite.pipeline.schedules import ScheduleStats, build_schedule, run_sched
 
 
 def activation_shape(cfg, ps) -> tuple[int, int, int]:
-    """Shape of the tensor passed between stages: ``[s, b, h]`` (``[s/tp, b, h]`` under SP)."""
-    seq = cfg.model.seq_length
+    """Shape of the tensor passed between stages: ``[s/cp, b, h]`` (``[s/(cp tp), b, h]``
+    under SP): each context-parallel rank holds ``s/cp`` tokens of the sequence."""
+    seq = cfg.model.seq_length // ps.cp.size
     if cfg.parallel.sequence_parallel and ps.tp.size > 1:
         seq //= ps.tp.size
     return (seq, cfg.train.micro_batch_size, cfg.model.hidden_size)

@@ -37,6 +37,7 @@ import torch
 
 from megalite.checkpoint import CheckpointSaver, save_checkpoint
 from megalite.errors import NumericalError
+from megalite.parallel.cp_chunks import slice_batch
 from megalite.parallel.collectives import ReduceOp, all_reduce, all_reduce_scalar
 from megalite.training.components import TrainState
 from megalite.training.forward_backward import RouterLosses, forward_backward, loss_divisors
@@ -87,6 +88,13 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS if k in batch}
 
 
+def _local_batch(batch: dict, ps) -> dict:
+    """A micro-batch on this rank's device; under context parallelism only this cp rank's
+    load-balanced chunks of it (tokens, labels, loss mask, position ids:
+    ``megalite.parallel.cp_chunks.slice_batch``)."""
+    return slice_batch(_to_device(batch, ps.device), ps.cp.size, ps.cp.rank)
+
+
 def count_tokens(batches: list[dict], group) -> torch.Tensor:
     """Valid tokens of the global batch: this rank's loss_mask sum, SUM over ``group``
     (``ps.dp_cp``). fp64 scalar, at least 1."""
@@ -101,7 +109,7 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int) -> St
     ps, timers = c.ps, c.timers
     c.grads.zero_grad(num_microbatches=len(batches))  # each chunk's m-th grad is final
     c.model.train()
-    batches = [_to_device(b, ps.device) for b in batches]
+    batches = [_local_batch(b, ps) for b in batches]
     tokens = count_tokens(batches, ps.dp_cp)
     divisors = loss_divisors(batches, tokens, c.cfg.train.per_microbatch_loss, ps.dp.size)
     router = RouterLosses(ps.device) if c.cfg.model.num_experts is not None else None
@@ -140,7 +148,7 @@ def evaluate(c: TrainingComponents, data_iterator: Iterator, num_steps: int) -> 
     one = torch.ones((), dtype=torch.float64, device=c.ps.device)
     with c.timers("evaluate", log_level=0):
         for _ in range(num_steps):
-            batches = [_to_device(next(data_iterator), c.ps.device)
+            batches = [_local_batch(next(data_iterator), c.ps)
                        for _ in range(c.num_microbatches)]
             loss_sum += forward_backward(c, batches, one, train=False)
             tokens += sum(b["loss_mask"].double().sum() for b in batches)

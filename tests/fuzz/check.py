@@ -37,9 +37,10 @@ from tests.layouts import Layout, tiny
 
 ITERS = 3
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
-# recomputation and the dispatcher do not change the model: the reference runs without
+# recomputation, the dispatcher and the cp comm type do not change the model: the reference
+# runs without
 REFERENCE_DROPS = ("recompute_granularity", "recompute_method", "recompute_num_layers",
-                   "moe_token_dispatcher_type")
+                   "moe_token_dispatcher_type", "cp_comm_type")
 
 
 @dataclasses.dataclass(frozen=True)

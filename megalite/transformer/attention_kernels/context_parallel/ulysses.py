@@ -62,7 +62,8 @@ class UlyssesAttention(ContextParallelAttention):
         cp = self.cp.size
         seq = s_local * cp
         ng = k.shape[2]
-        # [s/cp, b, nh + 2 ng, d], per head group j: its nh/cp query heads, then ng/cp keys, then ng/cp values
+        # [s/cp, b, nh + 2 ng, d]: per head group j its nh/cp query heads, ng/cp keys and
+        # ng/cp values, so that one all-to-all moves all three
         parts = [t.reshape(s_local, b, cp, -1, d) for t in (q, k, v)]
         qkv = torch.cat(parts, dim=3).reshape(s_local, b, -1, d)
         sent = qkv.numel() * qkv.element_size() * (cp - 1) // cp
