@@ -10,15 +10,19 @@ function returns the ordered steps of one pipeline rank:
   chunk v-1, ..., 0 backward. Needs ``m % p == 0``.
 * :func:`forward_only` -- every forward, for evaluation.
 
-:func:`run_schedule` executes the steps: receive the input activation (unless this is the
-first piece of the model), run the caller's forward, send the output on (unless this is
-the last piece); for a backward, receive the output gradient, back-propagate, send the
-input gradient back. Outputs already sent are deallocated (their data replaced by a
-one-element tensor) so a rank holds at most the 1F1B bound of activations, not GPipe's.
+:func:`run_schedule` executes the steps: run the caller's forward on the input activation
+(none on the first piece of the model) and send the output on (unless this is the last
+piece); for a backward, back-propagate the output gradient (none on the last piece) and
+send the input gradient back. When each transfer is posted -- and so the order of the
+messages between two ranks, which NCCL matches by order alone -- comes from every rank's
+step list (:mod:`megalite.pipeline.plan`). Outputs already sent are deallocated (their
+data replaced by a one-element tensor) so a rank holds at most the 1F1B bound of
+activations, not GPipe's.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,8 +31,7 @@ import torch
 
 from megalite.config import ConfigError
 from megalite.pipeline.p2p import PipeComm
-
-Step = tuple[str, int, int]
+from megalite.pipeline.plan import Step, plan_rounds
 
 
 def one_f_one_b(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Step]:
@@ -90,11 +93,25 @@ def all_forward_then_backward(num_microbatches: int) -> list[Step]:
 
 def build_schedule(pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1,
                    train: bool = True) -> list[Step]:
+    """The steps of pipeline rank ``pp_rank``: 1F1B, interleaved 1F1B (``vpp > 1``), or
+    every forward (``train=False``)."""
     if not train:
         return forward_only(num_microbatches, vpp, pp_size)
     if vpp > 1:
         return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, vpp)
     return one_f_one_b(pp_size, pp_rank, num_microbatches)
+
+
+def build_schedules(pp_size: int, num_microbatches: int, vpp: int = 1,
+                    train: bool = True) -> list[list[Step]]:
+    """The steps of every pipeline rank (index: pipeline rank), for :func:`run_schedule`."""
+    return [build_schedule(pp_size, r, num_microbatches, vpp, train) for r in range(pp_size)]
+
+
+@functools.lru_cache(maxsize=16)
+def _plan(rank_steps: tuple[tuple[Step, ...], ...], vpp: int):
+    """plan_rounds, kept for the next global batch (the same steps every iteration)."""
+    return plan_rounds([list(s) for s in rank_steps], vpp)
 
 
 @dataclass
@@ -126,54 +143,53 @@ def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
         (output,), (grad,), False, False, (), True, True)
 
 
-def run_schedule(steps: list[Step], *, forward_step: Callable, ps, vpp: int,
+def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vpp: int,
                  comm: PipeComm | None, train: bool = True,
                  deallocate: bool = True, stats: ScheduleStats | None = None) -> None:
-    """Execute ``steps`` on this pipeline rank.
+    """Execute this rank's steps, ``rank_steps[ps.pp.rank]``.
 
+    rank_steps: the steps of every pipeline rank (index: pipeline rank); together they fix
+    when each transfer is posted (:func:`megalite.pipeline.plan.plan_rounds`).
     forward_step(chunk, microbatch, input_tensor) -> output: ``input_tensor`` is None on
     the first piece of the model (chunk 0 of pipeline rank 0); the output of the last
     piece is the scalar loss to back-propagate (already scaled by the caller), of any
     other piece the activation ``[s, b, h]`` to send on.
     comm: the :class:`PipeComm` of this rank (None when pp == 1).
     """
-    pp, rank = ps.pp.size, ps.pp.rank
+    rank = ps.pp.rank
+    arrived: dict[Step, torch.Tensor] = {}  # received inputs of later steps
     inputs: dict[tuple[int, int], torch.Tensor | None] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
-
-    def first_piece(chunk: int) -> bool:
-        return chunk == 0 and rank == 0
-
-    def last_piece(chunk: int) -> bool:
-        return chunk == vpp - 1 and rank == pp - 1
-
-    for kind, chunk, mb in steps:
+    for rnd in _plan(tuple(map(tuple, rank_steps)), vpp)[rank]:
         t0 = time.perf_counter()
         waited0 = comm.wait_seconds if comm else 0.0
-        if kind == "F":
-            x = None if first_piece(chunk) else comm.recv_forward()
-            with torch.set_grad_enabled(train):
-                y = forward_step(chunk, mb, x)
-            if not last_piece(chunk):
-                comm.send_forward(y)
-                if deallocate and train:
-                    _deallocate(y)
-            if train:
-                inputs[(chunk, mb)], outputs[(chunk, mb)] = x, y
-        else:
-            dy = None if last_piece(chunk) else comm.recv_backward()
-            x, y = inputs.pop((chunk, mb)), outputs.pop((chunk, mb))
-            _backward(y, dy)
-            if not first_piece(chunk):
-                comm.send_backward(x.grad)
-        if comm is not None:
+        send = None
+        if rnd.step is not None:
+            kind, chunk, mb = rnd.step
+            received = arrived.pop(rnd.step, None)  # None: first / last piece
+            if kind == "F":
+                with torch.set_grad_enabled(train):
+                    y = forward_step(chunk, mb, received)
+                send = ("F", y)
+                if train:
+                    inputs[(chunk, mb)], outputs[(chunk, mb)] = received, y
+            else:
+                x, y = inputs.pop((chunk, mb)), outputs.pop((chunk, mb))
+                _backward(y, received)
+                send = ("B", x.grad) if x is not None else None
+        if rnd.sends or rnd.recvs:
+            got = comm.exchange(send if rnd.sends else None, [s[0] for s in rnd.recvs])
+            arrived.update(zip(rnd.recvs, got))
+            if rnd.sends and send[0] == "F" and deallocate and train:
+                _deallocate(send[1])
             comm.reap()
         if stats is not None:
             waited = (comm.wait_seconds if comm else 0.0) - waited0
             elapsed = time.perf_counter() - t0
             stats.waiting += waited
             stats.busy += elapsed - waited
-            stats.events.append((kind, chunk, mb, t0, elapsed, waited))
+            if rnd.step is not None:
+                stats.events.append((*rnd.step, t0, elapsed, waited))
             stats.peak_live_outputs = max(stats.peak_live_outputs, len(outputs))
             live = sum(x.numel() * x.element_size() for x in inputs.values() if x is not None)
             stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)

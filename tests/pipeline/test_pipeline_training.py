@@ -7,10 +7,14 @@ in the output layer (last stage) must match the single-process embedding -- so t
 gradients were summed over the embedding group.
 """
 
+import dataclasses
+import os
+
 import pytest
 import torch
 
 from megalite.pipeline.layout import model_chunks
+from megalite.pipeline.p2p import WAIT_SENDS_ENV
 from tests.distributed.harness import run_distributed
 from tests.layouts import Layout, by_name, layouts, run_by_world, tiny
 from tests.training.common import run_training
@@ -69,6 +73,40 @@ def test_matches_single_process(layout, reference, trained):
                                        msg=lambda m, name=name: f"{layout} {name}: {m}")
     names = {name for _, tensors in results for name in tensors}
     assert EMBEDDING in names and OUTPUT in names  # both copies were checked
+
+
+def _nccl_like(name, **parallel):
+    """Row ``name`` again, with ``parallel`` overrides; run with every batch of transfers
+    waiting for its sends too (see ``megalite.pipeline.p2p``)."""
+    lay = by_name(name)
+    suffix = "-varseq" if parallel else ""
+    return dataclasses.replace(lay, name=f"{lay.name}-nccl{suffix}",
+                               parallel={**lay.parallel, **parallel}), lay
+
+
+NCCL_LIKE = [_nccl_like(name) for name in ("pipeline-pp2", "pipeline-pp2-vpp2",
+                                           "pipeline-pp4-vpp2", "pipeline-tp2-sp-pp2-vpp2")]
+NCCL_LIKE += [_nccl_like(name, variable_seq_lengths=True)
+              for name in ("pipeline-pp2", "pipeline-pp2-vpp2")]
+
+
+def _train_nccl_like(rank, world_size, layouts):
+    os.environ[WAIT_SENDS_ENV] = "1"
+    return [run_training(_cfg(layout))[0].losses for layout in layouts]
+
+
+@pytest.fixture(scope="module")
+def trained_nccl_like():
+    return run_by_world([lay for lay, _ in NCCL_LIKE], _train_nccl_like)
+
+
+@pytest.mark.parametrize("layout, base", NCCL_LIKE, ids=[str(lay) for lay, _ in NCCL_LIKE])
+def test_nccl_semantics_give_the_same_losses(layout, base, trained, trained_nccl_like):
+    """Transfers matched by order alone (no op has a tag), each batch completing as a
+    whole as under NCCL, and with the shape handshake: bitwise the row's losses."""
+    got = trained_nccl_like(layout)
+    want = [losses for losses, _ in trained(base)]
+    assert len(got[-1]) == ITERS and got == want, (layout.name, got[-1], want[-1])
 
 
 DROPOUT = {"hidden_dropout": 0.2, "attention_dropout": 0.1}

@@ -1,16 +1,20 @@
-"""Pipeline schedules: step lists are complete and deadlock-free; gradients match."""
+"""Pipeline schedules: step lists are complete; their transfers match by order alone and
+cannot deadlock when sends block (NCCL's semantics); gradients match."""
 
 import itertools
+import os
 
 import pytest
 import torch
 
 from megalite.config import ConfigError
 from megalite.pipeline.layout import chunk_layer_ranges, layers_per_stage
-from megalite.pipeline.p2p import PipeComm
+from megalite.pipeline.p2p import WAIT_SENDS_ENV, PipeComm
+from megalite.pipeline.plan import ScheduleError, plan_rounds
 from megalite.pipeline.schedules import (
     ScheduleStats,
     build_schedule,
+    build_schedules,
     interleaved_one_f_one_b,
     one_f_one_b,
     run_schedule,
@@ -18,50 +22,83 @@ from megalite.pipeline.schedules import (
 from tests.distributed.harness import parallel_state, run_distributed
 
 
-def simulate(p, v, m):
-    """Run every rank's steps with async sends and blocking receives; return the
-    peak number of in-flight micro-batches per rank, or raise on a deadlock."""
-    steps = [build_schedule(p, r, m, v) for r in range(p)]
-    pieces = p * v
-    done = set()  # ("F"/"B", piece, mb)
-    channels = {}  # (src, dst, tag) -> sends in order / receives in order
-    pos = [0] * p
-    live, peak = [0] * p, [0] * p
-    while any(pos[r] < len(steps[r]) for r in range(p)):
+def _batches(rounds, r, p, v):
+    """Rank ``r``'s point-to-point batches, one per round that communicates: each op is
+    ("send" | "recv", peer, message), a message named by its sending piece and micro-batch
+    (("F" | "B", piece, mb))."""
+    out = []
+    for rnd in rounds:
+        ops = []
+        if rnd.sends:
+            kind, c, k = rnd.step
+            ops.append(("send", (r + 1) % p if kind == "F" else (r - 1) % p,
+                        (kind, c * p + r, k)))
+        for kind, c, k in rnd.recvs:
+            src_piece = c * p + r + (-1 if kind == "F" else 1)
+            ops.append(("recv", src_piece % p, (kind, src_piece, k)))
+        if ops:
+            out.append(ops)
+    return out
+
+
+def nccl_matching(batches):
+    """Run every rank's batches as NCCL would, tags ignored: a rank posts its next batch
+    once every op of the current one completed; an op completes once its peer has posted
+    the op at the same position of the same directed channel (k-th send from a to b with
+    the k-th receive on b from a), which must carry the same message. Raises on a
+    deadlock or a mismatch."""
+    p = len(batches)
+    pos, done = [0] * p, [set() for _ in range(p)]
+    posted = {}  # (src, dst, "send" | "recv") -> messages posted so far, in order
+
+    def channel(r, kind, peer):
+        return (r, peer, kind) if kind == "send" else (peer, r, kind)
+
+    def post(r):
+        if pos[r] < len(batches[r]):
+            for kind, peer, msg in batches[r][pos[r]]:
+                posted.setdefault(channel(r, kind, peer), []).append(msg)
+
+    for r in range(p):
+        post(r)
+    while any(pos[r] < len(batches[r]) for r in range(p)):
         progressed = False
         for r in range(p):
-            if pos[r] == len(steps[r]):
+            if pos[r] == len(batches[r]):
                 continue
-            kind, c, k = steps[r][pos[r]]
-            g = c * p + r
-            if kind == "F":
-                need = ("F", g - 1, k) if g > 0 else None
-            else:
-                need = ("B", g + 1, k) if g < pieces - 1 else None
-            if need is not None and need not in done:
-                continue
-            if need is not None:
-                src = need[1] % p
-                tag = kind
-                channels.setdefault((src, r, tag, "recv"), []).append(need)
-            if (kind == "F" and g < pieces - 1) or (kind == "B" and g > 0):
-                dst = (r + 1) % p if kind == "F" else (r - 1) % p
-                channels.setdefault((r, dst, kind, "send"), []).append((kind, g, k))
-            done.add((kind, g, k))
-            live[r] += 1 if kind == "F" else -1
-            peak[r] = max(peak[r], live[r])
-            pos[r] += 1
-            progressed = True
+            for i, (kind, peer, msg) in enumerate(batches[r][pos[r]]):
+                src, dst, _ = key = channel(r, kind, peer)
+                other = posted.get((src, dst, "recv" if kind == "send" else "send"), [])
+                k = posted[key].index(msg)
+                if k < len(other):
+                    assert other[k] == msg, f"rank {r}: {kind} {msg} meets {other[k]}"
+                    done[r].add(i)
+            if len(done[r]) == len(batches[r][pos[r]]):
+                pos[r], done[r], progressed = pos[r] + 1, set(), True
+                post(r)
         if not progressed:
-            raise AssertionError(f"deadlock p={p} v={v} m={m} at {pos}")
-    for (src, dst, tag, kind), msgs in channels.items():
-        if kind == "recv":  # receives match sends in order on every channel
-            assert msgs == channels[(src, dst, tag, "send")], (p, v, m, src, dst, tag)
-    return peak
+            raise AssertionError(f"deadlock at batches {pos}")
 
 
-@pytest.mark.parametrize("p, v, m", [(p, v, m) for p, v, m in itertools.product(
-    [1, 2, 3, 4, 8], [1, 2, 3, 4], [1, 2, 4, 8, 12, 16]) if v == 1 or (p > 1 and m % p == 0)])
+def live_peaks(rounds):
+    """Peak number of micro-batches whose forward ran and backward did not, per rank."""
+    peaks = []
+    for rank_rounds in rounds:
+        live = peak = 0
+        for rnd in rank_rounds:
+            if rnd.step is not None:
+                live += 1 if rnd.step[0] == "F" else -1
+                peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+CASES = [(p, v, m) for p, v, m in itertools.product([1, 2, 3, 4, 8], [1, 2, 3, 4],
+                                                   [1, 2, 4, 8, 12, 16])
+         if v == 1 or (p > 1 and m % p == 0)]
+
+
+@pytest.mark.parametrize("p, v, m", CASES)
 def test_schedule_is_complete_and_deadlock_free(p, v, m):
     for r in range(p):
         steps = build_schedule(p, r, m, v)
@@ -71,9 +108,56 @@ def test_schedule_is_complete_and_deadlock_free(p, v, m):
         assert sorted(fwd) == want and sorted(bwd) == want
         for item in want:  # a backward comes after its forward
             assert steps.index(("F", *item)) < steps.index(("B", *item))
-    peak = simulate(p, v, m)
+    for train in (True, False):
+        schedules = build_schedules(p, m, v, train)
+        rounds = plan_rounds(schedules, v)
+        for r in range(p):  # each rank runs its own steps in its own order
+            assert [x.step for x in rounds[r] if x.step] == schedules[r]
+        nccl_matching([_batches(rounds[r], r, p, v) for r in range(p)])
     if v == 1:  # 1F1B bound: rank r holds at most p - r micro-batches (GPipe: m)
-        assert peak == [min(p - r, m) for r in range(p)]
+        assert live_peaks(plan_rounds(build_schedules(p, m, v), v)) == [
+            min(p - r, m) for r in range(p)]
+
+
+def test_unbatched_transfers_deadlock_under_nccl_semantics():
+    """What the plan is for: posting each step's receive alone before it and its send
+    alone after it (as megalite did with tags) deadlocks once sends block -- in 1F1B's
+    steady state both neighbours send first."""
+    p, m = 2, 4
+    batches = []
+    for r, rank_rounds in enumerate(plan_rounds(build_schedules(p, m), 1)):
+        ops = []
+        for rnd in rank_rounds:
+            if rnd.step is None:
+                continue
+            kind, _, k = rnd.step
+            if kind == "F" and r > 0:
+                ops.append([("recv", r - 1, ("F", r - 1, k))])
+            if kind == "B" and r < p - 1:
+                ops.append([("recv", r + 1, ("B", r + 1, k))])
+            if rnd.sends:
+                ops.append([("send", r + (1 if kind == "F" else -1), (kind, r, k))])
+        batches.append(ops)
+    with pytest.raises(AssertionError, match="deadlock"):
+        nccl_matching(batches)
+    nccl_matching([_batches(rr, r, p, 1) for r, rr in enumerate(
+        plan_rounds(build_schedules(p, m), 1))])
+
+
+def test_plan_of_two_stages_shares_one_pair():
+    """pp 2 x vpp 2: rank 0 sends activations and gradients to rank 1 on one channel; the
+    plan posts them as rank 1 receives them, one message per round."""
+    rounds = plan_rounds(build_schedules(2, 4, 2), 2)
+    sent = [(x.step[0], x.step[1], x.step[2]) for x in rounds[0] if x.sends]
+    received = [s for x in rounds[1] for s in x.recvs]
+    assert {k for k, _, _ in sent} == {"F", "B"}
+    # rank 0's chunk c output feeds rank 1's chunk c (F) / chunk c - 1 (B), same mb
+    assert [(k, c if k == "F" else c - 1, mb) for k, c, mb in sent] == received
+
+
+def test_stuck_step_lists_raise():
+    with pytest.raises(ScheduleError, match="stuck"):
+        plan_rounds([[("B", 0, 0), ("F", 0, 0)], [("F", 0, 0), ("B", 0, 0)]], 1)
 
 
 def test_one_f_one_b_shape():
@@ -130,7 +214,9 @@ def _reference(num_layers, m):
     return total, {i: lin.weight.grad.clone() for i, lin in enumerate(layers)}
 
 
-def _pipeline_body(rank, world_size, cases):
+def _pipeline_body(rank, world_size, cases, wait_sends):
+    if wait_sends:  # NCCL's semantics: a batch of transfers completes as a whole
+        os.environ[WAIT_SENDS_ENV] = "1"
     out = []
     for num_layers, v, m, first, last in cases:
         sizes = dict(pipeline_model_parallel_size=world_size)
@@ -156,15 +242,15 @@ def _pipeline_body(rank, world_size, cases):
 
             comm = PipeComm(ps, (S, B, H), torch.float32)
             stats = ScheduleStats()
-            run_schedule(build_schedule(world_size, r, m, v), forward_step=forward_step,
+            run_schedule(build_schedules(world_size, m, v), forward_step=forward_step,
                          ps=ps, vpp=v, comm=comm, stats=stats)
             grads = {i: lin.weight.grad.clone() for ch in chunks for i, lin in ch}
             out.append((sum(losses), grads, stats.peak_live_outputs))
     return out
 
 
-def _check(world, cases):
-    results = run_distributed(world, _pipeline_body, cases)
+def _check(world, cases, wait_sends=False):
+    results = run_distributed(world, _pipeline_body, cases, wait_sends)
     for n, (num_layers, v, m, first, last) in enumerate(cases):
         ref_loss, ref_grads = _reference(num_layers, m)
         assert abs(results[-1][n][0] - ref_loss) < 1e-6
@@ -178,11 +264,13 @@ def _check(world, cases):
             assert [r[n][2] for r in results] == [min(world - k, m) for k in range(world)]
 
 
-def test_pipeline_matches_single_process_pp2():
+@pytest.mark.parametrize("wait_sends", [False, True], ids=["async-sends", "wait-sends"])
+def test_pipeline_matches_single_process_pp2(wait_sends):
     _check(2, [(4, 1, 4, None, None), (4, 2, 4, None, None), (6, 1, 3, 2, None),
-               (8, 2, 2, None, None), (4, 1, 1, None, None)])
+               (8, 2, 2, None, None), (4, 1, 1, None, None)], wait_sends)
 
 
-def test_pipeline_matches_single_process_pp4():
+@pytest.mark.parametrize("wait_sends", [False, True], ids=["async-sends", "wait-sends"])
+def test_pipeline_matches_single_process_pp4(wait_sends):
     _check(4, [(8, 1, 8, None, None), (8, 2, 8, None, None), (8, 2, 4, None, None),
-               (7, 1, 4, 1, 2), (4, 1, 2, None, None)])
+               (7, 1, 4, 1, 2), (4, 1, 2, None, None)], wait_sends)

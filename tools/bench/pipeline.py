@@ -35,7 +35,7 @@ def _schedules_on_rank(rank, world, cases, args):
     from megalite.pipeline.schedules import (
         ScheduleStats,
         all_forward_then_backward,
-        build_schedule,
+        build_schedules,
         run_schedule,
     )
 
@@ -89,8 +89,8 @@ def _schedules_on_rank(rank, world, cases, args):
         stats = ScheduleStats()
         dist.barrier()
         t0 = time.perf_counter()
-        steps = (all_forward_then_backward(m) if gpipe
-                 else build_schedule(world, ps.pp.rank, m, v))
+        steps = ([all_forward_then_backward(m)] * world if gpipe
+                 else build_schedules(world, m, v))
         run_schedule(steps, forward_step=forward_step,
                      ps=ps, vpp=v, comm=comm, stats=stats)
         total = time.perf_counter() - t0

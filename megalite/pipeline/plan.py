@@ -1,0 +1,106 @@
+"""When each pipeline transfer is posted: every rank's steps laid out in lockstep rounds.
+
+NCCL matches point-to-point messages between two ranks by posting order alone (it has no
+tags), and a send may block until the peer posted the matching receive. So the transfers
+must be posted in an order that (1) pairs the k-th send on every directed channel
+``src -> dst`` with the k-th receive posted on ``dst`` from ``src``, and (2) never leaves
+two ranks blocked on sends to each other. With two stages both of a rank's channels lead
+to the same peer (activations and gradients share it), and the interleaved schedule's
+activations wrap around from the last stage to the first stage's next chunk.
+
+:func:`plan_rounds` meets both by construction. It plays every rank's step list in
+lockstep rounds: in a round each rank runs its next step if that step's input arrived in
+an earlier round (else it idles), and at the end of the round every output goes to the
+rank whose step consumes it. Each rank's round then becomes one batch of point-to-point
+ops (:meth:`megalite.pipeline.p2p.PipeComm.exchange`): the send of the step it ran and
+the receives of every message addressed to it in that round. Every op's match is in the
+peer's batch of the same round, so once all ranks have finished round ``t - 1``, all
+batches of round ``t`` can complete together (no deadlock, even when every op blocks until
+matched), and a directed channel carries at most one message per round, so messages are
+received in the order they were sent (no tags needed). A rank posts its rounds in order;
+rounds where it neither computes nor communicates are left out of its list.
+
+Each rank runs its own steps in its own order, so the arithmetic is the same as without
+the plan; only where a rank waits changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Step = tuple[str, int, int]  # ("F" | "B", chunk, microbatch)
+
+
+class ScheduleError(RuntimeError):
+    """The pipeline ranks' step lists cannot all finish (a step waits for an input that no
+    rank will send)."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of one pipeline rank.
+
+    step: the step it runs this round (None: it waits for an input).
+    sends: whether the step's output leaves for another rank at the end of the round
+        (an activation to the next stage, a gradient to the previous one).
+    recvs: the rank's later steps whose input arrives at the end of the round, forward
+        ones (activation from the previous stage) first; at most one each.
+    """
+
+    step: Step | None
+    sends: bool
+    recvs: tuple[Step, ...]
+
+
+def _destination(step: Step, rank: int, pp: int, vpp: int) -> tuple[int, Step] | None:
+    """(rank, step) consuming the output of ``step`` run on ``rank``, or None (the output
+    is the loss of the last piece, or the gradient of the first piece's input)."""
+    kind, chunk, mb = step
+    piece = chunk * pp + rank  # position of this model piece in the whole model
+    target = piece + 1 if kind == "F" else piece - 1
+    if not 0 <= target < pp * vpp:
+        return None
+    return target % pp, (kind, target // pp, mb)
+
+
+def _needs_input(step: Step, rank: int, pp: int, vpp: int) -> bool:
+    kind, chunk, _ = step
+    piece = chunk * pp + rank
+    return piece > 0 if kind == "F" else piece < pp * vpp - 1
+
+
+def plan_rounds(rank_steps: list[list[Step]], vpp: int) -> list[list[Round]]:
+    """The rounds of every pipeline rank (index: pipeline rank), see the module docstring.
+
+    rank_steps: each pipeline rank's steps in execution order; vpp: model chunks per rank.
+    """
+    pp = len(rank_steps)
+    pos = [0] * pp
+    arrived: set[tuple[int, Step]] = set()
+    rounds: list[list[Round]] = [[] for _ in range(pp)]
+    while any(pos[r] < len(rank_steps[r]) for r in range(pp)):
+        ran: list[Step | None] = [None] * pp
+        for r in range(pp):
+            if pos[r] == len(rank_steps[r]):
+                continue
+            step = rank_steps[r][pos[r]]
+            if not _needs_input(step, r, pp, vpp) or (r, step) in arrived:
+                ran[r] = step
+                pos[r] += 1
+        if not any(ran):
+            raise ScheduleError(f"pipeline ranks stuck at steps {pos} of "
+                                f"{[len(s) for s in rank_steps]}: each waits for an input "
+                                "no rank sends; the step lists do not fit together")
+        sends = [False] * pp
+        recvs: list[list[Step]] = [[] for _ in range(pp)]
+        for r, step in enumerate(ran):
+            dest = step and _destination(step, r, pp, vpp)
+            if dest:
+                sends[r] = True
+                recvs[dest[0]].append(dest[1])
+                arrived.add(dest)
+        for r in range(pp):
+            if ran[r] or recvs[r]:
+                recvs[r].sort(key=lambda s: s[0] != "F")
+                rounds[r].append(Round(ran[r], sends[r], tuple(recvs[r])))
+    return rounds
