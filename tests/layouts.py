@@ -47,8 +47,8 @@ _FLAG_NAMES = {"sp": "sp", "distopt": "distopt", "overlap_grad": "ogr", "overlap
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One row: ``parallel`` holds ParallelConfig fields, ``model`` / ``train`` / ``optim``
-    config overrides (applied over the suite's own settings)."""
+    """One row: ``parallel`` holds ParallelConfig fields, ``model`` / ``train`` / ``optim`` /
+    ``data`` config overrides (applied over the suite's own settings)."""
 
     name: str
     world_size: int
@@ -57,6 +57,7 @@ class Layout:
     train: dict = dataclasses.field(default_factory=dict)
     tags: tuple = ()
     optim: dict = dataclasses.field(default_factory=dict)
+    data: dict = dataclasses.field(default_factory=dict)
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -95,12 +96,13 @@ def slug(world_size: int, parallel: dict) -> str:
 
 
 def row(suite: str, world_size: int, variant: str = "", *, model: dict | None = None,
-        train: dict | None = None, tags: Iterable[str] = (), **short: Any) -> Layout:
+        train: dict | None = None, tags: Iterable[str] = (), data: dict | None = None,
+        **short: Any) -> Layout:
     """A table row; ``short`` uses the keys of :data:`SHORT` (``tp=2, sp=True``)."""
     parallel = {SHORT[k]: v for k, v in short.items()}
     name = "-".join(p for p in (suite, slug(world_size, parallel), variant) if p)
     return Layout(name, world_size, parallel, dict(model or {}), dict(train or {}),
-                  (suite, *tags))
+                  (suite, *tags), data=dict(data or {}))
 
 
 # -- model: tensor parallelism x sequence parallelism x recomputation (GPT-2 and Llama) ---
@@ -195,10 +197,15 @@ CP_MODEL = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type
 CP_MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
 
 
+CP_DOCUMENTS = {"reset_attention_mask": True, "reset_position_ids": True,
+                "eod_mask_loss": True}
+
+
 def _cp_row(world: int, comm: str, model: dict | None = None, train: dict | None = None,
-            **short: Any) -> Layout:
-    return row("cp", world, comm, model={**CP_MODEL, "cp_comm_type": comm, **(model or {})},
-               train=train, **short)
+            variant: str = "", **short: Any) -> Layout:
+    return row("cp", world, "-".join(p for p in (comm, variant) if p),
+               model={**CP_MODEL, "cp_comm_type": comm, **(model or {})}, train=train,
+               **short)
 
 
 _CP = [
@@ -209,6 +216,8 @@ _CP = [
     _cp_row(4, "a2a", model={"num_layers": 4}, pp=2, vpp=2, cp=2),
     _cp_row(4, "p2p", cp=2, distopt=True),
     _cp_row(4, "allgather", model=CP_MOE, cp=2, ep=2),
+    # document masks: also trained on data with many documents (test_documents.py)
+    dataclasses.replace(_cp_row(2, "p2p", variant="docs", cp=2), data=CP_DOCUMENTS),
 ]
 
 SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "pipeline", "training",
@@ -241,7 +250,7 @@ def parallel_config(lay: Layout):
 
 def tiny(lay: Layout, world_size: int | None = None, *, model: dict | None = None,
          parallel: dict | None = None, train: dict | None = None, optim: dict | None = None,
-         **sections):
+         data: dict | None = None, **sections):
     """``tests.training.common.tiny_config`` for this row, validated for ``world_size``
     (default: the row's): the suite's ``model`` / ``parallel`` / ``train`` / ``optim``
     settings with the row's over them; other ``sections`` as given."""
@@ -251,7 +260,8 @@ def tiny(lay: Layout, world_size: int | None = None, *, model: dict | None = Non
                        model={**(model or {}), **lay.model},
                        parallel={**(parallel or {}), **lay.parallel},
                        train={**(train or {}), **lay.train},
-                       optim={**(optim or {}), **lay.optim}, **sections)
+                       optim={**(optim or {}), **lay.optim},
+                       data={**(data or {}), **lay.data}, **sections)
 
 
 def run_by_world(rows: Iterable[Layout], body: Callable, *args: Any, **kwargs: Any):

@@ -106,8 +106,13 @@ class GPTModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None,
-                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                hidden_states: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, position_ids, labels: int64 ``[b, s]``.
+
+        ``document_ids`` int64 ``[b, s_full]`` (``--reset-attention-mask``; the whole
+        sequence even under context parallelism): each token attends only within its
+        document.
 
         ``hidden_states`` ``[s, b, h]`` (``[s/tp, b, h]`` under SP) replaces ``input_ids``
         on a stage without the embedding. Returns: hidden states ``[s(/tp), b, h]`` when
@@ -127,7 +132,7 @@ class GPTModel(torch.nn.Module):
                 seq = x.shape[0] * (self.tp_group.size if self.sequence_parallel else 1)
                 pos = torch.arange(seq, device=x.device).unsqueeze(1)
             rotary = self.rotary(pos)
-        x = self.decoder(x, rotary)
+        x = self.decoder(x, rotary, document_ids)
         if not self.post_process:
             return x
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/tp]

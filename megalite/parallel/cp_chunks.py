@@ -24,6 +24,20 @@ import torch
 PER_TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
+def with_document_ids(batch: dict) -> dict:
+    """Replace a data loader's ``attention_mask`` (bool ``[b, 1, s, s]``, True where masked:
+    ``--reset-attention-mask``) by ``document_ids`` int64 ``[b, s]``: for each token the
+    position where its document starts (the first key its mask row allows). Attention
+    kernels rebuild "causal and same document" from these ``s`` numbers instead of moving
+    an ``s x s`` mask around."""
+    if "attention_mask" not in batch:
+        return batch
+    out = dict(batch)
+    allowed = ~out.pop("attention_mask").reshape(-1, *batch["tokens"].shape[-1:] * 2)
+    out["document_ids"] = allowed.to(torch.int8).argmax(dim=-1).to(torch.int64)
+    return out
+
+
 def check_divisible(seq_length: int, cp: int) -> None:
     if seq_length % (2 * cp):
         raise ValueError(f"sequence length {seq_length} is not divisible by 2 x "

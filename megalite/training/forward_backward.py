@@ -128,10 +128,11 @@ def forward_backward(c, batches: list[dict], tokens, *, train: bool = True,
         batch = batches[mb]
         module = chunks[chunk]
         is_last = ps.is_pipeline_last_stage(chunk)
+        docs = {"document_ids": batch["document_ids"]} if "document_ids" in batch else {}
         out = module(batch["tokens"] if hidden is None else None,
                      position_ids=batch.get("position_ids"),
                      labels=batch["labels"] if is_last else None,
-                     hidden_states=hidden)
+                     hidden_states=hidden, **docs)
         if router_losses is not None:
             router_losses.add(module)
         if not is_last:

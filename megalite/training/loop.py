@@ -37,8 +37,8 @@ import torch
 
 from megalite.checkpoint import CheckpointSaver, save_checkpoint
 from megalite.errors import NumericalError
-from megalite.parallel.cp_chunks import slice_batch
 from megalite.parallel.collectives import ReduceOp, all_reduce, all_reduce_scalar
+from megalite.parallel.cp_chunks import slice_batch, with_document_ids
 from megalite.training.components import TrainState
 from megalite.training.forward_backward import RouterLosses, forward_backward, loss_divisors
 from megalite.training.health import LossScaleError, LossScaleWatchdog  # noqa: F401 (re-export)
@@ -51,7 +51,7 @@ from megalite.training.signals import SignalHandler
 if TYPE_CHECKING:
     from megalite.training.components import TrainingComponents
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "document_ids")
 
 
 class NonFiniteLossError(NumericalError):
@@ -91,8 +91,11 @@ def _to_device(batch: dict, device: torch.device) -> dict:
 def _local_batch(batch: dict, ps) -> dict:
     """A micro-batch on this rank's device; under context parallelism only this cp rank's
     load-balanced chunks of it (tokens, labels, loss mask, position ids:
-    ``megalite.parallel.cp_chunks.slice_batch``)."""
-    return slice_batch(_to_device(batch, ps.device), ps.cp.size, ps.cp.rank)
+    ``megalite.parallel.cp_chunks.slice_batch``). A document mask
+    (``--reset-attention-mask``) travels as per-token ``document_ids`` of the whole
+    sequence."""
+    batch = _to_device(with_document_ids(batch), ps.device)
+    return slice_batch(batch, ps.cp.size, ps.cp.rank)
 
 
 def count_tokens(batches: list[dict], group) -> torch.Tensor:

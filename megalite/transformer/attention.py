@@ -3,7 +3,10 @@
 Each TP rank holds ``heads/tp`` query heads and ``groups/tp`` key/value groups: the fused
 QKV projection is column-parallel with parts ``[Q; K; V]`` (see ``layers.sharding``), the
 output projection row-parallel. The attention kernel itself (``--attention-backend``:
-local, sdpa, flash, auto) sits behind the seam in :mod:`megalite.transformer.attention_kernels`.
+local, sdpa, flash, auto) sits behind the seam in :mod:`megalite.transformer.attention_kernels`;
+under context parallelism it is the cp wrapper of ``--cp-comm-type``, which gets this rank's
+load-balanced chunks of q, k, v (``megalite.parallel.cp_chunks``) and exchanges keys/values
+over ``ps.cp``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,10 @@ class SelfAttention(torch.nn.Module):
                                              input_is_parallel=True, init_std=output_std, **kw)
 
     def forward(self, x: torch.Tensor,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``document_ids`` ``[b, s]`` (whole sequence, also under context parallelism):
+        each token attends only to earlier tokens of its own document."""
         qkv = self.linear_qkv(x)  # [s, b, (nh + 2 ng) d / tp]
         s, b = qkv.shape[:2]
         nh, ng, d = self.local_heads, self.local_groups, self.head_dim
@@ -57,8 +63,8 @@ class SelfAttention(torch.nn.Module):
             qk = apply_rotary(qk, *rotary)
         q, k = qk.split([nh, ng], dim=2)
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            ctx = checkpoint(self.core_attention, q, k, v, use_reentrant=False,
+            ctx = checkpoint(self.core_attention, q, k, v, document_ids, use_reentrant=False,
                              context_fn=self.rng.recompute_context_fn)
         else:
-            ctx = self.core_attention(q, k, v)  # [s, b, nh d]
+            ctx = self.core_attention(q, k, v, document_ids)  # [s, b, nh d]
         return self.linear_proj(ctx)

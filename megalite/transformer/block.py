@@ -43,30 +43,32 @@ class TransformerBlock(torch.nn.Module):
                                               device=device, dtype=dtype)
 
     @staticmethod
-    def _run(layers, x, rotary):
+    def _run(layers, x, rotary, document_ids=None):
         for layer in layers:
-            x = layer(x, rotary)
+            x = layer(x, rotary, document_ids)
         return x
 
-    def _checkpointed(self, layers, x, rotary):
-        return checkpoint(self._run, layers, x, rotary, use_reentrant=False,
+    def _checkpointed(self, layers, x, rotary, document_ids=None):
+        return checkpoint(self._run, layers, x, rotary, document_ids, use_reentrant=False,
                           context_fn=self.rng.recompute_context_fn)
 
     def forward(self, x: torch.Tensor,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``document_ids`` ``[b, s]`` (whole sequence): attention stays in documents."""
         layers = list(self.layers.values())
         if not (self.recompute and self.training and torch.is_grad_enabled()):
-            x = self._run(layers, x, rotary)
+            x = self._run(layers, x, rotary, document_ids)
         elif self.recompute_method == "uniform":
             n = self.recompute_num_layers
             for start in range(0, len(layers), n):
-                x = self._checkpointed(layers[start:start + n], x, rotary)
+                x = self._checkpointed(layers[start:start + n], x, rotary, document_ids)
         else:  # block
             for i, layer in enumerate(layers):
                 if i < self.recompute_num_layers:
-                    x = self._checkpointed([layer], x, rotary)
+                    x = self._checkpointed([layer], x, rotary, document_ids)
                 else:
-                    x = layer(x, rotary)
+                    x = layer(x, rotary, document_ids)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

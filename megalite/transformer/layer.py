@@ -61,6 +61,9 @@ class TransformerLayer(torch.nn.Module):
             return F.dropout(x, self.hidden_dropout)
 
     def forward(self, x: torch.Tensor,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary))
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``document_ids`` ``[b, s]`` (``--reset-attention-mask``): attend within documents."""
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary,
+                                                  document_ids))
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))

@@ -83,7 +83,7 @@ def datasets(cfg, tokenizer=None) -> tuple:
 
     t = cfg.train
     key = (cfg.model.seq_length, cfg.model.vocab_size, t.seed, t.global_batch_size,
-           t.train_iters)
+           t.train_iters, repr(cfg.data))
     if key not in _DATASETS:
         tok = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size - 1)
         assert tok.vocab_size == cfg.model.vocab_size and tok.eod < cfg.model.vocab_size
@@ -95,7 +95,7 @@ def reference_layout(layout: Layout) -> Layout:
     """The single-process run of ``layout``'s model, optimizer and batch."""
     model = {k: v for k, v in layout.model.items() if k not in REFERENCE_DROPS}
     return Layout("reference", 1, model=model, train=dict(layout.train),
-                  optim=dict(layout.optim))
+                  optim=dict(layout.optim), data=dict(layout.data))
 
 
 def train_and_gather(layout: Layout) -> tuple[dict, dict, dict]:

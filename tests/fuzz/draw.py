@@ -6,8 +6,13 @@ recompute none/selective/full-uniform/full-block, dense or MoE with 4 experts to
 either dispatcher, fp32 or bf16), AdamW or SGD with gradient clipping on or off, and a
 layout of 1 to 8 ranks (tp 1/2/4 with or without sequence parallelism, pp 1/2/4 with
 virtual stages or an uneven first/last stage, dp 1-4, ep and etp, the distributed
-optimizer, overlapped grad reduction and param gather, small buckets), and a global batch
-of 1-4 micro-batches per data-parallel rank.
+optimizer, overlapped grad reduction and param gather, small buckets, and context
+parallelism cp 2/4 with each comm type p2p/allgather/a2a where the world still fits), and a
+global batch of 1-4 micro-batches per data-parallel rank.
+
+Context parallelism is drawn last, from a generator of its own (``random.Random`` of
+``"cp-<seed>"``), and only where it fits in 8 ranks: the other dimensions of a seed's draw
+stay what they were before cp was a dimension.
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -117,7 +122,25 @@ def _train(rng: random.Random, p: dict) -> dict:
     return {"micro_batch_size": micro, "global_batch_size": micro * p["dp"] * num_micro}
 
 
-def _draw_once(rng: random.Random, seed: int) -> Layout | None:
+def _context_parallel(crng: random.Random, short: dict, model: dict, world: int) -> int:
+    """cp 2 or 4 (half the draws) with a comm type, into ``short`` / ``model``,
+    where ``world x cp`` fits; a2a only where the heads and groups per tp rank divide."""
+    if crng.random() >= 0.5:
+        return 1
+    cp = crng.choice((2, 2, 4))
+    comm = crng.choice(("p2p", "allgather", "a2a"))
+    if world * cp > MAX_WORLD:
+        return 1
+    groups = model.get("num_query_groups", model["num_attention_heads"])
+    if comm == "a2a" and (model["num_attention_heads"] % (short["tp"] * cp)
+                          or groups % (short["tp"] * cp)):
+        comm = "p2p"
+    short["cp"] = cp
+    model["cp_comm_type"] = comm
+    return cp
+
+
+def _draw_once(rng: random.Random, seed: int, crng: random.Random) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -125,9 +148,12 @@ def _draw_once(rng: random.Random, seed: int) -> Layout | None:
     train, optim = _train(rng, short), _optim(rng)
     if world > MAX_WORLD:
         return None
+    world *= _context_parallel(crng, short, model, world)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model), ("bf16", model.get("bf16")),
                              ("sgd", optim.get("optimizer") == "sgd")) if on]
+    if "cp" in short:
+        marks.insert(0, model["cp_comm_type"])
     name = "-".join([f"fuzz{seed}", slug(world, parallel), *marks])
     return Layout(name, world, parallel, model, train, ("fuzz",), optim)
 
@@ -151,9 +177,9 @@ def rejection(layout: Layout) -> str | None:
 def draw_layout(seed: int) -> Layout:
     """The layout of ``seed``: the first draw of ``random.Random(seed)`` that fits 1 to 8
     ranks and that megalite accepts."""
-    rng = random.Random(seed)
+    rng, crng = random.Random(seed), random.Random(f"cp-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed)
+        layout = _draw_once(rng, seed, crng)
         if layout is not None and rejection(layout) is None:
             return layout
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")

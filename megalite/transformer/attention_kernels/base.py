@@ -37,17 +37,40 @@ class CoreAttention(torch.nn.Module):
         """Why this kernel cannot run on ``device`` in ``dtype``, or None if it can."""
         return None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``document_ids`` ``[b, s]``: attend only within documents (causal and same id),
+        through :meth:`attend_documents`."""
         p = self.dropout if self.training else 0.0
+        attend = self.attend if document_ids is None else (
+            lambda *a: self.attend_documents(*a, document_ids))
         if p > 0.0:
             with self.rng.fork(TENSOR_PARALLEL):
-                return self.attend(q, k, v, p)
-        return self.attend(q, k, v, p)
+                return attend(q, k, v, p)
+        return attend(q, k, v, p)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                dropout_p: float) -> torch.Tensor:
         """The kernel itself: shapes as in the class docstring."""
         raise NotImplementedError
+
+    def attend_documents(self, q, k, v, dropout_p: float,
+                         document_ids: torch.Tensor) -> torch.Tensor:
+        """Causal attention within documents (``document_ids`` ``[b, s]``): SDPA with a
+        boolean mask for ``sdpa``, else the explicit fp32 block (dropout from the
+        default generator, i.e. the forked stream)."""
+        from contextlib import nullcontext
+
+        from megalite.transformer.attention_kernels.context_parallel.base import (
+            keep_mask,
+            masked_attention,
+        )
+
+        pos = torch.arange(q.shape[0], device=q.device)
+        keep = keep_mask(pos, pos, document_ids)
+        out = masked_attention(self, *to_batch_heads(q, k, v), keep, dropout_p, None,
+                               nullcontext())
+        return from_batch_heads(out)
 
 
 def to_batch_heads(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
