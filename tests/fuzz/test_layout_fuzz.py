@@ -6,7 +6,7 @@ Which seeds run:
 
 * ``make test``: ``DEFAULT_SEEDS``, a few draws that together cover tp with sequence
   parallelism, pp with virtual stages and an uneven stage, MoE with ep / etp and both
-  dispatchers, the distributed optimizer with overlap, and bf16;
+  dispatchers, the distributed optimizer with overlap, bf16, and context parallelism;
 * ``make fuzz N=200``: ``MEGALITE_FUZZ_N`` seeds from ``MEGALITE_FUZZ_BASE`` on (the
   Makefile prints the base; each test id holds its seed);
 * ``MEGALITE_FUZZ_SEED=<seed> make fuzz``: exactly that draw again.
@@ -31,13 +31,14 @@ from tests.fuzz.draw import draw_layout
 #  56  tp2 + sp x pp2 with an uneven last stage x dp2, distributed optimizer + overlap, bf16
 #  77  tp2 + sp x pp2 x dp2, MoE ep2 etp2 alltoall, distributed optimizer + overlap, bf16
 #  93  tp4 + sp x pp2 x vpp2, tied embeddings across stages
+# 143  tp2 + sp x cp2 (p2p ring), MoE ep2 etp1, distributed optimizer + overlap, SGD
 # Together they caught each of the planted bugs of the closing note of issue 12 (with seed
 # 28, which drew the uneven stage then and draws another layout since validation grew; a loss
 # normalised by local token counts, expert grads reduced over dp instead of edp, the tied
 # embedding's grad not summed or summed twice across stages, sequence-parallel norm grads
 # not summed over tp). test_default_draws_cover_every_parallelism keeps the coverage when
 # draw.py changes.
-DEFAULT_SEEDS = (5, 41, 56, 77, 93)
+DEFAULT_SEEDS = (5, 41, 56, 77, 93, 143)
 
 
 def _seeds() -> list[int]:
@@ -80,8 +81,8 @@ def test_default_draws_cover_every_parallelism():
             ("ep", lay.get("ep") > 1), ("etp!=tp", lay.get("etp") != lay.get("tp")),
             ("tied pp", lay.get("pp") > 1 and not m.get("untie_embeddings_and_output_weights")),
             ("distopt", lay.get("distopt")), ("overlap", lay.get("overlap_param")),
-            ("bf16", m.get("bf16")),
+            ("bf16", m.get("bf16")), ("cp", lay.get("cp") > 1),
             *((f"ep {m.get('moe_token_dispatcher_type')}", lay.get("ep") > 1),)) if on}
     assert covered == {"tp+sp", "vpp", "uneven", "dp", "ep", "etp!=tp", "tied pp", "distopt",
-                       "overlap", "bf16", "ep alltoall", "ep allgather"}, covered
+                       "overlap", "bf16", "ep alltoall", "ep allgather", "cp"}, covered
     assert all(lay.world_size in (4, 8) for lay in draws)

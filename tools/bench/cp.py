@@ -1,0 +1,212 @@
+"""Context parallelism: per-rank attention memory, time and bytes against cp, by comm type.
+
+``python tools/benchmark.py cp [--seq 16384] [--heads 8] [--groups 4] [--head-dim 64]
+[--ranks 1 2 4] [--backend sdpa] [--reps 1] [--comm p2p allgather a2a]``
+
+One attention layer's core (q, k, v of a ``[seq, 1, heads, head_dim]`` sequence, fp32,
+causal) forward + backward on ``cp`` gloo ranks (one thread each), for each comm type:
+
+* ``saved MiB``: the bytes autograd keeps for the backward on one rank (the attention's
+  activation memory; ``saved_tensors_hooks``, each storage counted once), and ``peak MiB``
+  its largest single tensor;
+* ``ms``: forward + backward wall time, the slowest rank, best of ``--reps``;
+* ``sent MiB``: bytes one rank hands to the cp collectives for other ranks, measured by
+  wrapping ``megalite.parallel.collectives`` (all-gather, reduce-scatter, all-to-all, ring
+  exchange), against ``theory``:
+  p2p ``(cp-1) kv + (cp-1) kv + cp dkv``; allgather ``2 (cp-1) kv``;
+  a2a ``2 (cp-1)/cp (q + k + v + out)``, with ``kv`` this rank's keys+values, ``dkv`` their
+  fp32 gradients.
+
+Then the crossover in bytes: a2a sends less than allgather/p2p once
+``cp > heads/groups + 1`` (its traffic per rank falls as 1/cp of q, k, v and the output,
+the others' grows with cp x kv), printed for the given head/group counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.ranks import run_on_ranks
+
+
+class _Wire:
+    """Bytes passed to the cp collectives for other ranks (wraps collectives' functions)."""
+
+    def __init__(self):
+        self.sent = 0
+
+    def install(self):
+        from megalite.parallel import collectives as C
+
+        originals = (C._all_gather_single, C._reduce_scatter_single, C.all_to_all,
+                     C.ring_exchange)
+        gather, scatter, a2a, ring = originals
+
+        def all_gather(out, x, group=None, async_op=False):
+            n = out.numel() // x.numel()
+            self.sent += (n - 1) * x.numel() * x.element_size()
+            return gather(out, x, group=group, async_op=async_op)
+
+        def reduce_scatter(out, x, group=None, async_op=False):
+            self.sent += (x.numel() - out.numel()) * x.element_size()
+            return scatter(out, x, group=group, async_op=async_op)
+
+        def all_to_all(x, group, send=None, recv=None):
+            self.sent += x.numel() * x.element_size() * (group.size - 1) // group.size
+            return a2a(x, group, send, recv)
+
+        def ring_exchange(x, group):
+            self.sent += x.numel() * x.element_size() if group.size > 1 else 0
+            return ring(x, group)
+
+        C._all_gather_single, C._reduce_scatter_single = all_gather, reduce_scatter
+        C.all_to_all, C.ring_exchange = all_to_all, ring_exchange
+
+
+def _theory(comm: str, cp: int, s_local: int, heads: int, groups: int, d: int) -> int:
+    kv = 2 * s_local * groups * d * 4
+    if cp == 1:
+        return 0
+    if comm == "p2p":
+        return 2 * (cp - 1) * kv + cp * kv
+    if comm == "allgather":
+        return 2 * (cp - 1) * kv
+    qkvo = (2 * heads + 2 * groups) * s_local * d * 4
+    return 2 * (cp - 1) * qkvo // cp
+
+
+def _body(rank, world, args, comm):
+    import torch.distributed as dist
+
+    from megalite.config import ParallelConfig
+    from megalite.parallel.cp_chunks import chunk_positions
+    from megalite.parallel.random import RNGTracker
+    from megalite.parallel.state import ParallelState
+    from megalite.transformer.attention_kernels import build_core_attention
+
+    wire = _Wire()
+    wire.install()
+
+    class Cfg:
+        attention_backend, cp_comm_type, attention_dropout = args.backend, comm, 0.0
+
+    ps = ParallelState.build(ParallelConfig(context_parallel_size=world))
+    kernel = build_core_attention(Cfg, ps, RNGTracker.from_state(ps, 1))
+    g = torch.Generator().manual_seed(0)
+    s, h, ng, d = args.seq, args.heads, args.groups, args.head_dim
+    idx = chunk_positions(s, world, rank) if world > 1 else torch.arange(s)
+    q = torch.randn(s, 1, h, d, generator=g)[idx].requires_grad_()
+    k = torch.randn(s, 1, ng, d, generator=g)[idx].requires_grad_()
+    v = torch.randn(s, 1, ng, d, generator=g)[idx].requires_grad_()
+    grad = torch.randn(len(idx), 1, h * d, generator=g)
+
+    saved, peak = {}, [0]
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    best, sent = float("inf"), 0
+    for rep in range(args.reps):
+        saved.clear()
+        wire.sent = 0
+        dist.barrier()
+        t0 = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = kernel(q, k, v)
+        out.backward(grad)
+        elapsed = time.perf_counter() - t0
+        best, sent = min(best, elapsed), wire.sent
+    peak[0] = max(saved.values(), default=0)
+    slowest = torch.tensor([best])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    ps.destroy()
+    return (float(slowest), sum(saved.values()), peak[0], sent,
+            _theory(comm, world, len(idx), h, ng, d))
+
+
+def _single(args):
+    """cp 1: the plain kernel in this process (one thread, like a rank)."""
+    from megalite.config import ParallelConfig
+    from megalite.parallel.random import RNGTracker
+    from megalite.parallel.state import ParallelState
+    from megalite.transformer.attention_kernels import build_core_attention
+
+    class Cfg:
+        attention_backend, cp_comm_type, attention_dropout = args.backend, "p2p", 0.0
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ps = ParallelState.build(ParallelConfig())
+        kernel = build_core_attention(Cfg, ps, RNGTracker.from_state(ps, 1))
+        g = torch.Generator().manual_seed(0)
+        s, h, ng, d = args.seq, args.heads, args.groups, args.head_dim
+        q = torch.randn(s, 1, h, d, generator=g, requires_grad=True)
+        k = torch.randn(s, 1, ng, d, generator=g, requires_grad=True)
+        v = torch.randn(s, 1, ng, d, generator=g, requires_grad=True)
+        grad = torch.randn(s, 1, h * d, generator=g)
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        best = float("inf")
+        for _ in range(args.reps):
+            saved.clear()
+            t0 = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = kernel(q, k, v)
+            out.backward(grad)
+            best = min(best, time.perf_counter() - t0)
+        return best, sum(saved.values()), max(saved.values(), default=0), 0, 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="benchmark.py cp")
+    p.add_argument("--seq", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--comm", nargs="+", default=["p2p", "allgather", "a2a"])
+    p.add_argument("--backend", default="sdpa", choices=("sdpa", "local"))
+    p.add_argument("--reps", type=int, default=1)
+    args = p.parse_args(argv)
+    mib = 2 ** 20
+    print(f"attention core, seq {args.seq}, {args.heads} heads / {args.groups} groups x "
+          f"{args.head_dim}, fp32, backend {args.backend}, fwd+bwd, 1 thread per rank")
+    print(f"{'cp':>3} {'comm':<10} {'ms':>9} {'saved MiB':>10} {'peak MiB':>9} "
+          f"{'sent MiB':>9} {'theory':>9} {'ratio':>6}")
+    rows = {}
+    for cp in args.ranks:
+        for comm in (args.comm if cp > 1 else ["(none)"]):
+            if comm == "a2a" and (args.heads % cp or args.groups % cp):
+                print(f"{cp:>3} {comm:<10} skipped: heads/groups not divisible by cp")
+                continue
+            if cp == 1:
+                res = _single(args)
+            else:
+                res = run_on_ranks(_body, cp, args, comm)[0]
+            ms, saved, peak, sent, theory = res
+            rows[(cp, comm)] = res
+            ratio = f"{sent / theory:.2f}" if theory else "-"
+            print(f"{cp:>3} {comm:<10} {ms * 1e3:>9.0f} {saved / mib:>10.1f} "
+                  f"{peak / mib:>9.1f} {sent / mib:>9.2f} {theory / mib:>9.2f} {ratio:>6}",
+                  flush=True)
+    for cp in args.ranks:
+        done = {c: r for (k, c), r in rows.items() if k == cp and cp > 1}
+        if done:
+            fastest = min(done, key=lambda c: done[c][0])
+            fewest = min(done, key=lambda c: done[c][3])
+            print(f"cp {cp}: fastest {fastest}, fewest bytes {fewest}")
+    ratio = args.heads / args.groups
+    print(f"bytes crossover (theory): a2a sends less than allgather once cp > heads/groups "
+          f"+ 1 = {ratio + 1:g}; p2p sends (3 cp - 2)/(2 cp - 2) x allgather's "
+          f"(the fp32 key/value gradients travel the ring)")
