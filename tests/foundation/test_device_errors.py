@@ -3,11 +3,14 @@ their compute capability and flash-attn are monkeypatched (megalite.parallel.dev
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from megalite.config import ConfigError
 from megalite.parallel import device as dev
+from tests.distributed.harness import run_distributed
 from tests.training.common import tiny_config, tiny_flags
 
 
@@ -40,10 +43,18 @@ def _one_sentence(message: str) -> None:
 
 
 # -- choices ----------------------------------------------------------------------------------
+def _rank_device(rank, world_size):
+    return dev.device_request("auto"), str(dev.select_device("auto"))
+
+
 def test_the_suite_runs_on_cpu():
-    """tests/conftest.py pins the device: the tests never pick a GPU behind our back."""
+    """tests/conftest.py pins the device, here and in the pooled ranks: the tests never
+    pick a GPU behind our back (MEGALITE_TEST_DEVICE=cuda asks for one)."""
+    if os.environ.get("MEGALITE_TEST_DEVICE", "cpu") != "cpu":
+        pytest.skip("MEGALITE_TEST_DEVICE asks for another device")
     assert dev.device_request("auto") == ("cpu", "MEGALITE_DEVICE=cpu")
     assert dev.select_device("auto") == torch.device("cpu")
+    assert run_distributed(2, _rank_device) == [(("cpu", "MEGALITE_DEVICE=cpu"), "cpu")] * 2
 
 
 def test_auto_picks_cuda_local_rank_when_gpus_are_visible(host):
