@@ -1,10 +1,10 @@
-# megalite: make install | pretrain | test | test-gpu | fuzz | bench | lint | clean
+# megalite: make install | pretrain | test | test-gpu | fuzz | chaos | bench | lint | clean
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?= -q -m "not slow and not gpu" --durations=15
 
-.PHONY: install pretrain test test-gpu test-all fuzz bench lint clean
+.PHONY: install pretrain test test-gpu test-all fuzz chaos bench lint clean
 
 install: $(STAMP)
 
@@ -41,6 +41,12 @@ fuzz: install
 	else echo "fuzz: $(N) draws, seeds $$base..$$((base + $(N) - 1)) (MEGALITE_FUZZ_BASE=$$base)"; fi; \
 	MEGALITE_FUZZ_BASE=$$base MEGALITE_FUZZ_N=$(N) $(PY) -m pytest -v -s \
 		--durations=5 tests/fuzz/test_layout_fuzz.py
+
+# Fault injection (tools/chaos.py): KILLS random SIGKILLs of torchrun workers during a run;
+# the restarted job must finish on the undisturbed run's curve, bit for bit.
+KILLS ?= 10
+chaos: install
+	$(PY) tools/chaos.py --kills $(KILLS) $(if $(SEED),--seed $(SEED))
 
 bench: install
 	$(PY) tools/benchmark.py all

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megalite.config import ConfigError, ParallelConfig
 from megalite.parallel.device import select_backend, select_device
+from megalite.parallel.rendezvous import attempt_store, uses_agent_store
 
 GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "tp_cp", "ep", "etp", "edp",
                "embedding", "position_embedding")
@@ -245,6 +246,11 @@ def init_distributed(backend: str = "auto", timeout_minutes: int = 10,
         torch.cuda.set_device(chosen)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and "MASTER_ADDR" not in os.environ:
         return 0, 1
-    dist.init_process_group(backend=backend,
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if uses_agent_store():   # torchrun: a store of this attempt, not the one restarts share
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend=backend, store=attempt_store(rank, timeout),
+                                rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
