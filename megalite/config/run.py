@@ -47,12 +47,21 @@ class TrainConfig:
     check_for_nan_in_loss_and_grad: bool = arg(True, "Stop on a NaN/inf loss or gradient.",
                                                flag="--no-check-for-nan-in-loss-and-grad",
                                                action="store_false")
+    compile: bool = arg(False, "megalite-specific (Megatron has no such flag): "
+                        "torch.compile each transformer layer (regional compilation: identical "
+                        "layers share one graph; embedding, output layer and loss stay eager).")
+    compile_mode: str | None = arg(None, "torch.compile mode under --compile (default: "
+                                   "torch's default).",
+                                   choices=(None, "default", "reduce-overhead", "max-autotune",
+                                            "max-autotune-no-cudagraphs"))
 
     def __post_init__(self) -> None:
         check_choices(self)
         positive(self, "micro_batch_size", "global_batch_size", "train_iters", "train_samples",
                   "eval_interval", "exit_interval", "exit_duration_in_mins")
         require(self.eval_iters >= 0, "eval_iters must be >= 0")
+        require(self.compile_mode is None or self.compile,
+                f"--compile-mode {self.compile_mode} needs --compile")
         require(self.manual_gc_interval >= 0,
                 f"manual_gc_interval must be >= 0, got {self.manual_gc_interval}")
         require(not (self.calculate_per_token_loss and self.per_microbatch_loss),

@@ -143,6 +143,10 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
     if any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)
     model.to(ps.device)
+    if t.compile:  # after the casts and moves: compiled layers guard on dtype and device
+        from megalite.models.compile import compile_model
+
+        compile_model(model, mode=t.compile_mode)
 
     timers = Timers(cfg.logging.timing_log_level, ps.device)
     # DistributedOptimizer under --use-distributed-optimizer; buckets/overlap from cfg.parallel
