@@ -216,6 +216,9 @@ _CP = [
     _cp_row(4, "a2a", model={"num_layers": 4}, pp=2, vpp=2, cp=2),
     _cp_row(4, "p2p", cp=2, distopt=True),
     _cp_row(4, "allgather", model=CP_MOE, cp=2, ep=2),
+    # recomputation replays the ring's and the all-to-all's forward inside checkpoints
+    _cp_row(2, "p2p", model=RECOMPUTE["selective"], variant="selective", cp=2),
+    _cp_row(2, "a2a", model=RECOMPUTE["full-uniform"], variant="full", cp=2),
     # document masks: also trained on data with many documents (test_documents.py)
     dataclasses.replace(_cp_row(2, "p2p", variant="docs", cp=2), data=CP_DOCUMENTS),
 ]

@@ -121,13 +121,21 @@ def sdpa_block(q, k, v, keep, scale: float, dropout_p: float = 0.0,
     return out.float(), lse.float()
 
 
+def _is_causal(keep: torch.Tensor) -> bool:
+    """``keep`` is one square lower-triangular mask (the diagonal block of a chunk)."""
+    sq, sk = keep.shape[-2:]
+    if sq != sk or keep.shape[:-2].numel() != 1:
+        return False
+    return bool(torch.equal(keep.reshape(sq, sk),
+                            torch.ones(sq, sk, dtype=torch.bool, device=keep.device).tril()))
+
+
 def flash_block(q, k, v, keep, scale: float, dropout_p: float = 0.0,
                 generator: torch.Generator | None = None):
     """flash-attn's kernel for full blocks and causal diagonal blocks (CUDA, half
-    precision); other masks and dropout take the explicit block."""
-    causal = keep is not None and keep.shape[-1] == keep.shape[-2] and bool(
-        torch.equal(keep.reshape(-1, *keep.shape[-2:])[0], torch.ones_like(
-            keep.reshape(-1, *keep.shape[-2:])[0]).tril())) and keep.shape[:-2].numel() == 1
+    precision; not exercised on the CPU machines megalite is tested on); other masks and
+    dropout take the explicit block."""
+    causal = keep is not None and _is_causal(keep)
     if dropout_p > 0.0 or (keep is not None and not causal):
         return explicit_block(q, k, v, keep, scale, dropout_p, generator)
     from flash_attn import flash_attn_func
