@@ -94,7 +94,7 @@ def plan_rounds(rank_steps: list[list[Step]], vpp: int) -> list[list[Round]]:
         sends = [False] * pp
         recvs: list[list[Step]] = [[] for _ in range(pp)]
         for r, step in enumerate(ran):
-            dest = step and _destination(step, r, pp, vpp)
+            dest = _destination(step, r, pp, vpp) if step else None
             if dest:
                 sends[r] = True
                 recvs[dest[0]].append(dest[1])
