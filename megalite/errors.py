@@ -12,7 +12,11 @@ code meaning
      ``TokenIdError``, ``PreprocessError``)
 4    checkpoint: a missing, foreign, damaged or locked checkpoint (``CheckpointError``)
 5    numerical: a NaN/Inf loss or a collapsed loss scale (``NonFiniteLossError``,
-     ``LossScaleError``, or any subclass of :class:`NumericalError`)
+     ``LossScaleError``, or any subclass of :class:`NumericalError`), including a
+     suspicious step that reproduced exactly on re-run (``DeterministicFaultError``, from
+     ``--rerun-mode validate_results``): the data or the model; restarting will not help
+6    transient faults: re-runs of suspicious steps gave other results too often
+     (``TransientFaultError``); suspect the hardware, restart without the named ranks' nodes
 ==== ===========================================================================
 
 A known error prints one line per rank on stderr, ``megalite: error (rank R): ...``;
@@ -35,6 +39,7 @@ EXIT_CONFIG = 2
 EXIT_DATA = 3
 EXIT_CHECKPOINT = 4
 EXIT_NUMERICAL = 5
+EXIT_TRANSIENT_FAULT = 6
 
 
 class KnownError(Exception):

@@ -47,6 +47,26 @@ class TrainConfig:
     check_for_nan_in_loss_and_grad: bool = arg(True, "Stop on a NaN/inf loss or gradient.",
                                                flag="--no-check-for-nan-in-loss-and-grad",
                                                action="store_false")
+    rerun_mode: str = arg("validate_results", "validate_results: re-run a step whose loss or "
+                          "gradients are NaN/inf (or spiky, with --check-for-spiky-loss) once "
+                          "from the same state, to tell a deterministic fault (stop, exit 5) "
+                          "from a transient one (log the ranks, continue); disabled: stop at "
+                          "the first NaN/inf.", choices=("disabled", "validate_results",
+                                                         "report_stats"))
+    check_for_spiky_loss: bool = arg(False, "Validate (re-run) a step whose loss exceeds "
+                                     "--spiky-loss-factor x the mean of the last 10.")
+    spiky_loss_factor: float = arg(10.0, "megalite-specific: the factor of "
+                                   "--check-for-spiky-loss.")
+    rerun_max_transient_faults: int = arg(3, "megalite-specific: stop (exit 6) after more than "
+                                          "this many transient faults in one run.")
+    error_injection_rate: int = arg(0, "Fault drill: inject a fault into the loss of the last "
+                                    "rank at every N-th iteration (0: never).")
+    error_injection_type: str = arg("transient_error", "What --error-injection-rate injects: "
+                                    "a NaN in the first run of the step only (transient_error), "
+                                    "in the re-run too (persistent_error), or nothing but a "
+                                    "validation (correct_result).",
+                                    choices=("correct_result", "transient_error",
+                                             "persistent_error"))
     compile: bool = arg(False, "megalite-specific (Megatron has no such flag): "
                         "torch.compile each transformer layer (regional compilation: identical "
                         "layers share one graph; embedding, output layer and loss stay eager).")
@@ -60,6 +80,15 @@ class TrainConfig:
         positive(self, "micro_batch_size", "global_batch_size", "train_iters", "train_samples",
                   "eval_interval", "exit_interval", "exit_duration_in_mins")
         require(self.eval_iters >= 0, "eval_iters must be >= 0")
+        require(self.rerun_mode != "report_stats",
+                "--rerun-mode report_stats is not supported; use validate_results (re-run "
+                "suspicious steps) or disabled")
+        require(self.spiky_loss_factor > 1.0,
+                f"--spiky-loss-factor must be > 1, got {self.spiky_loss_factor}")
+        require(self.error_injection_rate >= 0 and self.rerun_max_transient_faults >= 0,
+                "--error-injection-rate and --rerun-max-transient-faults must be >= 0")
+        require(self.error_injection_rate == 0 or self.rerun_mode == "validate_results",
+                "--error-injection-rate needs --rerun-mode validate_results")
         require(self.compile_mode is None or self.compile,
                 f"--compile-mode {self.compile_mode} needs --compile")
         require(self.manual_gc_interval >= 0,

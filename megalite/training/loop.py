@@ -46,6 +46,7 @@ from megalite.training.manual_gc import ManualGC
 from megalite.training.memory_log import MemoryReporter
 from megalite.training.metrics import IterationMetrics
 from megalite.training.profiling import StepProfiler
+from megalite.training.rerun import ResultValidator
 from megalite.training.signals import SignalHandler
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class StepResult:
     grad_norm: float | None
     loss_scale: float
     moe_losses: dict = field(default_factory=dict)  # moe_aux_loss / moe_z_loss means
+    faulty_ranks: list | None = None   # a transient fault: ranks whose re-run differed
 
 
 @dataclass
@@ -106,20 +108,47 @@ def count_tokens(batches: list[dict], group) -> torch.Tensor:
     return total.clamp_min(1.0)
 
 
-def train_step(c: TrainingComponents, batches: list[dict], iteration: int) -> StepResult:
-    """One optimizer step over this rank's ``batches`` (its micro-batches of the global
-    batch). ``iteration`` (1-based) only names the step in errors."""
-    ps, timers = c.ps, c.timers
+def _forward_backward(c: TrainingComponents, batches: list[dict], tokens: torch.Tensor,
+                      divisors, iteration: int, validator: ResultValidator | None,
+                      attempt: int = 0):
+    """Zero the gradients, run the schedule; (local loss sum ``[1]`` fp64, global lm_loss,
+    router losses). ``attempt`` 1 is a validation re-run."""
     c.grads.zero_grad(num_microbatches=len(batches))  # each chunk's m-th grad is final
+    router = RouterLosses(c.ps.device) if c.cfg.model.num_experts is not None else None
+    with c.timers("forward-backward", log_level=1):
+        loss_sum = forward_backward(c, batches, divisors, loss_scale=c.optimizer.scale_loss,
+                                    router_losses=router)
+    if validator is not None:
+        loss_sum = validator.corrupt(loss_sum, iteration, attempt, c.ps)
+    lm_loss = float((all_reduce(loss_sum.clone(), c.ps.dp_cp) / tokens).item())
+    return loss_sum, lm_loss, router
+
+
+def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
+               validator: ResultValidator | None = None,
+               samples: tuple[int, int] = (0, 0)) -> StepResult:
+    """One optimizer step over this rank's ``batches`` (its micro-batches of the global
+    batch). ``iteration`` (1-based) and ``samples`` (the global batch's first and end
+    sample) name the step in errors; ``validator`` re-runs a suspicious step
+    (``--rerun-mode validate_results``, :mod:`megalite.training.rerun`)."""
+    ps = c.ps
     c.model.train()
     batches = [_local_batch(b, ps) for b in batches]
     tokens = count_tokens(batches, ps.dp_cp)
     divisors = loss_divisors(batches, tokens, c.cfg.train.per_microbatch_loss, ps.dp.size)
-    router = RouterLosses(ps.device) if c.cfg.model.num_experts is not None else None
-    with timers("forward-backward", log_level=1):
-        loss_sum = forward_backward(c, batches, divisors, loss_scale=c.optimizer.scale_loss,
-                                    router_losses=router)
-    lm_loss = float((all_reduce(loss_sum, ps.dp_cp) / tokens).item())
+    validating = validator is not None and validator.enabled
+    snapshot = validator.snapshot(c) if validating else None
+    loss_sum, lm_loss, router = _forward_backward(c, batches, tokens, divisors, iteration,
+                                                  validator)
+    reason = validator.suspicious(lm_loss, iteration) if validating else None
+    faulty_ranks = None
+    if reason is not None:   # re-run from the same state; judge() raises if reproduced
+        first = loss_sum
+        c.grads.finish_grad_sync()   # let this run's reductions end before the re-run
+        validator.restore(c, snapshot)
+        loss_sum, lm_loss, router = _forward_backward(c, batches, tokens, divisors,
+                                                      iteration, validator, attempt=1)
+        faulty_ranks = validator.judge(reason, iteration, first, loss_sum, ps, samples)
     moe_losses = router.means() if router is not None else {}  # collective (world)
     check = c.cfg.train.check_for_nan_in_loss_and_grad
     if check and not math.isfinite(lm_loss):
@@ -127,18 +156,40 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int) -> St
                                  f"(rank {ps.rank}); stopping without updating the model "
                                  "or writing a checkpoint")
     c.grads.finish_grad_sync()
-    with timers("optimizer", log_level=1):
+    with c.timers("optimizer", log_level=1):
         lr = c.scheduler.apply(c.optimizer)
         outcome = c.optimizer.step()
+    if outcome.found_inf and check and not c.optimizer.fp16 and validating \
+            and reason is None:   # NaN/inf gradients: nothing was updated; re-run the same way
+        reason = validator.suspicious(lm_loss, iteration, found_inf=True)
+        first = loss_sum
+        validator.restore(c, snapshot)
+        loss_sum, lm_loss, router = _forward_backward(c, batches, tokens, divisors,
+                                                      iteration, validator, attempt=1)
+        c.grads.finish_grad_sync()
+        with c.timers("optimizer", log_level=1):
+            outcome = c.optimizer.step()
+        faulty_ranks = validator.judge(reason, iteration, first, loss_sum, ps, samples,
+                                       reproduced=outcome.found_inf)
+        moe_losses = router.means() if router is not None else {}
+    if reason is not None and faulty_ranks is None:   # a requested validation passed
+        c.metrics.print(f" iteration {iteration}: validated: the re-run reproduced the step "
+                        f"bit for bit")
+    elif faulty_ranks is not None:
+        c.metrics.print(f" iteration {iteration}: transient fault ({reason}); the re-run "
+                        f"differs on rank(s) {faulty_ranks or 'none (only the check)'}; "
+                        f"continuing with the re-run's result (loss {lm_loss:.6g})")
     if outcome.found_inf and check and not c.optimizer.fp16:
         raise NonFiniteLossError(f"the gradients hold NaN/inf at iteration {iteration} "
                                  f"(loss {lm_loss:.6g}); stopping without updating the model "
                                  "or writing a checkpoint")
+    if validating:
+        validator.accept(lm_loss)
     if outcome.updated:
         c.scheduler.advance(len(batches) * c.cfg.train.micro_batch_size * ps.dp.size)
     return StepResult(lm_loss=lm_loss, lr=lr, updated=outcome.updated,
                       grad_norm=outcome.grad_norm, loss_scale=c.optimizer.loss_scale,
-                      moe_losses=moe_losses)
+                      moe_losses=moe_losses, faulty_ranks=faulty_ranks)
 
 
 @torch.no_grad()
@@ -211,6 +262,7 @@ def train(c: TrainingComponents) -> TrainResult:
     valid_iter = c.valid_iterator(state.iteration)
     last_saved = state.iteration if ck.load else None
     watchdog = LossScaleWatchdog.from_config(cfg)
+    validator = ResultValidator.from_config(t)   # --rerun-mode validate_results
     memory = MemoryReporter(c.ps, cfg.logging.log_interval)  # CUDA memory line + peak
     saver = CheckpointSaver(c.ps, async_save=bool(ck.save) and ck.async_save,
                             verify=ck.ckpt_verify)
@@ -223,7 +275,9 @@ def train(c: TrainingComponents) -> TrainResult:
             with profiler.iteration(state.iteration):
                 with c.timers("batch-generator", log_level=1):
                     batches = [next(train_iter) for _ in range(gbs // micro_times_dp)]
-                step = train_step(c, batches, state.iteration + 1)
+                step = train_step(c, batches, state.iteration + 1, validator,
+                                  (state.consumed_train_samples,
+                                   state.consumed_train_samples + gbs))
             elapsed = time.perf_counter() - tick
             state.iteration += 1
             state.consumed_train_samples += gbs
@@ -235,6 +289,8 @@ def train(c: TrainingComponents) -> TrainResult:
             manual_gc.after_iteration(state.iteration)
 
             extra = dict(step.moe_losses)  # MoE router losses, if any
+            if step.faulty_ranks is not None:
+                extra["transient_fault_ranks"] = step.faulty_ranks
             extra.update(memory.after_iteration(state.iteration))  # {} off CUDA
             if schedule.variable:
                 extra["global_batch_size"] = gbs

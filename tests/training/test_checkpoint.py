@@ -92,8 +92,10 @@ class NaNAtCall(torch.nn.Module):
 
 def test_nan_loss_stops_naming_iteration_without_checkpoint(tmp_path):
     save = str(tmp_path / "ckpt")
-    cfg = tiny_config(train={"train_iters": 6}, checkpoint={"save": save, "save_interval": 1})
-    # 4 micro-batches per iteration: call 10 is in iteration 3
+    cfg = tiny_config(train={"train_iters": 6, "rerun_mode": "disabled"},
+                      checkpoint={"save": save, "save_interval": 1})
+    # 4 micro-batches per iteration: call 10 is in iteration 3 (without --rerun-mode
+    # validate_results: tests/training/test_rerun.py re-runs it)
     provider = lambda c, ps: NaNAtCall(default_model_provider(c, ps), bad_call=10)
     with pytest.raises(NonFiniteLossError, match="loss is nan at iteration 3"):
         run_training(cfg, model_provider=provider)
