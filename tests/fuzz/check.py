@@ -1,8 +1,9 @@
 """One fuzz draw against the single-process run: train both, compare, list what differs.
 
 The drawn layout trains ``ITERS`` iterations on pooled gloo ranks; the reference trains
-the same model (same seed, mock data, global batch, optimizer) in this process, at world 1,
-without recomputation and with the default dispatcher (neither changes the model's math).
+the same model (same seed, data flags, global batch, optimizer) in this process, at world 1,
+without recomputation and with the default dispatcher and cp comm type (none of them
+changes the model's math).
 Compared, on every rank:
 
 * ``lm_loss`` of every iteration (the global-batch token mean, reported by every rank)
