@@ -17,6 +17,9 @@ code meaning
      ``--rerun-mode validate_results``): the data or the model; restarting will not help
 6    transient faults: re-runs of suspicious steps gave other results too often
      (``TransientFaultError``); suspect the hardware, restart without the named ranks' nodes
+8    distributed: a rank died or hung; a collective did not complete within
+     ``--distributed-timeout-minutes`` (``DistributedFaultError``, naming the group, the
+     operation and the ranks that never arrived; ``megalite.parallel.watchdog``)
 ==== ===========================================================================
 
 A known error prints one line per rank on stderr, ``megalite: error (rank R): ...``;
@@ -40,6 +43,7 @@ EXIT_DATA = 3
 EXIT_CHECKPOINT = 4
 EXIT_NUMERICAL = 5
 EXIT_TRANSIENT_FAULT = 6
+EXIT_DISTRIBUTED = 8
 
 
 class KnownError(Exception):
@@ -80,3 +84,23 @@ def report_error(exc: BaseException, rank: int | None = None, *, prog: str = "me
     where = "" if rank is None else f" (rank {rank})"
     print(f"{prog}: error{where}: {exc}", file=file, flush=True)
     return code
+
+
+def record_exit_code(code: int) -> None:
+    """Leave this rank's exit code where its launch script can read it.
+
+    torchrun exits 1 whenever a worker exits non-zero, and also after forwarding a SIGTERM
+    to workers that saved and exited 0, so its own code says neither which error happened
+    nor that a signal-triggered save succeeded. The launch scripts (``scripts/
+    _forward_sigterm.sh``) set ``MEGALITE_EXIT_CODE_DIR``; each rank writes its code to
+    ``rank<RANK>`` there, and the script exits with the ranks' code instead of torchrun's.
+    """
+    folder = os.environ.get("MEGALITE_EXIT_CODE_DIR")
+    if not folder:
+        return
+    try:
+        path = os.path.join(folder, f"rank{os.environ.get('RANK', '0')}")
+        with open(path, "w") as f:
+            f.write(f"{int(code)}\n")
+    except OSError:   # the script then keeps torchrun's code
+        pass

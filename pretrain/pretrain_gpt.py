@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from megalite.arguments import main_parse
 from megalite.compat import no_effect_line
-from megalite.errors import report_error
+from megalite.errors import record_exit_code, report_error
+from megalite.parallel import watchdog
 from megalite.parallel.device import DeviceSetupError, check_device_setup
 from megalite.parallel.state import ParallelState, init_distributed
 from megalite.training.build import build_components
@@ -50,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0 and ignored:
         print(ignored, flush=True)
     ps = None
+    # hangs and dead peers name the rank; the flight recorder goes beside the checkpoints
+    watchdog.start(cfg.parallel.distributed_timeout_minutes, cfg.checkpoint.save)
     try:
         cfg.validate(world)
         ps = ParallelState.build(cfg.parallel)
@@ -68,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         return code
     finally:
+        watchdog.stop()
         if ps is not None:
             ps.destroy()
         if dist.is_available() and dist.is_initialized():
@@ -75,4 +79,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()          # an unknown error raises: no code recorded, torchrun's stays
+    record_exit_code(exit_code)
+    sys.exit(exit_code)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from megalite.checkpoint import read_latest_iteration
 from megalite.errors import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_DATA, EXIT_NUMERICAL, exit_code_of
 from tests.training.common import (
@@ -110,7 +112,23 @@ def test_converter_errors_name_its_own_flags(tmp_path):
         capture_output=True, text=True, timeout=120, check=False).stderr
 
 
-def test_tiny_cpu_script_exits_zero_after_sigterm_save(tmp_path):
+def test_launch_script_exits_with_the_workers_code_not_torchruns(tmp_path):
+    """torchrun exits 1 when a worker fails; the script exits with the workers' code (2: a
+    layout that does not divide), after one line per rank."""
+    env = subprocess_env(OUT=str(tmp_path / "run"), TRAIN_ITERS="2", PYTHON=sys.executable)
+    done = subprocess.run(["bash", os.path.join(REPO, "scripts", "pretrain_tiny_cpu.sh"),
+                           "--tensor-model-parallel-size", "3"], capture_output=True,
+                          text=True, env=env, timeout=150, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "megalite: torchrun exited 1; the workers' exit code is 2" in done.stderr
+    assert done.stderr.count("megalite: error (rank") == 2
+
+
+@pytest.mark.parametrize("target", ["script", "process-group"])
+def test_tiny_cpu_script_exits_zero_after_sigterm_save(tmp_path, target):
+    """SIGTERM to the script (forwarded to the workers), or to every process of the job at
+    once as SLURM does at the time limit (torchrun itself then exits 1): the workers save,
+    and the script exits 0."""
     out = tmp_path / "run"
     env = subprocess_env(OUT=str(out), TRAIN_ITERS="100000", PYTHON=sys.executable,
                          SEQ_LEN="32", MICRO_BATCH="2", GLOBAL_BATCH="4")
@@ -125,7 +143,10 @@ def test_tiny_cpu_script_exits_zero_after_sigterm_save(tmp_path):
             assert time.monotonic() < deadline, "training did not start"
             assert proc.poll() is None, proc.communicate()[0]
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)   # the script's pid, as a scheduler would
+        if target == "script":
+            proc.send_signal(signal.SIGTERM)   # the script's pid, as a scheduler would
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)   # script, torchrun and workers together
         output = proc.communicate(timeout=150)[0]
     finally:
         if proc.poll() is None:
@@ -133,4 +154,5 @@ def test_tiny_cpu_script_exits_zero_after_sigterm_save(tmp_path):
     assert proc.returncode == 0, output
     last = read_jsonl(str(metrics))[-1]["iteration"]
     assert read_latest_iteration(str(out / "checkpoints")) == last, output
-    assert "SignalException" not in output and "Traceback" not in output, output
+    if target == "script":
+        assert "SignalException" not in output and "Traceback" not in output, output
