@@ -260,13 +260,18 @@ class MixedPrecisionOptimizer(LossScaledOptimizer):
 
 
 def build_torch_optimizer(groups: list[dict], ocfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD over ``groups`` (each with its own ``weight_decay``)."""
+    """AdamW or SGD over ``groups`` (each with its own ``weight_decay``), updating all the
+    (fp32 master) tensors in one call: the fused CUDA kernels when every tensor is on a
+    GPU, else the multi-tensor (``foreach``) implementation instead of a loop over
+    tensors. Both compute the single-tensor update's formula."""
+    devices = {p.device.type for group in groups for p in group["params"]}
+    impl = {"fused": True} if devices == {"cuda"} else {"foreach": True}
     if ocfg.optimizer == "adam":
         return torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.adam_beta1, ocfg.adam_beta2),
-                                 eps=ocfg.adam_eps, weight_decay=ocfg.weight_decay)
+                                 eps=ocfg.adam_eps, weight_decay=ocfg.weight_decay, **impl)
     if ocfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=ocfg.lr, momentum=ocfg.sgd_momentum,
-                               weight_decay=ocfg.weight_decay)
+                               weight_decay=ocfg.weight_decay, **impl)
     raise ValueError(f"unknown --optimizer {ocfg.optimizer!r}")
 
 

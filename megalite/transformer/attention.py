@@ -57,8 +57,8 @@ class SelfAttention(torch.nn.Module):
         qkv = self.linear_qkv(x)  # [s, b, (nh + 2 ng) d / tp]
         s, b = qkv.shape[:2]
         nh, ng, d = self.local_heads, self.local_groups, self.head_dim
-        qk = qkv[..., :(nh + ng) * d].view(s, b, nh + ng, d)
-        v = qkv[..., (nh + ng) * d:].view(s, b, ng, d)
+        qk, v = qkv.split([(nh + ng) * d, ng * d], dim=-1)  # backward: one cat, no zeros
+        qk, v = qk.view(s, b, nh + ng, d), v.view(s, b, ng, d)
         if rotary is not None:  # one kernel for q and k together
             qk = apply_rotary(qk, *rotary)
         q, k = qk.split([nh, ng], dim=2)

@@ -1,4 +1,10 @@
-"""The feed-forward block: GeLU or SwiGLU, column-parallel up, row-parallel down."""
+"""The feed-forward block: GeLU or SwiGLU, column-parallel up, row-parallel down.
+
+:func:`swiglu` is ``silu(gate) * up`` on the fused ``[gate; up]`` projection: eagerly one
+autograd function (:class:`_SwiGLU`: one output allocation, the gradient of both halves
+written into one ``[.., 2 ffn]`` tensor instead of concatenated), under ``torch.compile``
+the plain expression that inductor fuses. Both give the plain formula's values bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -32,8 +38,36 @@ class MLP(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear_fc1(x)
         if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
+            y = swiglu(y)
         else:
             y = F.gelu(y)
         return self.linear_fc2(y)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        gate, up = y.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(y, act)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        # d up = grad silu(gate); d gate = silu'(gate) (grad up): the same ops autograd
+        # runs for silu(gate) * up, written into the halves of one gradient tensor
+        y, act = ctx.saved_tensors
+        gate, up = y.chunk(2, dim=-1)
+        dy = torch.empty(y.shape, dtype=grad.dtype, device=grad.device)
+        d_gate, d_up = dy.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        torch.mul(grad, act, out=d_up)
+        return dy
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """``[..., 2 f]`` (``[gate; up]``) -> ``silu(gate) * up`` ``[..., f]``."""
+    if torch.compiler.is_compiling() or not y.requires_grad:
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return _SwiGLU.apply(y)

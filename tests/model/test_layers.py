@@ -129,3 +129,45 @@ def test_gather_from_tp_region_roundtrip_single():
     ps = single_process_state()
     x = torch.ones(2, 3)
     assert mappings.gather_from_tensor_model_parallel_region(x, ps.tp) is x
+
+
+def _rotate_half_reference(x, cos, sin):
+    """RoPE as it was written before the fused form: ``x cos + rotate_half(x) sin``."""
+    rot = cos.shape[-1]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = x_rot * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.cat([rotated, x_pass], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("percent", [1.0, 0.5])
+def test_rotary_without_copies_equals_rotate_half_formula(dtype, percent):
+    from megalite.transformer.rope import RotaryEmbedding, apply_rotary
+
+    cos, sin = RotaryEmbedding(16, percent)(torch.randint(0, 500, (7, 3)))  # any positions
+    qkv = _rand(0, 7, 3, 6, 16).to(dtype)
+    x = [qkv[:, :, :5].clone().requires_grad_(True) for _ in range(2)]
+    up = _rand(1, 7, 3, 5, 16).to(dtype)
+    want, got = _rotate_half_reference(x[0], cos, sin), apply_rotary(x[1], cos, sin)
+    want.backward(up)
+    got.backward(up)
+    assert got.dtype == dtype and torch.equal(got, want)  # the same products and sums
+    assert torch.equal(x[1].grad, x[0].grad)
+    assert not torch.equal(got, x[1])  # it does rotate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_swiglu_equals_silu_gate_times_up(dtype):
+    from megalite.transformer.mlp import swiglu
+
+    y = [_rand(2, 5, 3, 2 * 12).to(dtype).requires_grad_(True) for _ in range(2)]
+    gate, up = y[0].chunk(2, dim=-1)
+    want, got = F.silu(gate) * up, swiglu(y[1])
+    grad = _rand(3, 5, 3, 12).to(dtype)
+    want.backward(grad)
+    got.backward(grad)
+    assert torch.equal(got, want) and torch.equal(y[1].grad, y[0].grad)
+    with torch.no_grad():
+        assert torch.equal(swiglu(y[1]), want)
