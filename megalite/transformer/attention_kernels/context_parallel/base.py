@@ -38,6 +38,9 @@ class ContextParallelAttention(CoreAttention):
     def backend(self) -> str:
         return f"{self.base.name}+cp-{self.comm_type}"
 
+    # collectives and the ring's autograd Function stay eager under --compile (the layer
+    # around them compiles; dynamo breaks its graph here)
+    @torch.compiler.disable
     def forward(self, q, k, v, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         seed = None
