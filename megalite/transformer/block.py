@@ -57,6 +57,8 @@ class TransformerBlock(torch.nn.Module):
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``document_ids`` ``[b, s]`` (whole sequence): attention stays in documents."""
         layers = list(self.layers.values())
+        if rotary is not None:  # cast once for all layers (a no-op in fp32)
+            rotary = (rotary[0].to(x.dtype), rotary[1].to(x.dtype))
         if not (self.recompute and self.training and torch.is_grad_enabled()):
             x = self._run(layers, x, rotary, document_ids)
         elif self.recompute_method == "uniform":

@@ -5,8 +5,9 @@
 Times forward + backward + AdamW step of a fixed Llama-style model (default: 8 layers,
 hidden 512, 8 heads / 4 query groups, SwiGLU ffn 1408, RoPE, RMSNorm, untied, vocab
 32000, seq 512, micro-batch 1, fp32, dropout 0) in megalite (eager, and compiled with
-``--compile``) and in ``transformers`` (sdpa attention) on the same weights, inputs and
-threads. Steps of the variants are interleaved so background load hits them alike; the
+``--compile``; with the chunked cross entropy of ``--cross-entropy-loss-fusion`` unless
+``--default-cross-entropy``) and in ``transformers`` (sdpa attention) on the same weights,
+inputs and threads. Steps of the variants are interleaved so background load hits them alike; the
 median step time is reported.
 
 MFU = model FLOP/s / the fp32 ``torch.mm`` peak measured in the same run. Model FLOPs per
@@ -54,7 +55,8 @@ def build_config(args):
                        seq_length=args.seq, vocab_size=args.vocab,
                        normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                        add_bias_linear=False, untie_embeddings_and_output_weights=True,
-                       hidden_dropout=0.0, attention_dropout=0.0, attention_backend="sdpa")
+                       hidden_dropout=0.0, attention_dropout=0.0, attention_backend="sdpa",
+                       cross_entropy_loss_fusion=not args.default_cross_entropy)
 
 
 def make_ours(cfg, compiled: bool):
@@ -106,6 +108,8 @@ def main(argv=None) -> None:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd ours")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--default-cross-entropy", action="store_true",
+                   help="megalite without --cross-entropy-loss-fusion")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

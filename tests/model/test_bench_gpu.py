@@ -1,0 +1,35 @@
+"""tools/benchmark.py gpu: its whole code path (megalite's bf16 training step with fp32
+masters, transformers under autocast, MFU, the kernel profile) runs in its CPU smoke mode,
+so it does not rot on machines without a GPU. Speed is not asserted here."""
+
+import re
+
+import pytest
+import torch
+
+from tests.tools import load_tool
+
+
+def _gpu_bench():
+    return load_tool("bench/gpu")
+
+
+def test_smoke_mode_on_cpu_times_both_and_profiles(capsys):
+    _gpu_bench().main(["--device", "cpu", "--small", "--no-compile", "--seq", "32",
+                       "--steps", "1", "--warmup", "1", "--top", "3"])
+    out = capsys.readouterr().out
+    first = {m[0]: float(m[1]) for m in re.findall(
+        r"^\s*(megalite|transformers): .* first loss ([0-9.]+)", out, re.M)}
+    assert set(first) == {"megalite", "transformers"}, out
+    # the same weights and inputs: the first losses agree to bf16 rounding, near ln(vocab)
+    assert abs(first["megalite"] - first["transformers"]) < 0.05
+    assert abs(first["megalite"] - torch.log(torch.tensor(1024.0)).item()) < 0.5
+    assert re.search(r"megalite / transformers: [0-9.]+x tokens/s", out)
+    assert "top 3 kernels of megalite's step" in out and "aten::mm" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host runs the real benchmark")
+def test_without_cuda_one_line_and_success(capsys):
+    _gpu_bench().main([])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "needs CUDA" in out[0]

@@ -1,0 +1,273 @@
+"""Training-step throughput on one GPU: megalite (bf16, --compile, fusions) vs transformers.
+
+    python tools/benchmark.py gpu [--small] [--no-compile] [--steps 10] [--layers 16] ...
+    python tools/benchmark.py gpu --device cpu --small --no-compile   # smoke run on a CPU
+
+Default shape (Llama ~1.1B): 16 layers, hidden 2048, 32 heads / 8 query groups, SwiGLU ffn
+8192, RoPE, RMSNorm, untied, vocab 32000, seq 2048, micro-batch 4; ``--small`` is a tiny
+shape for smoke runs. In one run, on the same weights and inputs:
+
+* megalite: GPTModel in bf16 with fp32 master weights (``MixedPrecisionOptimizer``, its
+  fused AdamW), per-layer ``torch.compile`` (unless ``--no-compile``), the chunked
+  cross entropy (``--cross-entropy-loss-fusion``) and attention ``auto`` (flash-attn when
+  installed, else PyTorch's SDPA);
+* transformers: LlamaForCausalLM with fp32 weights under bf16 autocast, SDPA attention,
+  ``torch.optim.AdamW(fused=True)``.
+
+Printed: tokens/s (median step), MFU against the device's table peak
+(``megalite.training.throughput.GPU_PEAK_FLOPS``) and against the bf16 ``torch.mm`` peak
+measured here, the peak memory of each, and megalite's top kernels (torch.profiler).
+Model FLOPs per token are ``6 N + 12 L h s`` (N: matmul parameters, the input embedding
+excluded), as in ``tools/bench/model.py``. Without CUDA (and no ``--device cpu``) it
+prints one line and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+
+SHAPES = {  # name: (layers, hidden, heads, groups, ffn, vocab, seq, batch)
+    "default": (16, 2048, 32, 8, 8192, 32000, 2048, 4),
+    "small": (2, 128, 4, 2, 352, 1024, 128, 2),
+}
+FIELDS = ("layers", "hidden", "heads", "groups", "ffn", "vocab", "seq", "batch")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="benchmark.py gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--small", action="store_true", help="a tiny shape (smoke runs)")
+    for name in FIELDS:
+        p.add_argument(f"--{name}", type=int, default=None,
+                       help=f"default {SHAPES['default'][FIELDS.index(name)]}")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (and compilation)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke run)")
+    p.add_argument("--no-compile", action="store_true", help="megalite eager")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode for megalite")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--top", type=int, default=10, help="kernels in the profile (0: none)")
+    args = p.parse_args(argv)
+    base = SHAPES["small" if args.small else "default"]
+    for name, value in zip(FIELDS, base):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def build_config(args):
+    from megalite.config import ModelConfig
+
+    return ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
+                       num_attention_heads=args.heads, group_query_attention=True,
+                       num_query_groups=args.groups, ffn_hidden_size=args.ffn,
+                       seq_length=args.seq, max_position_embeddings=args.seq,
+                       vocab_size=args.vocab, normalization="RMSNorm", swiglu=True,
+                       position_embedding_type="rope", add_bias_linear=False,
+                       untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                       attention_dropout=0.0, attention_backend="auto", bf16=True,
+                       cross_entropy_loss_fusion=True)
+
+
+class Device:
+    """Synchronisation, peak memory and the bf16 matmul peak of the benchmark's device."""
+
+    def __init__(self, name: str):
+        self.device = torch.device(name)
+        self.cuda = self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def reset_memory(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_memory(self) -> str:
+        if not self.cuda:
+            return "n/a on cpu"
+        return f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB"
+
+    def table_peak(self) -> tuple[float | None, str]:
+        from megalite.training.throughput import GPU_PEAK_FLOPS
+
+        if not self.cuda:
+            return None, "cpu (no table peak)"
+        name = torch.cuda.get_device_name(self.device)
+        for key, peak in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return peak, name
+        return None, f"{name} (not in the peak table)"
+
+    def matmul_peak(self, n: int, seconds: float) -> float:
+        """Best bf16 ``torch.mm`` FLOP/s on ``n x n`` matrices over about ``seconds``."""
+        a = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
+        torch.mm(a, b)
+        best, end = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            self.sync()
+            start = time.perf_counter()
+            for _ in range(10):
+                torch.mm(a, b)
+            self.sync()
+            best = max(best, 20.0 * n ** 3 / (time.perf_counter() - start))
+        return best
+
+
+def make_megalite(cfg, dev: Device, compiled: bool, mode: str | None):
+    """(model, step function) of megalite's own training step: bf16 model, fp32 master
+    weights and main grads, the optimizer of ``megalite.optim.build``."""
+    from megalite.config import MegaliteConfig, OptimConfig, ParallelConfig
+    from megalite.models.compile import maybe_compile
+    from megalite.models.gpt import GPTModel
+    from megalite.optim.build import build_grads_and_optimizer
+    from megalite.parallel.state import ParallelState
+
+    ps = ParallelState.build(ParallelConfig(), device=dev.device)
+    model = GPTModel(cfg, ps, seed=1234)
+    mcfg = MegaliteConfig(model=cfg, optim=OptimConfig(lr=1e-4, weight_decay=0.01))
+    grads, optimizer = build_grads_and_optimizer(model, mcfg, ps)
+    maybe_compile(model, compiled, mode=mode)
+
+    def step(ids, labels):
+        grads.zero_grad(num_microbatches=1)
+        loss = model(ids, labels=labels).mean()
+        optimizer.scale_loss(loss).backward()
+        grads.finish_grad_sync()
+        optimizer.step()
+        return loss.detach()
+
+    return model, step
+
+
+def make_transformers(cfg, state, dev: Device):
+    """(model, step function): LlamaForCausalLM, fp32 weights, bf16 autocast, fused AdamW."""
+    from transformers import LlamaForCausalLM
+
+    from megalite.models.families import get_family
+
+    llama = get_family("llama")
+    hcfg = llama.hf_config(cfg)
+    hcfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(hcfg)
+    model.load_state_dict({k: v.float() for k, v in llama.to_hf(state, cfg).items()})
+    model.to(dev.device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+
+    def step(ids, labels):
+        with torch.autocast(dev.device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels, shift_labels=labels,
+                         use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return model, step
+
+
+def time_steps(step, ids, labels, dev: Device, warmup: int, steps: int):
+    """(first loss, warm-up seconds, per-step seconds, peak memory) of ``step``."""
+    dev.reset_memory()
+    start = time.perf_counter()
+    first = float(step(ids, labels))
+    for _ in range(warmup - 1):
+        step(ids, labels)
+    dev.sync()
+    warm = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step(ids, labels)
+        dev.sync()
+        times.append(time.perf_counter() - start)
+    return first, warm, times, dev.peak_memory()
+
+
+def top_kernels(step, ids, labels, dev: Device, top: int) -> str:
+    """The ``top`` ops/kernels by self device time (CPU time on a CPU) over two steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step(ids, labels)
+        dev.sync()
+    key = "self_cuda_time_total" if dev.cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60)
+
+
+def tflops(rate: float) -> str:
+    return f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e11 else f"{rate / 1e9:.1f} GFLOP/s"
+
+
+def matmul_params(model, skip: str) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if skip not in n)
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("benchmark gpu: needs CUDA (no GPU visible here); "
+              "`--device cpu --small --no-compile` runs its smoke mode")
+        return
+    dev = Device(args.device)
+    torch.manual_seed(0)
+    table_peak, device_name = dev.table_peak()
+    measured_peak = dev.matmul_peak(8192 if dev.cuda else 256, 2.0 if dev.cuda else 0.2)
+    cfg = build_config(args)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=dev.device)
+    ids, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    tokens = args.batch * args.seq
+
+    compiled = not args.no_compile
+    model, step = make_megalite(cfg, dev, compiled, args.compile_mode)
+    state = None if args.no_hf else {k: v.cpu() for k, v in model.full_state_dict().items()}
+    n = matmul_params(model, "word_embeddings")
+    flops = (6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length) * tokens
+    results = {}
+    name = "megalite" + ("+compile" if compiled else "")
+    results[name] = time_steps(step, ids, labels, dev, args.warmup, args.steps)
+    profile = top_kernels(step, ids, labels, dev, args.top) if args.top else ""
+    if not args.no_hf:  # the same initial weights
+        del model, step
+        hf_model, hf_step = make_transformers(cfg, state, dev)
+        del state
+        results["transformers"] = time_steps(hf_step, ids, labels, dev, args.warmup,
+                                             args.steps)
+        del hf_model, hf_step
+    print(f"device: {device_name}; config: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"heads {cfg.num_attention_heads}/{cfg.num_query_groups} groups, ffn "
+          f"{cfg.ffn_hidden_size}, vocab {cfg.vocab_size}, seq {args.seq} x batch {args.batch},"
+          f" bf16; {n / 1e6:.1f} M matmul params, {flops / 1e12:.3f} TFLOP/step")
+    table = tflops(table_peak) if table_peak else "n/a"
+    print(f"peaks: table {table}; measured bf16 torch.mm {tflops(measured_peak)}; first "
+          "losses should agree to bf16 rounding (same weights and inputs)")
+    rates = {}
+    for name, (first, warm, times, memory) in results.items():
+        med = statistics.median(times)
+        rates[name] = tokens / med
+        mfu_table = f"{flops / med / table_peak:6.1%}" if table_peak else "   n/a"
+        print(f"{name:>18}: {rates[name]:9.1f} tokens/s  MFU {mfu_table} of table, "
+              f"{flops / med / measured_peak:6.1%} of measured  step {med * 1e3:7.1f} ms  "
+              f"peak memory {memory}  first loss {first:.4f}  warm-up {warm:.1f} s")
+    if "transformers" in rates:
+        for name, rate in rates.items():
+            if name != "transformers":
+                print(f"{name} / transformers: {rate / rates['transformers']:.2f}x tokens/s")
+    if profile:
+        print(f"top {args.top} kernels of megalite's step (2 steps, by self "
+              f"{'CUDA' if dev.cuda else 'CPU'} time):")
+        print(profile)
+
+
+if __name__ == "__main__":
+    main()
