@@ -41,7 +41,8 @@ SHORT = {"tp": "tensor_model_parallel_size", "sp": "sequence_parallel",
          "last": "decoder_last_pipeline_num_layers", "cp": "context_parallel_size",
          "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size",
          "distopt": "use_distributed_optimizer", "overlap_grad": "overlap_grad_reduce",
-         "overlap_param": "overlap_param_gather", "bucket": "ddp_bucket_size"}
+         "overlap_param": "overlap_param_gather", "bucket": "ddp_bucket_size",
+         "strategy": "data_parallel_sharding_strategy"}
 _FLAG_NAMES = {"sp": "sp", "distopt": "distopt", "overlap_grad": "ogr", "overlap_param": "opg"}
 
 
@@ -84,25 +85,28 @@ def slug(world_size: int, parallel: dict) -> str:
     for s, value in short.items():
         if s in _FLAG_NAMES:
             parts += [_FLAG_NAMES[s]] if value else []
+        elif s == "strategy":
+            parts.append(value)
         elif s != "bucket" and value is not None and (value > 1 or s in ("etp", "first",
                                                                           "last")):
             parts.append(f"{s}{value}")
     dp = world_size // mp
     if dp > 1:  # after the model-parallel sizes, before the expert sizes
         at = next((i for i, p in enumerate(parts) if p.startswith(("ep", "etp", "distopt",
-                                                                   "ogr", "opg"))), len(parts))
+                                                                   "ogr", "opg", "optim",
+                                                                   "no_shard"))), len(parts))
         parts.insert(at, f"dp{dp}")
     return "-".join(parts) or "single"
 
 
 def row(suite: str, world_size: int, variant: str = "", *, model: dict | None = None,
         train: dict | None = None, tags: Iterable[str] = (), data: dict | None = None,
-        **short: Any) -> Layout:
+        optim: dict | None = None, **short: Any) -> Layout:
     """A table row; ``short`` uses the keys of :data:`SHORT` (``tp=2, sp=True``)."""
     parallel = {SHORT[k]: v for k, v in short.items()}
     name = "-".join(p for p in (suite, slug(world_size, parallel), variant) if p)
     return Layout(name, world_size, parallel, dict(model or {}), dict(train or {}),
-                  (suite, *tags), data=dict(data or {}))
+                  (suite, *tags), optim=dict(optim or {}), data=dict(data or {}))
 
 
 # -- model: tensor parallelism x sequence parallelism x recomputation (GPT-2 and Llama) ---
@@ -146,26 +150,47 @@ _MOE_TRAINING = [
     # the distributed optimizer with overlapped reduction: expert shards over edp
     row("moe-training", 4, model={"num_experts": 4}, tp=2, sp=True, ep=2, etp=1,
         distopt=True, overlap_grad=True),
+    # sharded gradients (expert shards over edp 2, dense over dp 4) and half the optimizer
+    # state offloaded to the host
+    row("moe-training", 4, "offload0.5", model={"num_experts": 4}, ep=2,
+        strategy="optim_grads", overlap_grad=True,
+        optim={"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}),
     # 4 layers, MoE every other one: with pp 2 x vpp 2 the second stage holds no MoE layer
     row("moe-training", 4, model={"num_experts": 4, "num_layers": 4, "moe_layer_freq": 2,
                                   "moe_token_dispatcher_type": "alltoall"},
         pp=2, vpp=2, tp=2, sp=True, ep=2, etp=1),
 ]
 
-# -- optim: each layout x (plain | distributed optimizer) x (overlap off | on) ------------
+# -- optim: each layout x (plain | distributed optimizer | sharded gradients) x (overlap off
+# | on), and optimizer CPU offload (half of the elements, or all) on some layouts ----------
 OPTIM_VARIANTS = {
     "": {},
     "ogr": {"overlap_grad": True},
     "distopt": {"distopt": True},
     "distopt-ogr-opg": {"distopt": True, "overlap_grad": True, "overlap_param": True},
+    "optim_grads": {"strategy": "optim_grads"},
+}
+# (variant, short flags, optim overrides): on the layouts of OPTIM_EXTRA_LAYOUTS only
+OFFLOAD = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}
+OPTIM_EXTRA = {
+    "optim_grads-ogr-opg": ({"strategy": "optim_grads", "overlap_grad": True,
+                             "overlap_param": True}, {}),
+    "offload0.5": ({"strategy": "optim"}, OFFLOAD),
+    "offload1": ({"strategy": "optim_grads"}, {**OFFLOAD, "optimizer_offload_fraction": 1.0}),
 }
 _OPTIM_LAYOUTS = [
     (2, {}, None), (4, {}, None), (4, {"tp": 2, "sp": True}, None), (4, {"pp": 2}, None),
     (4, {"pp": 2, "vpp": 2}, {"num_layers": 4}),   # its own reference (4 layers)
     (8, {"tp": 2}, None), (8, {"tp": 2, "pp": 2}, None), (8, {"pp": 2}, None),
 ]
-_OPTIM = [row("optim", world, model=model, **sizes, **flags)
-          for world, sizes, model in _OPTIM_LAYOUTS for flags in OPTIM_VARIANTS.values()]
+OPTIM_EXTRA_LAYOUTS = [(2, {}, None), (4, {"tp": 2, "sp": True}, None),
+                       (4, {"pp": 2, "vpp": 2}, {"num_layers": 4})]
+_OPTIM = [*(row("optim", world, model=model, **sizes, **flags)
+            for world, sizes, model in _OPTIM_LAYOUTS for flags in OPTIM_VARIANTS.values()),
+          *(row("optim", world, variant if "offload" in variant else "", model=model,
+                optim=optim, **sizes, **flags)
+            for world, sizes, model in OPTIM_EXTRA_LAYOUTS
+            for variant, (flags, optim) in OPTIM_EXTRA.items())]
 
 # -- pipeline: an 8-layer GPT, micro-batch 1, global batch 8 ------------------------------
 _PIPE_MODEL, _PIPE_TRAIN = {"num_layers": 8}, {"micro_batch_size": 1, "global_batch_size": 8}

@@ -43,6 +43,11 @@ class MegaliteConfig:
         m, p, t = self.model, self.parallel, self.train
         tp = p.tensor_model_parallel_size
         dp = p.data_parallel_size(world_size)
+        if self.optim.optimizer_cpu_offload:
+            require(p.data_parallel_sharding_strategy in ("optim", "optim_grads"),
+                    "--optimizer-cpu-offload with --data-parallel-sharding-strategy "
+                    f"{p.data_parallel_sharding_strategy} is not supported yet; use optim or "
+                    "optim_grads (or --use-distributed-optimizer)")
         if p.sequence_parallel:
             require(m.seq_length % (tp * p.context_parallel_size) == 0,
                      f"seq_length ({m.seq_length}) must be divisible by "

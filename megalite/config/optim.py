@@ -40,6 +40,13 @@ class OptimConfig:
     min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale.")
     loss_scale_window: int = arg(1000, "Steps without overflow before doubling the scale.")
     hysteresis: int = arg(2, "Overflows tolerated before halving the scale.")
+    optimizer_cpu_offload: bool = arg(False, "Keep the fp32 main parameters and optimizer "
+                                      "state of --optimizer-offload-fraction of the "
+                                      "parameters in (pinned) host memory and step them on "
+                                      "the CPU.")
+    optimizer_offload_fraction: float = arg(1.0, "Fraction of the parameters (by elements) "
+                                            "whose optimizer state --optimizer-cpu-offload "
+                                            "moves to the host.")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -74,6 +81,9 @@ class OptimConfig:
         require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
                  "adam betas must be in [0, 1)")
         require(self.clip_grad >= 0, "clip_grad must be >= 0 (0 disables clipping)")
+        require(0.0 <= self.optimizer_offload_fraction <= 1.0,
+                "optimizer_offload_fraction must be in [0, 1], got "
+                f"{self.optimizer_offload_fraction}")
         positive(self, "loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis",
                   "lr_decay_iters", "lr_wsd_decay_iters", "lr_decay_samples",
                   "lr_wsd_decay_samples")

@@ -23,7 +23,17 @@ class ParallelConfig:
     expert_model_parallel_size: int = arg(1, "Expert model parallel size.")
     expert_tensor_parallel_size: int | None = arg(None, "Tensor parallel size of the "
                                                      "experts (default: tp).")
-    use_distributed_optimizer: bool = arg(False, "Shard optimizer state over data parallel.")
+    use_distributed_optimizer: bool = arg(False, "Shard optimizer state over data parallel "
+                                          "(the same as --data-parallel-sharding-strategy "
+                                          "optim).")
+    data_parallel_sharding_strategy: str = arg(
+        "no_shard", "What data parallelism shards: nothing (no_shard), the fp32 main "
+        "parameters and optimizer state (optim, ZeRO-1: --use-distributed-optimizer), also "
+        "the reduced gradients (optim_grads, ZeRO-2: each rank keeps only its shard of the "
+        "gradients between steps); optim_grads_params (ZeRO-3) is not implemented yet.",
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+    use_torch_fsdp2: bool = arg(False, "Wrap the model in torch FSDP2 (not implemented yet; "
+                                "use --data-parallel-sharding-strategy optim_grads).")
     overlap_grad_reduce: bool = arg(False, "Overlap gradient reduction with backward.")
     overlap_param_gather: bool = arg(False, "Overlap the parameter all-gather with forward.")
     ddp_bucket_size: int | None = arg(None, "Gradient bucket size in elements.")
@@ -52,6 +62,15 @@ class ParallelConfig:
         if self.ddp_bucket_size is not None:
             require(self.ddp_bucket_size > 0,
                      f"--ddp-bucket-size must be > 0, got {self.ddp_bucket_size}")
+        require(self.data_parallel_sharding_strategy != "optim_grads_params",
+                "--data-parallel-sharding-strategy optim_grads_params (parameters sharded "
+                "and gathered per layer) is not implemented yet; use optim_grads")
+        require(not self.use_torch_fsdp2, "--use-torch-fsdp2 is not implemented yet; use "
+                "--data-parallel-sharding-strategy optim_grads")
+        if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
+            self.data_parallel_sharding_strategy = "optim"
+        # optim and optim_grads run the distributed optimizer
+        self.use_distributed_optimizer = self.data_parallel_sharding_strategy != "no_shard"
         if self.overlap_param_gather:
             require(self.use_distributed_optimizer,
                      "--overlap-param-gather needs --use-distributed-optimizer")

@@ -13,14 +13,17 @@ from megalite.parallel.state import ParallelState
 def build_grads_and_optimizer(model, cfg: MegaliteConfig, ps: ParallelState, timers=None):
     """``(DataParallelGrads, optimizer)`` for ``model`` (a Module or its pipeline chunks,
     already in its training dtype and on its device): the distributed optimizer under
-    ``--use-distributed-optimizer``, else :class:`MixedPrecisionOptimizer`; buckets,
-    overlap and reduction dtype from ``cfg.parallel``."""
+    ``--data-parallel-sharding-strategy optim`` (``--use-distributed-optimizer``) or
+    ``optim_grads`` (gradients sharded too), else :class:`MixedPrecisionOptimizer`;
+    buckets, overlap and reduction dtype from ``cfg.parallel``, CPU offload from
+    ``cfg.optim``."""
     p = cfg.parallel
     grads = DataParallelGrads(model, ps, p.ddp_bucket_size, timers,
                               overlap_grad_reduce=p.overlap_grad_reduce,
                               use_distributed_optimizer=p.use_distributed_optimizer,
                               grad_reduce_in_bf16=p.grad_reduce_in_bf16,
-                              overlap_param_gather=p.overlap_param_gather)
+                              overlap_param_gather=p.overlap_param_gather,
+                              shard_grads=p.data_parallel_sharding_strategy == "optim_grads")
     scaler = build_loss_scaler(cfg.optim, cfg.model.fp16)
     if p.use_distributed_optimizer:
         optimizer = DistributedOptimizer(model, cfg.optim, ps, scaler, grads,

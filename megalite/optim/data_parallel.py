@@ -8,6 +8,11 @@ frees ``param.grad``, so gradients accumulate across micro-batches in the buffer
 Reduction, per bucket, over ``ps.dp_cp`` (dense parameters) or ``ps.edp`` (expert
 parameters, ``ParamMeta.expert``): an all-reduce SUM, or with the distributed
 optimizer (``use_distributed_optimizer``) a reduce-scatter SUM into this rank's shard.
+With ``shard_grads`` (``--data-parallel-sharding-strategy optim_grads``) the shard is a
+buffer of its own and the full-size gradient buffer is freed once the step's reduction is
+done, and allocated again, zeroed, by the next step's :meth:`zero_grad` (or its first
+gradient): between steps a rank holds only its ``1/D`` of the fp32 gradients
+(:mod:`megalite.optim.grad_buffer`). Read the reduced gradients with ``bucket.shard_grad()``.
 
 * ``overlap_grad_reduce`` False: nothing happens during backward; :meth:`finish_grad_sync`
   reduces every bucket after the last micro-batch.
@@ -95,11 +100,14 @@ class DataParallelGrads:
     def __init__(self, model, ps: ParallelState, bucket_size: int | None = None,
                  timers=None, *, overlap_grad_reduce: bool = False,
                  use_distributed_optimizer: bool = False, grad_reduce_in_bf16: bool = False,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, shard_grads: bool = False):
         if bucket_size is not None and bucket_size <= 0:
             raise ValueError(f"bucket_size must be > 0, got {bucket_size}")
         if overlap_param_gather and not use_distributed_optimizer:
             raise ValueError("overlap_param_gather needs use_distributed_optimizer")
+        if shard_grads and not use_distributed_optimizer:
+            raise ValueError("shard_grads (optim_grads) needs use_distributed_optimizer")
+        self.shard_grads = shard_grads
         self.ps, self.timers = ps, timers
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
@@ -136,7 +144,7 @@ class DataParallelGrads:
         for (expert, _dtype), members in sorted(kinds.items(), key=lambda kv: kv[0][0]):
             group = self.ps.edp if expert else self.ps.dp_cp
             buf = GradBuffer(members, group, self.grad_dtype, self.bucket_size, self.sharded,
-                             self.ps.device)
+                             self.ps.device, shard_grads=self.shard_grads)
             for bucket in buf.buckets:
                 for p in bucket.params:
                     self._where[id(p)] = (c, len(self.buffers), bucket)
@@ -176,18 +184,38 @@ class DataParallelGrads:
         for buf in self.buffers:
             for bucket in buf.buckets:
                 bucket.wait_grad_sync()
-        sp = [p.main_grad for p in self.params if param_meta(p).sequence_parallel]
-        all_reduce_coalesced(sp, self.ps.tp)
+        sp = [self._reduced_grad(p) for p in self.params if param_meta(p).sequence_parallel]
+        all_reduce_coalesced([g for g in sp if g.numel()], self.ps.tp)
         if self.ps.pp.size > 1 and self.ps.embedding.member:
             shared = []
             for p in self.params:
                 if param_meta(p).shared_embedding:
-                    bucket = self._where[id(p)][2]
-                    lo, hi = bucket.shard_range()
-                    shared.append(bucket.grad[lo:hi])  # the whole bucket when not sharded
+                    # the whole bucket when not sharded
+                    shared.append(self._where[id(p)][2].shard_grad())
             all_reduce_coalesced(shared, self.ps.embedding)
+        for buf in self.buffers:
+            buf.release()       # optim_grads: only the reduced shards stay
         if timer:
             timer.stop()
+
+    def _reduced_grad(self, param) -> torch.Tensor:
+        """Where ``param``'s reduced gradient lives after the data-parallel reduction:
+        ``main_grad`` (not sharded, or ZeRO-1 where summing the whole of it is harmless),
+        or under ``shard_grads`` the 1-D part of this rank's shard it intersects (maybe
+        empty)."""
+        bucket = self._where[id(param)][2]
+        if bucket.reduced_shard is None:
+            return param.main_grad
+        a, b = next(r for p, r in zip(bucket.params, bucket.ranges) if p is param)
+        lo, hi = bucket.shard_range()
+        s, e = max(a, lo), min(b, hi)
+        return bucket.reduced_shard[s - lo:max(s, e) - lo]
+
+    def memory_tensors(self) -> list[torch.Tensor]:
+        """The gradient storages this object holds (full buffers, empty between steps
+        under ``shard_grads``, and the reduced shards), for memory accounting."""
+        held = [b.grad_data for b in self.buffers]
+        return held + [b.shard_grad_data for b in self.buffers if b.shard_grad_data is not None]
 
     # -- parameter all-gather (distributed optimizer) ------------------------------------
     def start_param_sync(self) -> None:
@@ -233,6 +261,8 @@ class DataParallelGrads:
                 f"announced: zero_grad(num_microbatches={self._expected}), last-micro-batch "
                 f"flags {self._last}); call grads.set_last_microbatch(False) before non-last "
                 "backward passes or announce the right number of micro-batches")
+        if bucket.reduced_shard is not None and not bucket.buffer.allocated:
+            bucket.buffer.allocate()      # a step that did not start with zero_grad()
         param.main_grad.add_(param.grad)
         param.grad = None
         if not self.overlap_grad_reduce:

@@ -23,6 +23,19 @@ this rank's shard of ``grad_data``:
 4. :meth:`DataParallelGrads.start_param_sync`: all-gather every bucket over its group,
    blocking, or overlapped with the next forward under ``--overlap-param-gather``.
 
+``--data-parallel-sharding-strategy optim_grads`` changes only where the reduced gradients
+live (a shard buffer of their own, the full buffer dropped between steps:
+:mod:`megalite.optim.grad_buffer`); pieces read them through ``bucket.shard_grad()``.
+
+CPU offload (``--optimizer-cpu-offload``, ``--optimizer-offload-fraction F``): whole pieces,
+first to last, until at least ``F`` of this rank's shard elements, keep their fp32 master
+and state in host memory (pinned under CUDA; on a CPU-only run host and device are the
+same and the same code runs): each step copies their gradients into a host buffer, a
+second torch optimizer (``host_inner``) steps them on the CPU, and the masters are copied
+back (cast) into the shard of ``param_data`` before the all-gather. The per-element
+arithmetic is the same, so the run is bitwise the non-offloaded one on CPU (on a GPU, up
+to the fused CUDA Adam kernel's rounding against the CPU's).
+
 Checkpoints: :meth:`state_dict_per_param` all-gathers the shards (collective over each
 buffer's group) into full tensors per parameter; :meth:`load_state_dict_per_param` keeps
 this rank's slices (no collective), so it loads state saved with any dp size.
@@ -36,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megalite.config import OptimConfig
+from megalite.config import ConfigError, OptimConfig
 from megalite.optim.clip_grads import clip_coefficient, sharded_grad_norm
 from megalite.optim.data_parallel import DataParallelGrads
 from megalite.optim.grad_buffer import Bucket
@@ -61,7 +74,8 @@ from megalite.parallel.state import ParallelState
 @dataclass
 class _Piece:
     """Bucket elements ``[lo, hi)`` of ``param`` (starting at element ``start`` of the
-    flattened parameter) that this rank owns; ``master`` is its fp32 ``[hi - lo]`` view."""
+    flattened parameter) that this rank owns; ``master`` is its fp32 ``[hi - lo]`` view,
+    in host memory when ``host_grad`` (its ``[hi - lo]`` host copy of the gradient) is set."""
 
     name: str
     param: torch.nn.Parameter
@@ -70,25 +84,54 @@ class _Piece:
     hi: int
     start: int
     master: torch.Tensor
+    host_grad: torch.Tensor | None = None
+
+    @property
+    def host(self) -> bool:
+        return self.host_grad is not None
 
     @property
     def grad(self) -> torch.Tensor:
-        return self.bucket.grad[self.lo:self.hi]
+        """``[hi - lo]``: the reduced gradient, where the bucket keeps this rank's shard."""
+        first = self.bucket.shard_range()[0]
+        return self.bucket.shard_grad()[self.lo - first:self.hi - first]
 
 
 @dataclass
 class _Shard:
-    """This rank's shard ``[lo, hi)`` of one bucket and its fp32 master ``[hi - lo]``."""
+    """This rank's shard ``[lo, hi)`` of one bucket. Elements ``[split, hi)`` have their
+    fp32 master on the device (``master`` ``[hi - split]``, the parameters' own shard for
+    fp32 training); ``[lo, split)`` (``--optimizer-cpu-offload``) in host memory
+    (``host_master`` and the gradients' host copy ``host_grad``, both ``[split - lo]``)."""
 
     bucket: Bucket
     lo: int
     hi: int
+    split: int
     master: torch.Tensor
+    host_master: torch.Tensor | None = None
+    host_grad: torch.Tensor | None = None
     pieces: list = field(default_factory=list)
 
     @property
     def grad(self) -> torch.Tensor:
-        return self.bucket.grad[self.lo:self.hi]
+        return self.bucket.shard_grad()
+
+
+def host_memory_pinned(device: torch.device) -> bool:
+    """Whether host buffers for ``device`` are pinned: yes for CUDA, no on a CPU-only run
+    (host and device are the same); any other device cannot offload (ConfigError)."""
+    if device.type == "cpu":
+        return False
+    if device.type == "cuda":
+        try:
+            torch.empty(1, pin_memory=True)
+        except RuntimeError as e:
+            raise ConfigError(f"--optimizer-cpu-offload needs pinned host memory, which this "
+                              f"host does not offer for {device} ({e})") from None
+        return True
+    raise ConfigError(f"--optimizer-cpu-offload needs pinned host memory, which device "
+                      f"{device.type} does not offer; run without it")
 
 
 class DistributedOptimizer(LossScaledOptimizer):
@@ -106,35 +149,75 @@ class DistributedOptimizer(LossScaledOptimizer):
         self.params = [p for _, p in named]
         name_of = {id(p): n for n, p in named}
         self.half = any(p.dtype != torch.float32 for p in self.params)
-        self.shards: list[_Shard] = []
+        offload = getattr(ocfg, "optimizer_cpu_offload", False)
+        self.pinned = host_memory_pinned(ps.device) if offload else False
+        layout = []
         for buf in grads.buffers:
             for bucket in buf.buckets:
                 lo, hi = bucket.shard_range()
-                view = bucket.param[lo:hi]
-                master = view.detach().float().clone() if self.half else view
-                shard = _Shard(bucket, lo, hi, master)
-                for p, (a, b) in zip(bucket.params, bucket.ranges):
-                    s, e = max(a, lo), min(b, hi)
-                    if s < e:
-                        shard.pieces.append(_Piece(name_of[id(p)], p, bucket, s, e, s - a,
-                                                   master[s - lo:e - lo]))
-                self.shards.append(shard)
+                parts = [(name_of[id(p)], p, max(a, lo), min(b, hi), a)
+                         for p, (a, b) in zip(bucket.params, bucket.ranges)
+                         if max(a, lo) < min(b, hi)]
+                layout.append((bucket, lo, hi, parts))
+        # offload whole pieces, first to last, until the fraction of the elements is reached
+        total = sum(e - s for *_, parts in layout for _, _, s, e, _ in parts)
+        budget = ocfg.optimizer_offload_fraction * total if offload else 0.0
+        offloaded = 0
+        self.shards: list[_Shard] = []
+        for bucket, lo, hi, parts in layout:
+            split = lo
+            for _, _, s, e, _ in parts:
+                if offloaded < budget:
+                    offloaded, split = offloaded + e - s, e
+            self.shards.append(self._shard(bucket, lo, hi, split, parts))
+        self.offloaded_elements = offloaded
         self.pieces = [pc for sh in self.shards for pc in sh.pieces]
-        groups = param_groups([(pc.name, pc.param) for pc in self.pieces], ocfg.weight_decay,
-                              updated=[pc.master for pc in self.pieces],
-                              decoupled_lr=ocfg.decoupled_lr is not None)
-        self.inner = build_torch_optimizer(groups, ocfg) if groups else None
-        if self.inner is not None:
-            init_state(self.inner, ocfg)
+        self.inner = self._build_inner([pc for pc in self.pieces if not pc.host])
+        self.host_inner = self._build_inner([pc for pc in self.pieces if pc.host])
         self.num_steps = 0
+
+    def _shard(self, bucket: Bucket, lo: int, hi: int, split: int, parts: list) -> _Shard:
+        view = bucket.param[split:hi]
+        master = view.detach().float().clone() if self.half else view
+        shard = _Shard(bucket, lo, hi, split, master)
+        if split > lo:
+            shard.host_master = torch.empty(split - lo, dtype=torch.float32,
+                                            pin_memory=self.pinned)
+            shard.host_master.copy_(bucket.param[lo:split])
+            shard.host_grad = torch.empty(split - lo, dtype=torch.float32,
+                                          pin_memory=self.pinned)
+        for name, p, s, e, a in parts:
+            if s < split:
+                shard.pieces.append(_Piece(name, p, bucket, s, e, s - a,
+                                           shard.host_master[s - lo:e - lo],
+                                           shard.host_grad[s - lo:e - lo]))
+            else:
+                shard.pieces.append(_Piece(name, p, bucket, s, e, s - a,
+                                           master[s - split:e - split]))
+        return shard
+
+    def _build_inner(self, pieces: list):
+        groups = param_groups([(pc.name, pc.param) for pc in pieces], self.ocfg.weight_decay,
+                              updated=[pc.master for pc in pieces],
+                              decoupled_lr=self.ocfg.decoupled_lr is not None)
+        if not groups:
+            return None
+        inner = build_torch_optimizer(groups, self.ocfg)
+        init_state(inner, self.ocfg)
+        return inner
+
+    def _inner_of(self, piece: _Piece):
+        return self.host_inner if piece.host else self.inner
 
     @property
     def param_groups(self) -> list[dict]:
-        return self.inner.param_groups if self.inner is not None else []
+        return [g for inner in (self.inner, self.host_inner) if inner is not None
+                for g in inner.param_groups]
 
     @torch.no_grad()
     def step(self) -> StepOutcome:
-        """Unscale, check, clip, update this rank's shard, all-gather the parameters."""
+        """Unscale, check, clip, update this rank's shard (the offloaded part on the CPU),
+        all-gather the parameters."""
         self.grads.finish_param_sync()
         grads = [sh.grad for sh in self.shards]
         if self._unscale_and_check(grads):
@@ -143,25 +226,46 @@ class DistributedOptimizer(LossScaledOptimizer):
         coeff = clip_coefficient(self.ocfg.clip_grad, norm)
         if coeff < 1.0:
             torch._foreach_mul_(grads, coeff)
+        for sh in self.shards:
+            if sh.host_grad is not None:   # device -> (pinned) host
+                sh.host_grad.copy_(sh.grad[:sh.split - sh.lo], non_blocking=self.pinned)
         for pc in self.pieces:
-            g = pc.grad
+            g = pc.host_grad if pc.host else pc.grad
             pc.master.grad = g if g.dtype == torch.float32 else g.float()
         if self.inner is not None:
             self.inner.step()
+        if self.host_inner is not None:
+            if self.pinned:
+                torch.cuda.current_stream(self.ps.device).synchronize()
+            self.host_inner.step()
         for pc in self.pieces:
             pc.master.grad = None
-        if self.half:
-            for sh in self.shards:
-                sh.bucket.param[sh.lo:sh.hi].copy_(sh.master)
+        for sh in self.shards:
+            if self.half:
+                sh.bucket.param[sh.split:sh.hi].copy_(sh.master)
+            if sh.host_master is not None:   # host -> device, cast
+                sh.bucket.param[sh.lo:sh.split].copy_(sh.host_master,
+                                                      non_blocking=self.pinned)
         self.grads.start_param_sync()
         self.num_steps += 1
         return StepOutcome(updated=True, found_inf=False, grad_norm=norm)
 
     def memory_tensors(self) -> list[torch.Tensor]:
-        """Every tensor the optimizer holds (shard masters and state), for accounting."""
+        """Every tensor the optimizer holds on the device (shard masters and state), for
+        accounting; the offloaded ones are :meth:`offloaded_tensors`."""
         held = [sh.master for sh in self.shards]
         if self.inner is not None:
             for state in self.inner.state.values():
+                held += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return held
+
+    def offloaded_tensors(self) -> list[torch.Tensor]:
+        """The tensors ``--optimizer-cpu-offload`` keeps in host memory: masters, gradient
+        copies and state of the offloaded pieces."""
+        held = [t for sh in self.shards for t in (sh.host_master, sh.host_grad)
+                if t is not None]
+        if self.host_inner is not None:
+            for state in self.host_inner.state.values():
                 held += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return held
 
@@ -170,9 +274,11 @@ class DistributedOptimizer(LossScaledOptimizer):
     def reload_model_params(self) -> None:
         """Refresh the shard masters from the model (after loading model weights)."""
         self.grads.finish_param_sync()
-        if self.half:
-            for sh in self.shards:
-                sh.master.copy_(sh.bucket.param[sh.lo:sh.hi])
+        for sh in self.shards:
+            if self.half:
+                sh.master.copy_(sh.bucket.param[sh.split:sh.hi])
+            if sh.host_master is not None:
+                sh.host_master.copy_(sh.bucket.param[sh.lo:sh.split])
 
     @torch.no_grad()
     def state_dict_per_param(self) -> dict:
@@ -189,8 +295,8 @@ class DistributedOptimizer(LossScaledOptimizer):
             for key in fields:
                 local = torch.zeros(sh.hi - sh.lo, dtype=torch.float32, device=self.ps.device)
                 for pc in sh.pieces:
-                    value = pc.master if key == "master" else state_tensor(self.inner,
-                                                                           pc.master, key)
+                    value = pc.master if key == "master" else state_tensor(
+                        self._inner_of(pc), pc.master, key)
                     local[pc.lo - sh.lo:pc.hi - sh.lo] = value
                 full = local
                 if group.size > 1:
@@ -210,7 +316,7 @@ class DistributedOptimizer(LossScaledOptimizer):
             entry = saved[pc.name]
             sl = slice(pc.start, pc.start + pc.hi - pc.lo)
             if step > 0 and keys:
-                set_state(self.inner, pc.master, keys,
+                set_state(self._inner_of(pc), pc.master, keys,
                           {k: entry[k].reshape(-1)[sl] for k in keys}, step)
         if self.half and not any("master" in saved[n] for n in self.names):
             self.reload_model_params()

@@ -26,6 +26,16 @@ through :mod:`megalite.parallel.collectives`:
   all-reduce workaround is needed; input and output never alias.
 - param sync (sharded only): ``all_gather`` of every rank's shard of ``param_data`` (sent
   from a copy) into the whole bucket.
+
+Sharded gradients (``shard_grads``, ``--data-parallel-sharding-strategy optim_grads``, with
+``D > 1``): the reduce-scatter writes straight into a persistent ``shard_grad_data``
+``[N / D]`` (bucket ``b``'s shard at the sum of the earlier buckets' ``N_b / D``), and the
+full ``grad_data`` is allocated only while a step accumulates: :meth:`GradBuffer.release`
+drops it after the reduction (``grad_data`` becomes an empty tensor and the parameters lose
+their ``main_grad`` attribute, so a stray read raises AttributeError) and
+:meth:`GradBuffer.allocate` (from ``zero_()`` or the first gradient of a step) makes a new,
+zeroed one and the views again. Between steps a rank
+holds ``4 N / D`` bytes of fp32 gradients instead of ``4 N``.
 """
 
 from __future__ import annotations
@@ -49,12 +59,17 @@ class Bucket:
         self.buffer, self.index = buffer, index
         self.params, self.ranges = params, ranges
         self.start, self.end = start, end
-        self.grad = buffer.grad_data[start:end]
         self.param = None if buffer.param_data is None else buffer.param_data[start:end]
         self._grad_work = None
         self._scattered = None
         self._param_work = None
+        self.reduced_shard: torch.Tensor | None = None   # set by GradBuffer (shard_grads)
         self.grad_sync_launched = False
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """``[numel]``: the bucket's view of the buffer's ``grad_data``."""
+        return self.buffer.grad_data[self.start:self.end]
 
     @property
     def group(self) -> Group:
@@ -73,6 +88,14 @@ class Bucket:
         rank = self.group.rank if rank is None else rank
         return rank * size, (rank + 1) * size
 
+    def shard_grad(self) -> torch.Tensor:
+        """``[hi - lo]``: this rank's shard of the bucket's gradients (after the reduction:
+        their SUM over ``group``); the whole bucket when not sharded."""
+        if self.reduced_shard is not None:
+            return self.reduced_shard
+        lo, hi = self.shard_range()
+        return self.grad[lo:hi]
+
     # -- gradients ------------------------------------------------------------------------
     def start_grad_sync(self) -> None:
         """Launch this bucket's SUM over ``group`` (all-reduce, or reduce-scatter when
@@ -80,7 +103,10 @@ class Bucket:
         self.grad_sync_launched = True
         if self.group.size == 1:
             return
-        if self.buffer.sharded:
+        if self.reduced_shard is not None:    # optim_grads: into the persistent shard
+            self._grad_work = collectives.reduce_scatter_tensor(self.reduced_shard, self.grad,
+                                                                self.group, async_op=True)
+        elif self.buffer.sharded:
             self._scattered = torch.empty(self.numel // self.group.size,
                                           dtype=self.grad.dtype, device=self.grad.device)
             self._grad_work = collectives.reduce_scatter_tensor(self._scattered, self.grad,
@@ -131,15 +157,21 @@ class GradBuffer:
     bucket_size:  minimum elements per bucket.
     sharded:      distributed optimizer: pad buckets to a multiple of ``group.size``, move
                   the parameters into ``param_data``.
+    shard_grads:  (with ``sharded``) keep only this rank's shard of the reduced gradients
+                  between steps (see module docstring); no effect when ``group.size`` is 1.
     """
 
     def __init__(self, params: list, group: Group, grad_dtype: torch.dtype, bucket_size: int,
-                 sharded: bool, device: torch.device):
+                 sharded: bool, device: torch.device, shard_grads: bool = False):
+        if shard_grads and not sharded:
+            raise ValueError("shard_grads needs sharded=True (the distributed optimizer)")
         self.group, self.sharded = group, sharded
+        self.shard_grads = shard_grads and group.size > 1
         self.params = list(reversed(params))
         self.param_dtype = self.params[0].dtype
         spans = self._layout(self.params, bucket_size, group.size if sharded else 1)
         total = spans[-1][2] if spans else 0
+        self.total, self.grad_dtype, self.device = total, grad_dtype, device
         self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
         self.param_data = None
         if sharded:
@@ -155,11 +187,49 @@ class GradBuffer:
             self.buckets.append(bucket)
             for p, (a, b) in zip(members, ranges):
                 self.bucket_of[id(p)] = bucket
-                p.main_grad = bucket.grad[a:b].view(p.shape)
                 if sharded:
                     with torch.no_grad():
                         bucket.param[a:b].copy_(p.detach().reshape(-1))
                     p.data = bucket.param[a:b].view(p.shape)
+        self._attach_main_grads()
+        self.shard_grad_data = None
+        if self.shard_grads:
+            self.shard_grad_data = torch.zeros(total // group.size, dtype=grad_dtype,
+                                               device=device)
+            offset = 0
+            for bucket in self.buckets:
+                n = bucket.numel // group.size
+                bucket.reduced_shard = self.shard_grad_data[offset:offset + n]
+                offset += n
+            self.release()
+
+    # -- the full gradient buffer's storage (shard_grads) --------------------------------
+    def _attach_main_grads(self) -> None:
+        """``param.main_grad``: a view of ``grad_data`` in the parameter's shape."""
+        for bucket in self.buckets:
+            grad = bucket.grad
+            for p, (a, b) in zip(bucket.params, bucket.ranges):
+                p.main_grad = grad[a:b].view(p.shape)
+
+    @property
+    def allocated(self) -> bool:
+        return self.grad_data.numel() == self.total
+
+    def allocate(self) -> None:
+        """A new, zeroed ``grad_data`` and the ``main_grad`` views into it."""
+        if not self.allocated:
+            self.grad_data = torch.zeros(self.total, dtype=self.grad_dtype,
+                                         device=self.device)
+            self._attach_main_grads()
+
+    def release(self) -> None:
+        """Drop ``grad_data`` and the ``main_grad`` views (``shard_grads`` only: the
+        reduced shard lives on in ``shard_grad_data``)."""
+        if self.shard_grads:
+            self.grad_data = torch.empty(0, dtype=self.grad_dtype, device=self.device)
+            for p in self.params:
+                if hasattr(p, "main_grad"):
+                    del p.main_grad
 
     @staticmethod
     def _layout(params: list, bucket_size: int, pad_to: int) -> list[tuple[list, int, int]]:
@@ -185,11 +255,15 @@ class GradBuffer:
         return spans
 
     def zero_(self) -> None:
-        self.grad_data.zero_()
+        if self.shard_grads and not self.allocated:
+            self.allocate()
+        else:
+            self.grad_data.zero_()
         for bucket in self.buckets:
             bucket.grad_sync_launched = False
 
     def __repr__(self) -> str:
         return (f"GradBuffer({len(self.params)} params, {self.grad_data.numel()} elements, "
                 f"{len(self.buckets)} buckets, group {self.group.name} x{self.group.size}, "
-                f"{'sharded' if self.sharded else 'replicated'})")
+                f"{'sharded' if self.sharded else 'replicated'}"
+                f"{', gradients sharded' if self.shard_grads else ''})")

@@ -8,7 +8,11 @@ own parameter shard as the master), nor one counted as gradients.
 Megatron-LM's accounting for Adam with bf16 parameters and fp32 gradients, per parameter
 of this rank's model-parallel slice: 2 bytes of parameter, 4 of gradient, and 12 of
 optimizer state (fp32 master + two fp32 moments), divided by the data-parallel size ``D``
-under the distributed optimizer: :func:`expected_optimizer_bytes`.
+under the distributed optimizer: :func:`expected_optimizer_bytes`. With
+``--data-parallel-sharding-strategy optim_grads`` the gradients between steps are
+``4 / D`` too (:func:`expected_bytes_per_param`); ``--optimizer-cpu-offload`` moves a
+fraction of the optimizer bytes (plus an fp32 gradient copy) to host memory, counted in
+``RankMemory.offloaded``, not in ``optimizer``.
 """
 
 from __future__ import annotations
@@ -28,12 +32,15 @@ class RankMemory:
     grads: int
     optimizer: int
     num_params: int
+    offloaded: int = 0     # optimizer bytes in host memory (--optimizer-cpu-offload)
 
     def describe(self) -> str:
         mib = 2.0 ** 20
         return (f"memory on this rank: params {self.params / mib:.2f} MiB | grads "
                 f"{self.grads / mib:.2f} MiB | optimizer {self.optimizer / mib:.2f} MiB "
-                f"({self.num_params:,} parameters)")
+                f"({self.num_params:,} parameters)"
+                + (f" | offloaded to host {self.offloaded / mib:.2f} MiB"
+                   if self.offloaded else ""))
 
 
 def _storages(tensors, exclude: dict | None = None) -> dict[int, int]:
@@ -56,11 +63,12 @@ def rank_memory(model, grads, optimizer) -> RankMemory:
         params += list(chunk.parameters()) if isinstance(chunk, torch.nn.Module) else chunk
     unique = list({id(p): p for p in params}.values())
     p_st = _storages(unique)
-    g_st = _storages([b.grad_data for b in grads.buffers] + [p.grad for p in unique], p_st)
+    g_st = _storages(grads.memory_tensors() + [p.grad for p in unique], p_st)
     o_st = _storages(optimizer.memory_tensors(), {**p_st, **g_st})
+    h_st = _storages(getattr(optimizer, "offloaded_tensors", list)(), {**p_st, **g_st, **o_st})
     return RankMemory(params=sum(p_st.values()), grads=sum(g_st.values()),
                       optimizer=sum(o_st.values()),
-                      num_params=sum(p.numel() for p in unique))
+                      num_params=sum(p.numel() for p in unique), offloaded=sum(h_st.values()))
 
 
 def expected_optimizer_bytes(num_params: int, dp: int, distributed: bool,
@@ -69,3 +77,19 @@ def expected_optimizer_bytes(num_params: int, dp: int, distributed: bool,
     parameter, divided by ``dp`` under the distributed optimizer."""
     per_param = (12 if half else 8) / (dp if distributed else 1)
     return per_param * num_params
+
+
+STRATEGIES = ("no_shard", "optim", "optim_grads")
+
+
+def expected_bytes_per_param(strategy: str, dp: int, param_bytes: int = 2,
+                             grad_bytes: int = 4, optim_bytes: int = 12) -> dict[str, float]:
+    """ZeRO's accounting per parameter of this rank's slice, between steps, for a
+    ``--data-parallel-sharding-strategy``: ``params`` (never sharded here), ``grads``
+    (divided by ``dp`` under optim_grads) and ``optimizer`` (divided by ``dp`` under optim
+    and optim_grads). Defaults: bf16 parameters, fp32 gradients, Adam with fp32 masters."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown sharding strategy {strategy!r}; one of {STRATEGIES}")
+    return {"params": float(param_bytes),
+            "grads": grad_bytes / (dp if strategy == "optim_grads" else 1),
+            "optimizer": optim_bytes / (1 if strategy == "no_shard" else dp)}

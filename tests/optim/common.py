@@ -24,11 +24,11 @@ VARIANTS = {
 }
 
 
-def config(world_size: int = 1, iters: int = 3, model=None, **parallel):
+def config(world_size: int = 1, iters: int = 3, model=None, optim=None, **parallel):
     """The tiny GPT of tests/training (2 layers, hidden 32), micro-batch 2, global batch 8.
     ``model.vocab_size`` is the NullTokenizer's (61), as the default build would set it."""
     parallel.setdefault("ddp_bucket_size", BUCKET)
-    cfg = tiny_config(world_size, parallel=parallel, model=model or {},
+    cfg = tiny_config(world_size, parallel=parallel, model=model or {}, optim=optim or {},
                       train={"train_iters": iters, "micro_batch_size": 2,
                              "global_batch_size": 8})
     cfg.model.vocab_size = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size).vocab_size

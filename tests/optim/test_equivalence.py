@@ -13,9 +13,18 @@ Layouts: dp 2 and 4, tp 1 and 2 (with sequence parallelism at dp 2), pp 1 and 2,
 pp 2 x vpp 2 (4 layers) at dp 2, each as four rows (plain / distributed optimizer x
 overlap off / on; "on" is --overlap-grad-reduce, plus --overlap-param-gather for the
 distributed optimizer). Buckets of 3000 elements, so parameters straddle bucket shards.
+Each layout also runs ``--data-parallel-sharding-strategy optim_grads`` (gradients
+reduce-scattered into a shard of their own, the full buffer freed between steps); dp 2,
+tp 2 + sp and pp 2 x vpp 2 also run optim_grads with both overlaps, and
+``--optimizer-cpu-offload`` (fraction 0.5 under optim, 1.0 under optim_grads: on this
+CPU-only host the offloaded pieces take the same host code path: copies of masters and
+gradients, their own torch optimizer). Sharding changes no arithmetic, so these rows
+meet the same tolerances.
 Not run: dp 4 x tp 2 x pp 2 (a world of 16 on a 2-core machine). The fp32 memory of every
 run is checked too: optimizer bytes are 8 per parameter (two Adam moments; the fp32
-parameters are the masters), divided by dp under the distributed optimizer.
+parameters are the masters), divided by dp under the distributed optimizer; offloaded
+elements cost 16 bytes of host memory instead (master copy, gradient copy, moments);
+gradient bytes are 4 per parameter, divided by dp under optim_grads.
 """
 
 import pytest
@@ -31,12 +40,19 @@ PARAM_TOL = 2e-5
 LAYOUTS = layouts("optim")
 # the fields that only choose the optimizer and the overlap: rows differing only in these
 # share one ParallelState
-_OPTIMIZER_FIELDS = {SHORT[s] for s in ("distopt", "overlap_grad", "overlap_param")}
+_OPTIMIZER_FIELDS = {SHORT[s] for s in ("distopt", "overlap_grad", "overlap_param",
+                                         "strategy")}
 
 
 def _groups_key(layout) -> tuple:
     return tuple(sorted((k, v) for k, v in layout.parallel.items()
                         if k not in _OPTIMIZER_FIELDS))
+
+
+def _offloaded(c) -> tuple:
+    """(dp, (offloaded elements, the largest offloaded piece))."""
+    pieces = [pc.hi - pc.lo for pc in getattr(c.optimizer, "pieces", []) if pc.host]
+    return c.ps.dp.size, (sum(pieces), max(pieces, default=0))
 
 
 def _body(rank, world_size, rows):
@@ -47,10 +63,10 @@ def _body(rank, world_size, rows):
                 base = {k: v for k, v in layout.parallel.items() if k not in _OPTIMIZER_FIELDS}
                 cfg = config(world_size, model=layout.model, **base)
                 states[_groups_key(layout)] = ParallelState.build(cfg.parallel)
-            cfg = config(world_size, model=layout.model, **layout.parallel)
-            result, params, memory, dp = train_run(cfg, inspect=lambda c: c.ps.dp.size,
-                                                   ps=states[_groups_key(layout)])
-            out.append((result.losses, params, memory, dp))
+            cfg = config(world_size, model=layout.model, optim=layout.optim, **layout.parallel)
+            result, params, memory, (dp, off) = train_run(cfg, inspect=_offloaded,
+                                                          ps=states[_groups_key(layout)])
+            out.append((result.losses, params, memory, dp, off))
     finally:
         for ps in states.values():
             ps.destroy()
@@ -78,7 +94,8 @@ def test_matches_single_process(layout, reference, trained):
     ref_losses, ref_params = reference[repr(layout.model)]
     distributed = layout.get("distopt")
     names = set()
-    for losses, params, memory, dp in trained(layout):
+    offload = layout.optim.get("optimizer_offload_fraction", 0.0)
+    for losses, params, memory, dp, off in trained(layout):
         what = f"{layout.name} dp={dp}"
         assert list(losses) == list(ref_losses), what
         for it, want in ref_losses.items():
@@ -87,6 +104,14 @@ def test_matches_single_process(layout, reference, trained):
             torch.testing.assert_close(tensor, ref_params[name], rtol=0, atol=PARAM_TOL,
                                        msg=lambda m, n=name, w=what: f"{w} {n}: {m}")
         names.update(params)
+        shard = memory.num_params / (dp if distributed else 1)
+        off, largest = off   # whole pieces are offloaded, first to last, up to the fraction
+        assert offload * shard <= off < offload * shard + largest or off == offload == 0, \
+            (what, off, shard)
         want = expected_optimizer_bytes(memory.num_params, dp, distributed, half=False)
-        assert abs(memory.optimizer - want) <= 0.03 * want, (what, memory, want)
+        want -= 8 * off
+        assert abs(memory.optimizer - want) <= 0.03 * want + 8, (what, memory, want)
+        assert abs(memory.offloaded - 16 * off) <= 0.03 * 16 * off, (what, memory, off)
+        grads = 4 * memory.num_params / (dp if layout.get("strategy") == "optim_grads" else 1)
+        assert abs(memory.grads - grads) <= 0.03 * grads, (what, memory, grads)
     assert names == set(ref_params), layout.name   # every parameter, on some rank
