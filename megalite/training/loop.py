@@ -48,6 +48,8 @@ from megalite.training.metrics import IterationMetrics
 from megalite.training.profiling import StepProfiler
 from megalite.training.rerun import ResultValidator
 from megalite.training.signals import SignalHandler
+from megalite.training.straggler import StragglerDetector
+from megalite.training.straggler import line as straggler_line
 
 if TYPE_CHECKING:
     from megalite.training.components import TrainingComponents
@@ -140,7 +142,7 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
     snapshot = validator.snapshot(c) if validating else None
     loss_sum, lm_loss, router = _forward_backward(c, batches, tokens, divisors, iteration,
                                                   validator)
-    reason = validator.suspicious(lm_loss, iteration) if validating else None
+    reason = validator.decide(lm_loss, iteration, ps) if validating else None
     faulty_ranks = None
     if reason is not None:   # re-run from the same state; judge() raises if reproduced
         first = loss_sum
@@ -264,6 +266,7 @@ def train(c: TrainingComponents) -> TrainResult:
     watchdog = LossScaleWatchdog.from_config(cfg)
     validator = ResultValidator.from_config(t)   # --rerun-mode validate_results
     memory = MemoryReporter(c.ps, cfg.logging.log_interval)  # CUDA memory line + peak
+    stragglers = StragglerDetector.from_config(cfg, c.timers)  # --log-straggler
     saver = CheckpointSaver(c.ps, async_save=bool(ck.save) and ck.async_save,
                             verify=ck.ckpt_verify)
     with SignalHandler(enabled=t.exit_signal_handler) as signals, \
@@ -305,6 +308,9 @@ def train(c: TrainingComponents) -> TrainResult:
             tokens_per_sec = gbs * seq / elapsed
             flops = c.flops_per_iteration * (gbs / schedule.final_batch_size)
             mfu = flops / (elapsed * c.peak_flops * c.ps.world_size)
+            straggler = stragglers.after_iteration(state.iteration, elapsed)  # collective
+            if straggler is not None:
+                extra["straggler"] = straggler
             metrics.record(IterationMetrics(
                 iteration=state.iteration, lm_loss=step.lm_loss, grad_norm=step.grad_norm,
                 lr=step.lr, loss_scale=step.loss_scale, skipped=not step.updated,
@@ -313,6 +319,8 @@ def train(c: TrainingComponents) -> TrainResult:
                 extra=extra or None)
             if "validation_loss" in extra:
                 metrics.record_eval(state.iteration, extra["validation_loss"])
+            if straggler is not None:
+                metrics.print(straggler_line(state.iteration, straggler))
             if (state.iteration % cfg.logging.log_interval == 0
                     and cfg.logging.timing_log_level > 0):
                 metrics.print(" timers (ms/iter) | " + c.timers.summary(

@@ -15,7 +15,8 @@ not changed: the check comes before the optimizer's update).
   continues with the re-run's result. More than ``--rerun-max-transient-faults`` in one run
   stop it with :class:`TransientFaultError` (exit code 6: restart, excluding those nodes).
 
-A validation costs one extra forward and backward, only on suspicious steps.
+Whether a step is suspicious is agreed by all ranks (one scalar all-reduce per step); a
+validation costs one extra forward and backward, only on suspicious steps.
 
 Fault injection for tests and drills (Megatron's flags): ``--error-injection-rate N``
 corrupts the loss of the last rank at every N-th iteration; ``--error-injection-type``
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite.errors import EXIT_TRANSIENT_FAULT, NumericalError
-from megalite.parallel.collectives import all_gather_object
+from megalite.parallel.collectives import ReduceOp, all_gather_object, all_reduce_scalar
 
 SPIKE_WINDOW = 10
 REQUESTED = "a validation requested by --error-injection-type correct_result"
@@ -100,8 +101,18 @@ class ResultValidator:
                or (self.injection_type == "transient_error" and attempt == 0))
         return loss_sum * float("nan") if bad else loss_sum
 
+    def decide(self, lm_loss: float, iteration: int, ps) -> str | None:
+        """:meth:`suspicious`, agreed by every rank of the world (one fp64 all-reduce, MAX):
+        a NaN seen only by some data-parallel groups still re-runs the step everywhere."""
+        reason = self.suspicious(lm_loss, iteration)
+        anyone = all_reduce_scalar(0.0 if reason is None else 1.0, None, ReduceOp.MAX,
+                                   ps.device)
+        if anyone and reason is None:
+            reason = "a NaN/inf or spiky loss on another rank"
+        return reason
+
     def suspicious(self, lm_loss: float, iteration: int, found_inf: bool = False) -> str | None:
-        """Why the step needs a re-run (None: it does not)."""
+        """Why the step needs a re-run (None: it does not), from this rank's view."""
         if not self.enabled:
             return None
         if found_inf:

@@ -127,10 +127,12 @@ def test_spiky_loss_window():
 
 
 def test_two_ranks_name_the_faulty_rank(tmp_path):
-    """The fault is injected on the last rank (1) at iteration 3: the log and the metrics
-    file name rank 1, and both ranks finish; a persistent fault ends both with exit 5."""
+    """The fault is injected on the last rank (1) at iteration 3, at tp 2 (rank 0's own
+    loss stays finite: the ranks agree to re-run anyway): the log and the metrics file
+    name rank 1, and both ranks finish; a persistent fault ends both with exit 5."""
     metrics = tmp_path / "m.jsonl"
     procs = start_two_ranks(tiny_flags(**{"--train-iters": 4, "--error-injection-rate": 3,
+                                          "--tensor-model-parallel-size": 2,
                                           "--metrics-jsonl": str(metrics)}))
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:]
