@@ -51,8 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0 and ignored:
         print(ignored, flush=True)
     ps = None
-    # hangs and dead peers name the rank; the flight recorder goes beside the checkpoints
-    watchdog.start(cfg.parallel.distributed_timeout_minutes, cfg.checkpoint.save)
+    # hangs and dead peers name the rank; the flight recorder goes beside the metrics
+    metrics = cfg.logging.metrics_jsonl
+    watchdog.start(cfg.parallel.distributed_timeout_minutes,
+                   os.path.dirname(os.path.abspath(metrics)) if metrics else None)
     try:
         cfg.validate(world)
         ps = ParallelState.build(cfg.parallel)

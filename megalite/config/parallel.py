@@ -44,7 +44,19 @@ class ParallelConfig:
                       "(cpu), or cuda when a GPU is visible, else cpu (auto; the "
                       "MEGALITE_DEVICE environment variable can set it).",
                       choices=("auto", "cpu", "cuda"))
-    distributed_timeout_minutes: int = arg(10, "Timeout of collectives.")
+    distributed_timeout_minutes: float = arg(
+        10.0, "Timeout of collectives in minutes (fractions allowed: 0.25 is 15 s); a "
+        "collective that does not complete in time fails on every rank with one error "
+        "naming the group, the operation and the ranks that never arrived (exit code 8).")
+    log_straggler: bool = arg(False, "Every log interval, gather each rank's step time and "
+                              "its forward-backward / optimizer / communication split and "
+                              "name the slowest ranks (log and metrics JSONL).")
+    straggler_minmax_count: int = arg(1, "How many slowest and fastest ranks "
+                                      "--log-straggler names.")
+    disable_straggler_on_startup: bool = arg(
+        False, "Leave the first log interval (start-up) out of --log-straggler's reports "
+        "(Megatron starts its detector disabled until toggled on a control port; megalite has "
+        "no control port).")
     variable_seq_lengths: bool = arg(False, "Exchange shapes before pipeline transfers.")
     empty_unused_memory_level: int = arg(
         0, "Free unused device memory after each step (1) or also after the optimizer (2).",
@@ -58,6 +70,7 @@ class ParallelConfig:
                   "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                   "context_parallel_size", "expert_model_parallel_size",
                   "expert_tensor_parallel_size", "distributed_timeout_minutes",
+                  "straggler_minmax_count",
                   "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
         if self.ddp_bucket_size is not None:
             require(self.ddp_bucket_size > 0,

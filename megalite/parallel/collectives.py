@@ -16,16 +16,26 @@ point and stay in :mod:`megalite.pipeline.p2p`.
 
 Shapes below: ``n = group.size``; "dim 0" collectives concatenate or split along the first
 dimension in rank order.
+
+Every collective that leaves the rank is recorded in :mod:`megalite.parallel.watchdog`'s
+flight recorder (a sequence number per group and a ring-buffer entry; the heartbeat thread
+publishes progress), and a communication failure (a timeout after
+``--distributed-timeout-minutes``, a peer that closed its connection) is raised as one
+:class:`~megalite.parallel.watchdog.DistributedFaultError` naming the group, the operation
+and the ranks that never arrived. Asynchronous launches return a :class:`TrackedWork`
+whose ``wait()`` does the same.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from megalite.parallel.state import Group
+from megalite.parallel.watchdog import RECORDER
 
 ReduceOp = dist.ReduceOp
 
@@ -56,6 +66,61 @@ def _pg(group: Group | None):
     return None if group is None else group.group
 
 
+def _begin(group: Group | None, op: str, /, *args):
+    """Flight-recorder entry of ``op`` on ``group`` (None: the world); the shapes of the
+    tensors among ``args`` go with it."""
+    shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)] or None
+    if group is None:
+        return RECORDER.begin("world", list(range(world_size())), op, shapes)
+    return RECORDER.begin(group.name, group.ranks, op, shapes)
+
+
+def _run(entry, fn, /, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a blocking collective or a launch) under ``entry``: a
+    communication failure becomes the flight recorder's one-line error."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:
+        raise RECORDER.fault(entry, exc) from exc
+
+
+class TrackedWork:
+    """A ``torch.distributed`` work handle whose ``wait()`` completes its flight-recorder
+    entry, or raises the one-line error when the collective fails."""
+
+    __slots__ = ("work", "entry")
+
+    def __init__(self, work, entry):
+        self.work, self.entry = work, entry
+
+    def wait(self) -> bool:
+        since = time.time()
+        _run(self.entry, self.work.wait)
+        RECORDER.end(self.entry, since)
+        return True
+
+    def is_completed(self) -> bool:
+        if self.work.is_completed():
+            if self.entry["end"] is None:
+                RECORDER.end(self.entry, time.time())
+            return True
+        return False
+
+
+def _sync(group: Group | None, name: str, fn, /, *args, **kwargs) -> None:
+    """Run the blocking collective ``fn(*args, **kwargs)`` (called ``name`` in the flight
+    recorder) on ``group`` and record it."""
+    entry = _begin(group, name, *args)
+    _run(entry, fn, *args, **kwargs)
+    RECORDER.end(entry)
+
+
+def _launch(group: Group, name: str, fn, /, *args, **kwargs) -> TrackedWork:
+    """Launch ``fn(*args, async_op=True, **kwargs)`` on ``group``; its tracked work."""
+    entry = _begin(group, name, *args)
+    return TrackedWork(_run(entry, fn, *args, async_op=True, **kwargs), entry)
+
+
 def new_world_group(backend: str = "gloo"):
     """A second process group over the whole world (``torch.distributed.new_group``), e.g.
     a gloo group that a background thread's collectives use so that they never interleave
@@ -78,16 +143,17 @@ def all_reduce(tensor: torch.Tensor, group: Group | None = None,
     """Reduce ``tensor`` (any shape, contiguous) in place over ``group`` (None: the world)
     with ``op`` (SUM, MAX, ...); returns ``tensor``."""
     if not _alone(group):
-        dist.all_reduce(tensor, op=op, group=_pg(group))
+        _sync(group, "all_reduce", dist.all_reduce, tensor, op=op, group=_pg(group))
     return tensor
 
 
 def all_reduce_async(tensor: torch.Tensor, group: Group):
     """Launch a SUM of ``tensor`` in place over ``group`` without waiting; returns the
-    work handle (``.wait()`` completes it), or None with one member."""
+    work handle (a :class:`TrackedWork`: ``.wait()`` completes it), or None with one
+    member."""
     if group.size == 1:
         return None
-    return dist.all_reduce(tensor, group=group.group, async_op=True)
+    return _launch(group, "all_reduce", dist.all_reduce, tensor, group=group.group)
 
 
 def all_reduce_scalar(value: float, group: Group | None = None, op=ReduceOp.SUM,
@@ -108,7 +174,7 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: Group) -> None:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, group=group.group)
+        _sync(group, "all_reduce", dist.all_reduce, flat, group=group.group)
         offset = 0
         for t in same:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -125,7 +191,10 @@ def all_gather_into_tensor(out: torch.Tensor, x: torch.Tensor, group: Group,
     if group.size == 1:
         out.copy_(x.reshape(out.shape))
         return None
-    return _all_gather_single(out, x, group=group.group, async_op=async_op)
+    if async_op:
+        return _launch(group, "all_gather", _all_gather_single, out, x, group=group.group)
+    _sync(group, "all_gather", _all_gather_single, out, x, group=group.group)
+    return None
 
 
 def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: Group,
@@ -137,7 +206,11 @@ def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: Group,
     if group.size == 1:
         out.copy_(x.reshape(out.shape))
         return None
-    return _reduce_scatter_single(out, x, group=group.group, async_op=async_op)
+    if async_op:
+        return _launch(group, "reduce_scatter", _reduce_scatter_single, out, x,
+                       group=group.group)
+    _sync(group, "reduce_scatter", _reduce_scatter_single, out, x, group=group.group)
+    return None
 
 
 def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -147,7 +220,7 @@ def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
-    _all_gather_single(out, x, group=group.group)
+    _sync(group, "all_gather", _all_gather_single, out, x, group=group.group)
     return out
 
 
@@ -161,7 +234,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
         raise ValueError(f"dim 0 ({size}) is not divisible by the group size {group.size}")
     x = x.contiguous()
     out = x.new_empty((size // group.size, *x.shape[1:]))
-    _reduce_scatter_single(out, x, group=group.group)
+    _sync(group, "reduce_scatter", _reduce_scatter_single, out, x, group=group.group)
     return out
 
 
@@ -171,7 +244,7 @@ def all_gather_list(x: torch.Tensor, group: Group) -> list[torch.Tensor]:
     if group.size == 1:
         return [x]
     pieces = [torch.empty_like(x) for _ in range(group.size)]
-    dist.all_gather(pieces, x.contiguous(), group=group.group)
+    _sync(group, "all_gather", dist.all_gather, pieces, x.contiguous(), group=group.group)
     return pieces
 
 
@@ -190,11 +263,12 @@ def all_to_all(x: torch.Tensor, group: Group, send: Sequence[int] | None = None,
         return x
     if send is None:
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=group.group)
+        _sync(group, "all_to_all", dist.all_to_all_single, out, x.contiguous(),
+              group=group.group)
         return out
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv),
-                           input_split_sizes=list(send), group=group.group)
+    _sync(group, "all_to_all", dist.all_to_all_single, out, x.contiguous(),
+          output_split_sizes=list(recv), input_split_sizes=list(send), group=group.group)
     return out
 
 
@@ -209,9 +283,26 @@ def ring_exchange(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, list]:
     n, r = group.size, group.rank
     x = x.contiguous()
     out = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x, group.ranks[(r + 1) % n], group=group.group),
-           dist.P2POp(dist.irecv, out, group.ranks[(r - 1) % n], group=group.group)]
-    return out, dist.batch_isend_irecv(ops)
+    nxt, prev = group.ranks[(r + 1) % n], group.ranks[(r - 1) % n]
+    works = batch_isend_irecv([(x, nxt)], [(out, prev)], group)
+    return out, works
+
+
+def batch_isend_irecv(sends: list[tuple[torch.Tensor, int]],
+                      recvs: list[tuple[torch.Tensor, int]], group: Group) -> list:
+    """Post point-to-point ``sends`` then ``recvs`` (``(tensor, global peer rank)`` pairs,
+    no tags) as one ``batch_isend_irecv`` on ``group`` (``ps.pp`` for pipeline stages,
+    ``ps.cp`` for the ring); returns one :class:`TrackedWork` per op (or one for the
+    whole batch, as NCCL gives), each completing the batch's flight-recorder entry."""
+    ops = ([dist.P2POp(dist.isend, t, peer, group.group) for t, peer in sends]
+           + [dist.P2POp(dist.irecv, t, peer, group.group) for t, peer in recvs])
+    op = ("p2p" + "".join(f" send->{p}" for _, p in sends)
+          + "".join(f" recv<-{p}" for _, p in recvs))
+    entry = RECORDER.begin(group.name, group.ranks, op,
+                           [tuple(t.shape) for t, _ in sends + recvs], key="p2p")
+    entry["peers"] = sorted({p for _, p in sends + recvs})
+    works = _run(entry, dist.batch_isend_irecv, ops)
+    return [TrackedWork(w, entry) for w in works]
 
 
 def wait_all(works: list) -> None:
@@ -227,7 +318,7 @@ def all_gather_object(obj, group: Group | None = None) -> list:
     if _alone(group):
         return [obj]
     out = [None] * (world_size() if group is None else group.size)
-    dist.all_gather_object(out, obj, group=_pg(group))
+    _sync(group, "all_gather_object", dist.all_gather_object, out, obj, group=_pg(group))
     return out
 
 
@@ -235,5 +326,6 @@ def broadcast_object_list(objects: list, src: int = 0, group: Group | None = Non
     """Replace ``objects`` in place by global rank ``src``'s list (picklable items) over
     ``group`` (None: the world); returns ``objects``."""
     if not _alone(group):
-        dist.broadcast_object_list(objects, src=src, group=_pg(group))
+        _sync(group, "broadcast_object_list", dist.broadcast_object_list, objects, src=src,
+              group=_pg(group))
     return objects

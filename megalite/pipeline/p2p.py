@@ -35,6 +35,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from megalite.parallel import collectives
+
 _SHAPE_DIMS = 3
 WAIT_SENDS_ENV = "MEGALITE_P2P_WAIT_SENDS"
 
@@ -50,6 +52,7 @@ class PipeComm:
     def __init__(self, ps, tensor_shape, dtype: torch.dtype,
                  variable_seq_lengths: bool = False):
         self.group = ps.pp.group
+        self.pp = ps.pp
         self.prev_rank, self.next_rank = ps.pipeline_neighbours()
         self.shape = tuple(tensor_shape)
         self.dtype = dtype
@@ -96,12 +99,11 @@ class PipeComm:
         """Post ``sends`` then ``recvs`` ((tensor, global peer rank) pairs, no tags) as one
         batch on ``ps.pp``; return once the receives (and with ``wait_sends`` the sends)
         completed."""
-        ops = ([dist.P2POp(dist.isend, t, peer, self.group) for t, peer in sends]
-               + [dist.P2POp(dist.irecv, t, peer, self.group) for t, peer in recvs])
-        if not ops:
+        if not sends and not recvs:
             return
-        works = dist.batch_isend_irecv(ops)
-        if self.wait_sends or len(works) != len(ops):  # one work for the whole batch
+        # tracked works: a peer that stopped or died raises the watchdog's one-line error
+        works = collectives.batch_isend_irecv(sends, recvs, self.pp)
+        if self.wait_sends or len(works) != len(sends) + len(recvs):  # one work per batch
             for work in works:
                 work.wait()
             return
