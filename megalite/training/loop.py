@@ -50,8 +50,6 @@ from megalite.training.rerun import ResultValidator
 from megalite.training.signals import SignalHandler
 from megalite.training.straggler import StragglerDetector
 from megalite.training.straggler import line as straggler_line
-from megalite.training.straggler import StragglerDetector
-from megalite.training.straggler import line as straggler_line
 
 if TYPE_CHECKING:
     from megalite.training.components import TrainingComponents
@@ -269,7 +267,6 @@ def train(c: TrainingComponents) -> TrainResult:
     validator = ResultValidator.from_config(t)   # --rerun-mode validate_results
     memory = MemoryReporter(c.ps, cfg.logging.log_interval)  # CUDA memory line + peak
     stragglers = StragglerDetector.from_config(cfg, c.timers)  # --log-straggler
-    stragglers = StragglerDetector.from_config(cfg, c.timers)  # --log-straggler
     saver = CheckpointSaver(c.ps, async_save=bool(ck.save) and ck.async_save,
                             verify=ck.ckpt_verify)
     with SignalHandler(enabled=t.exit_signal_handler) as signals, \
@@ -314,9 +311,6 @@ def train(c: TrainingComponents) -> TrainResult:
             straggler = stragglers.after_iteration(state.iteration, elapsed)  # collective
             if straggler is not None:
                 extra["straggler"] = straggler
-            straggler = stragglers.after_iteration(state.iteration, elapsed)  # collective
-            if straggler is not None:
-                extra["straggler"] = straggler
             metrics.record(IterationMetrics(
                 iteration=state.iteration, lm_loss=step.lm_loss, grad_norm=step.grad_norm,
                 lr=step.lr, loss_scale=step.loss_scale, skipped=not step.updated,
@@ -325,8 +319,6 @@ def train(c: TrainingComponents) -> TrainResult:
                 extra=extra or None)
             if "validation_loss" in extra:
                 metrics.record_eval(state.iteration, extra["validation_loss"])
-            if straggler is not None:
-                metrics.print(straggler_line(state.iteration, straggler))
             if straggler is not None:
                 metrics.print(straggler_line(state.iteration, straggler))
             if (state.iteration % cfg.logging.log_interval == 0
