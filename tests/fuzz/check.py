@@ -40,6 +40,8 @@ ITERS = 3
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 # recomputation, the dispatcher and the cp comm type do not change the model: the reference
 # runs without
+# optimizer CPU offload neither (and needs a sharded optimizer, which one process lacks)
+OPTIM_DROPS = ("optimizer_cpu_offload", "optimizer_offload_fraction")
 REFERENCE_DROPS = ("recompute_granularity", "recompute_method", "recompute_num_layers",
                    "moe_token_dispatcher_type", "cp_comm_type")
 
@@ -96,7 +98,8 @@ def reference_layout(layout: Layout) -> Layout:
     """The single-process run of ``layout``'s model, optimizer and batch."""
     model = {k: v for k, v in layout.model.items() if k not in REFERENCE_DROPS}
     return Layout("reference", 1, model=model, train=dict(layout.train),
-                  optim=dict(layout.optim), data=dict(layout.data))
+                  optim={k: v for k, v in layout.optim.items() if k not in OPTIM_DROPS},
+                  data=dict(layout.data))
 
 
 def train_and_gather(layout: Layout) -> tuple[dict, dict, dict]:

@@ -12,7 +12,10 @@ global batch of 1-4 micro-batches per data-parallel rank.
 
 Context parallelism is drawn last, from a generator of its own (``random.Random`` of
 ``"cp-<seed>"``), and only where it fits in 8 ranks: the other dimensions of a seed's draw
-stay what they were before cp was a dimension.
+stay what they were before cp was a dimension. The same holds for the sharding strategy
+and optimizer CPU offload (``"shard-<seed>"``): where the distributed optimizer was drawn,
+half the draws shard the gradients too (``--data-parallel-sharding-strategy optim_grads``)
+and a third offload half or all of the optimizer state to the host.
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -140,7 +143,21 @@ def _context_parallel(crng: random.Random, short: dict, model: dict, world: int)
     return cp
 
 
-def _draw_once(rng: random.Random, seed: int, crng: random.Random) -> Layout | None:
+def _sharding(srng: random.Random, short: dict, optim: dict) -> None:
+    """optim_grads instead of the distributed optimizer's optim, and CPU offload (fraction
+    0.5 or 1), into ``short`` / ``optim``, where the distributed optimizer was drawn."""
+    if not short.get("distopt"):
+        return
+    if srng.random() < 0.5:
+        del short["distopt"]
+        short["strategy"] = "optim_grads"
+    if srng.random() < 1 / 3:
+        optim.update(optimizer_cpu_offload=True,
+                     optimizer_offload_fraction=srng.choice((0.5, 1.0)))
+
+
+def _draw_once(rng: random.Random, seed: int, crng: random.Random,
+               srng: random.Random) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -149,9 +166,11 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random) -> Layout | N
     if world > MAX_WORLD:
         return None
     world *= _context_parallel(crng, short, model, world)
+    _sharding(srng, short, optim)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model), ("bf16", model.get("bf16")),
-                             ("sgd", optim.get("optimizer") == "sgd")) if on]
+                             ("sgd", optim.get("optimizer") == "sgd"),
+                             ("offload", optim.get("optimizer_cpu_offload"))) if on]
     if "cp" in short:
         marks.insert(0, model["cp_comm_type"])
     name = "-".join([f"fuzz{seed}", slug(world, parallel), *marks])
@@ -178,8 +197,9 @@ def draw_layout(seed: int) -> Layout:
     """The layout of ``seed``: the first draw of ``random.Random(seed)`` that fits 1 to 8
     ranks and that megalite accepts."""
     rng, crng = random.Random(seed), random.Random(f"cp-{seed}")
+    srng = random.Random(f"shard-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng)
+        layout = _draw_once(rng, seed, crng, srng)
         if layout is not None and rejection(layout) is None:
             return layout
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")
