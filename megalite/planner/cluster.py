@@ -1,0 +1,61 @@
+"""The machine a layout runs on: sizes, memory, peak FLOP/s and bandwidths, with presets.
+
+Bandwidths are per GPU, bytes/s, one direction: ``intra_node_bw`` between GPUs of a node
+(NVLink), ``inter_node_bw`` of each GPU's share of the network (InfiniBand / RoCE NIC).
+``matmul_efficiency`` is the fraction of ``peak_flops`` a large bf16 GEMM reaches;
+``latency_s`` the fixed cost of one collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus_per_node: int
+    nodes: int
+    gpu_memory: float          # bytes usable per GPU
+    peak_flops: float          # dense bf16 FLOP/s per GPU
+    intra_node_bw: float       # bytes/s per GPU, one direction
+    inter_node_bw: float       # bytes/s per GPU, one direction
+    matmul_efficiency: float = 0.7
+    latency_s: float = 10e-6
+    memory_bw: float = 2.0e12  # bytes/s of device memory (the optimizer step)
+    name: str = "custom"
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def group_bw(self, size: int, stride: int) -> float:
+        """Bandwidth of a group of ``size`` ranks ``stride`` apart in the global rank order
+        (ranks fill nodes in order): NVLink when the group fits in a node, else the
+        network."""
+        if size <= 1:
+            return float("inf")
+        return self.intra_node_bw if size * stride <= self.gpus_per_node else \
+            self.inter_node_bw
+
+    def with_nodes(self, nodes: int) -> "Cluster":
+        return replace(self, nodes=nodes)
+
+
+# per-GPU figures: NVLink 4 (H100/H200) 450 GB/s and NVLink 3 (A100) 300 GB/s one way;
+# one 400 Gb/s (H100/H200) or 200 Gb/s (A100) NIC per GPU
+PRESETS = {
+    "h100": Cluster(8, 1, 80 * GIB, 989e12, 450e9, 50e9, memory_bw=3.35e12, name="H100 SXM"),
+    "h200": Cluster(8, 1, 141 * GIB, 989e12, 450e9, 50e9, memory_bw=4.8e12, name="H200 SXM"),
+    "a100": Cluster(8, 1, 80 * GIB, 312e12, 300e9, 25e9, memory_bw=2.0e12,
+                    name="A100 SXM 80GB"),
+}
+
+
+def preset(name: str, nodes: int = 1) -> Cluster:
+    """A preset node type (``h100``, ``h200``, ``a100``) times ``nodes``."""
+    try:
+        return PRESETS[name.lower()].with_nodes(nodes)
+    except KeyError:
+        raise ValueError(f"unknown cluster preset {name!r}; one of {sorted(PRESETS)}") from None

@@ -1,0 +1,278 @@
+"""Memory per rank of a layout: an estimate, term by term, in bytes.
+
+For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`:
+
+* **params / grads / optimizer** -- this rank's parameter elements ``P`` (its tp / ep / pp
+  slice, counted from the model's shapes: :func:`stage_param_counts`) times the bytes per
+  parameter of ZeRO's accounting (:func:`megalite.optim.memory.expected_bytes_per_param`):
+  parameters in the training dtype, gradients in fp32 (bf16 with
+  ``--grad-reduce-in-bf16``), Adam's two fp32 moments plus an fp32 master copy when
+  training in half precision, the optimizer (and with optim_grads the gradients) divided
+  by the data-parallel group that shards them: dp x cp for dense parameters, the expert
+  data-parallel size for experts.
+* **activations** -- what autograd keeps for backward, per layer and micro-batch
+  (:func:`layer_activation_elements`, counted from megalite's layers: the saved inputs of
+  the norms, linears, attention kernel and activation function), times the peak number of
+  (micro-batch, chunk) pairs the pipeline schedule keeps in flight on this rank
+  (:func:`megalite.planner.schedule.peak_in_flight`).
+* **transient** -- the largest working set on top of the saved activations: the backward
+  of one layer (gradient of the MLP's widest tensor plus the layer's input gradient), on
+  the last stage the logits and the cross entropy's fp32 copy of them (where the peak of
+  a step usually is: every activation of the micro-batch is still held), and under full
+  recomputation one recomputed unit's activations.
+* **comm buffers** -- pipeline transfers of one round (an activation and a gradient
+  each way on a middle stage or any stage of an interleaved pipeline, one way on the first
+  and last stages of 1F1B), the
+  tensor-parallel collectives' buffers (a whole ``[s, b, h]`` activation, two under
+  sequence parallelism).
+* **gathered params** -- the distributed optimizer's parameter all-gather writes into the
+  parameters themselves (nothing extra here); a hook for a strategy that gathers
+  parameters per layer (ZeRO-3: one layer's full parameters while it runs).
+
+Elements are multiplied by the activation dtype's bytes (4 fp32, 2 bf16/fp16); softmax
+statistics and the cross entropy's probabilities are fp32 whatever the dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megalite.optim.memory import expected_bytes_per_param
+from megalite.planner.schedule import peak_in_flight, stage_layers
+
+
+# the busiest expert-parallel rank receives this many times the average routed tokens
+# (dropless routing is not balanced: at initialisation and under a weak aux loss)
+MOE_IMBALANCE = 1.25
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank by term; ``params_elements``: parameter elements of this rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    transient: float
+    comm_buffers: float
+    gathered_params: float
+    params_elements: int
+    in_flight: int
+    notes: list = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.activations
+                + self.transient + self.comm_buffers + self.gathered_params)
+
+    def as_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "transient": self.transient,
+                "comm_buffers": self.comm_buffers, "gathered_params": self.gathered_params,
+                "total": self.total}
+
+
+def _dtype_bytes(m) -> int:
+    return 2 if (m.bf16 or m.fp16) else 4
+
+
+def _norm_params(m) -> int:
+    return m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
+
+
+def dense_layer_params(m, tp: int) -> int:
+    """Parameter elements of one transformer layer's attention, norms and dense MLP on one
+    tp rank (the MLP part is left out for MoE layers: :func:`moe_mlp_params`)."""
+    h, nh, ng, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
+    qkv_out = (nh + 2 * ng) * d
+    n = h * qkv_out // tp + (qkv_out // tp if (m.add_bias_linear or m.add_qkv_bias) else 0)
+    n += nh * d * h // tp + (h if m.add_bias_linear else 0)
+    n += 2 * _norm_params(m)
+    return n
+
+
+def dense_mlp_params(m, tp: int, ffn: int | None = None) -> int:
+    h, f = m.hidden_size, ffn or m.ffn_hidden_size
+    fc1 = (2 if m.swiglu else 1) * f
+    n = h * fc1 // tp + f * h // tp
+    if m.add_bias_linear:
+        n += fc1 // tp + h
+    return n
+
+
+def moe_mlp_params(m, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(dense, expert) elements of one MoE layer's MLP on one rank: router (and shared
+    expert) are dense; the ``num_experts / ep`` local experts are split over ``etp``."""
+    h, f = m.hidden_size, m.moe_ffn_hidden_size
+    fc1 = (2 if m.swiglu else 1) * f
+    per_expert = h * fc1 // etp + f * h // etp
+    if m.add_bias_linear:
+        per_expert += fc1 // etp + h
+    dense = m.num_experts * h
+    if m.moe_shared_expert_intermediate_size:
+        dense += dense_mlp_params(m, tp, m.moe_shared_expert_intermediate_size)
+    return dense, per_expert * (m.num_experts // ep)
+
+
+def _is_moe(m, layer: int) -> bool:
+    return m.num_experts is not None and layer % m.moe_layer_freq == 0
+
+
+def stage_param_counts(m, p, pp_rank: int) -> tuple[int, int]:
+    """(dense, expert) parameter elements held by pipeline rank ``pp_rank`` (any tp rank):
+    its layers, the embedding tables on the first stage, the final norm and output layer
+    (a copy of the tied embedding when pp > 1) on the last stage."""
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    dense = expert = 0
+    for layer in stage_layers(m, p, pp_rank):
+        dense += dense_layer_params(m, tp)
+        if _is_moe(m, layer):
+            d, e = moe_mlp_params(m, tp, ep, etp)
+            dense, expert = dense + d, expert + e
+        else:
+            dense += dense_mlp_params(m, tp)
+    vocab = m.padded_vocab_size(tp)
+    if pp_rank == 0:
+        dense += vocab * m.hidden_size // tp
+        if m.learned_positions:
+            dense += m.max_position_embeddings * m.hidden_size
+    if pp_rank == pp - 1:
+        dense += _norm_params(m)
+        if m.untie_embeddings_and_output_weights or pp > 1:
+            dense += vocab * m.hidden_size // tp
+    return dense, expert
+
+
+def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict:
+    """Elements one transformer layer keeps for backward for one micro-batch, by dtype:
+    ``{"act": elements in the compute dtype, "fp32": elements always fp32}``; the layer's
+    input is included, its output is not (it is the next layer's input).
+
+    Sequence ``S = seq / cp`` per rank; ``h``-sized tensors on the residual stream are
+    split over tp under sequence parallelism, the norm outputs feeding the column-parallel
+    linears are whole, heads and ffn are split over tp."""
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    sp = tp if p.sequence_parallel else 1
+    tokens = m.seq_length // cp * micro_batch
+    h, nh, ng, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
+    stats = 1 if m.normalization == "RMSNorm" else 2
+    act = fp32 = 0
+    # residual stream: layer input (saved by input norm), mid-layer sum (pre-MLP norm)
+    act += 2 * tokens * h // sp
+    fp32 += 2 * stats * tokens // sp
+    # normed inputs of qkv and fc1 (whole sequence: gathered under sp)
+    act += tokens * h * (1 if moe else 2)
+    act += tokens * (nh + 2 * ng) * d // tp                   # q, k, v (views of qkv)
+    if m.position_embedding_type == "rope":
+        act += tokens * (nh + ng) * d // tp                   # rotated q, k
+    act += tokens * nh * d // tp                              # attention output (proj input)
+    fp32 += tokens * nh // tp                                 # softmax log-sum-exp
+    if m.hidden_dropout > 0:
+        act += 2 * tokens * h // sp // _dtype_bytes(m)        # bool masks, 1 byte
+    if not moe:
+        f = m.ffn_hidden_size // tp
+        act += tokens * f * (4 if m.swiglu else 2)            # fc1 out, act (swiglu), fc2 in
+        return {"act": act, "fp32": fp32}
+    # MoE: tokens split over tp inside the layer, routed top-k to local experts
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    local = tokens // tp
+    k, f = m.moe_router_topk, m.moe_ffn_hidden_size // etp
+    act += local * h * (1 if sp > 1 else 2)                   # router / dispatcher input
+    fp32 += local * m.num_experts * 3                         # router logits, probs, top-k
+    # tokens this rank's experts see: the average, times an allowance for the imbalance of
+    # dropless routing (the capacity factor when tokens are dropped)
+    imbalance = m.moe_expert_capacity_factor or MOE_IMBALANCE
+    routed = int(local * k * etp * imbalance)
+    act += routed * h * 2                                     # permuted, expert fc1 input
+    act += routed * f * (4 if m.swiglu else 2)
+    act += routed * h                                         # expert outputs (combine)
+    if m.moe_shared_expert_intermediate_size:
+        act += tokens * m.moe_shared_expert_intermediate_size // tp * (
+            4 if m.swiglu else 2) + tokens * h
+    del ep
+    return {"act": act, "fp32": fp32}
+
+
+def _layer_bytes(m, p, mb: int, moe: bool) -> float:
+    e = layer_activation_elements(m, p, mb, moe)
+    return e["act"] * _dtype_bytes(m) + e["fp32"] * 4
+
+
+def estimate_memory(cfg, world_size: int, pp_rank: int | None = None) -> MemoryEstimate:
+    """Estimated peak bytes of one rank of ``cfg`` (validated for ``world_size``) on
+    pipeline stage ``pp_rank``; None: the stage with the largest total."""
+    p = cfg.parallel
+    if pp_rank is None:
+        stages = [estimate_memory(cfg, world_size, r)
+                  for r in range(p.pipeline_model_parallel_size)]
+        return max(stages, key=lambda s: s.total)
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
+        p.context_parallel_size
+    dp = world_size // (tp * pp * cp)
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    edp = tp * cp * dp // (ep * etp)
+    half = m.bf16 or m.fp16
+    eb = _dtype_bytes(m)
+    strategy = p.data_parallel_sharding_strategy
+    grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
+    optim_bytes = (12 if half else 8) if o.optimizer == "adam" else (8 if half else 4)
+    dense, expert = stage_param_counts(m, p, pp_rank)
+    notes = []
+    if getattr(o, "optimizer_cpu_offload", False):
+        notes.append("optimizer CPU offload not modelled (device bytes over-estimated)")
+    per = {}
+    for name, n, group in (("dense", dense, dp * cp), ("expert", expert, edp)):
+        per[name] = expected_bytes_per_param(strategy, group, eb, grad_bytes, optim_bytes)
+    params = dense * per["dense"]["params"] + expert * per["expert"]["params"]
+    grads = dense * per["dense"]["grads"] + expert * per["expert"]["grads"]
+    optimizer = dense * per["dense"]["optimizer"] + expert * per["expert"]["optimizer"]
+
+    mb = t.micro_batch_size
+    num_micro = t.global_batch_size // (mb * dp)
+    vpp = p.virtual_pipeline_model_parallel_size or 1
+    layers = stage_layers(m, p, pp_rank)
+    tokens = m.seq_length // cp * mb
+    sp = tp if p.sequence_parallel else 1
+    h = m.hidden_size
+    layer_bytes = [_layer_bytes(m, p, mb, _is_moe(m, layer)) for layer in layers]
+    full = m.recompute_granularity == "full"
+    if full:  # each recompute unit keeps its input only; one unit recomputed at a time
+        unit = m.recompute_num_layers or 1
+        if m.recompute_method == "block":
+            kept = layer_bytes[unit:]
+            saved = sum(kept) + min(unit, len(layers)) * tokens * h // sp * eb
+            recompute = max(layer_bytes[:unit], default=0) * min(unit, len(layers))
+        else:
+            n_units = -(-len(layers) // unit)
+            saved = n_units * tokens * h // sp * eb
+            recompute = max(layer_bytes, default=0) * min(unit, len(layers))
+    else:
+        saved, recompute = sum(layer_bytes), 0
+    chunk_bytes = saved / vpp          # one (micro-batch, chunk) pair
+    in_flight = peak_in_flight(pp, pp_rank, num_micro, vpp)
+    activations = chunk_bytes * in_flight
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    vocab = m.padded_vocab_size(tp)
+    if last:  # final norm input and output (whole under sp: output layer input)
+        activations += (tokens * h // sp + tokens * h) * eb
+    # working sets on top of the saved activations (the largest one)
+    f = max(m.ffn_hidden_size, m.moe_ffn_hidden_size or 0) // tp * (2 if m.swiglu else 1)
+    backward = tokens * (f + 2 * h) * eb + recompute
+    loss = tokens * vocab // tp * (eb + 4) if last else 0  # logits, fp32 shifted logits
+    transient = max(backward, loss)
+    if first:
+        transient += tokens * h // sp * eb                       # embedding output
+    comm = 0.0
+    if pp > 1:  # a round's receives and sends (batch_isend_irecv): activation and grad
+        # each way on a middle stage, one way on the first and last
+        comm += (2 if (first or last) and vpp == 1 else 4) * tokens * h // sp * eb
+    if tp > 1:  # tp collectives: all-gather output + reduce-scatter input (sp), or the
+        comm += tokens * h * eb * (2 if sp > 1 else 1)            # all-reduce's buffer
+    gathered = 0.0  # hook: optim_grads_params (ZeRO-3) would add one layer's full params
+    return MemoryEstimate(params=params, grads=grads, optimizer=optimizer,
+                          activations=activations, transient=transient, comm_buffers=comm,
+                          gathered_params=gathered, params_elements=dense + expert,
+                          in_flight=in_flight, notes=notes)

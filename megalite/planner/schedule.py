@@ -1,0 +1,42 @@
+"""What a pipeline stage holds and how many micro-batches it keeps in flight.
+
+Both come from megalite's own pipeline code, so the planner cannot drift from it: the
+layers of a stage from :func:`megalite.pipeline.layout.chunk_layer_ranges`, the in-flight
+count by walking the stage's step list of :func:`megalite.pipeline.schedules.build_schedule`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from megalite.pipeline.layout import chunk_layer_ranges
+from megalite.pipeline.schedules import build_schedule
+
+
+def stage_layers(m, p, pp_rank: int) -> list[int]:
+    """Global indices of the transformer layers on pipeline rank ``pp_rank`` (all its
+    virtual chunks)."""
+    ranges = chunk_layer_ranges(m.num_layers, p.pipeline_model_parallel_size,
+                                p.virtual_pipeline_model_parallel_size,
+                                p.decoder_first_pipeline_num_layers,
+                                p.decoder_last_pipeline_num_layers)
+    return [first + i for first, n in ranges[pp_rank] for i in range(n)]
+
+
+@functools.lru_cache(maxsize=4096)
+def peak_in_flight(pp: int, pp_rank: int, num_microbatches: int, vpp: int = 1) -> int:
+    """Peak number of (micro-batch, chunk) forwards whose backward has not run yet on
+    ``pp_rank``: the activations it holds at once, in units of one chunk's activations
+    for one micro-batch (1F1B: ``min(pp - pp_rank, m)``; interleaved: more, in smaller
+    chunks)."""
+    live = peak = 0
+    for kind, _chunk, _mb in build_schedule(pp, pp_rank, num_microbatches, vpp):
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def bubble_fraction(pp: int, num_microbatches: int, vpp: int = 1) -> float:
+    """Idle fraction of the pipeline's ideal time: ``(pp - 1) / (vpp m)`` (Megatron-LM's
+    bubble of 1F1B and its interleaved variant)."""
+    return (pp - 1) / (vpp * num_microbatches)

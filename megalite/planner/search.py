@@ -1,0 +1,157 @@
+"""Enumerate layouts for a model on a cluster, keep the legal ones that fit, rank by time.
+
+A candidate sets tp x pp x vpp x cp x ep (dp is what is left of the world), the
+data-parallel sharding strategy, recomputation and the micro-batch size on a copy of the
+user's config; megalite's own validation (``MegaliteConfig.validate``, which calls
+``ModelConfig.check_layout``) decides whether it is legal, so the planner never proposes a
+layout the code refuses. A legal layout whose estimated peak memory exceeds the GPU's is
+infeasible, with the limit it breaks.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+
+from megalite.config import ConfigError
+from megalite.planner.cluster import GIB, Cluster
+from megalite.planner.memory import MemoryEstimate, estimate_memory
+from megalite.planner.time import TimeEstimate, estimate_time
+
+RECOMPUTE = {"none": {"recompute_granularity": None, "recompute_method": None,
+                      "recompute_num_layers": None},
+             "selective": {"recompute_granularity": "selective", "recompute_method": None,
+                           "recompute_num_layers": None},
+             "full": {"recompute_granularity": "full", "recompute_method": "uniform",
+                      "recompute_num_layers": 1}}
+# strategies the planner models; optim_grads (ZeRO-2) is accepted by the memory model
+# (megalite.optim.memory.expected_bytes_per_param) and can be added here once it trains
+STRATEGIES = ("no_shard", "optim")
+
+
+@dataclass
+class Candidate:
+    """One layout; ``error`` says which limit an infeasible one breaks."""
+
+    sizes: dict                        # tp, pp, vpp, cp, ep, dp
+    strategy: str
+    recompute: str
+    micro_batch_size: int
+    cfg: object = None
+    memory: MemoryEstimate | None = None
+    time: TimeEstimate | None = None
+    error: str | None = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        return self.error is None
+
+    def name(self) -> str:
+        s = self.sizes
+        parts = [f"tp{s['tp']}", f"pp{s['pp']}"]
+        if s["vpp"] > 1:
+            parts.append(f"vpp{s['vpp']}")
+        parts += [f"cp{s['cp']}"] if s["cp"] > 1 else []
+        parts += [f"ep{s['ep']}"] if s["ep"] > 1 else []
+        parts += [f"dp{s['dp']}", self.strategy, f"rc-{self.recompute}",
+                  f"mbs{self.micro_batch_size}"]
+        return " ".join(parts)
+
+    def launch_flags(self) -> list[str]:
+        """Megatron-style flags of this layout (to add to the model's own flags)."""
+        s, flags = self.sizes, []
+        flags += ["--tensor-model-parallel-size", str(s["tp"]),
+                  "--pipeline-model-parallel-size", str(s["pp"])]
+        if s["vpp"] > 1:
+            flags += ["--virtual-pipeline-model-parallel-size", str(s["vpp"])]
+        if s["tp"] > 1:
+            flags.append("--sequence-parallel")
+        if s["cp"] > 1:
+            flags += ["--context-parallel-size", str(s["cp"])]
+        if s["ep"] > 1:
+            flags += ["--expert-model-parallel-size", str(s["ep"])]
+        if self.strategy == "optim":
+            flags.append("--use-distributed-optimizer")
+        elif self.strategy != "no_shard":
+            flags += ["--data-parallel-sharding-strategy", self.strategy]
+        if self.recompute != "none":
+            flags += ["--recompute-granularity", self.recompute]
+            if self.recompute == "full":
+                flags += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        flags += ["--micro-batch-size", str(self.micro_batch_size)]
+        return flags
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def make_config(base, world: int, sizes: dict, strategy: str, recompute: str, mbs: int):
+    """A validated copy of ``base`` with the layout applied (raises ConfigError)."""
+    cfg = copy.deepcopy(base)
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    p.tensor_model_parallel_size = sizes["tp"]
+    p.pipeline_model_parallel_size = sizes["pp"]
+    p.virtual_pipeline_model_parallel_size = sizes["vpp"] if sizes["vpp"] > 1 else None
+    p.num_layers_per_virtual_pipeline_stage = None
+    p.context_parallel_size = sizes["cp"]
+    p.expert_model_parallel_size = sizes["ep"]
+    p.expert_tensor_parallel_size = sizes["tp"]
+    p.sequence_parallel = sizes["tp"] > 1
+    p.data_parallel_sharding_strategy = strategy
+    p.use_distributed_optimizer = strategy != "no_shard"
+    for k, v in RECOMPUTE[recompute].items():
+        setattr(m, k, v)
+    t.micro_batch_size = mbs
+    type(p).__post_init__(p)
+    type(m).__post_init__(m)
+    return cfg.validate(world)
+
+
+def evaluate(base, world: int, cluster: Cluster, sizes: dict, strategy: str,
+             recompute: str, mbs: int) -> Candidate:
+    """One candidate: validated, its memory and time estimated, feasibility decided."""
+    c = Candidate(dict(sizes), strategy, recompute, mbs)
+    try:
+        c.cfg = make_config(base, world, sizes, strategy, recompute, mbs)
+    except (ConfigError, ValueError) as e:
+        c.error = f"config: {e}"
+        return c
+    c.memory = estimate_memory(c.cfg, world)
+    c.time = estimate_time(c.cfg, world, cluster)
+    if c.memory.total > cluster.gpu_memory:
+        c.error = (f"memory: {c.memory.total / GIB:.1f} GiB per rank > "
+                   f"{cluster.gpu_memory / GIB:.1f} GiB of GPU memory")
+    return c
+
+
+def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=None,
+           strategies=STRATEGIES, recomputes=tuple(RECOMPUTE), micro_batch_sizes=(1, 2, 4, 8),
+           ) -> list[Candidate]:
+    """Every candidate for ``base`` (a MegaliteConfig: model, global batch, precision) on
+    ``cluster``: feasible ones first, by estimated step time, then the infeasible ones.
+    Size lists default to the divisors that can work (tp within a node)."""
+    m = base.model
+    world = cluster.world_size
+    tps = tp or [d for d in _divisors(world) if d <= cluster.gpus_per_node and d & (d - 1) == 0]
+    pps = pp or [d for d in _divisors(m.num_layers) if world % d == 0]
+    vpps = vpp or [1, 2, 4]
+    cps = cp or ([1, 2, 4, 8] if m.seq_length >= 16384 else [1, 2] if m.seq_length >= 8192
+                 else [1])
+    eps = ep or (_divisors(m.num_experts) if m.num_experts else [1])
+    out = []
+    for t_, p_, v_, c_, e_ in itertools.product(tps, pps, vpps, cps, eps):
+        if world % (t_ * p_ * c_) or (v_ > 1 and p_ == 1):
+            continue
+        if (m.num_layers // p_) % v_:
+            continue
+        sizes = {"tp": t_, "pp": p_, "vpp": v_, "cp": c_, "ep": e_,
+                 "dp": world // (t_ * p_ * c_)}
+        for strategy, rc, mbs in itertools.product(strategies, recomputes, micro_batch_sizes):
+            if strategy != "no_shard" and sizes["dp"] * c_ == 1:
+                continue  # nothing to shard
+            out.append(evaluate(base, world, cluster, sizes, strategy, rc, mbs))
+    out.sort(key=lambda c: (not c.feasible, c.time.step if c.time else float("inf")))
+    return out

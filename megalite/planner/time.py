@@ -1,0 +1,152 @@
+"""Step time of a layout: compute, communication per parallelism, pipeline bubble, MFU.
+
+Per step (one global batch), for one rank (all ranks do the same work, up to the
+pipeline's first and last stage):
+
+* **compute** -- the model FLOPs of the step (:func:`step_model_flops`:
+  ``megalite.training.throughput.flops_per_token`` of the active parameters: top-k
+  experts, not all) divided over the ``world`` ranks, plus what recomputation adds
+  (full: the forward again, 2N per token of the layers; selective: the attention core's
+  forward, 4 L h s per token), at ``peak_flops x matmul_efficiency``.
+* **tp** -- per layer and micro-batch, forward and backward, the activations
+  ``[s/cp, b, h]`` all-reduced (or all-gathered and reduce-scattered under sequence
+  parallelism: the same bytes) twice per direction over tp: ring cost ``2 (t-1)/t``
+  times the bytes; full recomputation repeats the forward's.
+* **cp** -- ring attention: each layer's keys and values pass ``cp - 1`` hops forward and
+  the same plus their gradients backward.
+* **ep** -- the MoE all-to-all: dispatch and combine, forward and backward, of the routed
+  tokens ``top-k x tokens x h`` (the fraction ``(ep-1)/ep`` leaves the rank).
+* **pp** -- one activation per micro-batch and chunk boundary forward and its gradient
+  backward, ``2 vpp m`` transfers of ``[s/cp, b, h]`` (``/tp`` under sp).
+* **dp** -- the gradient reduction over dp x cp (``2 (d-1)/d`` of the gradient bytes,
+  all-reduce or reduce-scatter + parameter all-gather), exposed in full unless
+  ``--overlap-grad-reduce`` hides all but the last bucket.
+* **bubble** -- ``(pp - 1) / (vpp m)`` of the per-micro-batch path (compute, tp, cp, ep,
+  pp transfers).
+* **optimizer** -- the step reads and writes the local optimizer state at memory bandwidth.
+
+The group a collective runs on is on NVLink or the network by its size and stride in
+megalite's rank order (tp fastest, then cp, dp, pp; :meth:`Cluster.group_bw`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.planner.cluster import Cluster
+from megalite.planner.memory import dense_layer_params, dense_mlp_params, moe_mlp_params
+from megalite.planner.schedule import bubble_fraction
+from megalite.training.throughput import flops_per_token
+
+
+@dataclass
+class TimeEstimate:
+    """Seconds per step by term, bytes each rank sends per parallelism, and MFU."""
+
+    compute: float
+    comm: dict           # parallelism -> seconds (exposed)
+    comm_bytes: dict     # parallelism -> bytes sent per rank per step
+    bubble: float
+    optimizer: float
+    step: float
+    model_flops: float   # per step, whole model
+    mfu: float
+
+
+def active_layer_params(m) -> int:
+    """Transformer-layer parameters a token passes through (tp 1): attention, norms and
+    dense MLPs, the router and ``top-k`` experts of MoE layers, the final norm."""
+    n = 0
+    for layer in range(m.num_layers):
+        n += dense_layer_params(m, 1)
+        if m.num_experts is not None and layer % m.moe_layer_freq == 0:
+            dense, experts = moe_mlp_params(m, 1, 1, 1)
+            n += dense + experts // m.num_experts * m.moe_router_topk
+        else:
+            n += dense_mlp_params(m, 1)
+    return n + m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
+
+
+def step_model_flops(cfg) -> float:
+    """Model FLOPs of one step (global batch), as megalite's MFU counts them."""
+    m, t = cfg.model, cfg.train
+    per_token = flops_per_token(active_layer_params(m), m.num_layers, m.hidden_size,
+                                m.seq_length, m.padded_vocab_size(1))
+    return per_token * t.global_batch_size * m.seq_length
+
+
+def _ring(bytes_: float, size: int, bw: float, latency: float, steps: int = 1) -> float:
+    """Seconds of ``steps`` ring all-reduces of ``bytes_`` over ``size`` ranks."""
+    if size <= 1:
+        return 0.0
+    return steps * (2.0 * (size - 1) / size * bytes_ / bw + 2 * (size - 1) * latency)
+
+
+def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
+    """Estimated step time of ``cfg`` (validated for ``world_size``) on ``cluster``."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
+        p.context_parallel_size
+    dp = world_size // (tp * pp * cp)
+    ep = p.expert_model_parallel_size
+    vpp = p.virtual_pipeline_model_parallel_size or 1
+    eb = 2 if (m.bf16 or m.fp16) else 4
+    mb = t.micro_batch_size
+    num_micro = t.global_batch_size // (mb * dp)
+    layers = m.num_layers // pp
+    tokens = m.seq_length // cp * mb                  # per rank per micro-batch
+    h, lat = m.hidden_size, cluster.latency_s
+
+    flops = step_model_flops(cfg)
+    extra = 0.0
+    layer_n = active_layer_params(m)
+    all_tokens = t.global_batch_size * m.seq_length
+    if m.recompute_granularity == "full":
+        extra = 2.0 * layer_n * all_tokens
+    elif m.recompute_granularity == "selective":
+        extra = 4.0 * m.num_layers * h * m.seq_length * all_tokens
+    compute = (flops + extra) / world_size / (cluster.peak_flops * cluster.matmul_efficiency)
+
+    comm, sent = {}, {}
+    act_bytes = tokens * h * eb
+    passes = 3 if m.recompute_granularity == "full" else 2   # forward (again), backward
+    tp_bw = cluster.group_bw(tp, 1)
+    n_tp = 2 * passes * layers * num_micro                     # collectives per step
+    comm["tp"] = _ring(act_bytes, tp, tp_bw, lat, n_tp) / 2 if tp > 1 else 0.0
+    sent["tp"] = n_tp * (tp - 1) / tp * act_bytes if tp > 1 else 0.0
+    kv = tokens * 2 * m.num_query_groups * m.kv_channels // tp * eb
+    cp_bytes = 3 * (cp - 1) * kv * layers * num_micro if cp > 1 else 0.0
+    comm["cp"] = cp_bytes / cluster.group_bw(cp, tp) + (cp - 1) * layers * num_micro * lat \
+        if cp > 1 else 0.0
+    sent["cp"] = cp_bytes
+    moe_layers = 0 if m.num_experts is None else len(range(0, m.num_layers, m.moe_layer_freq))
+    a2a = 4 * (ep - 1) / ep * m.moe_router_topk * tokens // max(tp, 1) * h * eb \
+        * moe_layers / pp * num_micro if ep > 1 else 0.0
+    comm["ep"] = a2a / cluster.group_bw(ep, p.expert_tensor_parallel_size) if ep > 1 else 0.0
+    sent["ep"] = a2a
+    sp = tp if p.sequence_parallel else 1
+    pp_bytes = 2 * vpp * num_micro * act_bytes / sp if pp > 1 else 0.0
+    comm["pp"] = (pp_bytes / cluster.group_bw(pp, tp * cp * dp) + 2 * vpp * num_micro * lat
+                  if pp > 1 else 0.0)
+    sent["pp"] = pp_bytes
+    from megalite.planner.memory import stage_param_counts
+
+    local = max(sum(stage_param_counts(m, p, r)) for r in range(pp))
+    grad_bytes = local * (2 if p.grad_reduce_in_bf16 else 4)
+    d = dp * cp
+    dp_time = _ring(grad_bytes, d, cluster.group_bw(d, tp), lat)
+    if p.use_distributed_optimizer:  # reduce-scatter grads + all-gather params
+        dp_time = _ring((grad_bytes + local * eb) / 2, d, cluster.group_bw(d, tp), lat)
+    if p.overlap_grad_reduce:
+        dp_time *= 0.2
+    comm["dp"] = dp_time
+    sent["dp"] = 2 * (d - 1) / d * grad_bytes if d > 1 else 0.0
+
+    path = compute + comm["tp"] + comm["cp"] + comm["ep"] + comm["pp"]
+    bubble = bubble_fraction(pp, num_micro, vpp) * path if pp > 1 else 0.0
+    shard = d if p.use_distributed_optimizer else 1
+    optimizer = local * (16 + 2 * eb) / shard / cluster.memory_bw
+    step = path + bubble + comm["dp"] + optimizer
+    mfu = flops / (step * world_size * cluster.peak_flops)
+    return TimeEstimate(compute=compute, comm=comm, comm_bytes=sent, bubble=bubble,
+                        optimizer=optimizer, step=step, model_flops=flops, mfu=mfu)

@@ -1,0 +1,63 @@
+"""The layouts whose measured peak memory checks the planner's memory model.
+
+Rows in the shape of ``tests/layouts.py`` (:func:`tests.layouts.row`), on a tiny GPT where
+activations, not parameters, are most of the peak, so the check exercises the activation
+and pipeline terms and not only the parameter accounting.
+"""
+
+from __future__ import annotations
+
+from tests.layouts import Layout, row, tiny
+
+# hidden 64, 4 layers, seq 128, micro-batch 2, vocab 256: about 0.2 M parameters
+BASE_MODEL = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 128,
+              "vocab_size": 256, "make_vocab_size_divisible_by": 8}
+BASE_TRAIN = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 2}
+MOE = {"num_experts": 4, "moe_router_topk": 2, "ffn_hidden_size": 128}
+SEL = {"recompute_granularity": "selective"}
+FULL = {"recompute_granularity": "full", "recompute_method": "uniform",
+        "recompute_num_layers": 1}
+LLAMA = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+         "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
+
+MEMORY_CASES: tuple[Layout, ...] = (
+    row("mem", 1),
+    row("mem", 1, "full", model=FULL),
+    row("mem", 1, "llama", model=LLAMA),
+    row("mem", 2, tp=2),
+    row("mem", 2, "sel", model=SEL, tp=2),
+    row("mem", 2, distopt=True),
+    row("mem", 2, pp=2),
+    row("mem", 2, pp=2, vpp=2),
+    row("mem", 2, "moe", model=MOE, ep=2),
+    row("mem", 2, cp=2),
+    row("mem", 4, pp=4),
+    row("mem", 4, "full", model=FULL, tp=2, pp=2, distopt=True),
+    row("mem", 4, "moe", model=MOE, tp=2, sp=True, ep=2, distopt=True),
+    row("mem", 4, "sel", model=SEL, distopt=True),
+)
+
+
+def case_config(lay: Layout):
+    """The row's validated config on the tiny model."""
+    return tiny(lay, model=dict(BASE_MODEL), train=dict(BASE_TRAIN))
+
+
+def planner_config(lay: Layout):
+    """The config the planner estimates: the row's, with the vocabulary the tokenizer
+    really has (NullTokenizer adds an end-of-document token), as the build does."""
+    from megalite.data.tokenizers import build_tokenizer
+
+    cfg = case_config(lay)
+    cfg.model.vocab_size = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size).vocab_size
+    return cfg
+
+
+def measure_body(rank: int, world_size: int, rows: list[Layout]) -> list[dict]:
+    """Pooled-rank body: this rank's measured peak for each row of this world size."""
+    import torch
+
+    from megalite.planner.measure import measure_training_peak
+
+    torch.set_num_threads(1)
+    return [measure_training_peak(case_config(lay)) for lay in rows]

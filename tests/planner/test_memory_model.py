@@ -1,0 +1,48 @@
+"""The planner's memory model against measured peaks of real CPU training runs.
+
+Each row of ``tests/planner/cases.py`` trains one step on gloo ranks under the
+profiler's allocation tracker (:func:`megalite.planner.measure.measure_training_peak`);
+the estimate (:func:`megalite.planner.memory.estimate_memory`) for each rank's pipeline
+stage must be within 10% of that rank's measured peak, and its parameter count exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megalite.planner.memory import estimate_memory
+from tests.layouts import run_by_world
+from tests.planner.cases import MEMORY_CASES, measure_body, planner_config
+
+TOLERANCE = 0.10
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_by_world(MEMORY_CASES, measure_body)
+
+
+def test_cases_cover_the_issue():
+    """At least 12 layouts, dense and MoE, with and without the distributed optimizer,
+    recompute and pipeline schedules."""
+    assert len({c.name for c in MEMORY_CASES}) >= 12
+    assert any("num_experts" in c.model for c in MEMORY_CASES)
+    assert any(c.parallel.get("use_distributed_optimizer") for c in MEMORY_CASES)
+    assert {c.model.get("recompute_granularity") for c in MEMORY_CASES} >= {
+        "full", "selective", None}
+    assert any(c.parallel.get("virtual_pipeline_model_parallel_size") for c in MEMORY_CASES)
+
+
+@pytest.mark.parametrize("lay", MEMORY_CASES, ids=str)
+def test_memory_estimate_matches_measured_peak(lay, measured):
+    cfg = planner_config(lay)
+    lines, bad = [], []
+    for rank, got in enumerate(measured(lay)):
+        est = estimate_memory(cfg, lay.world_size, got["pp_rank"])
+        assert est.params_elements == got["params"], (rank, est.params_elements, got)
+        err = est.total / got["peak"] - 1
+        lines.append(f"rank {rank}: measured {got['peak'] / 2**20:.3f} MiB, estimated "
+                     f"{est.total / 2**20:.3f} MiB ({err:+.1%})")
+        if abs(err) > TOLERANCE:
+            bad.append(rank)
+    assert not bad, f"{lay}: estimate off by more than {TOLERANCE:.0%}:\n" + "\n".join(lines)
