@@ -8,10 +8,10 @@ pipeline's first and last stage):
   experts, not all) divided over the ``world`` ranks, plus what recomputation adds
   (full: the forward again, 2N per token of the layers; selective: the attention core's
   forward, 4 L h s per token), at ``peak_flops x matmul_efficiency``.
-* **tp** -- per layer and micro-batch, forward and backward, the activations
-  ``[s/cp, b, h]`` all-reduced (or all-gathered and reduce-scattered under sequence
-  parallelism: the same bytes) twice per direction over tp: ring cost ``2 (t-1)/t``
-  times the bytes; full recomputation repeats the forward's.
+* **tp** -- per layer and micro-batch, forward and backward, two all-gathers and two
+  reduce-scatters of the activations ``[s/cp, b, h]`` over tp under sequence parallelism
+  (two all-reduces without: the same bytes), each moving ``(t-1)/t`` of them; full
+  recomputation repeats the forward's.
 * **cp** -- ring attention: each layer's keys and values pass ``cp - 1`` hops forward and
   the same plus their gradients backward.
 * **ep** -- the MoE all-to-all: dispatch and combine, forward and backward, of the routed
@@ -111,9 +111,12 @@ def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
     act_bytes = tokens * h * eb
     passes = 3 if m.recompute_granularity == "full" else 2   # forward (again), backward
     tp_bw = cluster.group_bw(tp, 1)
-    n_tp = 2 * passes * layers * num_micro                     # collectives per step
-    comm["tp"] = _ring(act_bytes, tp, tp_bw, lat, n_tp) / 2 if tp > 1 else 0.0
-    sent["tp"] = n_tp * (tp - 1) / tp * act_bytes if tp > 1 else 0.0
+    # per layer and pass: two all-gathers and two reduce-scatters (sp), or two all-reduces
+    # (each the cost of one all-gather plus one reduce-scatter)
+    n_tp = 4 * passes * layers * num_micro
+    hop = (tp - 1) / tp * act_bytes
+    comm["tp"] = n_tp * (hop / tp_bw + (tp - 1) * lat) if tp > 1 else 0.0
+    sent["tp"] = n_tp * hop if tp > 1 else 0.0
     kv = tokens * 2 * m.num_query_groups * m.kv_channels // tp * eb
     cp_bytes = 3 * (cp - 1) * kv * layers * num_micro if cp > 1 else 0.0
     comm["cp"] = cp_bytes / cluster.group_bw(cp, tp) + (cp - 1) * layers * num_micro * lat \

@@ -1,0 +1,191 @@
+#!/usr/bin/env python
+"""Rank the parallel layouts of a model on a cluster by estimated step time.
+
+    python tools/plan_layout.py --preset h100 --nodes 16 -- \\
+        --num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 \\
+        --group-query-attention --num-query-groups 8 --swiglu --normalization RMSNorm \\
+        --position-embedding-type rope --untie-embeddings-and-output-weights \\
+        --disable-bias-linear --vocab-size 128256 --seq-length 8192 --global-batch-size 512 --bf16
+
+The model and batch come after ``--`` as megalite / Megatron flags (``--config run.yaml``
+works there too), or from a launch script (``--megatron-script train.sh``: every ``--flag``
+in it; layout flags are ignored, unknown ones skipped with a note). The cluster is a
+preset (``--preset h100|h200|a100`` x ``--nodes``) or given in full (``--gpus-per-node``,
+``--gpu-memory-gib``, ``--peak-tflops``, ``--intra-node-gbps``, ``--inter-node-gbps``, GB/s
+per GPU one way). Prints the best ``--top`` feasible layouts with memory per rank by term,
+compute, communication time and bytes per parallelism, bubble and MFU; then the best
+layout's flags ready to paste; ``--show-infeasible N`` lists rejected layouts and the limit
+each breaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megalite.arguments import build_parser, parse_args  # noqa: E402
+from megalite.planner.cluster import GIB, PRESETS, Cluster, preset  # noqa: E402
+from megalite.planner.search import RECOMPUTE, STRATEGIES, search  # noqa: E402
+
+LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                "--virtual-pipeline-model-parallel-size",
+                "--num-layers-per-virtual-pipeline-stage", "--context-parallel-size",
+                "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+                "--micro-batch-size", "--recompute-granularity", "--recompute-method",
+                "--recompute-num-layers", "--data-parallel-sharding-strategy"}
+LAYOUT_SWITCHES = {"--sequence-parallel", "--use-distributed-optimizer"}
+
+
+def script_flags(text: str) -> tuple[list[str], list[str]]:
+    """(flags megalite accepts, flags skipped) from a launch script's text: every token
+    from the first ``--flag`` on, line continuations joined, shell variables kept as text."""
+    tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+    known = {s for a in build_parser()._actions for s in a.option_strings}
+    out, skipped, i = [], [], 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("--"):
+            i += 1
+            continue
+        values = []
+        j = i + 1
+        while j < len(tokens) and not tokens[j].startswith("--"):
+            values.append(tokens[j])
+            j += 1
+        if tok in known:
+            out += [tok, *values]
+        else:
+            skipped.append(tok)
+        i = j
+    return out, skipped
+
+
+def strip_layout(flags: list[str]) -> list[str]:
+    """``flags`` without the layout flags the planner chooses itself."""
+    out, i = [], 0
+    while i < len(flags):
+        if flags[i] in LAYOUT_FLAGS:
+            i += 2
+            continue
+        if flags[i] not in LAYOUT_SWITCHES:
+            out.append(flags[i])
+        i += 1
+    return out
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def report(candidates, cluster: Cluster, top: int, show_infeasible: int) -> str:
+    feasible = [c for c in candidates if c.feasible]
+    lines = [f"cluster: {cluster.nodes} x {cluster.gpus_per_node} {cluster.name} "
+             f"({cluster.gpu_memory / GIB:.0f} GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s "
+             f"peak, {cluster.intra_node_bw / 1e9:.0f} / {cluster.inter_node_bw / 1e9:.0f} "
+             f"GB/s intra / inter node); {len(candidates)} layouts, {len(feasible)} feasible",
+             "",
+             f"{'#':>3} {'layout':<44} {'step s':>8} {'MFU':>6} {'mem GiB':>8} "
+             f"{'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'trans':>6} {'comm':>5} "
+             f"{'compute':>8} {'tp s':>6} {'cp s':>6} {'ep s':>6} {'pp s':>6} {'dp s':>6} "
+             f"{'bubble':>7}"]
+    for i, c in enumerate(feasible[:top], 1):
+        mem, t = c.memory, c.time
+        lines.append(
+            f"{i:>3} {c.name():<44} {t.step:>8.3f} {t.mfu:>6.1%} {_fmt_bytes(mem.total):>8} "
+            f"{_fmt_bytes(mem.params):>7} {_fmt_bytes(mem.grads):>6} "
+            f"{_fmt_bytes(mem.optimizer):>6} {_fmt_bytes(mem.activations):>6} "
+            f"{_fmt_bytes(mem.transient):>6} "
+            f"{_fmt_bytes(mem.comm_buffers + mem.gathered_params):>5} {t.compute:>8.3f} "
+            + " ".join(f"{t.comm[k]:>6.3f}" for k in ("tp", "cp", "ep", "pp", "dp"))
+            + f" {t.bubble:>7.3f}")
+    if feasible:
+        best = feasible[0]
+        gb = {k: v / 1e9 for k, v in best.time.comm_bytes.items() if v}
+        lines += ["", "best layout: " + best.name(),
+                  "  bytes sent per rank per step (GB): "
+                  + (", ".join(f"{k} {v:.2f}" for k, v in gb.items()) or "none"),
+                  f"  in-flight micro-batch chunks on the busiest stage: "
+                  f"{best.memory.in_flight}",
+                  "  launch flags: " + " ".join(best.launch_flags())]
+    else:
+        lines += ["", "no feasible layout"]
+    bad = [c for c in candidates if not c.feasible][:show_infeasible]
+    if bad:
+        lines += ["", "infeasible (first %d):" % len(bad)]
+        lines += [f"  {c.name():<44} {c.error}" for c in bad]
+    return "\n".join(lines)
+
+
+def build_cluster(args) -> Cluster:
+    if args.preset:
+        base = preset(args.preset, args.nodes)
+    else:
+        base = Cluster(8, args.nodes, 80 * GIB, 989e12, 450e9, 50e9)
+    over = {}
+    if args.gpus_per_node:
+        over["gpus_per_node"] = args.gpus_per_node
+    if args.gpu_memory_gib:
+        over["gpu_memory"] = args.gpu_memory_gib * GIB
+    if args.peak_tflops:
+        over["peak_flops"] = args.peak_tflops * 1e12
+    if args.intra_node_gbps:
+        over["intra_node_bw"] = args.intra_node_gbps * 1e9
+    if args.inter_node_gbps:
+        over["inter_node_bw"] = args.inter_node_gbps * 1e9
+    if args.matmul_efficiency:
+        over["matmul_efficiency"] = args.matmul_efficiency
+    from dataclasses import replace
+
+    return replace(base, **over)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model_flags = []
+    if "--" in argv:
+        k = argv.index("--")
+        argv, model_flags = argv[:k], argv[k + 1:]
+    parser = argparse.ArgumentParser(prog="plan_layout.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="h100")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int)
+    parser.add_argument("--gpu-memory-gib", type=float)
+    parser.add_argument("--peak-tflops", type=float)
+    parser.add_argument("--intra-node-gbps", type=float)
+    parser.add_argument("--inter-node-gbps", type=float)
+    parser.add_argument("--matmul-efficiency", type=float)
+    parser.add_argument("--megatron-script", help="a launch script whose --flags give the "
+                        "model (flags after -- are added after them)")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--show-infeasible", type=int, default=5)
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="*", default=[1, 2, 4, 8])
+    parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
+    parser.add_argument("--recompute", nargs="*", default=list(RECOMPUTE))
+    args = parser.parse_args(argv)
+    if args.megatron_script:
+        flags, skipped = script_flags(Path(args.megatron_script).read_text())
+        if skipped:
+            print(f"note: skipped flags megalite does not know: {' '.join(skipped)}")
+        model_flags = flags + model_flags
+    model_flags = strip_layout(model_flags)
+    if "--vocab-size" not in model_flags and not any(f == "--config" for f in model_flags):
+        model_flags += ["--vocab-size", "50257"]
+        print("note: no --vocab-size given; assuming 50257")
+    base = parse_args(model_flags + ["--tokenizer-type", "NullTokenizer", "--mock-data"]
+                      if "--tokenizer-type" not in model_flags else model_flags)
+    if base.train.global_batch_size is None:
+        parser.error("give --global-batch-size after --")
+    cluster = build_cluster(args)
+    candidates = search(base, cluster, strategies=tuple(args.strategies),
+                        recomputes=tuple(args.recompute),
+                        micro_batch_sizes=tuple(args.micro_batch_sizes))
+    print(report(candidates, cluster, args.top, args.show_infeasible))
+    return 0 if any(c.feasible for c in candidates) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
