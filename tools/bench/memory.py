@@ -1,16 +1,27 @@
-"""Parameter, gradient and optimizer memory per rank: measured vs Megatron's accounting.
+"""Parameter, gradient and optimizer memory per rank, for each data-parallel sharding
+strategy: measured vs ZeRO's accounting.
 
-``python tools/benchmark.py memory [--dp 1 2 4] [--hidden 256] [--layers 4] [--vocab 8192]
-[--tp 1] [--grad-reduce-in-bf16]``
+``python tools/benchmark.py memory [--dp 1 2 4 8] [--hidden 256] [--layers 4] [--vocab 8192]
+[--tp 1] [--grad-reduce-in-bf16] [--offload-fraction F]``
 
-For each data-parallel size ``D`` it starts ``D x tp`` gloo ranks, builds the GPT model in
-bf16 with the gradient buffers and the optimizer exactly as training does
-(``megalite.optim.build``), once with the plain optimizer and once with
-``--use-distributed-optimizer``, and sums the bytes of the storages each rank actually
-holds (:func:`megalite.optim.memory.rank_memory`). The formula, per parameter ``P`` of the
-rank's model-parallel slice: params 2 B (bf16), grads 4 B (fp32 buffer; 2 B with
-``--grad-reduce-in-bf16``), optimizer 12 B (fp32 master + Adam's two moments), divided by
-``D`` under the distributed optimizer. Reported: rank 0's bytes and measured / formula.
+For each data-parallel size ``D`` it starts ``D x tp`` gloo ranks and, for each
+``--data-parallel-sharding-strategy`` (no_shard, optim, optim_grads), builds the GPT model
+in bf16 with the gradient buffers and the optimizer exactly as training does
+(``megalite.optim.build``), runs one training step (forward, backward, data-parallel
+reduction, optimizer step on a random batch) and sums the bytes of the storages each rank
+holds afterwards, between steps (:func:`megalite.optim.memory.rank_memory`). The formula
+(:func:`megalite.optim.memory.expected_bytes_per_param`), per parameter ``P`` of the rank's
+model-parallel slice: params 2 B (bf16); grads 4 B (fp32 buffer; 2 B with
+``--grad-reduce-in-bf16``), divided by ``D`` under optim_grads; optimizer 12 B (fp32
+master + Adam's two moments), divided by ``D`` under optim and optim_grads. So bytes per
+parameter: no_shard 18, optim 2 + 4 + 12/D, optim_grads 2 + (4 + 12)/D. ``grad MiB in
+step``: the gradient bytes after backward, before the reduction (optim_grads holds the full
+buffer while a step accumulates). ``--offload-fraction F`` adds rows with
+``--optimizer-cpu-offload``: the device keeps about 12 (1 - F) / D optimizer bytes, the host
+16 F / D (master, a gradient copy, two moments); whole parameters (pieces of the shard)
+move, so the split is at least ``F``: their rows check device + 12/16 host bytes against
+12 / D. Reported: rank 0's bytes per parameter, total / formula, and the largest deviation
+of any one of params, grads, optimizer from its formula.
 """
 
 from __future__ import annotations
@@ -23,9 +34,10 @@ import torch
 from bench.ranks import run_on_ranks
 
 MIB = 2.0 ** 20
+STRATEGIES = ("no_shard", "optim", "optim_grads")
 
 
-def _config(args, world: int, distributed: bool):
+def _config(args, world: int, strategy: str, offload: float | None):
     from megalite.arguments import parse_args
 
     flags = ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
@@ -33,30 +45,48 @@ def _config(args, world: int, distributed: bool):
              "--seq-length", "128", "--max-position-embeddings", "128",
              "--vocab-size", str(args.vocab), "--bf16", "--micro-batch-size", "1",
              "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
-             "--tensor-model-parallel-size", str(args.tp)]
-    if distributed:
-        flags.append("--use-distributed-optimizer")
+             "--tensor-model-parallel-size", str(args.tp),
+             "--data-parallel-sharding-strategy", strategy]
+    if offload is not None:
+        flags += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", str(offload)]
     if args.grad_reduce_in_bf16:
         flags.append("--grad-reduce-in-bf16")
     return parse_args(flags).validate(world)
 
 
+def _runs(args) -> list[tuple[str, str, float | None]]:
+    runs = [(s, s, None) for s in STRATEGIES]
+    if args.offload_fraction is not None:
+        runs += [(f"{s}+off{args.offload_fraction:g}", s, args.offload_fraction)
+                 for s in ("optim", "optim_grads")]
+    return runs
+
+
 def measure(args, world: int) -> list[tuple]:
-    """This rank's (optimizer kind, RankMemory, dp) for the plain and the distributed
-    optimizer (collective when ``world`` > 1)."""
+    """This rank's (run name, strategy, offload fraction, RankMemory, grad bytes during
+    the step, dp) for each run (collective when ``world`` > 1)."""
     from megalite.optim.build import build_grads_and_optimizer
     from megalite.optim.memory import rank_memory
     from megalite.parallel.state import ParallelState
     from megalite.training.build import default_model_provider
 
     out = []
-    for distributed in (False, True):
-        cfg = _config(args, world, distributed)
+    for name, strategy, offload in _runs(args):
+        cfg = _config(args, world, strategy, offload)
         ps = ParallelState.build(cfg.parallel)
         model = default_model_provider(cfg, ps).to(torch.bfloat16)
         grads, optimizer = build_grads_and_optimizer(model, cfg, ps)
-        out.append(("distributed" if distributed else "plain",
-                    rank_memory(model, grads, optimizer), ps.dp.size))
+        gen = torch.Generator().manual_seed(1234)   # the same batch on every tp rank
+        ids = torch.randint(0, args.vocab, (1, 128), generator=gen)
+        labels = torch.randint(0, args.vocab, (1, 128), generator=gen)
+        grads.zero_grad(num_microbatches=1)
+        model(ids, labels=labels).float().mean().backward()
+        in_step = rank_memory(model, grads, optimizer).grads
+        grads.finish_grad_sync()
+        optimizer.step()
+        grads.finish_param_sync()
+        out.append((name, strategy, offload, rank_memory(model, grads, optimizer), in_step,
+                    ps.dp.size))
         grads.remove_hooks()
         ps.destroy()
     return out
@@ -74,29 +104,42 @@ def run_world(args, world: int) -> list[tuple]:
 
 
 def main(argv=None) -> None:
+    from megalite.optim.memory import expected_bytes_per_param
+
     parser = argparse.ArgumentParser(prog="benchmark.py memory")
-    parser.add_argument("--dp", type=int, nargs="*", default=[1, 2, 4])
+    parser.add_argument("--dp", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--grad-reduce-in-bf16", action="store_true")
+    parser.add_argument("--offload-fraction", type=float, default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     grad_bytes = 2 if args.grad_reduce_in_bf16 else 4
-    print(f"memory per rank (rank 0), GPT hidden {args.hidden} x {args.layers} layers, "
-          f"vocab {args.vocab}, bf16 params, {'bf16' if grad_bytes == 2 else 'fp32'} grads, "
-          f"Adam, tp {args.tp}")
-    print(f"{'dp':>3} {'optimizer':>12} {'P/rank':>11} {'param MiB':>10} {'x formula':>9} "
-          f"{'grad MiB':>9} {'x formula':>9} {'optim bytes':>12} {'formula bytes':>14} "
-          f"{'x formula':>9} {'B/param':>8}")
+    print(f"memory per rank (rank 0) between steps, GPT hidden {args.hidden} x {args.layers} "
+          f"layers, vocab {args.vocab}, bf16 params, "
+          f"{'bf16' if grad_bytes == 2 else 'fp32'} grads, Adam, tp {args.tp}")
+    print(f"{'dp':>3} {'strategy':>16} {'P/rank':>10} {'param B/P':>9} {'grad B/P':>8} "
+          f"{'optim B/P':>9} {'total B/P':>9} {'formula':>8} {'x formula':>9} "
+          f"{'grad MiB in step':>16} {'host B/P':>8}")
+    worst = 0.0
     for dp in args.dp:
-        for kind, mem, got_dp in run_world(args, dp * args.tp):
+        for name, strategy, offload, mem, in_step, got_dp in run_world(args, dp * args.tp):
             assert got_dp == dp
             n = mem.num_params
-            optim_formula = 12 * n / (dp if kind == "distributed" else 1)
-            print(f"{dp:>3} {kind:>12} {n:>11,} {mem.params / MIB:>10.3f} "
-                  f"{mem.params / (2 * n):>9.5f} {mem.grads / MIB:>9.3f} "
-                  f"{mem.grads / (grad_bytes * n):>9.5f} {mem.optimizer:>12,} "
-                  f"{optim_formula:>14,.0f} {mem.optimizer / optim_formula:>9.5f} "
-                  f"{mem.optimizer / n:>8.3f}")
+            want = expected_bytes_per_param(strategy, dp, grad_bytes=grad_bytes)
+            optim_bytes = mem.optimizer
+            if offload is not None:   # whole pieces move: compare device + host state
+                want["optimizer"] *= 1 - offload
+                optim_bytes += mem.offloaded * 12 / 16
+            formula = sum(want.values())
+            total = (mem.params + mem.grads + mem.optimizer) / n
+            ratios = [mem.params / (want["params"] * n), mem.grads / (want["grads"] * n),
+                      optim_bytes / (expected_bytes_per_param(strategy, dp)["optimizer"] * n)]
+            worst = max(worst, *(abs(r - 1) for r in ratios))
+            print(f"{dp:>3} {name:>16} {n:>10,} {mem.params / n:>9.3f} {mem.grads / n:>8.3f} "
+                  f"{mem.optimizer / n:>9.3f} {total:>9.3f} {formula:>8.3f} "
+                  f"{total / formula:>9.5f} {in_step / MIB:>16.3f} {mem.offloaded / n:>8.3f}")
+    print(f"largest deviation of params / grads / optimizer bytes from the formula: "
+          f"{100 * worst:.2f}%")
