@@ -15,10 +15,12 @@ op sits in the peer's batch of the same round. So the k-th send on a channel alw
 the k-th receive, and the batches of a round complete together even when a send blocks
 until its receive is posted (NCCL; gloo too: a gloo send completes only once matched).
 
-By default a batch waits for its receives only and its sends complete in the background
-(:meth:`reap`, :meth:`wait_all`). Setting ``MEGALITE_P2P_WAIT_SENDS=1`` (a test switch)
-makes every batch wait for all of its ops, sends included, as an NCCL batch completes as
-one unit: the schedules must not deadlock or mismatch either way.
+By default nothing waits when a batch is posted: a step waits for its own input only
+(:meth:`take`), so a rank runs ahead as far as its data allows, and sends complete in the
+background (:meth:`reap`, :meth:`wait_all`). Setting ``MEGALITE_P2P_WAIT_SENDS=1`` (a
+test switch) makes every batch complete, sends included, before the rank goes on -- the
+strictest reading of NCCL, where a batch completes as one unit and the batches of a rank
+run one after another: the schedules must not deadlock or mismatch either way.
 
 Shapes are known ahead (``[s, b, h]``, or ``[s/tp, b, h]`` under sequence parallelism),
 so no shape handshake is needed unless ``variable_seq_lengths`` is set; then each round
@@ -31,6 +33,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,15 @@ from megalite.parallel import collectives
 
 _SHAPE_DIMS = 3
 WAIT_SENDS_ENV = "MEGALITE_P2P_WAIT_SENDS"
+
+
+@dataclass
+class Incoming:
+    """A posted receive: ``tensor`` is filled once ``work`` completed (None: it has)."""
+
+    tensor: torch.Tensor
+    work: dist.Work | None
+    activation: bool
 
 
 class PipeComm:
@@ -63,15 +75,15 @@ class PipeComm:
         self.wait_seconds = 0.0
 
     def exchange(self, send: tuple[str, torch.Tensor] | None,
-                 recv: Sequence[str]) -> list[torch.Tensor]:
-        """One round's transfers, posted together as one batch.
+                 recv: Sequence[str]) -> list[Incoming]:
+        """Post one round's transfers together, as one batch.
 
         send: ``("F", activation)`` for the next stage, ``("B", input_grad)`` for the
             previous stage, or None.
         recv: the kinds to receive, forward first: ``"F"`` an activation from the
-            previous stage (returned with ``requires_grad``), ``"B"`` the gradient of
-            this stage's output from the next stage.
-        Returns the received tensors, in the order of ``recv``.
+            previous stage, ``"B"`` the gradient of this stage's output from the next
+            stage.
+        Returns one :class:`Incoming` per ``recv``; :meth:`take` waits for its tensor.
         """
         start = time.perf_counter()
         sends = []
@@ -81,35 +93,48 @@ class PipeComm:
                       self.next_rank if kind == "F" else self.prev_rank)]
         peers = [self.prev_rank if kind == "F" else self.next_rank for kind in recv]
         shapes = [self.shape] * len(peers)
-        if self.variable:
+        if self.variable:  # the receive buffers' shapes first, waited for at once
             sizes = [torch.tensor(t.shape, dtype=torch.int64, device=self.device)
                      for t, _ in sends]
             bufs = [torch.empty(_SHAPE_DIMS, dtype=torch.int64, device=self.device)
                     for _ in peers]
-            self._batch([(s, peer) for s, (_, peer) in zip(sizes, sends)],
-                        list(zip(bufs, peers)))
+            for work in self._batch([(s, peer) for s, (_, peer) in zip(sizes, sends)],
+                                    list(zip(bufs, peers))):
+                if work is not None:
+                    work.wait()
             shapes = [tuple(b.tolist()) for b in bufs]
         bufs = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in shapes]
-        self._batch(sends, list(zip(bufs, peers)))
+        works = self._batch(sends, list(zip(bufs, peers)))
         self.wait_seconds += time.perf_counter() - start
-        return [b.requires_grad_() if kind == "F" else b for b, kind in zip(bufs, recv)]
+        return [Incoming(b, w, kind == "F") for b, w, kind in zip(bufs, works, recv)]
+
+    def take(self, incoming: Incoming) -> torch.Tensor:
+        """Wait for a received tensor (an activation comes back with ``requires_grad``)."""
+        if incoming.work is not None:
+            start = time.perf_counter()
+            incoming.work.wait()
+            incoming.work = None
+            self.wait_seconds += time.perf_counter() - start
+        return incoming.tensor.requires_grad_() if incoming.activation else incoming.tensor
 
     def _batch(self, sends: list[tuple[torch.Tensor, int]],
-               recvs: list[tuple[torch.Tensor, int]]) -> None:
+               recvs: list[tuple[torch.Tensor, int]]) -> list[dist.Work | None]:
         """Post ``sends`` then ``recvs`` ((tensor, global peer rank) pairs, no tags) as one
-        batch on ``ps.pp``; return once the receives (and with ``wait_sends`` the sends)
-        completed."""
+        batch on ``ps.pp``; returns the receives' works (None once complete: with
+        ``wait_sends`` the whole batch has completed on return)."""
         if not sends and not recvs:
-            return
+            return []
         # tracked works: a peer that stopped or died raises the watchdog's one-line error
         works = collectives.batch_isend_irecv(sends, recvs, self.pp)
-        if self.wait_sends or len(works) != len(sends) + len(recvs):  # one work per batch
+        if self.wait_sends:  # each work waited for once (a gloo work waits per call)
             for work in works:
                 work.wait()
-            return
+            return [None] * len(recvs)
+        if len(works) != len(sends) + len(recvs):  # NCCL coalescing: one work per batch
+            self.pending += [(works[-1], t) for t, _ in sends]
+            return [works[-1]] * len(recvs)
         self.pending += [(w, t) for w, (t, _) in zip(works, sends)]
-        for work in works[len(sends):]:
-            work.wait()
+        return works[len(sends):]
 
     # -- completion ---------------------------------------------------------------------
     def reap(self) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite.config import ConfigError
-from megalite.pipeline.p2p import PipeComm
+from megalite.pipeline.p2p import Incoming, PipeComm
 from megalite.pipeline.plan import Step, plan_rounds
 
 
@@ -157,7 +157,7 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
     comm: the :class:`PipeComm` of this rank (None when pp == 1).
     """
     rank = ps.pp.rank
-    arrived: dict[Step, torch.Tensor] = {}  # received inputs of later steps
+    arrived: dict[Step, Incoming] = {}  # posted receives of later steps' inputs
     inputs: dict[tuple[int, int], torch.Tensor | None] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     for rnd in _plan(tuple(map(tuple, rank_steps)), vpp)[rank]:
@@ -166,7 +166,8 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
         send = None
         if rnd.step is not None:
             kind, chunk, mb = rnd.step
-            received = arrived.pop(rnd.step, None)  # None: first / last piece
+            incoming = arrived.pop(rnd.step, None)  # None: first / last piece
+            received = comm.take(incoming) if incoming is not None else None
             if kind == "F":
                 with torch.set_grad_enabled(train):
                     y = forward_step(chunk, mb, received)
