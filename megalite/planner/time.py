@@ -8,6 +8,9 @@ pipeline's first and last stage):
   experts, not all) divided over the ``world`` ranks, plus what recomputation adds
   (full: the forward again, 2N per token of the layers; selective: the attention core's
   forward, 4 L h s per token), at ``peak_flops x matmul_efficiency``.
+  Plus the memory-bound work (norms, activation functions, softmax, copies): ``4 x`` the
+  bytes the layers save for backward (:func:`layer_activation_elements`) at
+  ``memory_bw``.
 * **tp** -- per layer and micro-batch, forward and backward, two all-gathers and two
   reduce-scatters of the activations ``[s/cp, b, h]`` over tp under sequence parallelism
   (two all-reduces without: the same bytes), each moving ``(t-1)/t`` of them; full
@@ -37,6 +40,10 @@ from megalite.planner.cluster import Cluster
 from megalite.planner.memory import dense_layer_params, dense_mlp_params, moe_mlp_params
 from megalite.planner.schedule import bubble_fraction
 from megalite.training.throughput import flops_per_token
+
+
+MEMORY_PASSES = 4   # memory traffic per saved activation byte: write, read (forward),
+                    # read, gradient write (backward)
 
 
 @dataclass
@@ -106,6 +113,16 @@ def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
     elif m.recompute_granularity == "selective":
         extra = 4.0 * m.num_layers * h * m.seq_length * all_tokens
     compute = (flops + extra) / world_size / (cluster.peak_flops * cluster.matmul_efficiency)
+    # memory-bound work (norms, activations, softmax, residual adds, copies): each element
+    # the layers keep for backward is written and read in forward and backward
+    from megalite.planner.memory import layer_activation_elements
+
+    moe_every = m.moe_layer_freq if m.num_experts is not None else 0
+    per_layer = [layer_activation_elements(m, p, mb, moe=bool(moe_every) and i % moe_every == 0)
+                 for i in range(m.num_layers)]
+    act_elems = sum(e["act"] * eb + e["fp32"] * 4 for e in per_layer) / pp
+    memory_bound = MEMORY_PASSES * act_elems * num_micro / cluster.memory_bw
+    compute += memory_bound
 
     comm, sent = {}, {}
     act_bytes = tokens * h * eb
