@@ -240,6 +240,9 @@ _CP = [
     _cp_row(4, "allgather", pp=2, cp=2),
     _cp_row(4, "a2a", model={"num_layers": 4}, pp=2, vpp=2, cp=2),
     _cp_row(4, "p2p", cp=2, distopt=True),
+    # gradients and optimizer state sharded over dp x cp (4 ranks), half of it offloaded
+    dataclasses.replace(_cp_row(4, "p2p", variant="offload0.5", cp=2, strategy="optim_grads",
+                                overlap_grad=True), optim=OFFLOAD),
     _cp_row(4, "allgather", model=CP_MOE, cp=2, ep=2),
     # recomputation replays the ring's and the all-to-all's forward inside checkpoints
     _cp_row(2, "p2p", model=RECOMPUTE["selective"], variant="selective", cp=2),
