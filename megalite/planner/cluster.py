@@ -23,7 +23,9 @@ class Cluster:
     inter_node_bw: float       # bytes/s per GPU, one direction
     matmul_efficiency: float = 0.7
     latency_s: float = 10e-6
-    memory_bw: float = 2.0e12  # bytes/s of device memory (the optimizer step)
+    memory_bw: float = 2.0e12  # bytes/s of device memory (memory-bound work)
+    memory_margin: float = 0.9  # fraction of gpu_memory a layout may plan for (the CUDA
+                                # context, allocator fragmentation and NCCL take the rest)
     name: str = "custom"
 
     @property

@@ -121,9 +121,10 @@ def evaluate(base, world: int, cluster: Cluster, sizes: dict, strategy: str,
         return c
     c.memory = estimate_memory(c.cfg, world)
     c.time = estimate_time(c.cfg, world, cluster)
-    if c.memory.total > cluster.gpu_memory:
-        c.error = (f"memory: {c.memory.total / GIB:.1f} GiB per rank > "
-                   f"{cluster.gpu_memory / GIB:.1f} GiB of GPU memory")
+    budget = cluster.gpu_memory * cluster.memory_margin
+    if c.memory.total > budget:
+        c.error = (f"memory: {c.memory.total / GIB:.1f} GiB per rank > {budget / GIB:.1f} "
+                   f"GiB ({cluster.memory_margin:.0%} of {cluster.gpu_memory / GIB:.0f} GiB)")
     return c
 
 

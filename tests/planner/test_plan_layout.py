@@ -51,7 +51,7 @@ def test_memory_limit_is_named():
     cands = search(base, tiny_gpu, micro_batch_sizes=(1,))
     over = [c for c in cands if c.error and c.error.startswith("memory:")]
     assert over and all("GiB per rank >" in c.error for c in over)
-    assert all(c.memory.total <= 2 * GIB for c in cands if c.feasible)
+    assert all(c.memory.total <= 0.9 * 2 * GIB for c in cands if c.feasible)
 
 
 def test_cli_prints_ranked_layouts_and_flags(capsys):
