@@ -169,6 +169,12 @@ class FlightRecorder:
         recs, problem = self._read_peers(peers, budget)
         missing = []
         for r in peers:
+            if r not in recs and problem:
+                missing.append(f"rank {r} is not responding (the job's store, which it "
+                               "serves, did not answer either)" if r == 0 else
+                               f"rank {r}: unknown ({problem})")
+                problem = None if r == 0 else problem
+                continue
             why = self._describe(r, recs.get(r), entry, now)
             if why is None:
                 continue
@@ -182,7 +188,7 @@ class FlightRecorder:
                         text += f", waiting for: {', '.join(inner)}"
                 why = text
             missing.append(why)
-        if problem:
+        if problem and all(r in recs for r in peers):
             missing.append(problem)
         return missing
 

@@ -78,9 +78,9 @@ def _error_line(err: str, rank: int) -> str:
     return lines[0]
 
 
-def _flight_recorder(line: str, tmp_path) -> dict:
+def _flight_recorder(line: str, tmp_path, rank: int = 0) -> dict:
     path = line.rsplit("flight recorder: ", 1)[1].strip()
-    assert path == str(tmp_path / "run" / "flight_recorder" / "rank0.json")
+    assert path == str(tmp_path / "run" / "flight_recorder" / f"rank{rank}.json")
     with open(path) as f:
         record = json.load(f)
     assert record["collectives"] and record["collectives"][-1]["end"] is None
@@ -118,6 +118,21 @@ def test_a_killed_pipeline_stage_is_named_as_gone(tmp_path):
     assert "Connection" not in line
     _flight_recorder(line, tmp_path)
     assert seconds[0] < TIMEOUT_S + SLACK_S, seconds   # no waiting for the timeout
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_0_is_named_though_its_store_does_not_answer(tmp_path):
+    """Rank 0 serves the job's c10d store: stopped, it takes the heartbeats with it; the
+    peer still fails after the timeout (plus the bounded wait for the store) naming it."""
+    results, seconds = _fault_at_iteration(2, 0, signal.SIGSTOP, tmp_path)
+    code, err = results[1]
+    assert code == EXIT_DISTRIBUTED, err[-3000:]
+    line = _error_line(err, 1)
+    assert "on ranks [0, 1] did not complete within" in line, line
+    assert "rank 0 is not responding (the job's store, which it serves, did not answer" in line
+    record = _flight_recorder(line, tmp_path, rank=1)
+    assert record["rank"] == 1
+    assert seconds[1] < TIMEOUT_S + SLACK_S, seconds
 
 
 @pytest.mark.slow   # four ranks start slowly on a loaded 2-core machine (~25-65 s)
