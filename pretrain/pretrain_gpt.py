@@ -5,6 +5,7 @@
         --micro-batch-size 4 --global-batch-size 16 --train-iters 100 --lr 1e-3 \\
         --mock-data --vocab-size 1000 --save ckpt --save-interval 50
     python pretrain/pretrain_gpt.py --config run.yaml          # one process
+    python pretrain/pretrain_gpt.py --dry-run --world-size 1024 --rank 7 ...  # check a layout
 
 Flags are Megatron-LM's (``megalite.arguments``). Exit status: 0 when training finished or
 stopped on ``--exit-interval`` / ``--exit-duration-in-mins`` / SIGTERM with
@@ -39,7 +40,22 @@ from megalite.training.loop import train
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from megalite.training.dry_run import dry_run, split_dry_run_flags
+
+    try:  # --dry-run --world-size N --rank R: rank R's part of the layout, no peers
+        argv, dry = split_dry_run_flags(list(sys.argv[1:] if argv is None else argv))
+    except Exception as e:
+        return report_error(e, 0) or 2
     cfg = main_parse(argv)
+    if dry is not None:
+        try:
+            print(dry_run(cfg, *dry), flush=True)
+            return 0
+        except Exception as e:
+            code = report_error(e, dry[1])
+            if code is None:
+                raise
+            return code
     try:  # GPU set-up mistakes (ranks > GPUs, nccl without CUDA, ...): one line, before any work
         check_device_setup(cfg)
         rank, world = init_distributed(cfg.parallel.distributed_backend,

@@ -1,0 +1,55 @@
+"""``pretrain_gpt.py --dry-run --world-size N --rank R``: one rank of a layout at scale on
+the meta device with a fake process group, in seconds (a subprocess: the fake group is
+process-global)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from megalite.arguments import parse_args
+from megalite.planner.memory import stage_param_counts
+from megalite.training.dry_run import split_dry_run_flags
+from tests.training.common import ENTRYPOINT, PYTHON, subprocess_env
+
+GPT_175B = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+            "--seq-length", "2048", "--vocab-size", "50257", "--tokenizer-type",
+            "NullTokenizer", "--mock-data", "--global-batch-size", "1536",
+            "--micro-batch-size", "1", "--train-iters", "1", "--bf16"]
+LAYOUT = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8",
+          "--sequence-parallel", "--use-distributed-optimizer"]
+
+
+def _dry(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, ENTRYPOINT, "--dry-run", *flags], capture_output=True,
+                          text=True, env=subprocess_env(), timeout=120)
+
+
+@pytest.mark.parametrize("rank", [0, 1023])   # first stage (embedding), last (output)
+def test_dry_run_1024_ranks_tp8_pp8_dp16(rank):
+    out = _dry("--world-size", "1024", "--rank", str(rank), *GPT_175B, *LAYOUT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = parse_args(GPT_175B + LAYOUT).validate(1024)
+    cfg.model.vocab_size = 50258   # NullTokenizer's end-of-document token
+    pp_rank = rank // 128
+    expected = sum(stage_param_counts(cfg.model, cfg.parallel, pp_rank))
+    assert f"parameters on this rank: {expected:,}" in out.stdout, out.stdout
+    assert f"pp {pp_rank}/8" in out.stdout and "dp" in out.stdout
+    assert "estimated peak memory" in out.stdout and "transfer rounds matched" in out.stdout
+
+
+def test_dry_run_names_the_broken_rule():
+    out = _dry("--world-size", "1000", "--rank", "3", *GPT_175B, *LAYOUT)
+    assert out.returncode == 2
+    assert "world size (1000) must be divisible" in out.stderr
+
+
+def test_dry_run_flags():
+    assert split_dry_run_flags(["--a", "1"]) == (["--a", "1"], None)
+    assert split_dry_run_flags(["--dry-run", "--world-size=16", "--rank", "3", "--a"]) == (
+        ["--a"], (16, 3))
+    from megalite.config import ConfigError
+
+    with pytest.raises(ConfigError, match="needs --world-size"):
+        split_dry_run_flags(["--dry-run"])
