@@ -39,11 +39,18 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import torch
 
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, ParallelConfig
-from megalite.errors import exit_code_of
+from megalite.errors import EXIT_CHECKPOINT, KnownError, exit_code_of
 from megalite.models.families import FamilySpec, family_for_hf, family_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SAFE_INDEX = "model.safetensors.index.json"
+
+
+class ConversionError(KnownError, ValueError):
+    """A source that cannot be converted (not a checkpoint of the named kind, tensors
+    without a counterpart): one line, exit code 4 like every checkpoint error."""
+
+    exit_code = EXIT_CHECKPOINT
 
 
 # -- Hugging Face files ----------------------------------------------------------------------
@@ -58,7 +65,7 @@ def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
     elif os.path.exists(os.path.join(directory, "model.safetensors")):
         files = ["model.safetensors"]
     else:
-        raise SystemExit(f"{directory} holds neither model.safetensors nor {SAFE_INDEX}")
+        raise ConversionError(f"{directory} holds neither model.safetensors nor {SAFE_INDEX}")
     state = {}
     for name in files:
         state.update(load_file(os.path.join(directory, name)))
@@ -160,7 +167,7 @@ def hf_to_megalite(args) -> None:
         spec = family_for_hf(getattr(hf_cfg, "model_type", None))
         kwargs = spec.config_from_hf(hf_cfg)
     except ValueError as exc:
-        raise SystemExit(f"cannot convert {args.load_dir}: {exc}") from None
+        raise ConversionError(f"cannot convert {args.load_dir}: {exc}") from None
     for warning in spec.conversion_warnings(hf_cfg):
         print(f"warning: {args.load_dir}: {warning}")
     cfg = MegaliteConfig(model=ModelConfig(**kwargs), parallel=ParallelConfig(
@@ -170,12 +177,12 @@ def hf_to_megalite(args) -> None:
     try:
         cfg.validate(world)
     except ConfigError as exc:
-        raise SystemExit(f"the target layout does not fit the model: {exc}") from None
+        raise ConfigError(f"the target layout does not fit the model: {exc}") from None
     hf_state = read_hf_weights(args.load_dir)
     full = spec.from_hf(hf_state, cfg.model)
     unused = unused_hf_tensors(spec, hf_state, full, cfg.model)
     if unused:
-        raise SystemExit(f"{len(unused)} tensors of {args.load_dir} have no megalite "
+        raise ConversionError(f"{len(unused)} tensors of {args.load_dir} have no megalite "
                          f"counterpart, e.g. {unused[:3]}")
     path = save_full_model(cfg, full, args.save_dir)
     flags = training_flags(cfg)
@@ -191,7 +198,7 @@ def megalite_to_hf(args) -> None:
     try:
         spec = family_of(cfg.model)
     except ValueError as exc:
-        raise SystemExit(f"cannot convert {args.load_dir}: {exc}") from None
+        raise ConversionError(f"cannot convert {args.load_dir}: {exc}") from None
     state = spec.to_hf(model.full_state_dict(), cfg.model)
     if not cfg.model.untie_embeddings_and_output_weights:
         state.pop("lm_head.weight", None)   # tied: transformers re-ties it on load

@@ -156,3 +156,24 @@ def test_tiny_cpu_script_exits_zero_after_sigterm_save(tmp_path, target):
     assert read_latest_iteration(str(out / "checkpoints")) == last, output
     if target == "script":
         assert "SignalException" not in output and "Traceback" not in output, output
+
+
+def test_converter_hf_side_errors_are_one_line_with_their_code(tmp_path):
+    """An HF directory with a config but no weights: exit 4 (checkpoint); a target layout
+    that does not divide the model: exit 2 (config). One line each, no traceback."""
+    from transformers import LlamaConfig
+
+    hf = tmp_path / "hf"
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=64).save_pretrained(hf)
+    cases = {4: ([], "holds neither model.safetensors"),
+             2: (["--target-tensor-parallel-size", "3"], "the target layout does not fit")}
+    for code, (extra, words) in cases.items():
+        proc = subprocess.run([PYTHON, CONVERTER, "--source", "hf", "--target", "megalite",
+                               "--load-dir", str(hf), "--save-dir", str(tmp_path / "o"),
+                               *extra], env=subprocess_env(), capture_output=True, text=True,
+                              timeout=120, check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == code, proc.stderr
+        assert len(lines) == 1 and lines[0].startswith("convert_checkpoint: error: ") \
+            and words in lines[0], lines
