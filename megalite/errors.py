@@ -82,8 +82,19 @@ def report_error(exc: BaseException, rank: int | None = None, *, prog: str = "me
     if os.environ.get("MEGALITE_TRACEBACK") == "1":
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=file)
     where = "" if rank is None else f" (rank {rank})"
-    print(f"{prog}: error{where}: {exc}", file=file, flush=True)
+    print(f"{prog}: error{where}: {_one_line(str(exc))}", file=file, flush=True)
     return code
+
+
+def _one_line(message: str) -> str:
+    """``message`` without the worker traceback a DataLoader worker's exception carries
+    when the main process re-raises it ("Caught X in DataLoader worker process N.
+    Original Traceback ...": the original message is the traceback's last line)."""
+    if "Original Traceback" not in message:
+        return message
+    last = [line for line in message.splitlines() if line.strip()][-1]
+    head, sep, rest = last.partition(": ")
+    return rest if sep and "Error" in head else last
 
 
 def record_exit_code(code: int) -> None:

@@ -1,6 +1,7 @@
 """Exit codes and one-line errors (megalite.errors) of pretrain_gpt.py and the converter,
 and the launch script's exit code 0 after a SIGTERM-triggered save. Real processes."""
 
+import io
 import os
 import signal
 import subprocess
@@ -8,9 +9,12 @@ import sys
 import time
 
 import pytest
+import torch
 
 from megalite.checkpoint import read_latest_iteration
-from megalite.errors import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_DATA, EXIT_NUMERICAL, exit_code_of
+from megalite.data.gpt_dataset import TokenIdError
+from megalite.errors import (EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_DATA, EXIT_NUMERICAL, exit_code_of,
+                             report_error)
 from tests.training.common import (
     ENTRYPOINT,
     PYTHON,
@@ -177,3 +181,25 @@ def test_converter_hf_side_errors_are_one_line_with_their_code(tmp_path):
         assert proc.returncode == code, proc.stderr
         assert len(lines) == 1 and lines[0].startswith("convert_checkpoint: error: ") \
             and words in lines[0], lines
+
+
+class _BadIds(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        raise TokenIdError(f"token id 70000 at position 3 of document {i} of data/x is "
+                           f"beyond the vocabulary (60)")
+
+
+def test_a_data_error_raised_in_a_loader_worker_is_still_one_line():
+    """With --num-workers > 0 the DataLoader re-raises a worker's error with the worker's
+    traceback in the message; the report keeps the original sentence only."""
+    loader = torch.utils.data.DataLoader(_BadIds(), num_workers=1)
+    with pytest.raises(TokenIdError) as info:
+        next(iter(loader))
+    assert "Original Traceback" in str(info.value)   # what torch hands over
+    out = io.StringIO()
+    assert report_error(info.value, 0, file=out) == EXIT_DATA
+    assert out.getvalue() == ("megalite: error (rank 0): token id 70000 at position 3 of "
+                              "document 0 of data/x is beyond the vocabulary (60)\n")
