@@ -115,7 +115,7 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int) -> str:
         lines += ["", "no feasible layout"]
     bad = [c for c in candidates if not c.feasible][:show_infeasible]
     if bad:
-        lines += ["", "infeasible (first %d):" % len(bad)]
+        lines += ["", f"infeasible (first {len(bad)}):"]
         lines += [f"  {c.name():<44} {c.error}" for c in bad]
     return "\n".join(lines)
 

@@ -41,7 +41,7 @@ class Cluster:
         return self.intra_node_bw if size * stride <= self.gpus_per_node else \
             self.inter_node_bw
 
-    def with_nodes(self, nodes: int) -> "Cluster":
+    def with_nodes(self, nodes: int) -> Cluster:
         return replace(self, nodes=nodes)
 
 

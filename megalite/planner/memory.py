@@ -176,7 +176,7 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
         act += tokens * f * (4 if m.swiglu else 2)            # fc1 out, act (swiglu), fc2 in
         return {"act": act, "fp32": fp32}
     # MoE: tokens split over tp inside the layer, routed top-k to local experts
-    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    etp = p.expert_tensor_parallel_size
     local = tokens // tp
     k, f = m.moe_router_topk, m.moe_ffn_hidden_size // etp
     act += local * h * (1 if sp > 1 else 2)                   # router / dispatcher input
@@ -191,7 +191,6 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
     if m.moe_shared_expert_intermediate_size:
         act += tokens * m.moe_shared_expert_intermediate_size // tp * (
             4 if m.swiglu else 2) + tokens * h
-    del ep
     return {"act": act, "fp32": fp32}
 
 
@@ -224,7 +223,7 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None) -> MemoryE
     if getattr(o, "optimizer_cpu_offload", False):
         notes.append("optimizer CPU offload not modelled (device bytes over-estimated)")
     per = {}
-    for name, n, group in (("dense", dense, dp * cp), ("expert", expert, edp)):
+    for name, group in (("dense", dp * cp), ("expert", edp)):
         per[name] = expected_bytes_per_param(strategy, group, eb, grad_bytes, optim_bytes)
     params = dense * per["dense"]["params"] + expert * per["expert"]["params"]
     grads = dense * per["dense"]["grads"] + expert * per["expert"]["grads"]
