@@ -107,8 +107,14 @@ class GPTModel(torch.nn.Module):
                 position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None,
+                inference_cache=None) -> torch.Tensor:
         """input_ids, position_ids, labels: int64 ``[b, s]``.
+
+        ``inference_cache`` (generation only, one process or tp without sequence
+        parallelism): an :class:`~megalite.inference.kv_cache.InferenceCache`; the tokens
+        are the ones after its ``seq_len`` cached ones (positions default to
+        ``seq_len ..``), their keys/values are cached, and ``seq_len`` advances.
 
         ``document_ids`` int64 ``[b, s_full]`` (``--reset-attention-mask``; the whole
         sequence even under context parallelism): each token attends only within its
@@ -121,6 +127,10 @@ class GPTModel(torch.nn.Module):
         ``--cross-entropy-loss-fusion`` computes the loss in chunks of tokens
         (``layers.chunked_cross_entropy``).
         """
+        if inference_cache is not None and position_ids is None:
+            start = inference_cache.seq_len
+            position_ids = torch.arange(start, start + input_ids.shape[1],
+                                        device=input_ids.device).expand(input_ids.shape)
         pos = None if position_ids is None else position_ids.t()
         if self.pre_process:
             x = self.embedding(input_ids.t(), pos)  # [s(/tp), b, h]
@@ -132,7 +142,15 @@ class GPTModel(torch.nn.Module):
                 seq = x.shape[0] * (self.tp_group.size if self.sequence_parallel else 1)
                 pos = torch.arange(seq, device=x.device).unsqueeze(1)
             rotary = self.rotary(pos)
-        x = self.decoder(x, rotary, document_ids)
+        if inference_cache is None:
+            x = self.decoder(x, rotary, document_ids)
+        else:
+            if self.sequence_parallel or self.ps.cp.size > 1 or not (
+                    self.pre_process and self.post_process):
+                raise NotImplementedError("KV-cache inference runs without sequence, "
+                                          "context or pipeline parallelism")
+            x = self.decoder(x, rotary, document_ids, inference_cache=inference_cache)
+            inference_cache.advance(input_ids.shape[1])
         if not self.post_process:
             return x
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/tp]

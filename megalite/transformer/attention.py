@@ -51,9 +51,14 @@ class SelfAttention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None,
+                kv_cache=None) -> torch.Tensor:
         """``document_ids`` ``[b, s]`` (whole sequence, also under context parallelism):
-        each token attends only to earlier tokens of its own document."""
+        each token attends only to earlier tokens of its own document.
+
+        ``kv_cache`` (inference only): this layer's
+        :class:`~megalite.inference.kv_cache.LayerKVCache`; the new keys/values are
+        appended to it and the queries attend to all cached ones."""
         qkv = self.linear_qkv(x)  # [s, b, (nh + 2 ng) d / tp]
         s, b = qkv.shape[:2]
         nh, ng, d = self.local_heads, self.local_groups, self.head_dim
@@ -62,6 +67,11 @@ class SelfAttention(torch.nn.Module):
         if rotary is not None:  # one kernel for q and k together
             qk = apply_rotary(qk, *rotary)
         q, k = qk.split([nh, ng], dim=2)
+        if kv_cache is not None:
+            from megalite.inference.kv_cache import cached_attention
+
+            k, v = kv_cache.append(k, v)
+            return self.linear_proj(cached_attention(q, k, v))
         if self.recompute_core and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self.core_attention, q, k, v, document_ids, use_reentrant=False,
                              context_fn=self.rng.recompute_context_fn)

@@ -54,9 +54,15 @@ class TransformerBlock(torch.nn.Module):
 
     def forward(self, x: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``document_ids`` ``[b, s]`` (whole sequence): attention stays in documents."""
+                document_ids: torch.Tensor | None = None,
+                inference_cache=None) -> torch.Tensor:
+        """``document_ids`` ``[b, s]`` (whole sequence): attention stays in documents.
+        ``inference_cache`` (generation only): each layer reads and extends its KV cache."""
         layers = list(self.layers.values())
+        if inference_cache is not None:
+            for layer in layers:
+                x = layer(x, rotary, document_ids, inference_cache=inference_cache)
+            return x if self.final_layernorm is None else self.final_layernorm(x)
         if rotary is not None:  # cast once for all layers (a no-op in fp32)
             rotary = (rotary[0].to(x.dtype), rotary[1].to(x.dtype))
         if not (self.recompute and self.training and torch.is_grad_enabled()):

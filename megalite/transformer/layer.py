@@ -62,8 +62,12 @@ class TransformerLayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``document_ids`` ``[b, s]`` (``--reset-attention-mask``): attend within documents."""
+                document_ids: torch.Tensor | None = None,
+                inference_cache=None) -> torch.Tensor:
+        """``document_ids`` ``[b, s]`` (``--reset-attention-mask``): attend within documents.
+        ``inference_cache``: an :class:`~megalite.inference.kv_cache.InferenceCache`
+        (generation only; None in training)."""
+        kv = None if inference_cache is None else inference_cache.layer(self.layer_number)
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary,
-                                                  document_ids))
+                                                  document_ids, kv_cache=kv))
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))

@@ -1,0 +1,89 @@
+"""A key/value cache for incremental decoding, passed explicitly through the model.
+
+``GPTModel.forward(..., inference_cache=cache)`` hands each layer its
+:class:`LayerKVCache` (``cache.layer(i)``); the layer's attention writes this step's keys
+and values at positions ``cache.seq_len ..`` and attends the new queries to every cached
+key (causal among the new tokens). After the forward, the model advances ``seq_len``. The
+training path never builds one (the argument defaults to None), so training numerics do
+not change.
+
+Buffers are preallocated ``[max_len, b, groups/tp, d]`` per layer, so a decoding step
+costs one token's forward plus attention over the cache, not a re-run of the prefix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class InferenceCacheError(ValueError):
+    """The cache cannot hold the requested tokens."""
+
+
+class LayerKVCache:
+    """Keys and values of one layer: ``[max_len, b, groups, d]`` each, filled up to the
+    parent's ``seq_len`` (plus the step being written)."""
+
+    def __init__(self, parent: "InferenceCache"):
+        self.parent = parent
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``, ``v`` ``[s_new, b, groups, d]`` after the cached tokens and return
+        all keys and values so far, ``[seq_len + s_new, b, groups, d]``."""
+        start, s = self.parent.seq_len, k.shape[0]
+        end = start + s
+        if end > self.parent.max_len:
+            raise InferenceCacheError(
+                f"the KV cache holds {self.parent.max_len} tokens; {end} requested")
+        if self.k is None:
+            shape = (self.parent.max_len, *k.shape[1:])
+            self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
+        self.k[start:end] = k
+        self.v[start:end] = v
+        return self.k[:end], self.v[:end]
+
+
+class InferenceCache:
+    """Per-layer key/value caches of one batch of sequences decoded together.
+
+    ``max_len``: the most tokens (prompt + generated) any sequence reaches.
+    ``seq_len``: the tokens already cached (the next token's position).
+    """
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.seq_len = 0
+        self._layers: dict[int, LayerKVCache] = {}
+
+    def layer(self, layer_number: int) -> LayerKVCache:
+        if layer_number not in self._layers:
+            self._layers[layer_number] = LayerKVCache(self)
+        return self._layers[layer_number]
+
+    def advance(self, num_tokens: int) -> None:
+        self.seq_len += num_tokens
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Queries ``[s, b, nh, d]`` of the last ``s`` positions, keys/values
+    ``[S, b, ng, d]`` of all ``S >= s`` positions -> context ``[s, b, nh * d]``.
+
+    Query ``i`` (position ``S - s + i``) sees keys ``0 .. S - s + i``; scores and softmax
+    in fp32 (as the ``local`` kernel)."""
+    s, b, nh, d = q.shape
+    S, ng = k.shape[0], k.shape[2]
+    qb = q.permute(1, 2, 0, 3)  # [b, nh, s, d]
+    kb, vb = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, ng, S, d]
+    if nh != ng:
+        kb = kb.repeat_interleave(nh // ng, dim=1)
+        vb = vb.repeat_interleave(nh // ng, dim=1)
+    scores = torch.matmul(qb, kb.transpose(-1, -2)).float() / math.sqrt(d)  # [b, nh, s, S]
+    future = torch.ones(s, S, dtype=torch.bool, device=q.device).triu(S - s + 1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    ctx = torch.matmul(probs.to(vb.dtype), vb)  # [b, nh, s, d]
+    return ctx.permute(2, 0, 1, 3).reshape(s, b, nh * d)
