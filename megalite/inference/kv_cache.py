@@ -26,7 +26,7 @@ class LayerKVCache:
     """Keys and values of one layer: ``[max_len, b, groups, d]`` each, filled up to the
     parent's ``seq_len`` (plus the step being written)."""
 
-    def __init__(self, parent: "InferenceCache"):
+    def __init__(self, parent: InferenceCache):
         self.parent = parent
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None

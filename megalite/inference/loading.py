@@ -23,7 +23,11 @@ def load_for_inference(load: str, iteration: int | None = None, args=None):
     cfg, model = load_full_model(load, iteration)
     if args is not None:
         apply_tokenizer_flags(cfg.data, args)
-    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
+    vocab = cfg.model.vocab_size
+    if cfg.data.tokenizer_type == "NullTokenizer" or (
+            cfg.data.tokenizer_type is None and cfg.data.mock_data):
+        vocab -= 1  # NullTokenizer(n) has n + 1 tokens (its eod); training recorded n + 1
+    tokenizer = build_tokenizer(cfg.data, vocab)
     if tokenizer.vocab_size != cfg.model.vocab_size:
         raise TokenizerError(
             f"the tokenizer {tokenizer!r} has {tokenizer.vocab_size} tokens but the "

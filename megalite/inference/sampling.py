@@ -22,7 +22,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 0.0
 
-    def check(self) -> "SamplingParams":
+    def check(self) -> SamplingParams:
         if not self.temperature >= 0.0:
             raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

@@ -1,0 +1,74 @@
+"""Validation loss of a model on a dataset's validation split, as the training loop's
+evaluation computes it (``megalite.training.loop.evaluate``): the token mean of the
+per-token loss over ``eval_iters`` global batches, read from the validation split where
+the loop read them at a given iteration."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+
+import torch
+
+from megalite.parallel.cp_chunks import with_document_ids
+
+
+def eval_start_sample(train_cfg, iteration: int) -> int:
+    """The first validation sample the training loop's evaluation at ``iteration`` read
+    (every ``eval_interval`` iterations it reads ``eval_iters`` global batches from one
+    stream that starts at sample 0)."""
+    runs_before = max(iteration // train_cfg.eval_interval - 1, 0) \
+        if iteration % train_cfg.eval_interval == 0 else iteration // train_cfg.eval_interval
+    return runs_before * train_cfg.eval_iters * train_cfg.global_batch_size
+
+
+def validation_samples(dataset, start: int, count: int, micro_batch_size: int):
+    """Micro-batches (dicts of ``[mbs, s]`` tensors) of ``count`` samples of ``dataset``
+    from ``start``, wrapping around at its end as the training loop's iterator does."""
+    from megalite.data.samplers import build_data_loader
+
+    total = len(dataset)
+    if total < micro_batch_size:
+        raise ValueError(f"the validation set holds {total} samples, fewer than one "
+                         f"micro-batch of {micro_batch_size}")
+    left, start = count, start % total
+    while left > 0:
+        for batch in build_data_loader(dataset, start, micro_batch_size, 0, 1):
+            yield batch
+            left -= batch["tokens"].shape[0]
+            if left <= 0:
+                return
+        start = 0
+
+
+@torch.no_grad()
+def validation_loss(model, batches, num_batches: int,
+                    progress: Callable[[int, int], None] | None = None) -> tuple[float, int]:
+    """(mean per-token loss, tokens counted) of ``model`` over ``batches``."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    tokens = torch.zeros((), dtype=torch.float64)
+    for i, batch in enumerate(batches):
+        batch = with_document_ids(batch)
+        docs = {"document_ids": batch["document_ids"]} if "document_ids" in batch else {}
+        out = model(batch["tokens"], position_ids=batch.get("position_ids"),
+                    labels=batch["labels"], **docs)
+        mask = batch["loss_mask"].float()
+        loss_sum += (out.float() * mask).sum().double()
+        tokens += mask.double().sum()
+        if progress is not None:
+            progress(i + 1, num_batches)
+    return float(loss_sum / tokens.clamp_min(1.0)), int(tokens.item())
+
+
+def progress_bar(done: int, total: int, width: int = 30) -> None:
+    """``[#####.....] done/total`` on stderr, redrawn in place."""
+    filled = width * done // max(total, 1)
+    end = "\n" if done >= total else ""
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} micro-batches",
+          end=end, file=sys.stderr, flush=True)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 20.0))

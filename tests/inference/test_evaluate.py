@@ -1,0 +1,57 @@
+"""tools/evaluate.py prints the training loop's validation loss at the checkpoint's
+iteration; tools/generate.py runs on that checkpoint; bad input is one clear error."""
+
+import math
+import re
+
+import pytest
+
+from tests.tools import load_tool
+from tests.training.common import run_training, tiny_config
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    cfg = tiny_config(train={"train_iters": 8, "eval_interval": 4, "eval_iters": 2},
+                      checkpoint={"save": root, "save_interval": 8})
+    result, _ = run_training(cfg)
+    return root, result.valid_losses
+
+
+def test_evaluate_equals_training_loop(trained, capsys):
+    root, valid_losses = trained
+    assert sorted(valid_losses) == [4, 8]
+    assert load_tool("evaluate").main(["--load", root, "--no-progress"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.search(r"iteration 8 \| lm loss value: (\S+) \| lm loss PPL: (\S+) \| tokens: 256",
+                  line)
+    assert m, line
+    loss = float(m.group(1))
+    assert abs(loss - valid_losses[8]) < 1e-5 * valid_losses[8]
+    assert abs(float(m.group(2)) - math.exp(loss)) < 1e-4 * math.exp(loss)
+    assert 3.5 < loss < 4.5  # near ln(61): 8 iterations barely move a random model
+
+
+def test_generate_tool_and_bad_input(trained, capsys, tmp_path):
+    root, _ = trained
+    generate = load_tool("generate")
+    assert generate.main(["--load", root, "--prompt", "5 9 12", "--max-new-tokens", "6",
+                          "--temperature", "0"]) == 0
+    out = capsys.readouterr().out.strip()
+    prompt, rest = out.split("]")
+    assert prompt == "[5 9 12" and 1 <= len(rest.split()) <= 6
+    assert all(0 <= int(t) <= 60 for t in rest.split())
+    cases = [
+        (["--load", str(tmp_path), "--prompt", "1"], 4, "holds no megalite checkpoint"),
+        (["--load", root, "--prompt", " ".join(["1"] * 16)], 2, "sequence length is 16"),
+        (["--load", root, "--prompt", "1", "--top-p", "2"], 2, "top-p must be in"),
+        (["--load", root, "--prompt", "1", "--tokenizer-type", "GPT2BPETokenizer"], 3, ""),
+    ]
+    for argv, code, message in cases:
+        assert generate.main(argv) == code, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("generate: error: ") and "\n" not in err, err
+        assert message in err
+    assert load_tool("evaluate").main(["--load", str(tmp_path / "nope")]) == 4
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""Validation loss and perplexity of a megalite checkpoint (any saved layout), one process.
+
+    python tools/evaluate.py --load runs/pretrain_tiny_cpu/checkpoints
+
+Reads the checkpoint's recorded data settings (``--data-path``, ``--split``, sequence
+length, batch sizes, seed), builds the same validation split as training did, and
+evaluates ``--eval-iters`` global batches starting where the training loop's evaluation
+at the checkpoint's iteration started: the printed loss is the loop's validation loss at
+that iteration (up to fp32 rounding across layouts). ``--data-path`` / ``--split`` /
+``--eval-iters`` override the recorded values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.errors import exit_code_of  # noqa: E402
+
+PROG = "evaluate"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from tools.generate import add_load_args
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add_load_args(p)
+    p.add_argument("--data-path", nargs="+", default=None, help="dataset prefix(es)")
+    p.add_argument("--split", default=None)
+    p.add_argument("--eval-iters", type=int, default=None, help="global batches")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        from megalite.inference.evaluation import (
+            eval_start_sample,
+            perplexity,
+            progress_bar,
+            validation_loss,
+            validation_samples,
+        )
+        from megalite.inference.loading import load_for_inference
+        from megalite.training.build import default_datasets_provider
+
+        cfg, model, tokenizer = load_for_inference(args.load, args.ckpt_step, args)
+        iteration = _checkpoint_iteration(args)
+        t = cfg.train
+        if args.data_path is not None:
+            cfg.data.data_path = args.data_path
+        if args.split is not None:
+            cfg.data.split = args.split
+        if args.eval_iters is not None:
+            if args.eval_iters <= 0:
+                raise ValueError(f"--eval-iters must be positive, got {args.eval_iters}")
+            t.eval_iters = args.eval_iters
+        _, valid, _ = default_datasets_provider(cfg, tokenizer)
+        if valid is None:
+            raise ValueError("the data settings leave no validation split (see --split)")
+        count = t.eval_iters * t.global_batch_size
+        num_batches = -(-count // t.micro_batch_size)
+        batches = validation_samples(valid, eval_start_sample(t, iteration), count,
+                                     t.micro_batch_size)
+        loss, tokens = validation_loss(model, batches, num_batches,
+                                       None if args.no_progress else progress_bar)
+        print(f"validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+              f"lm loss PPL: {perplexity(loss):.6E} | tokens: {tokens}", flush=True)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        code = exit_code_of(exc)
+        if code is None and not isinstance(exc, (ValueError, OSError)):
+            raise
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return code or 2
+    return 0
+
+
+def _checkpoint_iteration(args) -> int:
+    from megalite.checkpoint.consolidated import checkpoint_config
+
+    return checkpoint_config(args.load, args.ckpt_step)[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
