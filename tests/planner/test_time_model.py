@@ -1,14 +1,14 @@
 """The planner's time model against measured step times on CPU (slow: timing).
 
 The 'cluster' is this machine as measured on the same pooled ranks, all at once (so the
-figures include the ranks' competition for cores): fp32 ``torch.mm`` FLOP/s per rank, gloo
-all-reduce bandwidth and latency, and memory bandwidth. Each layout trains three steps
-of a small GPT (matmuls dominate); its measured step time is the faster of steps 2 and 3
-from the metrics. The planner's ranking of the layouts must agree with the measured one
-(Spearman rank correlation >= 0.8) and each estimate must fall within 25%. On a machine
-whose load drifts (the matmul probe, taken before each layout, varies by more than 1.5x)
-the test skips with its table: there the ranking says more about the load than the
-layouts.
+figures include the ranks' competition for cores): fp32 matmul FLOP/s per rank on the
+model's GEMM shape, gloo all-reduce bandwidth and latency, and memory bandwidth. Each
+layout trains three steps of a small GPT (matmuls dominate); its measured step time is
+the faster of steps 2 and 3 from the metrics. The planner's ranking of the layouts must
+agree with the measured one (Spearman rank correlation >= 0.8) and each estimate must
+fall within 25%. On a machine whose load drifts (the matmul probe, taken before each
+layout, varies by more than 1.5x) the test skips with its table: there the ranking says
+more about the load than the layouts.
 
     .venv/bin/python -m pytest -q -m slow tests/planner/test_time_model.py -s
 """
@@ -48,11 +48,9 @@ def measure_cluster(world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megalite.training.throughput import measure_cpu_matmul_flops
-
     if world > 1:
         dist.barrier()
-    flops = measure_cpu_matmul_flops(0.5)
+    flops = _matmul_flops()
     if world == 1:
         return {"flops": flops, "bw": 1.0, "latency": 0.0, "memory_bw": _memory_bw()}
     x = torch.ones(1 << 20)  # 4 MiB
@@ -68,6 +66,24 @@ def measure_cluster(world: int) -> dict:
         dist.all_reduce(small)
     lat = (time.perf_counter() - start) / 20 / max(1, 2 * (world - 1))
     return {"flops": flops, "bw": bw, "latency": lat, "memory_bw": _memory_bw()}
+
+
+def _matmul_flops(seconds: float = 0.5) -> float:
+    """fp32 FLOP/s of the model's own GEMM shape (a micro-batch's tokens x hidden times
+    hidden x 4 hidden, the MLP's first matmul), forward and both backward products."""
+    import torch
+
+    tokens = MODEL["seq_length"] * TRAIN["micro_batch_size"]
+    h = MODEL["hidden_size"]
+    x, w = torch.randn(tokens, h), torch.randn(h, 4 * h)
+    g = torch.randn(tokens, 4 * h)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        x @ w
+        g @ w.t()
+        x.t() @ g
+        count += 1
+    return 3 * 2.0 * tokens * h * 4 * h * count / (time.perf_counter() - start)
 
 
 def _memory_bw() -> float:
