@@ -16,8 +16,13 @@ $(STAMP): setup.py
 	$(PY) -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), f'torch {v} installed; megalite pins 2.13.0'; print('torch', v)"
 	touch $(STAMP)
 
+# Train, then plot the run and print sampled continuations of a KJV prompt.
+PRETRAIN_OUT ?= runs/pretrain_tiny_cpu
 pretrain: install
-	bash scripts/pretrain_tiny_cpu.sh
+	OUT=$(PRETRAIN_OUT) bash scripts/pretrain_tiny_cpu.sh
+	$(PY) tools/plot_run.py $(PRETRAIN_OUT) --output $(PRETRAIN_OUT)/run.png
+	$(PY) tools/generate.py --load $(PRETRAIN_OUT)/checkpoints --prompt "And God said" \
+		--num-samples 3 --max-new-tokens 40 --temperature 0.8 --top-p 0.9 --seed 1
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS) tests

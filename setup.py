@@ -29,7 +29,9 @@ setup(
             "wandb>=0.18",
             "tensorboard>=2.16",
             "ruff>=0.6",
+            "matplotlib>=3.7",  # tools/plot_run.py (make pretrain ends with its plot)
         ],
+        "plot": ["matplotlib>=3.7"],
         # Never installed on the CPU machines; imported lazily when present.
         "gpu": ["flash-attn", "apex"],
     },
