@@ -1,0 +1,58 @@
+"""Serve text generation from a megalite checkpoint over HTTP (Megatron's PUT /api).
+
+    python tools/run_text_generation_server.py --load runs/pretrain_tiny_cpu/checkpoints --port 5000
+    curl -X PUT localhost:5000/api -H 'Content-Type: application/json' \
+        -d '{"prompts": ["And God said"], "tokens_to_generate": 30, "temperature": 0.8}'
+
+Fields: prompts, tokens_to_generate, temperature (0 = greedy), top_k, top_p,
+random_seed. One process; the checkpoint (any saved layout) is loaded whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.errors import exit_code_of  # noqa: E402
+
+PROG = "run_text_generation_server"
+
+
+def main(argv=None) -> int:
+    from tools.generate import add_load_args
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add_load_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5000)
+    args = p.parse_args(argv)
+    try:
+        from megalite.inference.generation import max_sequence_length
+        from megalite.inference.loading import load_for_inference
+        from megalite.inference.server import GenerationService, build_server
+
+        cfg, model, tokenizer = load_for_inference(args.load, args.ckpt_step, args)
+        service = GenerationService(model, tokenizer, max_sequence_length(cfg.model))
+        server = build_server(service, args.host, args.port)
+    except Exception as exc:
+        code = exit_code_of(exc)
+        if code is None and not isinstance(exc, (ValueError, OSError)):
+            raise
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return code or 2
+    host, port = server.server_address[:2]
+    print(f"serving PUT http://{host}:{port}/api", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
