@@ -9,17 +9,18 @@ from megalite.inference.kv_cache import InferenceCache
 from megalite.inference.sampling import SamplingError, SamplingParams, filter_logits, sample
 from megalite.models.families import get_family
 from megalite.models.gpt import GPTModel
-from tests.model.common import FAMILIES, single_process_state
+from tests.model.common import FAMILIES, mixtral_config, single_process_state
 from tests.model.test_hf_parity import _random_weights
 
 PROMPT = [3, 17, 41, 8, 29]
+CONFIGS = {**FAMILIES, "mixtral": mixtral_config}  # GPT-2, Llama, Mixtral (MoE)
 
 
 def _pair(family):
     """(our model, the HF model) holding the same random weights."""
     import transformers
 
-    spec, cfg = get_family(family), FAMILIES[family]()
+    spec, cfg = get_family(family), CONFIGS[family]()
     ours = GPTModel(cfg, single_process_state(), seed=1).eval()
     state = _random_weights(ours)
     ours.load_full_state_dict(state)
@@ -33,10 +34,10 @@ def _pair(family):
 
 @pytest.fixture(scope="module")
 def models():
-    return {family: _pair(family) for family in FAMILIES}
+    return {family: _pair(family) for family in CONFIGS}
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(CONFIGS))
 def test_greedy_matches_transformers_generate(models, family):
     import transformers
 
@@ -53,7 +54,7 @@ def test_greedy_matches_transformers_generate(models, family):
     assert len(set(got)) > 1  # not a degenerate constant output
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(CONFIGS))
 def test_kv_cache_logits_match_full_forward(models, family):
     ours, _ = models[family]
     tokens = PROMPT + [11, 2, 45, 19, 33, 7, 0, 49, 12, 26, 5]
