@@ -7,7 +7,9 @@ length, batch sizes, seed), builds the same validation split as training did, an
 evaluates ``--eval-iters`` global batches starting where the training loop's evaluation
 at the checkpoint's iteration started: the printed loss is the loop's validation loss at
 that iteration (up to fp32 rounding across layouts). ``--data-path`` / ``--split`` /
-``--eval-iters`` override the recorded values.
+``--eval-iters`` override the recorded values. ``--jsonl FILE`` evaluates a JSONL (or
+plain text) file instead: its documents tokenized, joined by end-of-document tokens and
+cut into samples of the model's sequence length (``--max-samples`` caps them).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-path", nargs="+", default=None, help="dataset prefix(es)")
     p.add_argument("--split", default=None)
     p.add_argument("--eval-iters", type=int, default=None, help="global batches")
+    p.add_argument("--jsonl", default=None, help="a JSONL or text file to evaluate instead")
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--max-samples", type=int, default=None, help="with --jsonl")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -40,6 +45,7 @@ def main(argv=None) -> int:
     try:
         from megalite.inference.evaluation import (
             eval_start_sample,
+            jsonl_batches,
             perplexity,
             progress_bar,
             validation_loss,
@@ -59,13 +65,20 @@ def main(argv=None) -> int:
             if args.eval_iters <= 0:
                 raise ValueError(f"--eval-iters must be positive, got {args.eval_iters}")
             t.eval_iters = args.eval_iters
-        _, valid, _ = default_datasets_provider(cfg, tokenizer)
-        if valid is None:
-            raise ValueError("the data settings leave no validation split (see --split)")
-        count = t.eval_iters * t.global_batch_size
-        num_batches = -(-count // t.micro_batch_size)
-        batches = validation_samples(valid, eval_start_sample(t, iteration), count,
-                                     t.micro_batch_size)
+        if args.jsonl is not None:
+            if not os.path.isfile(args.jsonl):
+                raise FileNotFoundError(f"--jsonl {args.jsonl}: no such file")
+            batches = jsonl_batches(args.jsonl, tokenizer, cfg.model.seq_length,
+                                    t.micro_batch_size, args.json_keys, args.max_samples)
+            num_batches = len(batches)
+        else:
+            _, valid, _ = default_datasets_provider(cfg, tokenizer)
+            if valid is None:
+                raise ValueError("the data settings leave no validation split (see --split)")
+            count = t.eval_iters * t.global_batch_size
+            num_batches = -(-count // t.micro_batch_size)
+            batches = validation_samples(valid, eval_start_sample(t, iteration), count,
+                                         t.micro_batch_size)
         loss, tokens = validation_loss(model, batches, num_batches,
                                        None if args.no_progress else progress_bar)
         print(f"validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "

@@ -72,3 +72,31 @@ def progress_bar(done: int, total: int, width: int = 30) -> None:
 
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 20.0))
+
+
+def jsonl_batches(path: str, tokenizer, seq_length: int, micro_batch_size: int,
+                  json_keys=("text",), max_samples: int | None = None) -> list[dict]:
+    """Micro-batches of a JSONL (or plain text) file: its documents tokenized, each
+    followed by the end-of-document token, concatenated and cut into non-overlapping
+    samples of ``seq_length`` tokens (``tokens``/``labels``/``loss_mask`` ``[mbs, s]``;
+    the last micro-batch may be smaller; a partial final sample is dropped)."""
+    from megalite.data.jsonl import iter_texts
+
+    stream: list[int] = []
+    need = None if max_samples is None else max_samples * seq_length + 1
+    for text in iter_texts(path, json_keys):
+        stream += tokenizer.tokenize(text) + [tokenizer.eod]
+        if need is not None and len(stream) >= need:
+            break
+    count = (len(stream) - 1) // seq_length
+    if max_samples is not None:
+        count = min(count, max_samples)
+    if count == 0:
+        raise ValueError(f"{path}: {len(stream)} tokens make no sample of {seq_length + 1} "
+                         f"tokens (documents under keys {', '.join(json_keys)})")
+    data = torch.tensor(stream[:count * seq_length + 1], dtype=torch.int64)
+    tokens = data[:-1].view(count, seq_length)
+    labels = data[1:].view(count, seq_length)
+    return [{"tokens": tokens[i:i + micro_batch_size], "labels": labels[i:i + micro_batch_size],
+             "loss_mask": torch.ones_like(tokens[i:i + micro_batch_size], dtype=torch.float32)}
+            for i in range(0, count, micro_batch_size)]

@@ -55,3 +55,34 @@ def test_generate_tool_and_bad_input(trained, capsys, tmp_path):
         assert message in err
     assert load_tool("evaluate").main(["--load", str(tmp_path / "nope")]) == 4
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_evaluate_jsonl(trained, capsys, tmp_path):
+    import json
+
+    import torch
+    import torch.nn.functional as F
+
+    from megalite.checkpoint.consolidated import load_full_model
+
+    root, _ = trained
+    docs = [" ".join(str((7 * i + j) % 60) for j in range(5 + i)) for i in range(12)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs) + "not json\n")
+    assert load_tool("evaluate").main(["--load", root, "--jsonl", str(path),
+                                       "--no-progress"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    # 12 documents of 5..16 ids, each + eod: 138 tokens -> 8 samples of 16 (128 tokens)
+    m = re.search(r"lm loss value: (\S+) .* tokens: 128$", line)
+    assert m, line
+    stream = [t for d in docs for t in [*map(int, d.split()), 60]][:129]
+    ids = torch.tensor(stream)
+    _, model = load_full_model(root)
+    with torch.no_grad():
+        logits = model.eval()(ids[:-1].view(8, 16))[..., :61]
+    want = F.cross_entropy(logits.reshape(-1, 61), ids[1:]).item()
+    assert abs(float(m.group(1)) - want) < 1e-5 * want
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": "1 2"}\n')
+    assert load_tool("evaluate").main(["--load", root, "--jsonl", str(empty)]) == 2
+    assert "make no sample of 17 tokens" in capsys.readouterr().err
