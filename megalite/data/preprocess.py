@@ -158,10 +158,18 @@ class Encoder:
 _encoder: Encoder | None = None
 
 
+_PARENT_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _init_worker(*encoder_args) -> None:
+    """A worker's start. It was forked with SIGINT/SIGTERM blocked (see :func:`_run_pool`):
+    had the parent's SIGTERM handler (tools/preprocess_data.py turns SIGTERM into a
+    KeyboardInterrupt) been live in the child before this ran, a ``Pool.terminate()`` right
+    after start-up could be swallowed and the parent would wait for the worker forever."""
     global _encoder
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled (once) by the parent
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Pool.terminate() must just end us
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _PARENT_SIGNALS)  # a pending one ends us now
     _encoder = Encoder(*encoder_args)
 
 
@@ -284,7 +292,12 @@ def _run_pool(args, encoder_args, chunks):
             parts.append(part)
             yield chunk
 
-    pool = multiprocessing.Pool(args.workers, _init_worker, encoder_args)
+    # workers start with the signals blocked until _init_worker has reset their handlers
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _PARENT_SIGNALS)
+    try:
+        pool = multiprocessing.Pool(args.workers, _init_worker, encoder_args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     try:
         for i, encoded in enumerate(pool.imap(_encode_chunk, gated())):
             slots.release()
