@@ -86,6 +86,18 @@ def report_error(exc: BaseException, rank: int | None = None, *, prog: str = "me
     return code
 
 
+def report_tool_error(prog: str, exc: BaseException,
+                      usage: tuple[type[BaseException], ...] = (ValueError, OSError)) -> int | None:
+    """For a tool's ``main``: print ``<prog>: error: <message>`` for a known megalite error
+    (returning its exit code) or one of the ``usage`` errors (a bad argument or path:
+    exit code 2); None, printing nothing, for anything else (re-raise it)."""
+    code = exit_code_of(exc)
+    if code is None and not isinstance(exc, usage):
+        return None
+    print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr, flush=True)
+    return code or EXIT_CONFIG
+
+
 def _one_line(message: str) -> str:
     """``message`` without the worker traceback a DataLoader worker's exception carries
     when the main process re-raises it ("Caught X in DataLoader worker process N.

@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.errors import exit_code_of  # noqa: E402
+from megalite.errors import report_tool_error  # noqa: E402
 
 PROG = "evaluate"
 
@@ -86,11 +86,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
-        code = exit_code_of(exc)
-        if code is None and not isinstance(exc, (ValueError, OSError)):
+        code = report_tool_error(PROG, exc)
+        if code is None:
             raise
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return code or 2
+        return code
     return 0
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megalite.errors import exit_code_of  # noqa: E402
+from megalite.errors import report_tool_error  # noqa: E402
 
 PROG = "generate"
 
@@ -105,11 +105,10 @@ def main(argv=None) -> int:
     except (KeyboardInterrupt, BrokenPipeError):
         return 130
     except Exception as exc:
-        code = exit_code_of(exc)
-        if code is None and not isinstance(exc, (ValueError, OSError, NotImplementedError)):
+        code = report_tool_error(PROG, exc, (ValueError, OSError, NotImplementedError))
+        if code is None:
             raise
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return code or 2
+        return code
     return 0
 
 

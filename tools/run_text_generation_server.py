@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.errors import exit_code_of  # noqa: E402
+from megalite.errors import report_tool_error  # noqa: E402
 
 PROG = "run_text_generation_server"
 
@@ -38,11 +38,10 @@ def main(argv=None) -> int:
         service = GenerationService(model, tokenizer, max_sequence_length(cfg.model))
         server = build_server(service, args.host, args.port)
     except Exception as exc:
-        code = exit_code_of(exc)
-        if code is None and not isinstance(exc, (ValueError, OSError)):
+        code = report_tool_error(PROG, exc)
+        if code is None:
             raise
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return code or 2
+        return code
     host, port = server.server_address[:2]
     print(f"serving PUT http://{host}:{port}/api", flush=True)
     try:

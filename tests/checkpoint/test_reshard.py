@@ -9,14 +9,12 @@ layouts are the ``reshard`` rows of ``tests/layouts.py``.
 
 import json
 import os
-import shutil
 
 import pytest
 
-from megalite.checkpoint import LATEST
 from tests.distributed.harness import run_distributed
 from tests.layouts import by_name, tiny
-from tests.training.common import run_training
+from tests.training.common import only_iteration, run_training
 
 SAVE_AT, ITERS = 10, 13
 ORIGINAL = by_name("reshard-tp2-pp2-dp2-distopt")
@@ -27,16 +25,6 @@ TP4_DP2 = by_name("reshard-tp4-dp2-distopt")
 def _train(rank, world_size, layout, checkpoint):
     result, _ = run_training(tiny(layout, train={"train_iters": ITERS}, checkpoint=checkpoint))
     return result.losses
-
-
-def _resume_dir(src: str, dst: str) -> str:
-    """A directory holding only the iteration-10 checkpoint of ``src``."""
-    os.makedirs(dst)
-    shutil.copytree(os.path.join(src, f"iter_{SAVE_AT:07d}"),
-                    os.path.join(dst, f"iter_{SAVE_AT:07d}"))
-    with open(os.path.join(dst, LATEST), "w") as f:
-        f.write(f"{SAVE_AT}\n")
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +54,7 @@ def test_saved_layout_and_metadata(original):
 
 def test_resume_at_tp1_pp1_dp1(original, capsys):
     tmp, save, reference = original
-    load = _resume_dir(save, str(tmp / "to_tp1"))
+    load = only_iteration(save, str(tmp / "to_tp1"), SAVE_AT)
     result, _ = run_training(tiny(SINGLE, train={"train_iters": ITERS},
                                   checkpoint={"load": load, "save": load}))
     _assert_continues(result.losses, reference)
@@ -76,6 +64,6 @@ def test_resume_at_tp1_pp1_dp1(original, capsys):
 
 def test_resume_at_tp4_pp1_dp2(original):
     tmp, save, reference = original
-    load = _resume_dir(save, str(tmp / "to_tp4"))
+    load = only_iteration(save, str(tmp / "to_tp4"), SAVE_AT)
     losses = run_distributed(TP4_DP2.world_size, _train, TP4_DP2, {"load": load, "save": load})
     _assert_continues(losses[-1], reference)

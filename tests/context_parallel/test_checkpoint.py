@@ -5,15 +5,12 @@ the uninterrupted one exactly (data position and every RNG stream, the per-cp-ra
 attention dropout seeds included)."""
 
 import dataclasses
-import os
-import shutil
 
 import pytest
 
-from megalite.checkpoint import LATEST
 from tests.distributed.harness import run_distributed
 from tests.layouts import by_name, tiny
-from tests.training.common import run_training
+from tests.training.common import only_iteration, run_training
 
 SAVE_AT, ITERS = 2, 4
 CP2 = by_name("cp-cp2-p2p")
@@ -28,15 +25,6 @@ def _train(rank, world_size, layout, checkpoint, model=None):
     return result.losses
 
 
-def _only_iteration(src: str, dst: str) -> str:
-    os.makedirs(dst)
-    shutil.copytree(os.path.join(src, f"iter_{SAVE_AT:07d}"),
-                    os.path.join(dst, f"iter_{SAVE_AT:07d}"))
-    with open(os.path.join(dst, LATEST), "w") as f:
-        f.write(f"{SAVE_AT}\n")
-    return dst
-
-
 def _run(layout, checkpoint, model=None):
     if layout.world_size == 1:
         return _train(0, 1, layout, checkpoint, model)
@@ -48,7 +36,7 @@ def _run(layout, checkpoint, model=None):
 def test_resume_at_another_cp_size(tmp_path, saved, resumed):
     save = str(tmp_path / "saved")
     straight = _run(saved, {"save": save, "save_interval": SAVE_AT})
-    load = _only_iteration(save, str(tmp_path / "resume"))
+    load = only_iteration(save, str(tmp_path / "resume"), SAVE_AT)
     again = _run(resumed, {"load": load})
     assert list(again) == list(range(SAVE_AT + 1, ITERS + 1))
     for it, loss in again.items():
@@ -58,6 +46,6 @@ def test_resume_at_another_cp_size(tmp_path, saved, resumed):
 def test_resume_at_the_same_cp_layout_is_exact_with_dropout(tmp_path):
     save = str(tmp_path / "saved")
     straight = _run(CP2, {"save": save, "save_interval": SAVE_AT}, DROPOUT)
-    load = _only_iteration(save, str(tmp_path / "resume"))
+    load = only_iteration(save, str(tmp_path / "resume"), SAVE_AT)
     again = _run(CP2, {"load": load}, DROPOUT)
     assert again == {it: straight[it] for it in range(SAVE_AT + 1, ITERS + 1)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -126,3 +127,44 @@ def start_two_ranks(flags: list[str], stderr=subprocess.PIPE) -> list[subprocess
 
 def params_snapshot(model: torch.nn.Module) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def only_iteration(src: str, dst: str, iteration: int) -> str:
+    """A new checkpoint directory ``dst`` holding only ``iteration`` of ``src`` (its
+    latest): resuming from it starts exactly there."""
+    from megalite.checkpoint import LATEST
+
+    os.makedirs(dst)
+    shutil.copytree(os.path.join(src, f"iter_{iteration:07d}"),
+                    os.path.join(dst, f"iter_{iteration:07d}"))
+    with open(os.path.join(dst, LATEST), "w") as f:
+        f.write(f"{iteration}\n")
+    return dst
+
+
+class _NaNBackward(torch.autograd.Function):
+    """Identity forward; NaN gradients backward."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class FaultAtCalls(torch.nn.Module):
+    """The model, but the forward calls (1-based) that ``bad(call)`` picks give a NaN loss
+    (``grad=False``), or a finite loss whose backward yields NaN gradients (``grad=True``)."""
+
+    def __init__(self, inner, bad, grad: bool = False):
+        super().__init__()
+        self.inner, self.bad, self.grad, self.calls = inner, bad, grad, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        loss = self.inner(*args, **kwargs)
+        if not self.bad(self.calls):
+            return loss
+        return _NaNBackward.apply(loss) if self.grad else loss * float("nan")

@@ -10,7 +10,7 @@ from megalite.checkpoint import CheckpointError, load_checkpoint, read_latest_it
 from megalite.parallel.state import ParallelState
 from megalite.training.build import build_components, default_model_provider
 from megalite.training.loop import NonFiniteLossError
-from tests.training.common import run_training, tiny_config
+from tests.training.common import FaultAtCalls, run_training, tiny_config
 
 
 def _build(cfg):
@@ -77,26 +77,13 @@ def test_shape_mismatch_names_first_tensor(tmp_path):
         load_checkpoint(save, model, None, None, ps)
 
 
-class NaNAtCall(torch.nn.Module):
-    """The GPT, but the loss of forward call ``bad_call`` (1-based) is NaN."""
-
-    def __init__(self, inner, bad_call):
-        super().__init__()
-        self.inner, self.bad_call, self.calls = inner, bad_call, 0
-
-    def forward(self, *args, **kwargs):
-        self.calls += 1
-        loss = self.inner(*args, **kwargs)
-        return loss * float("nan") if self.calls == self.bad_call else loss
-
-
 def test_nan_loss_stops_naming_iteration_without_checkpoint(tmp_path):
     save = str(tmp_path / "ckpt")
     cfg = tiny_config(train={"train_iters": 6, "rerun_mode": "disabled"},
                       checkpoint={"save": save, "save_interval": 1})
     # 4 micro-batches per iteration: call 10 is in iteration 3 (without --rerun-mode
     # validate_results: tests/training/test_rerun.py re-runs it)
-    provider = lambda c, ps: NaNAtCall(default_model_provider(c, ps), bad_call=10)
+    provider = lambda c, ps: FaultAtCalls(default_model_provider(c, ps), lambda n: n == 10)
     with pytest.raises(NonFiniteLossError, match="loss is nan at iteration 3"):
         run_training(cfg, model_provider=provider)
     assert read_latest_iteration(save) == 2

@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from megalite.errors import EXIT_NUMERICAL, EXIT_TRANSIENT_FAULT, exit_code_of
 from megalite.training.build import default_model_provider
 from megalite.training.rerun import (DeterministicFaultError, ResultValidator,
                                      TransientFaultError)
-from tests.training.common import (read_jsonl, run_training, start_two_ranks, tiny_config,
-                                   tiny_flags)
-from tests.training.test_checkpoint import NaNAtCall
+from tests.training.common import (FaultAtCalls, read_jsonl, run_training, start_two_ranks,
+                                   tiny_config, tiny_flags)
 
 ITERS = 6
 
@@ -24,36 +22,10 @@ def clean_losses():
     return result.losses
 
 
-class NaNGradAtCall(torch.nn.Module):
-    """The GPT, but the backward of forward call ``bad_call`` (1-based) yields NaN
-    gradients; its loss stays finite."""
-
-    def __init__(self, inner, bad_call):
-        super().__init__()
-        self.inner, self.bad_call, self.calls = inner, bad_call, 0
-
-    def forward(self, *args, **kwargs):
-        self.calls += 1
-        loss = self.inner(*args, **kwargs)
-        return _nan_grad(loss) if self.calls == self.bad_call else loss
-
-
-def _nan_grad(x):
-    class NaNBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * float("nan")
-    return NaNBackward.apply(x)
-
-
 def test_a_transient_nan_loss_is_rerun_and_the_curve_is_unchanged(clean_losses, capsys):
     """Call 10 (iteration 3) gives NaN once: the re-run from the same state is clean, and
     every iteration's loss equals the undisturbed run's, bit for bit."""
-    provider = lambda c, ps: NaNAtCall(default_model_provider(c, ps), bad_call=10)
+    provider = lambda c, ps: FaultAtCalls(default_model_provider(c, ps), lambda n: n == 10)
     result, _ = run_training(tiny_config(train={"train_iters": ITERS}),
                              model_provider=provider)
     assert result.losses == clean_losses
@@ -63,7 +35,8 @@ def test_a_transient_nan_loss_is_rerun_and_the_curve_is_unchanged(clean_losses, 
 
 
 def test_transient_nan_gradients_are_rerun_too(clean_losses, capsys):
-    provider = lambda c, ps: NaNGradAtCall(default_model_provider(c, ps), bad_call=6)
+    provider = lambda c, ps: FaultAtCalls(default_model_provider(c, ps), lambda n: n == 6,
+                                          grad=True)
     result, _ = run_training(tiny_config(train={"train_iters": ITERS}),
                              model_provider=provider)
     assert result.losses == clean_losses
@@ -83,16 +56,9 @@ def test_a_persistent_fault_stops_as_deterministic_naming_iteration_and_samples(
 
 
 def test_persistent_nan_gradients_stop_as_deterministic():
-    class AlwaysNaNGrad(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner, self.calls = inner, 0
-
-        def forward(self, *args, **kwargs):
-            self.calls += 1
-            loss = self.inner(*args, **kwargs)
-            return _nan_grad(loss) if self.calls > 4 else loss   # from iteration 2 on
-    provider = lambda c, ps: AlwaysNaNGrad(default_model_provider(c, ps))
+    # every call from iteration 2 on (4 micro-batches per iteration)
+    provider = lambda c, ps: FaultAtCalls(default_model_provider(c, ps), lambda n: n > 4,
+                                          grad=True)
     with pytest.raises(DeterministicFaultError, match="iteration 2: the gradients hold"):
         run_training(tiny_config(train={"train_iters": ITERS}), model_provider=provider)
 
