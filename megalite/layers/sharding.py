@@ -119,13 +119,17 @@ def initialize_params(module: torch.nn.Module, seed: int, ps, prefix: str | None
     The name is ``meta.init_name`` when set, else ``{prefix}.{name}`` (or the name in
     ``module``); it is recorded as ``init_name``. Each parameter is drawn once: it is
     marked ``initialized`` afterwards and skipped by later calls (an MoE layer draws its
-    own parameters when built; the model's pass then leaves them alone).
+    own parameters when built; the model's pass then leaves them alone). A parameter on the
+    ``meta`` device (the dry run) has no data: it gets its name, and nothing is drawn.
     """
     for name, param in module.named_parameters():
         meta = param_meta(param)
         if meta.initialized:
             continue
         init_name = meta.init_name or (f"{prefix}.{name}" if prefix else name)
+        if param.is_meta:
+            update_meta(param, init_name=init_name, initialized=True)
+            continue
         group = ps.etp if meta.expert else ps.tp
         if meta.expert:
             full = _init_expert_stack(param, init_name, seed, group.size)

@@ -14,7 +14,6 @@ coordinates, parameters and the planner's memory estimate
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -56,8 +55,7 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
     dist.new_group = own_groups_only
     try:
         ps = ParallelState.build(cfg.parallel, device=torch.device("meta"))
-        with _no_initial_values():
-            model = default_model_provider(cfg, ps)
+        model = default_model_provider(cfg, ps)   # meta parameters: nothing is drawn
         params = {id(p): p for p in model.parameters()}
         n_params = sum(p.numel() for p in params.values())
         p = cfg.parallel
@@ -92,23 +90,6 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
         f"  estimated peak memory: {mem.total / gib:.2f} GiB ({parts})",
         f"  took {time.perf_counter() - start:.1f} s",
     ])
-
-
-@contextlib.contextmanager
-def _no_initial_values():
-    """Build without drawing initial values: on the meta device a parameter has no data,
-    and drawing a 175B model's full tensors on the CPU to slice them would take minutes.
-    (:func:`megalite.layers.sharding.initialize_params` looks both helpers up at call
-    time; names and sharding metadata are still recorded.)"""
-    from megalite.layers import sharding
-
-    saved = sharding.init_full_tensor, sharding._init_expert_stack, sharding.shard
-    sharding.init_full_tensor = sharding._init_expert_stack = lambda *a, **k: None
-    sharding.shard = lambda full, param, *a, **k: param
-    try:
-        yield
-    finally:
-        sharding.init_full_tensor, sharding._init_expert_stack, sharding.shard = saved
 
 
 def ps_pp_rank(coords: str) -> int:
