@@ -142,16 +142,18 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
     snapshot = validator.snapshot(c) if validating else None
     loss_sum, lm_loss, router = _forward_backward(c, batches, tokens, divisors, iteration,
                                                   validator)
+    def rerun():   # the same step from the same state (the parameters are unchanged)
+        validator.restore(c, snapshot)
+        return _forward_backward(c, batches, tokens, divisors, iteration, validator,
+                                 attempt=1)
+
     reason = validator.decide(lm_loss, iteration, ps) if validating else None
     faulty_ranks = None
-    if reason is not None:   # re-run from the same state; judge() raises if reproduced
+    if reason is not None:   # judge() raises if the re-run reproduced the fault
         first = loss_sum
         c.grads.finish_grad_sync()   # let this run's reductions end before the re-run
-        validator.restore(c, snapshot)
-        loss_sum, lm_loss, router = _forward_backward(c, batches, tokens, divisors,
-                                                      iteration, validator, attempt=1)
+        loss_sum, lm_loss, router = rerun()
         faulty_ranks = validator.judge(reason, iteration, first, loss_sum, ps, samples)
-    moe_losses = router.means() if router is not None else {}  # collective (world)
     check = c.cfg.train.check_for_nan_in_loss_and_grad
     if check and not math.isfinite(lm_loss):
         raise NonFiniteLossError(f"the loss is {lm_loss} at iteration {iteration} "
@@ -165,15 +167,13 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
             and reason is None:   # NaN/inf gradients: nothing was updated; re-run the same way
         reason = validator.suspicious(lm_loss, iteration, found_inf=True)
         first = loss_sum
-        validator.restore(c, snapshot)
-        loss_sum, lm_loss, router = _forward_backward(c, batches, tokens, divisors,
-                                                      iteration, validator, attempt=1)
+        loss_sum, lm_loss, router = rerun()
         c.grads.finish_grad_sync()
         with c.timers("optimizer", log_level=1):
             outcome = c.optimizer.step()
         faulty_ranks = validator.judge(reason, iteration, first, loss_sum, ps, samples,
                                        reproduced=outcome.found_inf)
-        moe_losses = router.means() if router is not None else {}
+    moe_losses = router.means() if router is not None else {}  # collective (world)
     if reason is not None and faulty_ranks is None:   # a requested validation passed
         c.metrics.print(f" iteration {iteration}: validated: the re-run reproduced the step "
                         f"bit for bit")
