@@ -146,7 +146,7 @@ class ParallelState:
     # -- construction -------------------------------------------------------------------
     @classmethod
     def build(cls, pcfg: ParallelConfig, device: torch.device | None = None,
-              timeout_minutes: int | None = None) -> ParallelState:
+              timeout_minutes: float | None = None) -> ParallelState:
         """Create every group for ``pcfg`` on the current world; ``device`` defaults to
         ``select_device(pcfg.device)`` (``--device``, :mod:`megalite.parallel.device`).
 
@@ -226,7 +226,7 @@ def default_device(flag: str = "auto") -> torch.device:
     return select_device(flag)
 
 
-def init_distributed(backend: str = "auto", timeout_minutes: int = 10,
+def init_distributed(backend: str = "auto", timeout_minutes: float = 10,
                      device: str = "auto") -> tuple[int, int]:
     """Initialize torch.distributed from torchrun's environment if present.
 
