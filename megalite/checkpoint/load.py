@@ -260,7 +260,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, ps: ParallelState, *
         if common.get("loss_scaler") is not None:
             optimizer.scaler.load_state_dict(common["loss_scaler"])
     if want_rng and same_layout:
-        restore_rng_state(state[rng_key(ps.rank)], rng_tracker)
+        restore_rng_state(state[rng_key(ps.rank)], rng_tracker, ps.device)
     elif want_rng:
         seed = (meta.get("config") or {}).get("train", {}).get("seed", 1234)
         reseed(seed, int(common["iteration"]), ps, rng_tracker)

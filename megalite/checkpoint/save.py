@@ -162,7 +162,7 @@ class CheckpointSaver:
                   "scheduler": scheduler.state_dict() if scheduler is not None else None,
                   "loss_scaler": (optimizer.scaler.state_dict()
                                   if save_optim and optimizer is not None else None)}
-        rng = capture_rng_state(rng_tracker) if save_rng else None
+        rng = capture_rng_state(rng_tracker, ps.device) if save_rng else None
         state, pieces, names = save_state(layouts, optimizer if save_optim else None,
                                           common, rng, ps.rank)
         meta = {"format": FORMAT, "iteration": iteration,

@@ -67,11 +67,15 @@ class PretrainingSampler:
 
 
 def build_data_loader(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                      dp_size: int, num_workers: int = 0) -> torch.utils.data.DataLoader:
+                      dp_size: int, num_workers: int = 0,
+                      device: torch.device | str = "cpu") -> torch.utils.data.DataLoader:
     """A DataLoader over ``dataset`` yielding this rank's micro-batches (dicts of tensors
-    with a leading ``micro_batch_size`` dimension), resuming at ``consumed_samples``."""
+    with a leading ``micro_batch_size`` dimension), resuming at ``consumed_samples``.
+    ``device``: where the batches go (``ps.device``); pinned host memory only for a CUDA
+    device (pinning creates a CUDA context, which a ``--device cpu`` run on a GPU host
+    must not)."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank,
                                  dp_size)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=torch.cuda.is_available(),
+                                       pin_memory=torch.device(device).type == "cuda",
                                        persistent_workers=num_workers > 0)

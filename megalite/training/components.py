@@ -70,7 +70,7 @@ class TrainingComponents:
         with torch.random.fork_rng(devices=[]):
             return iter(build_data_loader(dataset, consumed_samples, t.micro_batch_size,
                                           self.ps.dp.rank, self.ps.dp.size,
-                                          self.cfg.data.num_workers))
+                                          self.cfg.data.num_workers, self.ps.device))
 
     def train_iterator(self, consumed_samples: int) -> Iterator:
         """This rank's training micro-batches, resuming after ``consumed_samples``: one

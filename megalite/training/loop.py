@@ -271,7 +271,7 @@ def train(c: TrainingComponents) -> TrainResult:
                             verify=ck.ckpt_verify)
     with SignalHandler(enabled=t.exit_signal_handler) as signals, \
             ManualGC.from_config(t) as manual_gc, \
-            StepProfiler.from_config(cfg, c.ps.rank) as profiler:
+            StepProfiler.from_config(cfg, c.ps.rank, c.ps.device) as profiler:
         while state.iteration < t.train_iters:
             gbs = schedule.global_batch_size(state.consumed_train_samples)
             tick = time.perf_counter()

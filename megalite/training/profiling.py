@@ -10,7 +10,8 @@ TensorBoard's profiler plugin, Perfetto (ui.perfetto.dev) or chrome://tracing op
 ``--use-pytorch-profiler`` is accepted for Megatron scripts; torch.profiler is the only
 profiler here (there is no nsys path).
 
-    with StepProfiler.from_config(cfg, ps.rank) as profiler:  # exit: writes a cut-short trace
+    with StepProfiler.from_config(cfg, ps.rank, ps.device) as profiler:  # exit: writes
+        # a cut-short trace; CUDA kernels are recorded only when ps.device is a GPU
         with profiler.iteration(done):    # done = iterations finished before this one
             train_step(...)
 """
@@ -21,6 +22,16 @@ import contextlib
 import os
 
 import torch
+
+
+def profiler_activities(device) -> list:
+    """What torch.profiler records on ``device`` (the rank's chosen device): the CPU, plus
+    CUDA kernels only on a CUDA device (a ``--device cpu`` run on a GPU host must not
+    start CUPTI or a CUDA context)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.device(device).type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities
 
 
 def profile_dir(cfg) -> str:
@@ -36,23 +47,22 @@ class StepProfiler:
     """Records iterations ``[start, end)`` (0-based: iterations done before each) on an
     enabled rank; a no-op elsewhere."""
 
-    def __init__(self, enabled: bool, start: int, end: int, out_dir: str, rank: int):
+    def __init__(self, enabled: bool, start: int, end: int, out_dir: str, rank: int,
+                 device: torch.device | str = "cpu"):
         self.enabled, self.start, self.end = enabled, start, end
-        self.out_dir, self.rank = out_dir, rank
+        self.out_dir, self.rank, self.device = out_dir, rank, torch.device(device)
         self._prof: torch.profiler.profile | None = None
         self.trace_written = False
 
     @classmethod
-    def from_config(cls, cfg, rank: int) -> StepProfiler:
+    def from_config(cls, cfg, rank: int, device: torch.device | str = "cpu") -> StepProfiler:
         lg = cfg.logging
         return cls(lg.profile and rank in lg.profile_ranks, lg.profile_step_start,
-                   lg.profile_step_end, profile_dir(cfg), rank)
+                   lg.profile_step_end, profile_dir(cfg), rank, device)
 
     def _begin(self) -> None:
         os.makedirs(self.out_dir, exist_ok=True)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        activities = profiler_activities(self.device)
         handler = torch.profiler.tensorboard_trace_handler(self.out_dir,
                                                            worker_name=f"rank{self.rank}")
         self._prof = torch.profiler.profile(activities=activities, record_shapes=True,
