@@ -19,6 +19,8 @@ cp              tests/context_parallel/test_training_equivalence.py: cp x comm t
                 sp x pp x vpp x dp x distributed optimizer x ep, loss, grad norm, params
 resume          exact resumption at one layout (training, pipeline suites)
 reshard         tests/checkpoint/test_reshard.py: save at one layout, resume at others
+activation-     tests/model/test_activation_offload.py: --cpu-offloading against the same
+offload         layout without it, bitwise (rows tagged ``slow`` outside the default run)
 ==============  ========================================================================
 
 A new parallelism adds its rows here (and a dimension to ``tests/fuzz/draw.py``); a
@@ -251,10 +253,27 @@ _CP = [
     dataclasses.replace(_cp_row(2, "p2p", variant="docs", cp=2), data=CP_DOCUMENTS),
 ]
 
+# -- activation-offload: --cpu-offloading against the same layout without it (bitwise) ---
+ACT_OFFLOAD = {"cpu_offloading": True, "cpu_offloading_num_layers": 1}
+_ACT_OFFLOAD = [
+    row("activation-offload", 1, model=ACT_OFFLOAD),
+    # 4 micro-batches in flight through 2 chunks per stage, each with its own host copies
+    row("activation-offload", 2, model={**ACT_OFFLOAD, "num_layers": 4}, pp=2, vpp=2),
+    row("activation-offload", 4, model=ACT_OFFLOAD, tags=("slow",), tp=2, sp=True),
+    row("activation-offload", 2, "selective", model={**ACT_OFFLOAD, **RECOMPUTE["selective"]},
+        tags=("slow",)),
+    # the recomputed first layer keeps nothing to offload; the second is offloaded
+    row("activation-offload", 2, "full-block-bf16",
+        model={**ACT_OFFLOAD, **RECOMPUTE["full-block"], "bf16": True}, tags=("slow",)),
+    row("activation-offload", 2, "1f1b", model={**ACT_OFFLOAD, "num_layers": 4},
+        tags=("slow",), pp=2, distopt=True),
+]
+
 SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "pipeline", "training",
-          "resume", "reshard", "cp")
+          "resume", "reshard", "cp", "activation-offload")
 LAYOUTS: tuple[Layout, ...] = (*_MODEL, *_MIXTRAL, *_MOE_LAYER, *_MOE_TRAINING, *_OPTIM,
-                               *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD, *_CP)
+                               *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD, *_CP,
+                               *_ACT_OFFLOAD)
 
 
 def layouts(tag: str | None = None, world: int | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from megalite.config.fields import ConfigError, arg, check_choices, positive, require
@@ -79,6 +80,16 @@ class ModelConfig:
                                           choices=("uniform", "block"))
     recompute_num_layers: int | None = arg(None, "Layers per recompute unit (uniform) or "
                                               "recomputed layers per stage (block).")
+    cpu_offloading: bool = arg(False, "Offload the saved activations of the first "
+                               "--cpu-offloading-num-layers layers of each model chunk to "
+                               "host memory during forward, brought back in backward.")
+    cpu_offloading_num_layers: int = arg(0, "Transformer layers per model chunk whose saved "
+                                         "activations --cpu-offloading offloads (< num_layers).")
+    cpu_offloading_activations: bool = arg(True, "What --cpu-offloading offloads: the saved "
+                                           "activations (--no-cpu-offloading-activations: not).",
+                                           action=argparse.BooleanOptionalAction)
+    cpu_offloading_weights: bool = arg(False, "Offload weights too (not supported: megalite "
+                                       "keeps parameters on the device).")
     bf16: bool = arg(False, "Train in bfloat16 with fp32 master weights.")
     fp16: bool = arg(False, "Train in float16 with dynamic loss scaling.")
     # fp8 (parsed and validated; megalite.training.fp8 refuses to train where it cannot run)
@@ -168,6 +179,7 @@ class ModelConfig:
                 self.recompute_method = "uniform"
             if self.recompute_num_layers is None:
                 self.recompute_num_layers = 1
+        self._check_cpu_offloading()
         if self.num_experts is not None:
             require(self.moe_router_topk <= self.num_experts,
                      f"moe_router_topk ({self.moe_router_topk}) must be <= num_experts "
@@ -188,6 +200,24 @@ class ModelConfig:
         if self.moe_pad_expert_input_to_capacity:
             require(self.moe_expert_capacity_factor is not None,
                      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+
+    def _check_cpu_offloading(self) -> None:
+        """Megatron's rule (0 <= layers < num_layers) and what megalite offloads."""
+        n = self.cpu_offloading_num_layers
+        require(not self.cpu_offloading_weights,
+                "--cpu-offloading-weights is not supported: megalite keeps parameters on the "
+                "device and never copies the weights saved for backward; shard them with "
+                "--data-parallel-sharding-strategy or offload the optimizer state with "
+                "--optimizer-cpu-offload")
+        if not self.cpu_offloading:
+            require(n == 0, f"--cpu-offloading-num-layers ({n}) needs --cpu-offloading")
+            return
+        require(0 <= n < self.num_layers,
+                f"--cpu-offloading-num-layers ({n}) must be >= 0 and < num_layers "
+                f"({self.num_layers})")
+        require(self.cpu_offloading_activations,
+                "--cpu-offloading with --no-cpu-offloading-activations offloads nothing; "
+                "drop --cpu-offloading")
 
     @property
     def learned_positions(self) -> bool:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megalite.transformer.activation_offload import build_activation_offload
 from megalite.transformer.layer import TransformerLayer
 from megalite.transformer.norms import build_norm
 
@@ -18,6 +21,10 @@ class TransformerBlock(torch.nn.Module):
     replayed): ``uniform`` in chunks of ``recompute_num_layers`` layers, ``block`` only the
     first ``recompute_num_layers`` layers of this stage, one by one.
 
+    ``--cpu-offloading``: the first ``cpu_offloading_num_layers`` layers of this chunk that
+    are not recomputed (none under ``uniform``, which recomputes every layer) keep their
+    saved activations in host memory (:mod:`megalite.transformer.activation_offload`).
+
     ``ps`` (the ParallelState) and ``seed`` reach every layer (see :class:`TransformerLayer`).
     """
 
@@ -30,6 +37,7 @@ class TransformerBlock(torch.nn.Module):
         self.recompute = cfg.recompute_granularity == "full"
         self.recompute_method = cfg.recompute_method
         self.recompute_num_layers = cfg.recompute_num_layers
+        self.offload = build_activation_offload(cfg, ps)
         self.layers = torch.nn.ModuleDict({
             str(i): TransformerLayer(cfg, i, ps, sequence_parallel=sequence_parallel, rng=rng,
                                      seed=seed, device=device, dtype=dtype)
@@ -65,8 +73,15 @@ class TransformerBlock(torch.nn.Module):
             return x if self.final_layernorm is None else self.final_layernorm(x)
         if rotary is not None:  # cast once for all layers (a no-op in fp32)
             rotary = (rotary[0].to(x.dtype), rotary[1].to(x.dtype))
+        offload = (self.offload.forward() if self.offload is not None and self.training
+                   and torch.is_grad_enabled() else None)
         if not (self.recompute and self.training and torch.is_grad_enabled()):
-            x = self._run(layers, x, rotary, document_ids)
+            if offload is None:
+                x = self._run(layers, x, rotary, document_ids)
+            else:
+                for i, layer in enumerate(layers):
+                    with offload.layer(i, layer):
+                        x = layer(x, rotary, document_ids)
         elif self.recompute_method == "uniform":
             n = self.recompute_num_layers
             for start in range(0, len(layers), n):
@@ -76,7 +91,9 @@ class TransformerBlock(torch.nn.Module):
                 if i < self.recompute_num_layers:
                     x = self._checkpointed([layer], x, rotary, document_ids)
                 else:
-                    x = layer(x, rotary, document_ids)
+                    n = self.recompute_num_layers   # offload counts the plain layers
+                    with offload.layer(i - n, layer) if offload is not None else nullcontext():
+                        x = layer(x, rotary, document_ids)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x
