@@ -337,8 +337,10 @@ def train(c: TrainingComponents) -> TrainResult:
                 metrics.print(f" exiting at iteration {state.iteration}: {reason}")
                 break
         result.gc_collected_at = list(manual_gc.collected_at)
-    if ck.save and last_saved != state.iteration and state.iteration > 0:
-        save(c, state, saver)
-    saver.close()  # waits for an async save and publishes it
+        # inside the handler: a second SIGTERM (a scheduler and torchrun both send one)
+        # must not kill a rank in the middle of its exit save
+        if ck.save and last_saved != state.iteration and state.iteration > 0:
+            save(c, state, saver)
+        saver.close()  # waits for an async save and publishes it
     result.iteration = state.iteration
     return result

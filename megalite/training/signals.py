@@ -39,8 +39,12 @@ class SignalHandler:
         return self
 
     def __exit__(self, *exc) -> None:
+        """Restore the previous handler; after a received signal, ignore further ones
+        instead: the process is already stopping because of the first, and a repeat (a
+        scheduler signals the launcher and its workers, the launcher forwards it too)
+        must not kill it while it cleans up. A scheduler that wants it gone sends SIGKILL."""
         if self.enabled:
-            signal.signal(self.sig, self._previous)
+            signal.signal(self.sig, signal.SIG_IGN if self.received else self._previous)
 
     def any_rank_received(self, device: torch.device | None = None) -> bool:
         """True on every rank if any rank got the signal (MAX all-reduce over the world).
