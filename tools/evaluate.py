@@ -54,8 +54,9 @@ def main(argv=None) -> int:
         from megalite.inference.loading import load_for_inference
         from megalite.training.build import default_datasets_provider
 
-        cfg, model, tokenizer = load_for_inference(args.load, args.ckpt_step, args)
+        # the iteration first, then that one loaded: a live job may publish newer ones
         iteration = _checkpoint_iteration(args)
+        cfg, model, tokenizer = load_for_inference(args.load, iteration, args)
         t = cfg.train
         if args.data_path is not None:
             cfg.data.data_path = args.data_path
