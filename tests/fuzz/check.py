@@ -38,12 +38,13 @@ from tests.layouts import Layout, tiny
 
 ITERS = 3
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
-# recomputation, the dispatcher and the cp comm type do not change the model: the reference
-# runs without
+# recomputation, activation offload, the dispatcher and the cp comm type do not change the
+# model: the reference runs without
 # optimizer CPU offload neither (and needs a sharded optimizer, which one process lacks)
 OPTIM_DROPS = ("optimizer_cpu_offload", "optimizer_offload_fraction")
 REFERENCE_DROPS = ("recompute_granularity", "recompute_method", "recompute_num_layers",
-                   "moe_token_dispatcher_type", "cp_comm_type")
+                   "moe_token_dispatcher_type", "cp_comm_type", "cpu_offloading",
+                   "cpu_offloading_num_layers")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,9 @@ Context parallelism is drawn last, from a generator of its own (``random.Random`
 stay what they were before cp was a dimension. The same holds for the sharding strategy
 and optimizer CPU offload (``"shard-<seed>"``): where the distributed optimizer was drawn,
 half the draws shard the gradients too (``--data-parallel-sharding-strategy optim_grads``)
-and a third offload half or all of the optimizer state to the host.
+and a third offload half or all of the optimizer state to the host. Activation offload
+(``--cpu-offloading``, 1 to num_layers - 1 layers per chunk) is drawn for a quarter of the
+seeds from ``"act-offload-<seed>"``.
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -156,8 +158,16 @@ def _sharding(srng: random.Random, short: dict, optim: dict) -> None:
                      optimizer_offload_fraction=srng.choice((0.5, 1.0)))
 
 
+def _activation_offload(arng: random.Random, model: dict) -> None:
+    """``--cpu-offloading`` of 1 .. num_layers - 1 layers per chunk (Megatron's bound), into
+    ``model``, for a quarter of the draws."""
+    if arng.random() < 0.25 and model["num_layers"] > 1:
+        model.update(cpu_offloading=True,
+                     cpu_offloading_num_layers=arng.randint(1, model["num_layers"] - 1))
+
+
 def _draw_once(rng: random.Random, seed: int, crng: random.Random,
-               srng: random.Random) -> Layout | None:
+               srng: random.Random, arng: random.Random) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -167,10 +177,12 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
         return None
     world *= _context_parallel(crng, short, model, world)
     _sharding(srng, short, optim)
+    _activation_offload(arng, model)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model), ("bf16", model.get("bf16")),
                              ("sgd", optim.get("optimizer") == "sgd"),
-                             ("offload", optim.get("optimizer_cpu_offload"))) if on]
+                             ("offload", optim.get("optimizer_cpu_offload")),
+                             ("actoff", model.get("cpu_offloading"))) if on]
     if "cp" in short:
         marks.insert(0, model["cp_comm_type"])
     name = "-".join([f"fuzz{seed}", slug(world, parallel), *marks])
@@ -197,9 +209,9 @@ def draw_layout(seed: int) -> Layout:
     """The layout of ``seed``: the first draw of ``random.Random(seed)`` that fits 1 to 8
     ranks and that megalite accepts."""
     rng, crng = random.Random(seed), random.Random(f"cp-{seed}")
-    srng = random.Random(f"shard-{seed}")
+    srng, arng = random.Random(f"shard-{seed}"), random.Random(f"act-offload-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng, srng)
+        layout = _draw_once(rng, seed, crng, srng, arng)
         if layout is not None and rejection(layout) is None:
             return layout
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")
