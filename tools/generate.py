@@ -1,15 +1,20 @@
-"""Generate text from a megalite checkpoint (any saved layout), in one process on CPU.
+"""Generate text from a megalite checkpoint (any saved layout), on one process or tensor parallel.
 
     python tools/generate.py --load runs/pretrain_tiny_cpu/checkpoints \
         --prompt "In the beginning" --max-new-tokens 40 --temperature 0.8 --top-p 0.9
+    torchrun --nproc-per-node 2 tools/generate.py --load runs/pretrain_tiny_cpu/checkpoints \
+        --tensor-model-parallel-size 2 --prompts-file prompts.txt --temperature 0
 
 Greedy with ``--temperature 0`` (the default is 1.0); ``--top-k``/``--top-p`` filter;
 ``--seed`` makes sampling repeatable; generation stops at the end-of-document token or
 the model's sequence length. Prompts: ``--prompt`` (repeatable), ``--prompts-file`` (one
-per line), or ``--interactive`` (read prompts from stdin). The tokenizer is the one the
-checkpoint records unless the tokenizer flags say otherwise. A KV cache makes each new
-token one token's forward. Tensor parallelism across ranks is not supported yet: the
-checkpoint is loaded whole into this process.
+per line), or ``--interactive`` (read prompts from stdin); up to ``--batch-size`` of them
+are decoded together (left-padded; greedy output is the same as one at a time). The
+tokenizer is the one the checkpoint records unless the tokenizer flags say otherwise. A
+KV cache makes each new token one token's forward. ``--tensor-model-parallel-size N``
+under ``torchrun --nproc-per-node N`` splits the model's heads and vocabulary over N
+ranks (the checkpoint is resharded on load); rank 0 prints. Pipeline, context and
+sequence parallelism are refused.
 """
 
 from __future__ import annotations
@@ -42,6 +47,27 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-model", default=None)
     p.add_argument("--vocab-file", default=None)
     p.add_argument("--merge-file", default=None)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="ranks the model is split over (launch that many with torchrun)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help=argparse.SUPPRESS)  # refused with one line when not 1
+    p.add_argument("--context-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--sequence-parallel", action="store_true", help=argparse.SUPPRESS)
+
+
+def load(args):
+    """(cfg, model, tokenizer, ParallelState) for the load flags (collective over the
+    ranks torchrun started)."""
+    from megalite.inference.loading import (
+        check_inference_layout,
+        inference_state,
+        load_for_inference,
+    )
+
+    check_inference_layout(args)
+    ps = inference_state(args.tensor_model_parallel_size)
+    cfg, model, tokenizer = load_for_inference(args.load, args.ckpt_step, args, ps)
+    return cfg, model, tokenizer, ps
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts-file", default=None, help="one prompt per line")
     p.add_argument("--interactive", action="store_true", help="read prompts from stdin")
     p.add_argument("--num-samples", type=int, default=1, help="continuations per prompt")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     add_sampling_args(p)
     return p.parse_args(argv)
 
@@ -66,42 +93,60 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def continuation(model, tokenizer, text: str, args, generator) -> str:
-    from megalite.inference.generation import generate
+def continuations(model, tokenizer, texts: list[str], args, generator) -> list[str]:
+    """The decoded continuation of each of ``texts``, ``--batch-size`` at a time."""
+    from megalite.inference.generation import generate_batch
     from megalite.inference.sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
-    ids = generate(model, tokenizer.tokenize(text), args.max_new_tokens, params,
-                   eod=tokenizer.eod, generator=generator)
-    if ids and ids[-1] == tokenizer.eod:
-        ids = ids[:-1]
-    return tokenizer.detokenize(ids)
+    out = []
+    for i in range(0, len(texts), args.batch_size):
+        prompts = [tokenizer.tokenize(t) for t in texts[i:i + args.batch_size]]
+        for ids in generate_batch(model, prompts, args.max_new_tokens, params,
+                                  eod=tokenizer.eod, generator=generator):
+            out.append(tokenizer.detokenize(ids[:-1] if ids[-1:] == [tokenizer.eod] else ids))
+    return out
+
+
+def _interactive(model, tokenizer, args, generator, ps) -> None:
+    """Rank 0 reads a prompt from stdin and broadcasts it to every rank; an empty line or
+    end of input (None to the others) ends."""
+    from megalite.parallel.collectives import broadcast_object_list
+
+    while True:
+        text = None
+        if ps.rank == 0:
+            print("prompt (empty line or Ctrl-D to quit)> ", end="", flush=True)
+            line = sys.stdin.readline()
+            text = line.rstrip("\n") or None
+        text = broadcast_object_list([text], src=0)[0]
+        if text is None:
+            return
+        out = continuations(model, tokenizer, [text], args, generator)[0]
+        if ps.rank == 0:
+            print(text + out, flush=True)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        from megalite.inference.loading import load_for_inference
         from megalite.inference.sampling import SamplingParams
 
         SamplingParams(args.temperature, args.top_k, args.top_p).check()
+        if args.batch_size < 1 or args.num_samples < 1:
+            raise ValueError(f"--batch-size ({args.batch_size}) and --num-samples "
+                             f"({args.num_samples}) must be >= 1")
         prompts = read_prompts(args)
         if not prompts and not args.interactive:
             raise ValueError("give --prompt, --prompts-file or --interactive")
-        _cfg, model, tokenizer = load_for_inference(args.load, args.ckpt_step, args)
+        _cfg, model, tokenizer, ps = load(args)
         generator = torch.Generator().manual_seed(args.seed)
-        for text in prompts:
-            for _ in range(args.num_samples):
-                print(f"[{text}]{continuation(model, tokenizer, text, args, generator)}",
-                      flush=True)
+        texts = [t for t in prompts for _ in range(args.num_samples)]
+        for text, out in zip(texts, continuations(model, tokenizer, texts, args, generator)):
+            if ps.rank == 0:
+                print(f"[{text}]{out}", flush=True)
         if args.interactive:
-            print("prompt (empty line or Ctrl-D to quit)> ", end="", flush=True)
-            for line in sys.stdin:
-                text = line.rstrip("\n")
-                if not text:
-                    break
-                print(text + continuation(model, tokenizer, text, args, generator), flush=True)
-                print("prompt> ", end="", flush=True)
+            _interactive(model, tokenizer, args, generator, ps)
     except (KeyboardInterrupt, BrokenPipeError):
         return 130
     except Exception as exc:

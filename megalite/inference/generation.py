@@ -1,9 +1,16 @@
-"""Autoregressive generation with a GPTModel on one process (tp across ranks: later).
+"""Autoregressive generation with a GPTModel, on one process or tensor parallel.
 
-:func:`generate` runs the prompt once through the model filling an
-:class:`~megalite.inference.kv_cache.InferenceCache`, then feeds one token per step, so
-each new token costs one token's forward. Without the cache (``use_cache=False``) every
-step re-runs the whole sequence: the reference the cache is tested against.
+:func:`generate_batch` left-pads a batch of prompts, runs them once through the model
+filling an :class:`~megalite.inference.kv_cache.InferenceCache` (pad keys masked, each
+row's positions counted from its first real token), then feeds one token per row per
+step, so each new token costs one token's forward. :func:`generate` is one prompt.
+Without the cache (``use_cache=False``) every step re-runs the whole sequence: the
+reference the cache is tested against.
+
+Under tensor parallelism every rank of ``model.ps.tp`` runs this with the same prompts:
+each rank caches its own heads' keys/values, the last position's logits are all-gathered
+over the tp group (``[b, V_padded/tp]`` -> ``[b, V_padded]``), and the token tp rank 0
+chooses is broadcast over the tp group, so every rank feeds the same next token.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import torch
 from megalite.config import ConfigError
 from megalite.inference.kv_cache import InferenceCache
 from megalite.inference.sampling import SamplingParams, sample
+from megalite.parallel import collectives
+from megalite.parallel.mappings import gather_from_tensor_model_parallel_region
 
 
 class GenerationError(ConfigError):
@@ -42,8 +51,21 @@ def check_prompt(prompt: list[int], cfg) -> None:
 
 
 def _last_logits(model, logits: torch.Tensor) -> torch.Tensor:
-    """``[b, s, V_padded]`` -> fp32 ``[b, V]`` of the last position, padding removed."""
-    return logits[:, -1, :model.config.vocab_size].float()
+    """This rank's ``[b, s, V_padded/tp]`` -> fp32 ``[b, V]`` of the last position, the
+    vocabulary all-gathered over ``model.ps.tp`` and its padding removed."""
+    last = gather_from_tensor_model_parallel_region(logits[:, -1].float(), model.ps.tp)
+    return last[:, :model.config.vocab_size]
+
+
+def _agree(model, tokens: torch.Tensor) -> torch.Tensor:
+    """int64 ``[b]``: tp rank 0's tokens on every rank of ``model.ps.tp`` (a broadcast
+    over the tp group), so sampling cannot drift apart between ranks."""
+    tp = model.ps.tp
+    if tp.size == 1:
+        return tokens
+    return torch.tensor(collectives.broadcast_object_list(
+        [tokens.tolist()], src=tp.ranks[0], group=tp)[0], dtype=torch.int64,
+        device=tokens.device)
 
 
 @torch.no_grad()
@@ -53,28 +75,68 @@ def generate(model, prompt: list[int], max_new_tokens: int,
     """The new token ids after ``prompt`` (at most ``max_new_tokens``; fewer when the
     end-of-document token ``eod`` is drawn (it is included) or the sequence reaches
     :func:`max_sequence_length`)."""
+    return generate_batch(model, [prompt], max_new_tokens, params, eod=eod,
+                          generator=generator, use_cache=use_cache)[0]
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
+                   params: SamplingParams | None = None, *, eod: int | None = None,
+                   generator: torch.Generator | None = None, pad_id: int = 0,
+                   use_cache: bool = True) -> list[list[int]]:
+    """The new token ids after each of ``prompts``, decoded together in one batch (the
+    rows of :func:`generate`, each stopping on its own at ``eod``, ``max_new_tokens`` or
+    :func:`max_sequence_length`). Rows are left-padded with ``pad_id`` to the longest
+    prompt; greedy output equals generating each prompt alone. A finished row keeps
+    feeding its last token until every row is done; what it draws is dropped."""
     params = (params or SamplingParams(temperature=0.0)).check()
     cfg = model.config
-    check_prompt(prompt, cfg)
+    if not prompts:
+        raise GenerationError("no prompts to generate from")
+    for prompt in prompts:
+        check_prompt(prompt, cfg)
     if max_new_tokens < 0:
         raise GenerationError(f"max new tokens must be >= 0, got {max_new_tokens}")
+    limit = max_sequence_length(cfg)
+    lengths = [len(p) for p in prompts]
+    budget = [min(max_new_tokens, limit - n) for n in lengths]  # new tokens per row
+    width = max(lengths)
+    pads = torch.tensor([width - n for n in lengths], dtype=torch.int64)
+    device = next(model.parameters()).device
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.int64,
+                       device=device)  # [b, width]
+    total = width + max(budget)
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [n == 0 for n in budget]
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    total = min(len(prompt) + max_new_tokens, max_sequence_length(cfg))
-    ids = torch.tensor([prompt], dtype=torch.int64, device=device)  # [1, s]
-    cache = InferenceCache(total) if use_cache else None
-    out: list[int] = []
+    cache = InferenceCache(total, pads if len(prompts) > 1 else None)
     step_input = ids
     try:
-        while ids.shape[1] < total:
-            logits = model(step_input if use_cache else ids, inference_cache=cache)
-            token = sample(_last_logits(model, logits), params, generator)  # [1]
-            out.append(int(token.item()))
-            ids = torch.cat([ids, token.view(1, 1)], dim=1)
-            step_input = token.view(1, 1)
-            if eod is not None and out[-1] == eod:
-                break
+        while not all(done):
+            # a finished row's positions may run past the limit: clamped, never used
+            if use_cache:
+                pos = cache.position_ids(len(prompts), step_input.shape[1], device)
+                logits = model(step_input, position_ids=pos.clamp_max(limit - 1),
+                               inference_cache=cache)
+            elif len(prompts) > 1:  # a fresh cache: one full forward with padding masked
+                fresh = InferenceCache(ids.shape[1], pads)
+                pos = fresh.position_ids(len(prompts), ids.shape[1], device)
+                logits = model(ids, position_ids=pos.clamp_max(limit - 1),
+                               inference_cache=fresh)
+            else:
+                logits = model(ids)
+            tokens = _agree(model, sample(_last_logits(model, logits), params, generator))
+            for r, token in enumerate(tokens.tolist()):
+                if done[r]:
+                    continue
+                out[r].append(token)
+                done[r] = len(out[r]) >= budget[r] or (eod is not None and token == eod)
+            keep = torch.tensor([[o[-1] if o else p[-1]] for o, p in zip(out, prompts)],
+                                dtype=torch.int64, device=device)  # [b, 1]
+            step_input = torch.where(torch.tensor(done, device=device).view(-1, 1), keep,
+                                     tokens.view(-1, 1))
+            ids = torch.cat([ids, step_input], dim=1)
     finally:
         model.train(was_training)
     return out
@@ -83,13 +145,15 @@ def generate(model, prompt: list[int], max_new_tokens: int,
 @torch.no_grad()
 def sequence_logits(model, tokens: list[int], use_cache: bool) -> torch.Tensor:
     """fp32 ``[s, V]`` logits of every position of ``tokens``: in one forward, or with
-    the cache one token at a time (each from the cached keys of the earlier ones)."""
+    the cache one token at a time (each from the cached keys of the earlier ones); under
+    tensor parallelism gathered over ``model.ps.tp`` (every rank gets all of them)."""
     model.eval()
     ids = torch.tensor([tokens], dtype=torch.int64, device=next(model.parameters()).device)
     vocab = model.config.vocab_size
     if not use_cache:
-        return model(ids)[0, :, :vocab].float()
-    cache = InferenceCache(len(tokens))
-    rows = [model(ids[:, i:i + 1], inference_cache=cache)[0, -1, :vocab].float()
-            for i in range(len(tokens))]
-    return torch.stack(rows)
+        local = model(ids)[0].float()  # [s, V_padded/tp]
+    else:
+        cache = InferenceCache(len(tokens))
+        local = torch.stack([model(ids[:, i:i + 1], inference_cache=cache)[0, -1].float()
+                             for i in range(len(tokens))])
+    return gather_from_tensor_model_parallel_region(local, model.ps.tp)[:, :vocab]

@@ -7,8 +7,13 @@ key (causal among the new tokens). After the forward, the model advances ``seq_l
 training path never builds one (the argument defaults to None), so training numerics do
 not change.
 
-Buffers are preallocated ``[max_len, b, groups/tp, d]`` per layer, so a decoding step
+Buffers are preallocated ``[max_len, b, groups/tp, d]`` per layer (under tensor
+parallelism each rank caches only its own heads' keys and values), so a decoding step
 costs one token's forward plus attention over the cache, not a re-run of the prefix.
+
+A batch of prompts of different lengths is left-padded: ``InferenceCache(max_len,
+pad_lengths=...)`` records each row's padding, and no real token attends to a pad key
+(a pad query sees its own key only, so its output stays finite and unused).
 """
 
 from __future__ import annotations
@@ -47,17 +52,25 @@ class LayerKVCache:
         self.v[start:end] = v
         return self.k[:end], self.v[:end]
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """:func:`cached_attention` of the new queries over the keys/values ``append``
+        returned, masking the batch's left padding."""
+        return cached_attention(q, k, v, self.parent.pad_lengths)
+
 
 class InferenceCache:
     """Per-layer key/value caches of one batch of sequences decoded together.
 
     ``max_len``: the most tokens (prompt + generated) any sequence reaches.
     ``seq_len``: the tokens already cached (the next token's position).
+    ``pad_lengths``: int64 ``[b]``, the left-padding tokens of each row (None: none);
+    row ``r``'s token at cache index ``i`` has position ``i - pad_lengths[r]``.
     """
 
-    def __init__(self, max_len: int):
+    def __init__(self, max_len: int, pad_lengths: torch.Tensor | None = None):
         self.max_len = max_len
         self.seq_len = 0
+        self.pad_lengths = pad_lengths
         self._layers: dict[int, LayerKVCache] = {}
 
     def layer(self, layer_number: int) -> LayerKVCache:
@@ -68,13 +81,24 @@ class InferenceCache:
     def advance(self, num_tokens: int) -> None:
         self.seq_len += num_tokens
 
+    def position_ids(self, batch: int, num_tokens: int, device=None) -> torch.Tensor:
+        """int64 ``[b, num_tokens]`` positions of the next ``num_tokens`` tokens of each
+        row (0 for pad tokens)."""
+        idx = torch.arange(self.seq_len, self.seq_len + num_tokens, device=device)
+        pos = idx.expand(batch, num_tokens)
+        if self.pad_lengths is not None:
+            pos = (pos - self.pad_lengths.to(device).view(-1, 1)).clamp_min(0)
+        return pos
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     pad_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Queries ``[s, b, nh, d]`` of the last ``s`` positions, keys/values
     ``[S, b, ng, d]`` of all ``S >= s`` positions -> context ``[s, b, nh * d]``.
 
-    Query ``i`` (position ``S - s + i``) sees keys ``0 .. S - s + i``; scores and softmax
-    in fp32 (as the ``local`` kernel)."""
+    Query ``i`` (position ``S - s + i``) sees keys ``0 .. S - s + i``, except row ``r``'s
+    first ``pad_lengths[r]`` keys (left padding; int64 ``[b]``), which only their own
+    query sees; scores and softmax in fp32 (as the ``local`` kernel)."""
     s, b, nh, d = q.shape
     S, ng = k.shape[0], k.shape[2]
     qb = q.permute(1, 2, 0, 3)  # [b, nh, s, d]
@@ -83,7 +107,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         kb = kb.repeat_interleave(nh // ng, dim=1)
         vb = vb.repeat_interleave(nh // ng, dim=1)
     scores = torch.matmul(qb, kb.transpose(-1, -2)).float() / math.sqrt(d)  # [b, nh, s, S]
-    future = torch.ones(s, S, dtype=torch.bool, device=q.device).triu(S - s + 1)
-    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    blocked = torch.ones(s, S, dtype=torch.bool, device=q.device).triu(S - s + 1)
+    if pad_lengths is not None:
+        key_pos = torch.arange(S, device=q.device)
+        pad_key = key_pos.view(1, S) < pad_lengths.to(q.device).view(b, 1)  # [b, S]
+        own = key_pos.view(1, S) == (key_pos[S - s:]).view(s, 1)  # [s, S]
+        blocked = (blocked.view(1, s, S) | (pad_key.view(b, 1, S) & ~own)).view(b, 1, s, S)
+    probs = scores.masked_fill(blocked, float("-inf")).softmax(dim=-1)
     ctx = torch.matmul(probs.to(vb.dtype), vb)  # [b, nh, s, d]
     return ctx.permute(2, 0, 1, 3).reshape(s, b, nh * d)

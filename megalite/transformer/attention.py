@@ -68,10 +68,8 @@ class SelfAttention(torch.nn.Module):
             qk = apply_rotary(qk, *rotary)
         q, k = qk.split([nh, ng], dim=2)
         if kv_cache is not None:
-            from megalite.inference.kv_cache import cached_attention
-
             k, v = kv_cache.append(k, v)
-            return self.linear_proj(cached_attention(q, k, v))
+            return self.linear_proj(kv_cache.attend(q, k, v))
         if self.recompute_core and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self.core_attention, q, k, v, document_ids, use_reentrant=False,
                              context_fn=self.rng.recompute_context_fn)

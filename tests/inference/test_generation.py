@@ -4,7 +4,12 @@ cache gives the same logits as full forwards; sampling filters keep the right to
 import pytest
 import torch
 
-from megalite.inference.generation import GenerationError, generate, sequence_logits
+from megalite.inference.generation import (
+    GenerationError,
+    generate,
+    generate_batch,
+    sequence_logits,
+)
 from megalite.inference.kv_cache import InferenceCache
 from megalite.inference.sampling import SamplingError, SamplingParams, filter_logits, sample
 from megalite.models.families import get_family
@@ -106,3 +111,29 @@ def test_sampling_is_seeded_and_filters(models):
     assert sample(logits, SamplingParams(temperature=0.0)).tolist() == [1]
     with pytest.raises(SamplingError, match="top-p"):
         SamplingParams(top_p=1.5).check()
+
+
+BATCH = [PROMPT, [9], [22, 4, 31], list(range(1, 15)), [7, 7]]  # lengths 5, 1, 3, 14, 2
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_batch_equals_one_at_a_time(models, family):
+    """Left-padded batches (pad keys masked, positions per row) give each prompt's greedy
+    tokens of generating it alone; each row stops on its own (the 14-token prompt at the
+    sequence length of 16, others at their eod)."""
+    ours, _ = models[family]
+    alone = [generate(ours, p, 8) for p in BATCH]
+    assert [len(a) for a in alone] == [8, 8, 8, 2, 8]
+    assert generate_batch(ours, BATCH, 8) == alone
+    assert generate_batch(ours, BATCH, 8, use_cache=False) == alone
+    eod = alone[0][3]  # a token some rows draw: those rows stop there, the others go on
+    want = [generate(ours, p, 8, eod=eod) for p in BATCH]
+    assert generate_batch(ours, BATCH, 8, eod=eod, pad_id=eod) == want
+    assert any(len(w) < len(a) for w, a in zip(want, alone))
+    # the padded rows' logits equal their own unpadded forward
+    cache = InferenceCache(14, pad_lengths=torch.tensor([9, 0]))
+    ids = torch.tensor([[0] * 9 + PROMPT, list(range(1, 15))])
+    with torch.no_grad():
+        got = ours(ids, position_ids=cache.position_ids(2, 14), inference_cache=cache)
+    full = sequence_logits(ours, PROMPT, use_cache=False)
+    assert (got[0, 9:, :50].float() - full).abs().max().item() < 1e-4
