@@ -12,8 +12,10 @@ works there too), or from a launch script (``--megatron-script train.sh``: every
 in it; layout flags are ignored, unknown ones skipped with a note). The cluster is a
 preset (``--preset h100|h200|a100`` x ``--nodes``) or given in full (``--gpus-per-node``,
 ``--gpu-memory-gib``, ``--peak-tflops``, ``--intra-node-gbps``, ``--inter-node-gbps``, GB/s
-per GPU one way). Prints the best ``--top`` feasible layouts with memory per rank by term,
-compute, communication time and bytes per parallelism, bubble and MFU; then the best
+per GPU one way). ``--tp/--pp/--vpp/--cp/--ep N ...``, ``--strategies``, ``--recompute``,
+``--micro-batch-sizes`` and ``--offload-fractions`` narrow the search (e.g. to one published
+layout: ``examples/planner/``). Prints the best ``--top`` feasible layouts with memory per
+rank by term, compute, communication time and bytes per parallelism, bubble and MFU; then the best
 layout's flags ready to paste; ``--show-infeasible N`` lists rejected layouts and the limit
 each breaks.
 """
@@ -36,8 +38,9 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size"
                 "--num-layers-per-virtual-pipeline-stage", "--context-parallel-size",
                 "--expert-model-parallel-size", "--expert-tensor-parallel-size",
                 "--micro-batch-size", "--recompute-granularity", "--recompute-method",
-                "--recompute-num-layers", "--data-parallel-sharding-strategy"}
-LAYOUT_SWITCHES = {"--sequence-parallel", "--use-distributed-optimizer"}
+                "--recompute-num-layers", "--data-parallel-sharding-strategy",
+                "--optimizer-offload-fraction"}
+LAYOUT_SWITCHES = {"--sequence-parallel", "--use-distributed-optimizer", "--optimizer-cpu-offload"}
 
 
 def script_flags(text: str) -> tuple[list[str], list[str]]:
@@ -143,12 +146,7 @@ def build_cluster(args) -> Cluster:
     return replace(base, **over)
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    model_flags = []
-    if "--" in argv:
-        k = argv.index("--")
-        argv, model_flags = argv[:k], argv[k + 1:]
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plan_layout.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h100")
     parser.add_argument("--nodes", type=int, default=1)
@@ -165,6 +163,23 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch-sizes", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
     parser.add_argument("--recompute", nargs="*", default=list(RECOMPUTE))
+    parser.add_argument("--offload-fractions", type=float, nargs="*", default=[0.0, 1.0],
+                        help="--optimizer-offload-fraction values to try (0: no offload)")
+    for dim in ("tp", "pp", "vpp", "cp", "ep"):
+        parser.add_argument(f"--{dim}", type=int, nargs="*",
+                            help=f"only these {dim} sizes (default: all that can work)")
+    return parser
+
+
+def plan(argv: list[str]):
+    """Parse ``argv`` (this tool's flags, ``--``, the model's) and search: (ranked candidates,
+    cluster, parsed tool args)."""
+    argv = list(argv)
+    model_flags = []
+    if "--" in argv:
+        k = argv.index("--")
+        argv, model_flags = argv[:k], argv[k + 1:]
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.megatron_script:
         flags, skipped = script_flags(Path(args.megatron_script).read_text())
@@ -182,7 +197,20 @@ def main(argv=None) -> int:
     cluster = build_cluster(args)
     candidates = search(base, cluster, strategies=tuple(args.strategies),
                         recomputes=tuple(args.recompute),
-                        micro_batch_sizes=tuple(args.micro_batch_sizes))
+                        micro_batch_sizes=tuple(args.micro_batch_sizes),
+                        offloads=tuple(args.offload_fractions), tp=args.tp, pp=args.pp,
+                        vpp=args.vpp, cp=args.cp, ep=args.ep)
+    return candidates, cluster, args
+
+
+def script_argv(path) -> list[str]:
+    """The flags a ``examples/planner/*.sh`` script passes to this tool."""
+    tokens = shlex.split(Path(path).read_text().replace("\\\n", " "), comments=True)
+    return tokens[tokens.index("tools/plan_layout.py") + 1:]
+
+
+def main(argv=None) -> int:
+    candidates, cluster, args = plan(sys.argv[1:] if argv is None else argv)
     print(report(candidates, cluster, args.top, args.show_infeasible))
     return 0 if any(c.feasible for c in candidates) else 1
 

@@ -3,7 +3,19 @@
 Bandwidths are per GPU, bytes/s, one direction: ``intra_node_bw`` between GPUs of a node
 (NVLink), ``inter_node_bw`` of each GPU's share of the network (InfiniBand / RoCE NIC).
 ``matmul_efficiency`` is the fraction of ``peak_flops`` a large bf16 GEMM reaches;
-``latency_s`` the fixed cost of one collective.
+``latency_s`` the fixed cost of one collective (per ring hop).
+
+Fixed costs that do not shrink with the work, which dominate small models (on a GPU the
+kernel launches, on a CPU the framework's per-operator dispatch), per rank:
+``layer_overhead_s`` of one transformer layer's forward and backward for one micro-batch,
+``layer_forward_overhead_s`` of its forward alone (what full recomputation repeats),
+``microbatch_overhead_s`` of the rest of a micro-batch (embedding, output layer, loss).
+The presets leave them 0 (hidden by asynchronous launches on a GPU at these sizes); the
+CPU check measures them (:class:`megalite.planner.measure.OverheadProbe`).
+
+``host_bw`` (bytes/s per GPU, one direction, PCIe) and ``host_memory_bw`` (each GPU's
+share of the host's memory bandwidth) time ``--optimizer-cpu-offload``: the offloaded
+gradients go to the host and the parameters come back, and the host steps Adam.
 """
 
 from __future__ import annotations
@@ -24,6 +36,11 @@ class Cluster:
     matmul_efficiency: float = 0.7
     latency_s: float = 10e-6
     memory_bw: float = 2.0e12  # bytes/s of device memory (memory-bound work)
+    layer_overhead_s: float = 0.0
+    layer_forward_overhead_s: float = 0.0
+    microbatch_overhead_s: float = 0.0
+    host_bw: float = 25e9      # PCIe 4/5 x16, about half its peak in practice
+    host_memory_bw: float = 25e9
     memory_margin: float = 0.9  # fraction of gpu_memory a layout may plan for (the CUDA
                                 # context, allocator fragmentation and NCCL take the rest)
     name: str = "custom"

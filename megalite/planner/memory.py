@@ -9,7 +9,13 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   ``--grad-reduce-in-bf16``), Adam's two fp32 moments plus an fp32 master copy when
   training in half precision, the optimizer (and with optim_grads the gradients) divided
   by the data-parallel group that shards them: dp x cp for dense parameters, the expert
-  data-parallel size for experts.
+  data-parallel size for experts. Under optim_grads the full gradient buffer exists while
+  a step accumulates (megalite allocates it at the step's first gradient and drops it
+  after the reduce-scatter), so the peak holds it and the persistent shard, ``(1 + 1/D)``
+  gradient bytes; between steps only the shard (:func:`state_bytes`). With
+  ``--optimizer-cpu-offload`` the device keeps ``1 - F`` of the optimizer bytes and the
+  host ``16 F / D`` per parameter (fp32 master, a gradient copy, two moments):
+  ``host``, not part of the device total.
 * **activations** -- what autograd keeps for backward, per layer and micro-batch
   (:func:`layer_activation_elements`, counted from megalite's layers: the saved inputs of
   the norms, linears, attention kernel and activation function), times the peak number of
@@ -26,8 +32,10 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   tensor-parallel collectives' buffers (a whole ``[s, b, h]`` activation, two under
   sequence parallelism).
 * **gathered params** -- the distributed optimizer's parameter all-gather writes into the
-  parameters themselves (nothing extra here); a hook for a strategy that gathers
-  parameters per layer (ZeRO-3: one layer's full parameters while it runs).
+  parameters themselves (nothing extra); under optim_grads_params (ZeRO-3: parameters
+  sharded, ``2 / D`` bytes each between steps) the full copies of the running unit and
+  of the prefetched one (:mod:`megalite.optim.param_sharding`): the two largest of this
+  stage's units (:func:`unit_params`: each layer, the embedding, the output layer).
 
 Elements are multiplied by the activation dtype's bytes (4 fp32, 2 bf16/fp16); softmax
 statistics and the cross entropy's probabilities are fp32 whatever the dtype.
@@ -60,6 +68,7 @@ class MemoryEstimate:
     params_elements: int
     in_flight: int
     notes: list = field(default_factory=list)
+    host: float = 0.0      # optimizer bytes in host memory (--optimizer-cpu-offload)
 
     @property
     def total(self) -> float:
@@ -70,7 +79,7 @@ class MemoryEstimate:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "transient": self.transient,
                 "comm_buffers": self.comm_buffers, "gathered_params": self.gathered_params,
-                "total": self.total}
+                "total": self.total, "host": self.host}
 
 
 def _dtype_bytes(m) -> int:
@@ -145,6 +154,29 @@ def stage_param_counts(m, p, pp_rank: int) -> tuple[int, int]:
     return dense, expert
 
 
+def unit_params(m, p, pp_rank: int) -> list[int]:
+    """Parameter elements of each unit ZeRO-3 gathers at once on pipeline rank ``pp_rank``
+    (one tp / ep slice): each transformer layer, the embedding tables on the first stage,
+    the output layer (with the final norm) on the last."""
+    tp, ep, etp = p.tensor_model_parallel_size, p.expert_model_parallel_size, \
+        p.expert_tensor_parallel_size
+    units = []
+    for layer in stage_layers(m, p, pp_rank):
+        n = dense_layer_params(m, tp)
+        if _is_moe(m, layer):
+            n += sum(moe_mlp_params(m, tp, ep, etp))
+        else:
+            n += dense_mlp_params(m, tp)
+        units.append(n)
+    vocab = m.padded_vocab_size(tp) * m.hidden_size // tp
+    if pp_rank == 0:
+        units.append(vocab + (m.max_position_embeddings * m.hidden_size
+                              if m.learned_positions else 0))
+    if pp_rank == p.pipeline_model_parallel_size - 1:
+        units.append(vocab + _norm_params(m))
+    return units
+
+
 def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict:
     """Elements one transformer layer keeps for backward for one micro-batch, by dtype:
     ``{"act": elements in the compute dtype, "fp32": elements always fp32}``; the layer's
@@ -207,27 +239,18 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None) -> MemoryE
         stages = [estimate_memory(cfg, world_size, r)
                   for r in range(p.pipeline_model_parallel_size)]
         return max(stages, key=lambda s: s.total)
-    m, t, o = cfg.model, cfg.train, cfg.optim
+    m, t = cfg.model, cfg.train
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
         p.context_parallel_size
     dp = world_size // (tp * pp * cp)
-    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
-    edp = tp * cp * dp // (ep * etp)
-    half = m.bf16 or m.fp16
     eb = _dtype_bytes(m)
     strategy = p.data_parallel_sharding_strategy
-    grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
-    optim_bytes = (12 if half else 8) if o.optimizer == "adam" else (8 if half else 4)
-    dense, expert = stage_param_counts(m, p, pp_rank)
+    state = state_bytes(cfg, world_size, pp_rank)
+    params, optimizer = state["params"], state["optimizer"]
+    grads = state["grads"]
+    if strategy in ("optim_grads", "optim_grads_params"):   # the full buffer in a step
+        grads += state["full_grads"]
     notes = []
-    if getattr(o, "optimizer_cpu_offload", False):
-        notes.append("optimizer CPU offload not modelled (device bytes over-estimated)")
-    per = {}
-    for name, group in (("dense", dp * cp), ("expert", edp)):
-        per[name] = expected_bytes_per_param(strategy, group, eb, grad_bytes, optim_bytes)
-    params = dense * per["dense"]["params"] + expert * per["expert"]["params"]
-    grads = dense * per["dense"]["grads"] + expert * per["expert"]["grads"]
-    optimizer = dense * per["dense"]["optimizer"] + expert * per["expert"]["optimizer"]
 
     mb = t.micro_batch_size
     num_micro = t.global_batch_size // (mb * dp)
@@ -270,8 +293,42 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None) -> MemoryE
         comm += (2 if (first or last) and vpp == 1 else 4) * tokens * h // sp * eb
     if tp > 1:  # tp collectives: all-gather output + reduce-scatter input (sp), or the
         comm += tokens * h * eb * (2 if sp > 1 else 1)            # all-reduce's buffer
-    gathered = 0.0  # hook: optim_grads_params (ZeRO-3) would add one layer's full params
+    gathered = 0.0
+    if strategy == "optim_grads_params":   # the running unit and the prefetched one
+        gathered = sum(sorted(unit_params(m, p, pp_rank), reverse=True)[:2]) * eb
     return MemoryEstimate(params=params, grads=grads, optimizer=optimizer,
                           activations=activations, transient=transient, comm_buffers=comm,
-                          gathered_params=gathered, params_elements=dense + expert,
-                          in_flight=in_flight, notes=notes)
+                          gathered_params=gathered, params_elements=state["elements"],
+                          in_flight=in_flight, notes=notes, host=state["host"])
+
+
+def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
+    """Bytes of parameters, gradients and optimizer state one rank of stage ``pp_rank``
+    holds between steps, as :func:`megalite.optim.memory.rank_memory` measures them:
+    ``{"params", "grads", "optimizer", "host", "full_grads", "elements"}``; ``host`` the
+    optimizer bytes ``--optimizer-cpu-offload`` keeps in host memory (a fraction ``F`` of
+    the shard's elements: fp32 master, gradient copy and Adam's two moments, 16 bytes
+    each), ``full_grads`` the unsharded gradient buffer (held during a step)."""
+    m, p, o = cfg.model, cfg.parallel, cfg.optim
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
+        p.context_parallel_size
+    dp = world_size // (tp * pp * cp)
+    edp = tp * cp * dp // (p.expert_model_parallel_size * p.expert_tensor_parallel_size)
+    half = m.bf16 or m.fp16
+    grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
+    optim_bytes = (12 if half else 8) if o.optimizer == "adam" else (8 if half else 4)
+    host_bytes = 16 if o.optimizer == "adam" else 8   # + master (fp32 runs too) and grad
+    offload = o.optimizer_offload_fraction if getattr(o, "optimizer_cpu_offload", False) \
+        else 0.0
+    out = dict.fromkeys(("params", "grads", "optimizer", "host", "full_grads"), 0.0)
+    dense, expert = stage_param_counts(m, p, pp_rank)
+    for n, group in ((dense, dp * cp), (expert, edp)):
+        per = expected_bytes_per_param(p.data_parallel_sharding_strategy, group,
+                                       _dtype_bytes(m), grad_bytes, optim_bytes)
+        out["params"] += n * per["params"]
+        out["grads"] += n * per["grads"]
+        out["optimizer"] += n * per["optimizer"] * (1 - offload)
+        out["host"] += n * host_bytes / group * offload
+        out["full_grads"] += n * grad_bytes
+    out["elements"] = dense + expert
+    return out

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from megalite.config import ConfigError
 from megalite.planner.cluster import GIB, Cluster
 from megalite.planner.memory import MemoryEstimate, estimate_memory
+from megalite.optim.memory import STRATEGIES as _OPTIM_STRATEGIES
 from megalite.planner.time import TimeEstimate, estimate_time
 
 RECOMPUTE = {"none": {"recompute_granularity": None, "recompute_method": None,
@@ -25,9 +26,10 @@ RECOMPUTE = {"none": {"recompute_granularity": None, "recompute_method": None,
                            "recompute_num_layers": None},
              "full": {"recompute_granularity": "full", "recompute_method": "uniform",
                       "recompute_num_layers": 1}}
-# strategies the planner models; optim_grads (ZeRO-2) is accepted by the memory model
-# (megalite.optim.memory.expected_bytes_per_param) and can be added here once it trains
-STRATEGIES = ("no_shard", "optim")
+# --data-parallel-sharding-strategy values the planner proposes: those megalite's memory
+# accounting knows (optim_grads_params once ZeRO-3 is there)
+STRATEGIES = tuple(s for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")
+                   if s in _OPTIM_STRATEGIES)
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Candidate:
     strategy: str
     recompute: str
     micro_batch_size: int
+    offload: float = 0.0               # --optimizer-offload-fraction (0: no offload)
     cfg: object = None
     memory: MemoryEstimate | None = None
     time: TimeEstimate | None = None
@@ -55,8 +58,9 @@ class Candidate:
             parts.append(f"vpp{s['vpp']}")
         parts += [f"cp{s['cp']}"] if s["cp"] > 1 else []
         parts += [f"ep{s['ep']}"] if s["ep"] > 1 else []
-        parts += [f"dp{s['dp']}", self.strategy, f"rc-{self.recompute}",
-                  f"mbs{self.micro_batch_size}"]
+        parts += [f"dp{s['dp']}", self.strategy + (f"+off{self.offload:g}" if self.offload
+                                                   else ""),
+                  f"rc-{self.recompute}", f"mbs{self.micro_batch_size}"]
         return " ".join(parts)
 
     def launch_flags(self) -> list[str]:
@@ -76,6 +80,9 @@ class Candidate:
             flags.append("--use-distributed-optimizer")
         elif self.strategy != "no_shard":
             flags += ["--data-parallel-sharding-strategy", self.strategy]
+        if self.offload:
+            flags += ["--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                      f"{self.offload:g}"]
         if self.recompute != "none":
             flags += ["--recompute-granularity", self.recompute]
             if self.recompute == "full":
@@ -88,10 +95,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def make_config(base, world: int, sizes: dict, strategy: str, recompute: str, mbs: int):
+def make_config(base, world: int, sizes: dict, strategy: str, recompute: str, mbs: int,
+                offload: float = 0.0):
     """A validated copy of ``base`` with the layout applied (raises ConfigError)."""
     cfg = copy.deepcopy(base)
     p, m, t = cfg.parallel, cfg.model, cfg.train
+    cfg.optim.optimizer_cpu_offload = offload > 0
+    cfg.optim.optimizer_offload_fraction = offload if offload > 0 else 1.0
     p.tensor_model_parallel_size = sizes["tp"]
     p.pipeline_model_parallel_size = sizes["pp"]
     p.virtual_pipeline_model_parallel_size = sizes["vpp"] if sizes["vpp"] > 1 else None
@@ -111,11 +121,11 @@ def make_config(base, world: int, sizes: dict, strategy: str, recompute: str, mb
 
 
 def evaluate(base, world: int, cluster: Cluster, sizes: dict, strategy: str,
-             recompute: str, mbs: int) -> Candidate:
+             recompute: str, mbs: int, offload: float = 0.0) -> Candidate:
     """One candidate: validated, its memory and time estimated, feasibility decided."""
-    c = Candidate(dict(sizes), strategy, recompute, mbs)
+    c = Candidate(dict(sizes), strategy, recompute, mbs, offload)
     try:
-        c.cfg = make_config(base, world, sizes, strategy, recompute, mbs)
+        c.cfg = make_config(base, world, sizes, strategy, recompute, mbs, offload)
     except (ConfigError, ValueError) as e:
         c.error = f"config: {e}"
         return c
@@ -130,10 +140,12 @@ def evaluate(base, world: int, cluster: Cluster, sizes: dict, strategy: str,
 
 def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=None,
            strategies=STRATEGIES, recomputes=tuple(RECOMPUTE), micro_batch_sizes=(1, 2, 4, 8),
-           ) -> list[Candidate]:
+           offloads=(0.0, 1.0)) -> list[Candidate]:
     """Every candidate for ``base`` (a MegaliteConfig: model, global batch, precision) on
     ``cluster``: feasible ones first, by estimated step time, then the infeasible ones.
-    Size lists default to the divisors that can work (tp within a node)."""
+    Size lists default to the divisors that can work (tp within a node); ``offloads``:
+    ``--optimizer-offload-fraction`` values to try (0: none; offload needs a sharded
+    strategy)."""
     m = base.model
     world = cluster.world_size
     tps = tp or [d for d in _divisors(world) if d <= cluster.gpus_per_node and d & (d - 1) == 0]
@@ -150,9 +162,12 @@ def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=No
             continue
         sizes = {"tp": t_, "pp": p_, "vpp": v_, "cp": c_, "ep": e_,
                  "dp": world // (t_ * p_ * c_)}
-        for strategy, rc, mbs in itertools.product(strategies, recomputes, micro_batch_sizes):
+        for strategy, rc, mbs, off in itertools.product(strategies, recomputes,
+                                                        micro_batch_sizes, offloads):
             if strategy != "no_shard" and sizes["dp"] * c_ == 1:
                 continue  # nothing to shard
-            out.append(evaluate(base, world, cluster, sizes, strategy, rc, mbs))
+            if off and strategy == "no_shard":
+                continue  # offload moves the distributed optimizer's shard
+            out.append(evaluate(base, world, cluster, sizes, strategy, rc, mbs, off))
     out.sort(key=lambda c: (not c.feasible, c.time.step if c.time else float("inf")))
     return out

@@ -10,7 +10,9 @@ pipeline's first and last stage):
   forward, 4 L h s per token), at ``peak_flops x matmul_efficiency``.
   Plus the memory-bound work (norms, activation functions, softmax, copies): ``4 x`` the
   bytes the layers save for backward (:func:`layer_activation_elements`) at
-  ``memory_bw``.
+  ``memory_bw``. Plus the fixed costs: ``layer_overhead_s`` per layer and micro-batch
+  (and ``layer_forward_overhead_s`` again under full recomputation), and
+  ``microbatch_overhead_s`` per micro-batch.
 * **tp** -- per layer and micro-batch, forward and backward, two all-gathers and two
   reduce-scatters of the activations ``[s/cp, b, h]`` over tp under sequence parallelism
   (two all-reduces without: the same bytes), each moving ``(t-1)/t`` of them; full
@@ -26,7 +28,12 @@ pipeline's first and last stage):
   ``--overlap-grad-reduce`` hides all but the last bucket.
 * **bubble** -- ``(pp - 1) / (vpp m)`` of the per-micro-batch path (compute, tp, cp, ep,
   pp transfers).
-* **optimizer** -- the step reads and writes the local optimizer state at memory bandwidth.
+  Under optim_grads_params each unit's parameters are all-gathered before every forward
+  and backward (``passes x m`` gathers of the stage's parameters), exposed.
+* **optimizer** -- the step reads and writes the local optimizer state at memory bandwidth;
+  with ``--optimizer-cpu-offload`` the offloaded fraction's gradients go to the host and
+  its parameters come back (8 bytes each at ``host_bw``) and the host steps Adam (36 bytes
+  of traffic each at ``host_memory_bw``).
 
 The group a collective runs on is on NVLink or the network by its size and stride in
 megalite's rank order (tp fastest, then cp, dp, pp; :meth:`Cluster.group_bw`).
@@ -91,7 +98,7 @@ def _ring(bytes_: float, size: int, bw: float, latency: float, steps: int = 1) -
 
 def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
     """Estimated step time of ``cfg`` (validated for ``world_size``) on ``cluster``."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optim
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
         p.context_parallel_size
     dp = world_size // (tp * pp * cp)
@@ -122,7 +129,11 @@ def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
                  for i in range(m.num_layers)]
     act_elems = sum(e["act"] * eb + e["fp32"] * 4 for e in per_layer) / pp
     memory_bound = MEMORY_PASSES * act_elems * num_micro / cluster.memory_bw
-    compute += memory_bound
+    # fixed costs per layer and micro-batch (dispatch / launches), the rank's layers
+    layer_fixed = cluster.layer_overhead_s + (cluster.layer_forward_overhead_s
+                                              if m.recompute_granularity == "full" else 0.0)
+    overhead = num_micro * (layers * layer_fixed + cluster.microbatch_overhead_s)
+    compute += memory_bound + overhead
 
     comm, sent = {}, {}
     act_bytes = tokens * h * eb
@@ -155,8 +166,13 @@ def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
     grad_bytes = local * (2 if p.grad_reduce_in_bf16 else 4)
     d = dp * cp
     dp_time = _ring(grad_bytes, d, cluster.group_bw(d, tp), lat)
+    strategy = p.data_parallel_sharding_strategy
     if p.use_distributed_optimizer:  # reduce-scatter grads + all-gather params
-        dp_time = _ring((grad_bytes + local * eb) / 2, d, cluster.group_bw(d, tp), lat)
+        gathers = 1
+        if strategy == "optim_grads_params":   # each unit before forward and backward
+            gathers = passes * num_micro
+        dp_time = _ring((grad_bytes + gathers * local * eb) / 2, d, cluster.group_bw(d, tp),
+                        lat)
     if p.overlap_grad_reduce:
         dp_time *= 0.2
     comm["dp"] = dp_time
@@ -165,7 +181,11 @@ def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
     path = compute + comm["tp"] + comm["cp"] + comm["ep"] + comm["pp"]
     bubble = bubble_fraction(pp, num_micro, vpp) * path if pp > 1 else 0.0
     shard = d if p.use_distributed_optimizer else 1
-    optimizer = local * (16 + 2 * eb) / shard / cluster.memory_bw
+    offload = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
+    optimizer = (1 - offload) * local * (16 + 2 * eb) / shard / cluster.memory_bw
+    if offload:  # gradients to the host, parameters back (fp32), Adam on the host
+        moved = offload * local / shard
+        optimizer += moved * 8 / cluster.host_bw + moved * 36 / cluster.host_memory_bw
     step = path + bubble + comm["dp"] + optimizer
     mfu = flops / (step * world_size * cluster.peak_flops)
     return TimeEstimate(compute=compute, comm=comm, comm_bytes=sent, bubble=bubble,

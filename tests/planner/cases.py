@@ -17,6 +17,7 @@ MOE = {"num_experts": 4, "moe_router_topk": 2, "ffn_hidden_size": 128}
 SEL = {"recompute_granularity": "selective"}
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform",
         "recompute_num_layers": 1}
+OFFLOAD = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}
 LLAMA = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
          "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
 
@@ -27,6 +28,8 @@ MEMORY_CASES: tuple[Layout, ...] = (
     row("mem", 2, tp=2),
     row("mem", 2, "sel", model=SEL, tp=2),
     row("mem", 2, distopt=True),
+    row("mem", 2, "og", strategy="optim_grads"),
+    row("mem", 2, "offload", strategy="optim", optim=OFFLOAD),
     row("mem", 2, pp=2),
     row("mem", 2, pp=2, vpp=2),
     row("mem", 2, "moe", model=MOE, ep=2),
