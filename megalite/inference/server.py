@@ -5,31 +5,60 @@
     {"prompts": ["text", ...], "tokens_to_generate": 64, "temperature": 1.0,
      "top_k": 0, "top_p": 0.0, "random_seed": 1234}
 
-answers ``{"text": [detokenized prompt + continuation, ...], "tokens": [[ids], ...]}``; a malformed
-request (wrong types, out-of-range or oversized fields) answers 400 with
-``{"error": "<one line>"}`` and the server keeps serving. Requests are served one at a
-time (one lock around the model).
+answers ``{"text": [detokenized prompt + continuation, ...], "tokens": [[ids], ...]}``;
+the prompts of one request are decoded together in one batch. Bad requests answer a 4xx
+with ``{"error": "<one line>"}`` and the server keeps serving: 400 for malformed JSON,
+wrong types, unknown fields, out-of-range values and prompts that do not fit the model
+(prompt tokens + ``tokens_to_generate`` beyond its sequence length), 411 without a
+``Content-Length``, 413 for a body over ``ServerLimits.max_request_bytes``, 404 for
+another path, 405 for another method. At most ``max_concurrent_requests`` requests are
+in the server at once (the model serves one at a time, the others wait their turn); one
+more gets 503 at once.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
 from megalite.config import ConfigError
-from megalite.inference.generation import generate
+from megalite.inference.generation import generate_batch
 from megalite.inference.sampling import SamplingParams
 
-MAX_BODY_BYTES = 1 << 20
-MAX_PROMPTS = 32
-MAX_PROMPT_CHARS = 100_000
+FIELDS = ("prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "random_seed")
+_DRAIN_LIMIT = 64 << 20  # an oversized body is read and dropped up to this many bytes
+
+
+@dataclass
+class ServerLimits:
+    """What one request may ask for (the tool's flags of the same names)."""
+
+    max_request_bytes: int = 4 << 20   # --max-request-bytes
+    max_prompts: int = 32              # --max-prompts (per request)
+    max_tokens_to_generate: int | None = None  # --max-tokens-to-generate (None: seq length)
+    max_concurrent_requests: int = 4   # --max-concurrent-requests (more: 503)
+
+    def check(self) -> ServerLimits:
+        for name in ("max_request_bytes", "max_prompts", "max_concurrent_requests"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                  f"{getattr(self, name)}")
+        if self.max_tokens_to_generate is not None and self.max_tokens_to_generate < 0:
+            raise ConfigError(f"--max-tokens-to-generate must be >= 0, got "
+                              f"{self.max_tokens_to_generate}")
+        return self
 
 
 class RequestError(ConfigError):
-    """A request the server refuses (HTTP 400)."""
+    """A request the server refuses; ``status`` is its HTTP code."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 def _number(body: dict, key: str, default, kind, lo, hi):
@@ -43,24 +72,28 @@ def _number(body: dict, key: str, default, kind, lo, hi):
     return kind(value)
 
 
-def parse_request(body, max_tokens: int) -> tuple[list[str], int, SamplingParams, int]:
+def parse_request(body, max_tokens: int, limits: ServerLimits | None = None
+                  ) -> tuple[list[str], int, SamplingParams, int]:
     """(prompts, tokens_to_generate, sampling params, seed) of a request body (parsed
-    JSON); raises :class:`RequestError` naming the bad field."""
+    JSON); raises :class:`RequestError` naming the bad field. ``max_tokens``: the model's
+    sequence length."""
+    limits = limits or ServerLimits()
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    unknown = set(body) - {"prompts", "tokens_to_generate", "temperature", "top_k", "top_p",
-                           "random_seed"}
+    unknown = set(body) - set(FIELDS)
     if unknown:
-        raise RequestError(f"unknown fields: {', '.join(sorted(unknown))}")
+        raise RequestError(f"unknown fields: {', '.join(sorted(unknown))[:200]} "
+                           f"(known: {', '.join(FIELDS)})")
     prompts = body.get("prompts")
     if not isinstance(prompts, list) or not prompts or not all(
             isinstance(p, str) for p in prompts):
         raise RequestError("prompts must be a non-empty list of strings")
-    if len(prompts) > MAX_PROMPTS:
-        raise RequestError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
-    if any(len(p) > MAX_PROMPT_CHARS for p in prompts):
-        raise RequestError(f"a prompt is longer than {MAX_PROMPT_CHARS} characters")
-    new = _number(body, "tokens_to_generate", min(64, max_tokens), int, 0, max_tokens)
+    if len(prompts) > limits.max_prompts:
+        raise RequestError(f"at most {limits.max_prompts} prompts per request, got "
+                           f"{len(prompts)}")
+    cap = max_tokens if limits.max_tokens_to_generate is None else min(
+        max_tokens, limits.max_tokens_to_generate)
+    new = _number(body, "tokens_to_generate", min(64, cap), int, 0, cap)
     params = SamplingParams(_number(body, "temperature", 1.0, float, 0.0, 100.0),
                             _number(body, "top_k", 0, int, 0, 1 << 30),
                             _number(body, "top_p", 0.0, float, 0.0, 1.0))
@@ -69,28 +102,37 @@ def parse_request(body, max_tokens: int) -> tuple[list[str], int, SamplingParams
 
 
 class GenerationService:
-    """The model and tokenizer behind the server; :meth:`handle` serves one request."""
+    """The model and tokenizer behind the server; :meth:`handle` serves one request.
+    ``slots`` bounds the requests in the server; ``lock`` lets one at a time use the
+    model."""
 
-    def __init__(self, model, tokenizer, max_tokens: int):
+    def __init__(self, model, tokenizer, max_tokens: int, limits: ServerLimits | None = None):
         self.model, self.tokenizer, self.max_tokens = model, tokenizer, max_tokens
+        self.limits = (limits or ServerLimits()).check()
         self.lock = threading.Lock()
+        self.slots = threading.BoundedSemaphore(self.limits.max_concurrent_requests)
 
     def handle(self, body) -> dict:
-        prompts, new, params, seed = parse_request(body, self.max_tokens)
+        prompts, new, params, seed = parse_request(body, self.max_tokens, self.limits)
         tok = self.tokenizer
+        ids = [tok.tokenize(p) for p in prompts]
+        for i, prompt in enumerate(ids):
+            if len(prompt) + new > self.max_tokens:
+                raise RequestError(
+                    f"prompts[{i}] has {len(prompt)} tokens; with tokens_to_generate {new} "
+                    f"that is beyond the model's sequence length of {self.max_tokens}")
         with self.lock:
             generator = torch.Generator().manual_seed(seed)
-            texts, tokens = [], []
-            for prompt in prompts:
-                ids = tok.tokenize(prompt)
-                out = generate(self.model, ids, new, params, eod=tok.eod, generator=generator)
-                text_ids = out[:-1] if out and out[-1] == tok.eod else out
-                texts.append(tok.detokenize(ids + text_ids))
-                tokens.append(ids + out)
-        return {"text": texts, "tokens": tokens}
+            outs = generate_batch(self.model, ids, new, params, eod=tok.eod,
+                                  generator=generator)
+        texts = [tok.detokenize(p + (o[:-1] if o[-1:] == [tok.eod] else o))
+                 for p, o in zip(ids, outs)]
+        return {"text": texts, "tokens": [p + o for p, o in zip(ids, outs)]}
 
 
 def make_handler(service: GenerationService):
+    limit = service.limits.max_request_bytes
+
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, code: int, payload: dict) -> None:
             data = json.dumps(payload).encode()
@@ -100,24 +142,63 @@ def make_handler(service: GenerationService):
             self.end_headers()
             self.wfile.write(data)
 
+        def _drain(self, length: int) -> None:
+            """Read and drop an unwanted body, so the client reads the reply rather than
+            a reset connection (bounded: past that the connection just closes)."""
+            left = min(length, _DRAIN_LIMIT)
+            while left > 0:
+                chunk = self.rfile.read(min(left, 1 << 16))
+                if not chunk:
+                    break
+                left -= len(chunk)
+
         def do_PUT(self):  # noqa: N802 (http.server's naming)
-            if self.path.rstrip("/") != "/api":
-                return self._reply(404, {"error": f"no endpoint {self.path}; use PUT /api"})
+            raw = self.headers.get("Content-Length")
             try:
-                length = int(self.headers.get("Content-Length", "0"))
+                length = int(raw) if raw is not None else None
             except ValueError:
-                return self._reply(400, {"error": "bad Content-Length"})
-            if not 0 < length <= MAX_BODY_BYTES:
-                return self._reply(400, {"error": f"the body must be 1..{MAX_BODY_BYTES} "
-                                                  f"bytes, got {length}"})
+                return self._reply(400, {"error": f"bad Content-Length {raw[:40]!r}"})
+            if length is None:
+                return self._reply(411, {"error": "a Content-Length header is required"})
+            if self.path.rstrip("/") != "/api":
+                self._drain(length)
+                return self._reply(404, {"error": f"no endpoint {self.path[:100]}; use "
+                                                  f"PUT /api"})
+            if length > limit:
+                self._drain(length)
+                return self._reply(413, {"error": f"the body has {length} bytes; at most "
+                                                  f"{limit} (--max-request-bytes)"})
+            if length <= 0:
+                return self._reply(400, {"error": "the body is empty; send a JSON object"})
+            if not service.slots.acquire(blocking=False):
+                self._drain(length)
+                busy = service.limits.max_concurrent_requests
+                return self._reply(503, {"error": f"busy: {busy} requests in progress "
+                                                  f"(--max-concurrent-requests); retry"})
             try:
-                body = json.loads(self.rfile.read(length))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                return self._reply(400, {"error": "the body is not valid JSON"})
+                try:
+                    body = json.loads(self.rfile.read(length))
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    return self._reply(400, {"error": "the body is not valid JSON"})
+                except RecursionError:
+                    return self._reply(400, {"error": "the JSON body is nested too deeply"})
+                try:
+                    return self._reply(200, service.handle(body))
+                except RequestError as exc:
+                    return self._reply(exc.status, {"error": str(exc).splitlines()[0]})
+                except (ConfigError, ValueError) as exc:  # bad requests; the server lives on
+                    return self._reply(400, {"error": str(exc).splitlines()[0]})
+            finally:
+                service.slots.release()
+
+        def _not_allowed(self):
             try:
-                return self._reply(200, service.handle(body))
-            except (ConfigError, ValueError) as exc:  # bad requests; the server lives on
-                return self._reply(400, {"error": str(exc).splitlines()[0]})
+                self._drain(int(self.headers.get("Content-Length") or 0))
+            except ValueError:
+                pass
+            self._reply(405, {"error": f"{self.command} is not served; use PUT /api"})
+
+        do_GET = do_POST = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
 
         def log_message(self, fmt, *args):  # quiet: one line per request on stderr
             pass
@@ -126,4 +207,6 @@ def make_handler(service: GenerationService):
 
 
 def build_server(service: GenerationService, host: str, port: int) -> ThreadingHTTPServer:
-    return ThreadingHTTPServer((host, port), make_handler(service))
+    server = ThreadingHTTPServer((host, port), make_handler(service))
+    server.daemon_threads = True
+    return server
