@@ -29,7 +29,7 @@ def main() -> None:
         print(__doc__)
         print("available:", ", ".join(names) or "(none yet)")
         return
-    name, argv = sys.argv[1], sys.argv[2:]
+    name, argv = sys.argv[1].replace("-", "_"), sys.argv[2:]   # plan-check: plan_check
     if name == "all":
         for n in names:
             print(f"===== {n} =====", flush=True)

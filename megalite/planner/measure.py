@@ -64,3 +64,153 @@ def measure_training_peak(cfg, iterations: int = 1) -> dict:
         c.close()
         ps.destroy()
     return out
+
+
+# -- the machine as a 'cluster': probes the time model is checked with -------------------
+# Each probe is short (tens of ms) so that a check can interleave it with the step timings
+# it explains and take medians; run on every rank of a world at once, so a rank's figure is
+# its share of the machine (a world of 4 ranks on 2 cores: half a core each).
+
+def layout_gemms(cfg) -> list[tuple[int, int, int]]:
+    """``(tokens, in, out)`` of the linear layers one micro-batch runs on one rank of
+    ``cfg`` (per transformer layer: qkv, attention projection, fc1, fc2; then the output
+    layer): the shapes whose FLOP/s the time model's compute term needs."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    tokens = t.micro_batch_size * m.seq_length // cp
+    h, d = m.hidden_size, m.kv_channels
+    fc1 = (2 if m.swiglu else 1) * m.ffn_hidden_size
+    return [(tokens, h, (m.num_attention_heads + 2 * m.num_query_groups) * d // tp),
+            (tokens, m.num_attention_heads * d // tp, h),
+            (tokens, h, fc1 // tp), (tokens, m.ffn_hidden_size // tp, h),
+            (tokens, h, m.padded_vocab_size(tp) // tp)]
+
+
+def matmul_rate(shapes: list[tuple[int, int, int]], seconds: float = 0.05) -> float:
+    """fp32 FLOP/s of the forward and both backward products of the linear layers
+    ``shapes`` (``x [n, k] @ w [k, o]``, ``g [n, o] @ w.T``, ``x.T @ g``), each shape once
+    per pass, passes repeated for about ``seconds``."""
+    import time
+
+    import torch
+
+    mats = [(torch.randn(n, k), torch.randn(k, o), torch.randn(n, o)) for n, k, o in shapes]
+    flops = sum(3 * 2.0 * n * k * o for n, k, o in shapes)
+    count, start = 0, time.perf_counter()
+    while True:
+        for x, w, g in mats:
+            x @ w
+            g @ w.t()
+            x.t() @ g
+        count += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return flops * count / elapsed
+
+
+def memory_bandwidth(elements: int = 1 << 21, repeats: int = 4) -> float:
+    """Bytes/s of an out-of-cache elementwise add (two reads, one write), the best of
+    ``repeats``."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(elements), torch.randn(elements)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.add(a, b, out=a)
+        best = min(best, time.perf_counter() - start)
+    return 3 * elements * 4 / best
+
+
+def collective_speed(nbytes: int = 1 << 20, repeats: int = 5) -> tuple[float, float]:
+    """(latency s per ring hop, bandwidth bytes/s) of the world's all-gather and
+    reduce-scatter (the pair tensor and sequence parallelism run per linear layer, and
+    what the distributed optimizer runs per bucket), from the median times of the pair on
+    a gathered tensor of 4 bytes per rank and of ``nbytes``: ``t(b) = (n-1) (latency +
+    b / (n bw))`` per collective. Collective: every rank calls it. (0, inf) on one rank.
+    On a loaded machine the latency is mostly the wake-up of a rank that waited."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    if n == 1:
+        return 0.0, float("inf")
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def pair(elements: int) -> float:
+        whole, part = torch.zeros(elements * n), torch.zeros(elements)
+        runs = []
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            gather(whole, part)
+            scatter(part, whole)
+            if i:
+                runs.append((time.perf_counter() - start) / 2)
+        return statistics.median(runs)
+
+    t_small, t_large = pair(1), pair(max(1, nbytes // (4 * n)))
+    latency = t_small / (n - 1)
+    bw = (n - 1) / n * nbytes / max(t_large - t_small, 1e-6)
+    return latency, bw
+
+
+class OverheadProbe:
+    """Fixed costs of megalite's own layers at a size where their math is negligible
+    (hidden 32, 16 tokens): forward + backward of GPT models of 1 and 3 layers, so that
+    ``layer`` is the seconds one more layer adds to a micro-batch (forward and backward)
+    and ``microbatch`` what remains (embedding, output layer, loss), and ``layer_forward``
+    the forward's share of ``layer`` (what full recomputation adds). Built on this
+    process's world with tp 1 (no collective runs in the probe)."""
+
+    def __init__(self, world_size: int):
+        import torch
+
+        from megalite.arguments import parse_args
+        from megalite.models.gpt import GPTModel
+        from megalite.parallel.state import ParallelState
+
+        self.models = []
+        for layers in (1, 3):
+            cfg = parse_args(["--num-layers", str(layers), "--hidden-size", "32",
+                              "--num-attention-heads", "2", "--seq-length", "16",
+                              "--max-position-embeddings", "16", "--vocab-size", "64",
+                              "--micro-batch-size", "1", "--global-batch-size",
+                              str(world_size), "--train-iters", "1", "--mock-data",
+                              "--tokenizer-type", "NullTokenizer", "--hidden-dropout", "0",
+                              "--attention-dropout", "0", "--attention-backend", "sdpa"]
+                             ).validate(world_size)
+            if not self.models:
+                self.ps = ParallelState.build(cfg.parallel)
+            self.models.append(GPTModel(cfg.model, self.ps, seed=1))
+        self.ids = torch.randint(0, 64, (1, 16))
+
+    def _time(self, model, backward: bool, repeats: int) -> float:
+        import statistics
+        import time
+
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            loss = model(self.ids, labels=self.ids).float().mean()
+            if backward:
+                loss.backward()
+            runs.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+        return statistics.median(runs)
+
+    def measure(self, repeats: int = 5) -> dict:
+        """``{"layer": s, "layer_forward": s, "microbatch": s}`` (medians of ``repeats``)."""
+        one, three = (self._time(m, True, repeats) for m in self.models)
+        f_one, f_three = (self._time(m, False, repeats) for m in self.models)
+        layer = max(0.0, (three - one) / 2)
+        return {"layer": layer, "layer_forward": min(layer, max(0.0, (f_three - f_one) / 2)),
+                "microbatch": max(0.0, one - layer)}
+
+    def close(self) -> None:
+        self.ps.destroy()

@@ -1,0 +1,252 @@
+"""The planner's time model against measured step times on this CPU (issue 19, item 3).
+
+``python tools/benchmark.py plan-check [--repeats 5] [--layouts NAME ...] [--json PATH]``
+
+The 'cluster' is this machine, measured on the same gloo ranks that train, interleaved
+with the step timings: before each timed step of a layout every rank of its world runs
+the probes at once (so a figure is the rank's share of the cores: a world of 2 ranks on
+2 cores gets a core each, one of 4 ranks half a core), and the figures a layout's
+estimate uses are medians over its repeats:
+
+* matmul FLOP/s on the layout's own GEMM shapes (its qkv, projection, fc1, fc2 and output
+  layer per micro-batch and tp rank, forward and both backward products;
+  :func:`megalite.planner.measure.matmul_rate`), the slowest rank's;
+* gloo latency per ring hop and bandwidth on the world, from an all-gather and a
+  reduce-scatter of one ``[s, b, h]`` activation and of 4 bytes
+  (:func:`~megalite.planner.measure.collective_speed`);
+* memory bandwidth of an out-of-cache add;
+* the fixed cost of one more layer per micro-batch, forward and backward and forward
+  alone, and of the rest of a micro-batch, timed on megalite's own GPT at hidden 32
+  (:class:`~megalite.planner.measure.OverheadProbe`).
+
+Each layout trains a small GPT (4 layers, hidden 256, seq 128, global batch 8; matmuls
+dominate, the fixed costs are a tenth): one warm-up step, then ``--repeats`` timed steps
+(barrier to barrier, batches fetched beforehand), the median reported. The layouts are
+chosen so that their step times differ clearly (single rank with and without full
+recomputation, dp2, tp2, pp2 with 4 and 2 micro-batches, dp2 with recomputation, four
+ranks on two cores, ...). Printed: per layout, estimated and measured ms with the main
+terms, the Spearman rank correlation of the estimates with the measurements (the issue
+asks >= 0.8) and the largest relative error (<= 25%). ``tests/planner/test_time_model.py``
+(slow) runs it and asserts both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+BASE_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+              "--seq-length", "128", "--max-position-embeddings", "128",
+              "--vocab-size", "511", "--make-vocab-size-divisible-by", "8",
+              "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1000",
+              "--mock-data", "--tokenizer-type", "NullTokenizer", "--hidden-dropout", "0",
+              "--attention-dropout", "0", "--attention-backend", "sdpa", "--eval-iters", "0",
+              "--log-interval", "100000", "--lr", "1e-4"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+# (name, world size, flags over BASE_FLAGS): step times spread over about 4x
+LAYOUTS = (
+    ("w1", 1, []),
+    ("w1-full", 1, FULL),
+    ("w1-mbs1", 1, ["--micro-batch-size", "1"]),
+    ("w2-dp2", 2, []),
+    ("w2-dp2-full", 2, FULL),
+    ("w2-tp2", 2, TP2),
+    ("w2-pp2", 2, PP2 + ["--micro-batch-size", "1"]),
+    ("w2-pp2-mbs4", 2, PP2 + ["--micro-batch-size", "4"]),
+    ("w2-tp2-full", 2, TP2 + FULL),
+    ("w4-dp4", 4, ["--micro-batch-size", "1"]),
+    ("w4-tp2-dp2", 4, TP2 + ["--micro-batch-size", "1"]),
+)
+
+
+def layout_config(world: int, flags: list[str]):
+    from megalite.arguments import parse_args
+
+    return parse_args(BASE_FLAGS + flags).validate(world)
+
+
+def planner_config(cfg):
+    """The config the planner estimates: the vocabulary the tokenizer really has."""
+    import copy
+
+    from megalite.data.tokenizers import build_tokenizer
+
+    cfg = copy.deepcopy(cfg)
+    cfg.model.vocab_size = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size).vocab_size
+    return cfg
+
+
+def _probe(cfg, world: int, overhead) -> dict:
+    """This rank's probes, all ranks at once (collective)."""
+    import torch.distributed as dist
+
+    from megalite.planner.measure import (
+        collective_speed,
+        layout_gemms,
+        matmul_rate,
+        memory_bandwidth,
+    )
+
+    if world > 1:
+        dist.barrier()
+    out = {"flops": matmul_rate(layout_gemms(planner_config(cfg)))}
+    out["memory_bw"] = memory_bandwidth()
+    out.update(overhead.measure(repeats=3))
+    m = cfg.model   # one [s, b, h] activation of the layout, fp32
+    out["latency"], out["bw"] = collective_speed(
+        cfg.train.micro_batch_size * m.seq_length * m.hidden_size * 4)
+    return out
+
+
+def _time_layout(cfg, world: int, repeats: int, overhead) -> dict:
+    """Build ``cfg`` on this world, one warm-up step, then ``repeats`` x (probes, one timed
+    step); this rank's step seconds and probe figures per repeat."""
+    import torch.distributed as dist
+
+    from megalite.parallel.state import ParallelState
+    from megalite.training.build import build_components
+    from megalite.training.loop import train_step
+
+    ps = ParallelState.build(cfg.parallel)
+    c = build_components(cfg, ps, peak_probe_seconds=0.0)
+    try:
+        it = c.train_iterator(0)
+        num_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * ps.dp.size)
+        steps, probes = [], []
+        for i in range(repeats + 1):
+            batches = [next(it) for _ in range(num_micro)]
+            if i > 0:
+                probes.append(_probe(cfg, world, overhead))
+            if world > 1:
+                dist.barrier()
+            start = time.perf_counter()
+            train_step(c, batches, i + 1)
+            if world > 1:
+                dist.barrier()
+            if i > 0:
+                steps.append(time.perf_counter() - start)
+    finally:
+        c.close()
+        ps.destroy()
+    return {"steps": steps, "probes": probes}
+
+
+def _body(rank: int, world: int, rows: list, repeats: int) -> list[dict]:
+    from megalite.planner.measure import OverheadProbe
+
+    overhead = OverheadProbe(world)
+    try:
+        return [_time_layout(layout_config(world, flags), world, repeats, overhead)
+                for _, _, flags in rows]
+    finally:
+        overhead.close()
+
+
+def _run_world(world: int, rows: list, repeats: int) -> list[list[dict]]:
+    """Per row, the per-rank results."""
+    from bench.ranks import run_on_ranks
+
+    per_rank = run_on_ranks(_body, world, rows, repeats, timeout=1800)
+    return [[r[i] for r in per_rank] for i in range(len(rows))]
+
+
+def cluster_of(world: int, per_rank: list[dict]):
+    """The measured machine as a planner Cluster: per repeat the slowest rank's matmul
+    rate and the rank means of the other figures, then the median over repeats."""
+    from megalite.planner.cluster import Cluster
+
+    repeats = len(per_rank[0]["probes"])
+
+    def med(key, agg):
+        return statistics.median(agg(r["probes"][i][key] for r in per_rank)
+                                 for i in range(repeats))
+
+    def mean(v):
+        v = list(v)
+        return sum(v) / len(v)
+
+    bw = med("bw", min) if world > 1 else 1e12
+    return Cluster(gpus_per_node=world, nodes=1, gpu_memory=1e12, peak_flops=med("flops", min),
+                   intra_node_bw=bw, inter_node_bw=bw, matmul_efficiency=1.0,
+                   latency_s=med("latency", mean), memory_bw=med("memory_bw", mean),
+                   layer_overhead_s=med("layer", mean),
+                   layer_forward_overhead_s=med("layer_forward", mean),
+                   microbatch_overhead_s=med("microbatch", mean), name="this CPU")
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman rank correlation of two lists (no ties expected)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        for i, k in enumerate(order):
+            r[k] = float(i)
+        return r
+    ra, rb, n = ranks(a), ranks(b), len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def check(repeats: int = 5, names: list[str] | None = None, echo=print) -> dict:
+    """Measure and estimate every layout; ``{"rows": [...], "spearman": rho,
+    "max_error": e, "seconds": wall}``; prints the table through ``echo``."""
+    from megalite.planner.time import estimate_time
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    start = time.perf_counter()
+    layouts = [lay for lay in LAYOUTS if names is None or lay[0] in names]
+    rows = []
+    for world in sorted({w for _, w, _ in layouts}):
+        group = [lay for lay in layouts if lay[1] == world]
+        results = _run_world(world, group, repeats)
+        for (name, _, flags), per_rank in zip(group, results):
+            cluster = cluster_of(world, per_rank)
+            measured = statistics.median(max(r["steps"][i] for r in per_rank)
+                                         for i in range(repeats))
+            t = estimate_time(planner_config(layout_config(world, flags)), world, cluster)
+            row = {"name": name, "world": world, "measured_s": measured, "estimated_s": t.step,
+                   "compute_s": t.compute, "comm_s": dict(t.comm), "bubble_s": t.bubble,
+                   "optimizer_s": t.optimizer,
+                   "probes": {"gflops": cluster.peak_flops / 1e9,
+                              "gloo_gbps": cluster.intra_node_bw / 1e9,
+                              "latency_us": cluster.latency_s * 1e6,
+                              "memory_gbps": cluster.memory_bw / 1e9,
+                              "layer_ms": cluster.layer_overhead_s * 1e3,
+                              "microbatch_ms": cluster.microbatch_overhead_s * 1e3},
+                   "steps_s": [max(r["steps"][i] for r in per_rank) for i in range(repeats)]}
+            rows.append(row)
+            comm = " ".join(f"{k} {v * 1e3:.0f}" for k, v in t.comm.items() if v)
+            p = row["probes"]
+            echo(f"{name:<13} estimated {t.step * 1e3:7.0f} ms  measured {measured * 1e3:7.0f} "
+                 f"ms ({t.step / measured - 1:+5.0%})  compute {t.compute * 1e3:.0f}"
+                 + (f" {comm}" if comm else "") + (f" bubble {t.bubble * 1e3:.0f}"
+                                                   if t.bubble else "")
+                 + f"  [{p['gflops']:.1f} GFLOP/s, layer {p['layer_ms']:.2f} ms, "
+                 f"mb {p['microbatch_ms']:.2f} ms"
+                 + (f", gloo {p['gloo_gbps']:.2f} GB/s {p['latency_us']:.0f} us"
+                    if world > 1 else "") + "]")
+    est = [r["estimated_s"] for r in rows]
+    meas = [r["measured_s"] for r in rows]
+    rho = spearman(est, meas)
+    worst = max(abs(e / m - 1) for e, m in zip(est, meas))
+    wall = time.perf_counter() - start
+    echo(f"{len(rows)} layouts: Spearman rank correlation {rho:.3f} (>= 0.8 wanted), largest "
+         f"error {worst:.0%} (<= 25% wanted); {wall:.0f} s")
+    return {"rows": rows, "spearman": rho, "max_error": worst, "seconds": wall}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="benchmark.py plan-check")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layouts", nargs="*", help=f"of {[n for n, _, _ in LAYOUTS]}")
+    parser.add_argument("--json", help="write the rows and figures here")
+    args = parser.parse_args(argv)
+    out = check(args.repeats, args.layouts)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
