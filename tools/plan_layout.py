@@ -91,14 +91,14 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int) -> str:
              f"peak, {cluster.intra_node_bw / 1e9:.0f} / {cluster.inter_node_bw / 1e9:.0f} "
              f"GB/s intra / inter node); {len(candidates)} layouts, {len(feasible)} feasible",
              "",
-             f"{'#':>3} {'layout':<44} {'step s':>8} {'MFU':>6} {'mem GiB':>8} "
+             f"{'#':>3} {'layout':<48} {'step s':>8} {'MFU':>6} {'mem GiB':>8} "
              f"{'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'trans':>6} {'comm':>5} "
              f"{'compute':>8} {'tp s':>6} {'cp s':>6} {'ep s':>6} {'pp s':>6} {'dp s':>6} "
              f"{'bubble':>7}"]
     for i, c in enumerate(feasible[:top], 1):
         mem, t = c.memory, c.time
         lines.append(
-            f"{i:>3} {c.name():<44} {t.step:>8.3f} {t.mfu:>6.1%} {_fmt_bytes(mem.total):>8} "
+            f"{i:>3} {c.name():<48} {t.step:>8.3f} {t.mfu:>6.1%} {_fmt_bytes(mem.total):>8} "
             f"{_fmt_bytes(mem.params):>7} {_fmt_bytes(mem.grads):>6} "
             f"{_fmt_bytes(mem.optimizer):>6} {_fmt_bytes(mem.activations):>6} "
             f"{_fmt_bytes(mem.transient):>6} "
@@ -119,7 +119,7 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int) -> str:
     bad = [c for c in candidates if not c.feasible][:show_infeasible]
     if bad:
         lines += ["", f"infeasible (first {len(bad)}):"]
-        lines += [f"  {c.name():<44} {c.error}" for c in bad]
+        lines += [f"  {c.name():<48} {c.error}" for c in bad]
     return "\n".join(lines)
 
 

@@ -169,5 +169,6 @@ def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=No
             if off and strategy == "no_shard":
                 continue  # offload moves the distributed optimizer's shard
             out.append(evaluate(base, world, cluster, sizes, strategy, rc, mbs, off))
-    out.sort(key=lambda c: (not c.feasible, c.time.step if c.time else float("inf")))
+    out.sort(key=lambda c: (not c.feasible, c.time.step if c.time else float("inf"),
+                            c.memory.total if c.memory else float("inf")))  # ties: less memory
     return out

@@ -1,0 +1,35 @@
+"""The planner's estimates for published configurations (``examples/planner/*.sh``), the
+numbers README.md shows beside the published ones (Planning a layout): memory per GPU and
+MFU of the published layout. A change to the memory or time model that moves them fails
+here, so the README is updated with it; the published figures themselves are in the
+scripts' comments and the README, not asserted (the planner does not reproduce them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megalite.planner.cluster import GIB
+from tests.tools import load_tool
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "planner"
+# script -> {recompute: (estimated GiB per GPU on the busiest stage, estimated MFU %)}
+ESTIMATES = {
+    "gpt_145b_a100": {"full": (40.6, 40.6)},
+    "llama31_405b_h100": {"none": (148.0, 39.1), "full": (24.5, 29.9)},
+    "mixtral_8x7b_h100": {"none": (75.2, 50.2)},
+}
+
+
+def test_every_example_is_checked():
+    assert sorted(p.stem for p in EXAMPLES.glob("*.sh")) == sorted(ESTIMATES)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATES))
+def test_published_configuration_estimates(name):
+    tool = load_tool("plan_layout")
+    candidates, cluster, _ = tool.plan(tool.script_argv(EXAMPLES / f"{name}.sh"))
+    got = {c.recompute: (round(c.memory.total / GIB, 1), round(100 * c.time.mfu, 1))
+           for c in candidates}
+    assert got == ESTIMATES[name]
