@@ -16,13 +16,25 @@ one :class:`CheckpointError` everywhere, not a hang. The files' checksums (xxh3_
 crc32, recorded at every save) are verified by default in a thread while DCP reads
 (files split over ranks); a damaged file is named with the older complete iteration to
 fall back to.
+
+Loading from a directory a live job saves to takes no lock (see
+:mod:`megalite.checkpoint.lock`): saves are published whole (``iter_N.tmp`` renamed, then
+the ``latest`` pointer), so ``latest`` names a complete iteration. The live job can still
+replace a published ``iter_N`` by re-saving that iteration (after resuming from an older
+one). Every rank pins the directory it reads (device and inode of ``iter_N`` before the
+first byte, compared after the last, the checksum thread's included): a directory
+replaced in between -- files read partly from the old and partly from the new one -- is
+detected on every rank together, and the load starts again from rank 0's decision (up to
+:data:`READ_ATTEMPTS` times).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +53,7 @@ from megalite.checkpoint.files import (
     read_metadata_bytes,
 )
 from megalite.checkpoint.layout import param_layouts, piece_keys, saved_global_shape
+from megalite.checkpoint.lock import live_holder
 from megalite.checkpoint.planner import load_blocks
 from megalite.checkpoint.rng import restore_rng_state
 from megalite.checkpoint.save import distributed, gather_objects, layout_of, raise_if_any
@@ -52,6 +65,12 @@ from megalite.checkpoint.state import (
 )
 from megalite.parallel import collectives
 from megalite.parallel.state import ParallelState
+
+READ_ATTEMPTS = 3   # reads of a directory that a live job replaced while it was read
+
+
+class _Replaced(Exception):
+    """The iteration directory was replaced (re-saved) while this load read it."""
 
 
 @dataclass
@@ -73,15 +92,28 @@ def resolve_checkpoint(root: str, ps: ParallelState, *, step: int | None = None,
     Collective; a failure is the same :class:`CheckpointError` on every rank."""
     decision: list = [None]
     if ps.rank == 0:
-        try:
-            iteration = choose_iteration(root, step, save_dir=save_dir, finetune=finetune)
-            identity = None
-            if iteration is not None:
-                raw = read_metadata_bytes(iteration_dir(root, iteration))
-                identity = hashlib.sha256(raw).hexdigest()
-            decision = [(iteration, identity, None)]
-        except CheckpointError as exc:
-            decision = [(None, None, str(exc))]
+        for attempt in range(READ_ATTEMPTS):
+            iteration = None
+            try:
+                iteration = choose_iteration(root, step, save_dir=save_dir,
+                                             finetune=finetune)
+                identity = None
+                if iteration is not None:
+                    raw = read_metadata_bytes(iteration_dir(root, iteration))
+                    identity = hashlib.sha256(raw).hexdigest()
+                decision = [(iteration, identity, None)]
+            except CheckpointError as exc:
+                decision = [(None, None, str(exc))]
+                if (iteration is not None and attempt + 1 < READ_ATTEMPTS
+                        and not os.path.isdir(iteration_dir(root, iteration))):
+                    time.sleep(0.1)   # between the renames of a live job's re-save
+                    continue
+            break
+        holder = live_holder(root) if decision[0][0] is not None else None
+        if holder is not None:
+            print(f" {root}: a live job (host {holder.get('host', '?')}, pid "
+                  f"{holder.get('pid', '?')}) is saving to it; reading iteration "
+                  f"{decision[0][0]}, its newest published one", flush=True)
     if distributed(ps):
         collectives.broadcast_object_list(decision, src=0)
     iteration, identity, error = decision[0]
@@ -90,28 +122,58 @@ def resolve_checkpoint(root: str, ps: ParallelState, *, step: int | None = None,
     return iteration, identity
 
 
-def _check_files(iter_dir: str, identity: str, ps: ParallelState, sha256: bool) -> dict:
+def _pin(iter_dir: str) -> tuple[int, int] | None:
+    """(device, inode) of the directory the path names now; None when it names none."""
+    try:
+        st = os.stat(iter_dir)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _agree(error: str | None, replaced: str | None, ps: ParallelState, hint=str) -> None:
+    """Collective: :class:`_Replaced` on every rank when any rank saw its directory
+    replaced; else the first rank's ``error`` (+ ``hint()``) as a :class:`CheckpointError`."""
+    outcomes = gather_objects((error, replaced), ps)
+    moved = next((m for _, m in outcomes if m is not None), None)
+    if moved is not None:
+        raise _Replaced(moved)
+    first = next(((r, e) for r, (e, _) in enumerate(outcomes) if e is not None), None)
+    if first is not None:
+        where = "here" if first[0] == ps.rank else f"on rank {first[0]}"
+        raise CheckpointError(f"{where}: {first[1]}{hint()}")
+
+
+def _replaced(iter_dir: str, pin) -> str | None:
+    if _pin(iter_dir) != pin:
+        return f"{iter_dir} was replaced while it was read (a live job re-saved it)"
+    return None
+
+
+def _check_files(iter_dir: str, identity: str, ps: ParallelState, sha256: bool
+                 ) -> tuple[dict, tuple | None]:
     """metadata.json (the one rank 0 chose), then every manifest file's size (all ranks)
     and, with ``sha256``, those checksums (files split over ranks). Collective; returns
-    the metadata."""
-    meta, error = None, None
+    the metadata and this rank's pin of the directory (:func:`_pin`, taken first)."""
+    meta, error, moved = None, None, None
+    pin = _pin(iter_dir)
     try:
         raw = read_metadata_bytes(iter_dir)
         if hashlib.sha256(raw).hexdigest() != identity:
-            raise CheckpointError(
-                f"{iter_dir} changed while it was being loaded: this rank reads another "
-                "metadata.json than rank 0 did. Is another job saving to this directory? "
-                "Stop it, or load a fixed iteration with --ckpt-step")
-        meta = parse_metadata(iter_dir, raw)
-        names = sorted(meta["files"])
-        check_sizes(iter_dir, meta["files"], names)
-        if sha256:
-            check_checksums(iter_dir, meta["files"], names[ps.rank::ps.world_size],
-                            fast=False, sha256=True)
+            moved = (f"{iter_dir} changed after rank 0 chose it: this rank reads another "
+                     "metadata.json (a live job re-saved it)")
+        else:
+            meta = parse_metadata(iter_dir, raw)
+            names = sorted(meta["files"])
+            check_sizes(iter_dir, meta["files"], names)
+            if sha256:
+                check_checksums(iter_dir, meta["files"], names[ps.rank::ps.world_size],
+                                fast=False, sha256=True)
     except CheckpointError as exc:
         error = str(exc)
-    raise_if_any(error, ps, "{error}")
-    return meta
+        moved = _replaced(iter_dir, pin)
+    _agree(error, moved, ps)
+    return meta, pin
 
 
 class _ChecksumThread(threading.Thread):
@@ -221,14 +283,34 @@ def load_checkpoint(root: str, model, optimizer, scheduler, ps: ParallelState, *
     (``--ckpt-step``): that one instead of the latest. ``verify`` (default; off with
     ``--no-ckpt-verify``): check the files' fast checksums; ``sha256`` (``--ckpt-verify``):
     also their sha256. Raises :class:`CheckpointError` naming the first missing or damaged
-    file, or the first tensor whose name or shape differs.
+    file, or the first tensor whose name or shape differs. A directory that a live job
+    replaced while it was read is read again (module docstring).
     """
-    iteration, identity = resolve_checkpoint(root, ps, step=iteration, save_dir=save_dir,
-                                             finetune=finetune)
-    if iteration is None:
-        return None
+    step, replaced = iteration, None
+    for _ in range(READ_ATTEMPTS):
+        iteration, identity = resolve_checkpoint(root, ps, step=step, save_dir=save_dir,
+                                                 finetune=finetune)
+        if iteration is None:
+            return None
+        try:
+            return _load_iteration(root, iteration, identity, model, optimizer, scheduler,
+                                   ps, load_optim, load_rng, finetune, rng_tracker, verify,
+                                   sha256)
+        except _Replaced as exc:
+            replaced = str(exc)
+            if ps.rank == 0:
+                print(f" {replaced}: reading it again", flush=True)
+    raise CheckpointError(f"{replaced}, {READ_ATTEMPTS} times in a row: a live job keeps "
+                          f"re-saving {root}; stop it, or load once it has stopped")
+
+
+def _load_iteration(root: str, iteration: int, identity: str, model, optimizer, scheduler,
+                    ps: ParallelState, load_optim: bool, load_rng: bool, finetune: bool,
+                    rng_tracker, verify: bool, sha256: bool) -> LoadedCheckpoint:
+    """One read of ``iteration`` (rank 0's choice, ``identity`` the sha256 of its
+    metadata.json); :class:`_Replaced` on every rank when its directory was replaced."""
     iter_dir = iteration_dir(root, iteration)
-    meta = _check_files(iter_dir, identity, ps, sha256)
+    meta, pin = _check_files(iter_dir, identity, ps, sha256)
     checker = None
     if verify:
         names = sorted(meta["files"])
@@ -237,17 +319,19 @@ def load_checkpoint(root: str, model, optimizer, scheduler, ps: ParallelState, *
     try:
         common, per_param, want_optim, want_rng, same_layout, state = _read(
             iter_dir, meta, model, optimizer, ps, load_optim, load_rng, finetune)
-    except Exception as exc:
+    except Exception as exc:  # raised on every rank (the checks and DCP agree first)
         if checker is not None:
             checker.join()
-            if checker.error is not None:  # the damage explains the failure
-                raise CheckpointError(f"{checker.error}; "
-                                      f"{fallback_hint(root, iteration)}") from exc
+        _agree(None, _replaced(iter_dir, pin), ps)
+        if checker is not None and checker.error is not None:  # the damage explains it
+            raise CheckpointError(f"{checker.error}; "
+                                  f"{fallback_hint(root, iteration)}") from exc
         raise
     if checker is not None:
         checker.join()
-        raise_if_any(checker.error, ps, "{error}; " + fallback_hint(root, iteration)
-                     + " (or pass --no-ckpt-verify to load this one as it is)")
+    _agree(checker.error if checker is not None else None, _replaced(iter_dir, pin), ps,
+           lambda: f"; {fallback_hint(root, iteration)} (or pass --no-ckpt-verify to load "
+                   "this one as it is)")
     if optimizer is not None:
         optimizer.reload_model_params()
     if finetune:

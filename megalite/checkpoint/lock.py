@@ -8,6 +8,18 @@ job finds the lock and stops with one sentence naming the holder, unless the loc
 stale -- its heartbeat older than ``STALE_SECONDS``, or its pid gone on this host -- in
 which case it is taken over with a log line. :meth:`SaveLock.release` (at a clean exit)
 removes it; a killed job leaves it behind, stale.
+
+Readers take no lock. A job that only loads from a directory (``--load`` without ``--save``
+there, ``tools/evaluate.py``, ``generate.py``, ``convert_checkpoint.py``) relies on how a
+save is published instead: every file is written under ``iter_N.tmp/``, ``metadata.json``
+last, the directory is renamed to ``iter_N`` and only then does
+``latest_checkpointed_iteration.txt`` (replaced atomically) name it. So the iteration
+``latest`` names is always complete, and a save in progress is invisible to readers. The
+one way a live job changes a published directory -- re-saving an iteration that exists,
+after a resume from an older ``--ckpt-step`` -- is caught by the loader, which re-reads
+(see :mod:`megalite.checkpoint.load`). A reader lock would need write access to the
+directory (read-only mounts, someone else's run) and would let a reader stall a training
+job; neither is wanted. :func:`live_holder` lets a reader say that a live job is writing.
 """
 
 from __future__ import annotations
@@ -58,6 +70,20 @@ def stale_reason(info: dict, stale_after: float = STALE_SECONDS) -> str | None:
         if not _pid_alive(int(info["pid"])):
             return f"pid {info['pid']} no longer runs on this host"
     return None
+
+
+def live_holder(directory: str, stale_after: float = STALE_SECONDS) -> dict | None:
+    """The lock fields of the live job (another process) saving to ``directory``, or
+    None: no lock, a stale one, or this process's own."""
+    path = os.path.join(directory, LOCK)
+    if not os.path.exists(path):
+        return None
+    info = _read(path)
+    if not info or stale_reason(info, stale_after) is not None:
+        return None
+    if info.get("host") == socket.gethostname() and info.get("pid") == os.getpid():
+        return None
+    return info
 
 
 class SaveLock:
