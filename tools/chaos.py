@@ -11,7 +11,8 @@ value logged for each iteration) must equal the reference's bit for bit.
     python tools/chaos.py --kills 10 --seed 3          # what `make chaos` runs
     python tools/chaos.py --kills 2 --train-iters 16   # the quick version the tests run
 
-Prints one line per kill, then a summary: kills survived, restarts, the wall time of both
+Prints one line per kill, then a summary: kills survived, restarts (new worker generations;
+how many resumed from a checkpoint rather than from scratch), the wall time of both
 runs and the restart overhead per failure. Exit code 0 when the curves match.
 """
 
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+NPROC = 2   # workers per job (tp = 2)
 
 
 def model_flags(out: Path, train_iters: int, save_interval: int) -> list[str]:
@@ -73,7 +75,7 @@ def run(out: Path, args, kills: int, rng: random.Random) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", "2", "--max-restarts", str(kills),
+           "--nproc_per_node", str(NPROC), "--max-restarts", str(kills),
            str(REPO / "pretrain" / "pretrain_gpt.py"),
            *model_flags(out, args.train_iters, args.save_interval)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -101,13 +103,27 @@ def run(out: Path, args, kills: int, rng: random.Random) -> dict:
                              "at_s": round(time.monotonic() - start, 2)})
                 print(f"  kill {k + 1}: worker {victim} after "
                       f"{done[-1]['after_lines']} logged iterations", flush=True)
-                time.sleep(1.0)   # let torchrun notice and restart before the next kill
-            rc = job.wait(timeout=args.timeout)
+                # the next kill only hits the restarted generation, however slow the host
+                done[-1]["restarted"] = _await_new_generation(job, set(workers),
+                                                              start + args.timeout)
+            rc = job.wait(timeout=max(1.0, start + args.timeout - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(job.pid, signal.SIGKILL)
             rc = "timeout"
     return {"rc": rc, "kills": done, "wall_s": time.monotonic() - start,
             "curve": final_curve(out / "metrics.jsonl")}
+
+
+def _await_new_generation(job, killed_generation: set[int], deadline: float) -> bool:
+    """Wait until torchrun has started a whole new set of workers (none of
+    ``killed_generation`` left among its children). False when the job ended or the
+    deadline passed first."""
+    while time.monotonic() < deadline and job.poll() is None:
+        now = set(_children(job.pid))
+        if len(now) == NPROC and not now & killed_generation:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _children(pid: int) -> list[int]:
@@ -130,18 +146,19 @@ def main(argv=None) -> int:
           f"save every {args.save_interval}", flush=True)
     reference = run(args.out / "reference", args, 0, random.Random(seed))
     chaos = run(args.out / "chaos", args, args.kills, random.Random(seed))
-    restarts = (args.out / "chaos" / "log").read_text().count(" loaded ")   # resumes
+    restarts = sum(k.get("restarted", False) for k in chaos["kills"])
+    resumes = (args.out / "chaos" / "log").read_text().count(" loaded ")
     same = chaos["curve"] == reference["curve"] and len(reference["curve"]) == args.train_iters
     survived = len(chaos["kills"]) if chaos["rc"] == 0 else 0
     overhead = (chaos["wall_s"] - reference["wall_s"]) / max(1, len(chaos["kills"]))
     print(f"chaos: exit {chaos['rc']} (reference {reference['rc']}); kills survived "
-          f"{survived}/{len(chaos['kills'])} (of {args.kills} requested); restarts {restarts}; "
-          f"curve "
+          f"{survived}/{len(chaos['kills'])} (of {args.kills} requested); restarts {restarts} "
+          f"({resumes} from a checkpoint); curve "
           f"{'bit-identical' if same else 'DIFFERENT'} over {len(chaos['curve'])} iterations; "
           f"wall {chaos['wall_s']:.1f} s vs {reference['wall_s']:.1f} s "
           f"({overhead:.1f} s per failure)", flush=True)
     summary = {k: v for k, v in chaos.items() if k != "curve"}
-    summary.update(seed=seed, same_curve=same, restarts=restarts,
+    summary.update(seed=seed, same_curve=same, restarts=restarts, resumes=resumes,
                    reference_wall_s=reference["wall_s"], overhead_per_failure_s=overhead)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     all_made = len(chaos["kills"]) == args.kills
