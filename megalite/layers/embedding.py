@@ -1,4 +1,14 @@
-"""Vocabulary-parallel embedding: each TP rank holds a contiguous slice of the rows."""
+"""Vocabulary-parallel embedding: each TP rank holds a contiguous slice of the rows.
+
+The lookup's backward (:class:`_EmbeddingLookup`) builds the dense table gradient
+``[V/tp, h]`` as PyTorch's does (zeros, then each token's row added in token order: the
+same values bit for bit) but in memory it keeps: a table-sized gradient allocated fresh every
+backward costs, on CPU, a page fault per 4 KiB (glibc maps such blocks anew each time, and
+a 32000 x 512 fp32 table takes about six times as long to zero fresh as reused). The
+buffer is handed to autograd (which makes it ``weight.grad``); it is reused only once
+nothing else holds it (``weight.grad`` dropped, by ``zero_grad`` or a gradient buffer's
+hook), else a new one is allocated.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +24,63 @@ def vocab_range(padded_vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int
     """[start, end) of the vocabulary rows held by ``tp_rank``."""
     per_rank = _divide(padded_vocab_size, tp_size, "padded vocabulary size")
     return tp_rank * per_rank, (tp_rank + 1) * per_rank
+
+
+class ReusedGradBuffer:
+    """A dense gradient buffer handed out again once its previous user dropped it.
+
+    :meth:`zeros` returns a zero tensor of ``shape``: a new tensor object on the kept
+    storage when no other tensor refers to it any more (use count of the storage), else on
+    newly allocated storage, which is kept from then on.
+    """
+
+    def __init__(self):
+        self._storage = None
+
+    def zeros(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        st = self._storage
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if (st is not None and st.device == torch.device(device) and st.nbytes() == nbytes
+                and torch._C._storage_Use_Count(st._cdata) == 1):
+            out = torch.empty(0, dtype=dtype, device=device).set_(st, 0, shape)
+            return out.zero_()
+        out = torch.zeros(shape, dtype=dtype, device=device)
+        self._storage = out.untyped_storage()
+        return out
+
+
+class _EmbeddingLookup(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose weight gradient lands in ``buffer``."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, buffer):
+        ctx.save_for_backward(ids)
+        ctx.buffer, ctx.weight_shape = buffer, weight.shape
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:
+            return None, None, None
+        dense = ctx.buffer.zeros(ctx.weight_shape, grad.dtype, grad.device)
+        dense.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]))
+        return None, dense, None
+
+
+def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor,
+                     buffer: ReusedGradBuffer | None = None) -> torch.Tensor:
+    """Rows of ``weight`` ``[V, h]`` at ``ids`` ``[...]`` -> ``[..., h]``, equal to
+    ``F.embedding`` in values and gradient; with ``buffer`` the weight gradient reuses
+    its storage (see :class:`ReusedGradBuffer`). Under ``torch.compile`` or double
+    backward it is plain ``F.embedding``."""
+    if (buffer is None or torch.compiler.is_compiling() or not weight.requires_grad
+            or not torch.is_grad_enabled()):
+        return F.embedding(ids, weight)
+    return _EmbeddingLookup.apply(ids, weight, buffer)
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -44,13 +111,15 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.weight = mark_param(
             torch.nn.Parameter(torch.empty(local, hidden_size, device=device, dtype=dtype)),
             partition_dim=0, unpadded_size=vocab_size, init_std=init_std)
+        self._grad_buffer = ReusedGradBuffer()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
-            return F.embedding(ids, self.weight)
+            return embedding_lookup(ids, self.weight, self._grad_buffer)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = embedding_lookup(local_ids, self.weight, self._grad_buffer)
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         return mappings.reduce_from_tensor_model_parallel_region(partial, self.tp_group)
