@@ -67,9 +67,19 @@ def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
     else:
         raise ConversionError(f"{directory} holds neither model.safetensors nor {SAFE_INDEX}")
     state = {}
-    for name in files:
+    for name in progress(files, "read safetensors", " file"):
         state.update(load_file(os.path.join(directory, name)))
     return state
+
+
+def progress(items, desc: str, unit: str):
+    """``items`` under a tqdm bar on stderr, shown past 2 s and only on a terminal (as
+    preprocessing's); the steps of a conversion when ``items`` is an int."""
+    from tqdm import tqdm
+
+    kw = {"desc": desc, "unit": unit, "file": sys.stderr, "delay": 2.0, "disable": None,
+          "dynamic_ncols": True}
+    return tqdm(total=items, **kw) if isinstance(items, int) else tqdm(items, **kw)
 
 
 def parse_size(text: str) -> int:
@@ -99,7 +109,7 @@ def write_hf_weights(state: dict[str, torch.Tensor], directory: str, max_shard: 
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                  for i in range(len(shards))]
-    for name, shard in zip(names, shards):
+    for name, shard in progress(list(zip(names, shards)), "write safetensors", " file"):
         save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
@@ -179,12 +189,16 @@ def hf_to_megalite(args) -> None:
     except ConfigError as exc:
         raise ConfigError(f"the target layout does not fit the model: {exc}") from None
     hf_state = read_hf_weights(args.load_dir)
-    full = spec.from_hf(hf_state, cfg.model)
-    unused = unused_hf_tensors(spec, hf_state, full, cfg.model)
-    if unused:
-        raise ConversionError(f"{len(unused)} tensors of {args.load_dir} have no megalite "
-                         f"counterpart, e.g. {unused[:3]}")
-    path = save_full_model(cfg, full, args.save_dir)
+    with progress(2, "convert", " step") as bar:
+        full = spec.from_hf(hf_state, cfg.model)
+        unused = unused_hf_tensors(spec, hf_state, full, cfg.model)
+        if unused:
+            raise ConversionError(f"{len(unused)} tensors of {args.load_dir} have no "
+                                  f"megalite counterpart, e.g. {unused[:3]}")
+        bar.update(1)
+        bar.set_postfix_str("saving the checkpoint")
+        path = save_full_model(cfg, full, args.save_dir)
+        bar.update(1)
     flags = training_flags(cfg)
     print(f"wrote {path} ({spec.name}, {sum(t.numel() for t in full.values()):,} parameters)")
     print("continue training with:\n  pretrain/pretrain_gpt.py " + " ".join(flags)
@@ -194,12 +208,16 @@ def hf_to_megalite(args) -> None:
 def megalite_to_hf(args) -> None:
     from megalite.checkpoint.consolidated import load_full_model
 
-    cfg, model = load_full_model(args.load_dir, args.iteration)
-    try:
-        spec = family_of(cfg.model)
-    except ValueError as exc:
-        raise ConversionError(f"cannot convert {args.load_dir}: {exc}") from None
-    state = spec.to_hf(model.full_state_dict(), cfg.model)
+    with progress(2, "convert", " step") as bar:
+        bar.set_postfix_str("loading the checkpoint")
+        cfg, model = load_full_model(args.load_dir, args.iteration)
+        bar.update(1)
+        try:
+            spec = family_of(cfg.model)
+        except ValueError as exc:
+            raise ConversionError(f"cannot convert {args.load_dir}: {exc}") from None
+        state = spec.to_hf(model.full_state_dict(), cfg.model)
+        bar.update(1)
     if not cfg.model.untie_embeddings_and_output_weights:
         state.pop("lm_head.weight", None)   # tied: transformers re-ties it on load
     state = spec.to_hub_names(state, cfg.model)  # the names save_pretrained writes
@@ -218,7 +236,9 @@ def megalite_to_hf(args) -> None:
 def megalite_to_consolidated(args) -> None:
     from megalite.checkpoint.consolidated import load_full_model
 
-    cfg, model = load_full_model(args.load_dir, args.iteration)
+    with progress(1, "load", " step") as bar:
+        cfg, model = load_full_model(args.load_dir, args.iteration)
+        bar.update(1)
     full = {k: v.to(DTYPES[args.dtype]).contiguous() for k, v in model.full_state_dict().items()}
     os.makedirs(args.save_dir, exist_ok=True)
     if args.format == "safetensors":

@@ -1,6 +1,8 @@
-"""Validation loss and perplexity of a megalite checkpoint (any saved layout), one process.
+"""Validation loss and perplexity of a megalite checkpoint (any layout), one process or tp.
 
     python tools/evaluate.py --load runs/pretrain_tiny_cpu/checkpoints
+    torchrun --nproc-per-node 2 tools/evaluate.py --load runs/pretrain_tiny_cpu/checkpoints \
+        --tensor-model-parallel-size 2
 
 Reads the checkpoint's recorded data settings (``--data-path``, ``--split``, sequence
 length, batch sizes, seed), builds the same validation split as training did, and
@@ -9,7 +11,9 @@ at the checkpoint's iteration started: the printed loss is the loop's validation
 that iteration (up to fp32 rounding across layouts). ``--data-path`` / ``--split`` /
 ``--eval-iters`` override the recorded values. ``--jsonl FILE`` evaluates a JSONL (or
 plain text) file instead: its documents tokenized, joined by end-of-document tokens and
-cut into samples of the model's sequence length (``--max-samples`` caps them).
+cut into samples of the model's sequence length (``--max-samples`` caps them). A tqdm
+bar on stderr (on a terminal; ``--no-progress`` hides it) counts micro-batches; rank 0
+prints.
 """
 
 from __future__ import annotations
@@ -47,16 +51,15 @@ def main(argv=None) -> int:
             eval_start_sample,
             jsonl_batches,
             perplexity,
-            progress_bar,
             validation_loss,
             validation_samples,
         )
-        from megalite.inference.loading import load_for_inference
         from megalite.training.build import default_datasets_provider
+        from tools.generate import load
 
         # the iteration first, then that one loaded: a live job may publish newer ones
-        iteration = _checkpoint_iteration(args)
-        cfg, model, tokenizer = load_for_inference(args.load, iteration, args)
+        iteration = args.ckpt_step = _checkpoint_iteration(args)
+        cfg, model, tokenizer, ps = load(args)
         t = cfg.train
         if args.data_path is not None:
             cfg.data.data_path = args.data_path
@@ -80,10 +83,16 @@ def main(argv=None) -> int:
             num_batches = -(-count // t.micro_batch_size)
             batches = validation_samples(valid, eval_start_sample(t, iteration), count,
                                          t.micro_batch_size)
-        loss, tokens = validation_loss(model, batches, num_batches,
-                                       None if args.no_progress else progress_bar)
-        print(f"validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
-              f"lm loss PPL: {perplexity(loss):.6E} | tokens: {tokens}", flush=True)
+        from tqdm import tqdm
+
+        with tqdm(total=num_batches, desc="evaluate", unit=" micro-batch", file=sys.stderr,
+                  disable=True if args.no_progress or ps.rank else None,
+                  dynamic_ncols=True) as bar:
+            loss, tokens = validation_loss(model, batches, num_batches,
+                                           lambda done, total: bar.update(1))
+        if ps.rank == 0:
+            print(f"validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+                  f"lm loss PPL: {perplexity(loss):.6E} | tokens: {tokens}", flush=True)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:

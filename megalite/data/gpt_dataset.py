@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -35,6 +36,15 @@ from megalite.data.indices import build_gpt_indices
 from megalite.errors import DataError
 
 logger = logging.getLogger(__name__)
+
+
+def index_progress(desc: str, steps: int):
+    """A tqdm bar of index-building steps on stderr, shown only past 2 s and only on a
+    terminal (as preprocessing's)."""
+    from tqdm import tqdm
+
+    return tqdm(total=steps, desc=desc, unit=" step", file=sys.stderr, delay=2.0,
+                disable=None, leave=False, dynamic_ncols=True)
 
 
 @dataclass
@@ -121,9 +131,15 @@ class GPTDataset(torch.utils.data.Dataset):
             return tuple(np.load(paths[name], mmap_mode="r") for name in
                          ("document_index", "sample_index", "shuffle_index"))
         start = time.time()
+        bar = index_progress(f"{self.split_name} indices", 4 if paths else 3)
+
+        def step(name: str) -> None:
+            bar.set_postfix_str(name, refresh=False)
+            bar.update(1)
+
         arrays = build_gpt_indices(self.indexed.sequence_lengths, self.documents,
                                    self.config.seq_length, self.num_samples, self.config.seed,
-                                   self.drop_last, self.config.add_extra_token)
+                                   self.drop_last, self.config.add_extra_token, progress=step)
         self.built_anew = True
         logger.info("built %s %s indices: %d samples, %d epochs' documents, in %.2fs",
                     type(self).__name__, self.split_name, arrays[1].shape[0] - 1,
@@ -131,6 +147,8 @@ class GPTDataset(torch.utils.data.Dataset):
         if paths:
             save_atomically(paths, dict(zip(("document_index", "sample_index",
                                              "shuffle_index"), arrays)), self.description)
+            step("saved")
+        bar.close()
         return arrays
 
     # -- items --------------------------------------------------------------------------

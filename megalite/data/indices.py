@@ -196,12 +196,14 @@ def build_shuffle_index(num_samples: int, total_size: int,
 def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_length: int,
                       num_samples: int | None, seed: int,
                       drop_last_partial_sequence: bool = True,
-                      add_extra_token: bool = True):
+                      add_extra_token: bool = True, progress=None):
     """(document index, sample index, shuffle index) for a GPT dataset split.
 
     sequence_lengths: int32 [all sequences of the .idx]; documents: int32 ids of the split.
     Draws from one ``RandomState(seed)`` in Megatron's order: document index, then shuffle.
+    ``progress``: called with each index's name once it is built (a progress bar).
     """
+    done = progress or (lambda name: None)
     tokens_per_epoch = int(np.sum(np.asarray(sequence_lengths)[documents], dtype=np.int64))
     if tokens_per_epoch <= int(add_extra_token):
         raise ValueError(f"the split holds {tokens_per_epoch} tokens, too few for a sample")
@@ -210,11 +212,14 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_l
                                             num_epochs, add_extra_token)
     rng = np.random.RandomState(seed)
     document_index = build_document_index(documents, num_epochs, rng, separate)
+    done("document index")
     sample_index = build_sample_index(sequence_lengths, document_index, seq_length,
                                       num_epochs, tokens_per_epoch,
                                       drop_last_partial_sequence, add_extra_token)
+    done("sample index")
     total = sample_index.shape[0] - 1
     shuffle_index = build_shuffle_index(sans_final if separate else total, total, rng)
+    done("shuffle index")
     return document_index, sample_index, shuffle_index
 
 

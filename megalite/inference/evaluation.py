@@ -6,7 +6,6 @@ the loop read them at a given iteration."""
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 
 import torch
@@ -60,14 +59,6 @@ def validation_loss(model, batches, num_batches: int,
         if progress is not None:
             progress(i + 1, num_batches)
     return float(loss_sum / tokens.clamp_min(1.0)), int(tokens.item())
-
-
-def progress_bar(done: int, total: int, width: int = 30) -> None:
-    """``[#####.....] done/total`` on stderr, redrawn in place."""
-    filled = width * done // max(total, 1)
-    end = "\n" if done >= total else ""
-    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} micro-batches",
-          end=end, file=sys.stderr, flush=True)
 
 
 def perplexity(loss: float) -> float:

@@ -86,3 +86,26 @@ def test_evaluate_jsonl(trained, capsys, tmp_path):
     empty.write_text('{"text": "1 2"}\n')
     assert load_tool("evaluate").main(["--load", root, "--jsonl", str(empty)]) == 2
     assert "make no sample of 17 tokens" in capsys.readouterr().err
+
+
+def _evaluate_on_rank(rank, world_size, root):
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = load_tool("evaluate").main(["--load", root, "--no-progress",
+                                           "--tensor-model-parallel-size", str(world_size)])
+    return code, out.getvalue()
+
+
+def test_evaluate_at_tp2(trained):
+    """The checkpoint (saved at tp=1) evaluated at tp=2: rank 0 prints the training loop's
+    validation loss, rank 1 nothing."""
+    from tests.distributed.harness import run_distributed
+
+    root, valid_losses = trained
+    (code0, out0), (code1, out1) = run_distributed(2, _evaluate_on_rank, root)
+    assert code0 == code1 == 0 and out1 == ""
+    loss = float(re.search(r"iteration 8 \| lm loss value: (\S+) ", out0).group(1))
+    assert abs(loss - valid_losses[8]) < 1e-5 * valid_losses[8]
