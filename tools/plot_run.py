@@ -55,7 +55,7 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot_runs(runs: list[str], output: str) -> int:
+def plot_runs(runs: list[str], output: str, dpi: int = 100) -> int:
     """Write the figure of ``runs`` to ``output``; returns the number of curves drawn."""
     try:
         import matplotlib
@@ -87,7 +87,7 @@ def plot_runs(runs: list[str], output: str) -> int:
     axes[-1].set_xlabel("iteration")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=100)
+    fig.savefig(output, dpi=dpi)
     plt.close(fig)
     return curves
 
@@ -96,9 +96,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--output", required=True, help="PNG file to write")
+    p.add_argument("--dpi", type=int, default=100, help="resolution (the figure is 9 x 13 in)")
     args = p.parse_args(argv)
     try:
-        curves = plot_runs(args.runs, args.output)
+        if args.dpi < 10:
+            raise PlotError(f"--dpi must be >= 10, got {args.dpi}")
+        curves = plot_runs(args.runs, args.output, args.dpi)
     except (PlotError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
