@@ -20,6 +20,7 @@ import json
 import mmap
 import os
 import re
+import threading
 import zlib
 
 from megalite.errors import EXIT_CHECKPOINT, KnownError
@@ -114,18 +115,50 @@ def fast_checksum(path: str, algorithm: str = FAST_CHECKSUM) -> str:
                 data.close()
 
 
+def fsync_file(path: str) -> None:
+    """Flush ``path``'s written data to the disk (any descriptor of the file will do)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def manifest_entries(root: str, names: list[str], fast: bool = True,
-                     sha256: bool = False) -> dict[str, dict]:
-    """``{name: {"bytes": size[, FAST_CHECKSUM: hex][, "sha256": hex]}}`` for ``names``."""
-    out = {}
-    for name in names:
-        path = os.path.join(root, name)
-        entry = {"bytes": os.path.getsize(path)}
-        if fast:
-            entry[FAST_CHECKSUM] = fast_checksum(path)
-        if sha256:
-            entry["sha256"] = sha256_file(path)
-        out[name] = entry
+                     sha256: bool = False, fsync: bool = False) -> dict[str, dict]:
+    """``{name: {"bytes": size[, FAST_CHECKSUM: hex][, "sha256": hex]}}`` for ``names``.
+
+    ``fsync``: also fsync every file (a save writes them unsynced), while a thread hashes
+    them from the page cache: the checksums are computed while the disk writes, instead
+    of after it (the hashes and fsync release the GIL)."""
+    out: dict[str, dict] = {}
+    errors: list[BaseException] = []
+
+    def entries() -> None:
+        try:
+            for name in names:
+                path = os.path.join(root, name)
+                entry = {"bytes": os.path.getsize(path)}
+                if fast:
+                    entry[FAST_CHECKSUM] = fast_checksum(path)
+                if sha256:
+                    entry["sha256"] = sha256_file(path)
+                out[name] = entry
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    if not fsync:
+        entries()
+    else:
+        hasher = threading.Thread(target=entries, name="checkpoint-checksums", daemon=True)
+        hasher.start()
+        try:
+            for name in names:
+                fsync_file(os.path.join(root, name))
+        finally:
+            hasher.join()
+    if errors:
+        raise errors[0]
     return out
 
 

@@ -135,9 +135,10 @@ def _agree(error: str | None, replaced: str | None, ps: ParallelState, hint=str)
     """Collective: :class:`_Replaced` on every rank when any rank saw its directory
     replaced; else the first rank's ``error`` (+ ``hint()``) as a :class:`CheckpointError`."""
     outcomes = gather_objects((error, replaced), ps)
-    moved = next((m for _, m in outcomes if m is not None), None)
+    moved = next(((r, m) for r, (_, m) in enumerate(outcomes) if m is not None), None)
     if moved is not None:
-        raise _Replaced(moved)
+        where = "here" if moved[0] == ps.rank else f"on rank {moved[0]}"
+        raise _Replaced(f"{where}: {moved[1]}")
     first = next(((r, e) for r, (e, _) in enumerate(outcomes) if e is not None), None)
     if first is not None:
         where = "here" if first[0] == ps.rank else f"on rank {first[0]}"
@@ -300,8 +301,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, ps: ParallelState, *
             replaced = str(exc)
             if ps.rank == 0:
                 print(f" {replaced}: reading it again", flush=True)
-    raise CheckpointError(f"{replaced}, {READ_ATTEMPTS} times in a row: a live job keeps "
-                          f"re-saving {root}; stop it, or load once it has stopped")
+    raise CheckpointError(f"{replaced}; {READ_ATTEMPTS} reads in a row: another job keeps "
+                          f"re-saving {root}, or the ranks see different files there; stop "
+                          "that job, or load once it has stopped")
 
 
 def _load_iteration(root: str, iteration: int, identity: str, model, optimizer, scheduler,

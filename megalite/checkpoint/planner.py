@@ -132,13 +132,14 @@ def _quiet(no_dist: bool):
 
 
 def save_blocks(state: dict, pieces: dict[str, Piece], directory: str, *, group=None,
-                no_dist: bool = False) -> None:
+                no_dist: bool = False, sync_files: bool = True) -> None:
     """DCP-save ``state`` (blocks per ``pieces``) into ``directory`` (collective over
-    ``group``, the world by default, unless ``no_dist``). Blocks all on the CPU are
+    ``group``, the world by default, unless ``no_dist``); ``sync_files`` False: the
+    caller fsyncs the files itself. Blocks all on the CPU are
     written without DCP's copy-ahead loader: it opens a CUDA stream whenever CUDA is
     visible, which a ``--device cpu`` run on a GPU host must not."""
     on_gpu = any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in state.values())
-    writer = dcp.FileSystemWriter(directory, sync_files=True, single_file_per_rank=True,
+    writer = dcp.FileSystemWriter(directory, sync_files=sync_files, single_file_per_rank=True,
                                   **({} if on_gpu else {"per_thread_copy_ahead": 0}))
     with _quiet(no_dist):
         dcp.save(state, storage_writer=writer, planner=BlockSavePlanner(pieces),

@@ -80,9 +80,9 @@ def raise_if_any(error: str | None, ps: ParallelState, template: str) -> None:
 
 
 def write_blocks(state: dict, pieces: dict, directory: str, group, no_dist: bool) -> None:
-    """DCP-write this rank's blocks into ``directory`` (tests patch this to inject
-    crashes)."""
-    save_blocks(state, pieces, directory, group=group, no_dist=no_dist)
+    """DCP-write this rank's blocks into ``directory``, unsynced: :meth:`_Job.write`
+    fsyncs them while it checksums them (tests patch this to inject crashes)."""
+    save_blocks(state, pieces, directory, group=group, no_dist=no_dist, sync_files=False)
 
 
 def _my_files(directory: str, rank: int) -> list[str]:
@@ -108,11 +108,11 @@ class _Job:
     error: str | None = None
 
     def write(self, state: dict, pieces: dict, group, no_dist: bool, rank: int,
-              checksums: bool) -> None:
+              sha256: bool, fast: bool = True) -> None:
         try:
             write_blocks(state, pieces, self.tmp, group, no_dist)
-            self.files = manifest_entries(self.tmp, _my_files(self.tmp, rank),
-                                          sha256=checksums)
+            self.files = manifest_entries(self.tmp, _my_files(self.tmp, rank), fast=fast,
+                                          sha256=sha256, fsync=True)
         except Exception as exc:  # noqa: BLE001 - reported collectively at publication
             self.error = repr(exc)
 
@@ -122,14 +122,18 @@ class CheckpointSaver:
 
     Create it on every rank (collective when async: it makes a gloo process group for the
     background collectives), call :meth:`save` for each checkpoint and :meth:`close` at
-    the end. The manifest always holds each file's fast checksum; ``verify``
-    (``--ckpt-verify``): sha256 as well.
+    the end. The manifest holds each file's fast checksum; ``verify``
+    (``--ckpt-verify``): sha256 as well. ``checksums=False`` leaves the fast checksum out
+    (``tools/benchmark.py checkpoint`` measures its cost so; such a checkpoint loads
+    unverified).
     """
 
-    def __init__(self, ps: ParallelState, *, async_save: bool = False, verify: bool = False):
+    def __init__(self, ps: ParallelState, *, async_save: bool = False, verify: bool = False,
+                 checksums: bool = True):
         self.ps = ps
         self.async_save = async_save
         self.verify = verify
+        self.checksums = checksums
         self.pending: _Job | None = None
         self.staging: dict[str, torch.Tensor] = {}   # async: CPU buffers reused per save
         self.group = None
@@ -169,7 +173,8 @@ class CheckpointSaver:
                 "consumed_samples": consumed_samples, "layout": layout_of(ps),
                 "optimizer_state": names if save_optim and optimizer is not None else None,
                 "rng": save_rng,
-                "checksums": [FAST_CHECKSUM] + (["sha256"] if self.verify else []),
+                "checksums": ([FAST_CHECKSUM] if self.checksums else [])
+                + (["sha256"] if self.verify else []),
                 "config": config}
         job = _Job(root, iteration, tmp, final, meta)
         no_dist = not distributed(ps)
@@ -177,11 +182,12 @@ class CheckpointSaver:
             staged = self._stage(state)
             job.thread = threading.Thread(
                 target=job.write, name=f"checkpoint-{iteration}", daemon=True,
-                args=(staged, pieces, self.group, no_dist, ps.rank, self.verify))
+                args=(staged, pieces, self.group, no_dist, ps.rank, self.verify,
+                      self.checksums))
             job.thread.start()
             self.pending = job
         else:
-            job.write(state, pieces, None, no_dist, ps.rank, self.verify)
+            job.write(state, pieces, None, no_dist, ps.rank, self.verify, self.checksums)
             self._publish(job)
         return final
 

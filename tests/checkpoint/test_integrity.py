@@ -81,8 +81,9 @@ def test_every_rank_loads_rank0s_choice(saved):
 def test_ranks_seeing_another_checkpoint_all_fail_with_one_error(saved):
     errors = run_distributed(2, _load_on_ranks, saved, "metadata")
     assert all(e.startswith("CheckpointError") for e in errors), errors
-    assert all("iter_0000004 changed while it was being loaded" in e for e in errors), errors
-    assert "on rank 1" in errors[0] and "here" in errors[1]
+    assert all("iter_0000004 changed after rank 0 chose it: this rank reads another "
+               "metadata.json" in e and "; 3 reads in a row" in e for e in errors), errors
+    assert "on rank 1: " in errors[0] and "here: " in errors[1]
 
 
 def test_ckpt_step_loads_an_older_iteration(saved):
