@@ -44,6 +44,8 @@ def checkpoint_config(root: str, iteration: int | None = None) -> tuple[Megalite
                 f"{root} holds iterations {', '.join(map(str, held))} but no {LATEST}; "
                 f"choose one explicitly")
         if iteration is None:
+            if os.path.exists(root) and not os.path.isdir(root):
+                raise CheckpointError(f"{root} is a file, not a checkpoint directory")
             what = ("does not exist" if not os.path.exists(root) else
                     "holds no megalite checkpoint")
             if os.path.exists(os.path.join(root, "config.json")):

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.tools import load_tool
+from tests.tools import REPO, load_tool
 from tests.training.common import run_training, tiny_config
 
 
@@ -35,6 +35,7 @@ def test_evaluate_equals_training_loop(trained, capsys):
 
 def test_generate_tool_and_bad_input(trained, capsys, tmp_path):
     root, _ = trained
+    (tmp_path / "a_file").write_text("not a checkpoint")
     generate = load_tool("generate")
     assert generate.main(["--load", root, "--prompt", "5 9 12", "--max-new-tokens", "6",
                           "--temperature", "0"]) == 0
@@ -46,7 +47,19 @@ def test_generate_tool_and_bad_input(trained, capsys, tmp_path):
         (["--load", str(tmp_path), "--prompt", "1"], 4, "holds no megalite checkpoint"),
         (["--load", root, "--prompt", " ".join(["1"] * 16)], 2, "sequence length is 16"),
         (["--load", root, "--prompt", "1", "--top-p", "2"], 2, "top-p must be in"),
-        (["--load", root, "--prompt", "1", "--tokenizer-type", "GPT2BPETokenizer"], 3, ""),
+        (["--load", root, "--prompt", "1", "--tokenizer-type", "GPT2BPETokenizer"], 3,
+         "GPT2BPETokenizer needs --vocab-file"),
+        (["--load", root, "--prompt", "1", "--tokenizer-type", "GPTSentencePieceTokenizer",
+          "--tokenizer-model", str(REPO / "data" / "kjv_bpe_8k.model")], 3,
+         "has 8000 tokens but the checkpoint's model has a vocabulary of 61; pass the "
+         "tokenizer the model was trained with"),
+        (["--load", str(tmp_path / "a_file"), "--prompt", "1"], 4,
+         "a_file is a file, not a checkpoint directory"),
+        (["--load", root, "--prompt", "1", "--tensor-model-parallel-size", "2"], 2,
+         "--tensor-model-parallel-size 2 needs 2 processes, this run has 1; launch with "
+         "torchrun --nproc-per-node 2"),
+        (["--load", root, "--prompt", "1", "--pipeline-model-parallel-size", "2"], 2,
+         "inference runs tensor parallel only"),
     ]
     for argv, code, message in cases:
         assert generate.main(argv) == code, argv
