@@ -218,3 +218,22 @@ def test_layout_matches_plain_run(layout, trained):
         assert params.keys() == params0.keys()
         for name in params:
             assert torch.equal(params[name], params0[name]), (layout.name, rank, name)
+
+
+@pytest.mark.slow
+def test_compiled_layers_offload_bitwise():
+    """``--compile``: the compiled layers' saved tensors go through the same hooks."""
+    from megalite.models.compile import compile_model
+
+    runs = []
+    for extra in ({}, {**OFF, "cpu_offloading_num_layers": 1}):
+        cfg = gpt2_config(**extra)
+        model = compile_model(GPTModel(cfg, single_process_state(), seed=1))
+        ids, labels = batch(cfg)
+        loss = model(ids, labels=labels).sum()
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()},
+                     getattr(model.decoder.offload, "offloaded_bytes", 0)))
+    (loss0, grads0, _), (loss, grads, off) = runs
+    assert off > 0 and torch.equal(loss, loss0)
+    assert all(torch.equal(grads[n], grads0[n]) for n in grads0)
