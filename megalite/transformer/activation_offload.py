@@ -128,11 +128,12 @@ class _HostStorage:
             return
         offload = self.group.owner
         stream = offload.stream
-        dev = torch.empty(self.nbytes, dtype=torch.uint8, device=offload.device)
         if stream is None:
+            dev = torch.empty(self.nbytes, dtype=torch.uint8, device=offload.device)
             dev.copy_(self.host)
-        else:
+        else:   # allocated on the side stream: no block the compute stream still uses
             with torch.cuda.stream(stream):
+                dev = torch.empty(self.nbytes, dtype=torch.uint8, device=offload.device)
                 dev.copy_(self.host, non_blocking=True)
                 self.event = torch.cuda.Event()
                 self.event.record(stream)
