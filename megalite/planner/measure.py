@@ -160,6 +160,12 @@ def collective_speed(nbytes: int = 1 << 20, repeats: int = 5) -> tuple[float, fl
     return latency, bw
 
 
+def GPTModel(*args, **kwargs):   # noqa: N802 (imported late: megalite.models is heavy)
+    from megalite.models.gpt import GPTModel as _GPTModel
+
+    return _GPTModel(*args, **kwargs)
+
+
 class OverheadProbe:
     """Fixed costs of megalite's own layers at a size where their math is negligible
     (hidden 32, 16 tokens): forward + backward of GPT models of 1 and 3 layers, so that
@@ -172,7 +178,6 @@ class OverheadProbe:
         import torch
 
         from megalite.arguments import parse_args
-        from megalite.models.gpt import GPTModel
         from megalite.parallel.state import ParallelState
 
         self.models = []
@@ -189,15 +194,17 @@ class OverheadProbe:
                 self.ps = ParallelState.build(cfg.parallel)
             self.models.append(GPTModel(cfg.model, self.ps, seed=1))
         self.ids = torch.randint(0, 64, (1, 16))
+        self._rate_models = {}
 
-    def _time(self, model, backward: bool, repeats: int) -> float:
+    def _time(self, model, backward: bool, repeats: int, ids=None) -> float:
         import statistics
         import time
 
+        ids = self.ids if ids is None else ids
         runs = []
         for _ in range(repeats):
             start = time.perf_counter()
-            loss = model(self.ids, labels=self.ids).float().mean()
+            loss = model(ids, labels=ids).float().mean()
             if backward:
                 loss.backward()
             runs.append(time.perf_counter() - start)
@@ -211,6 +218,45 @@ class OverheadProbe:
         layer = max(0.0, (three - one) / 2)
         return {"layer": layer, "layer_forward": min(layer, max(0.0, (f_three - f_one) / 2)),
                 "microbatch": max(0.0, one - layer)}
+
+    def layer_rate(self, cfg, overhead_s: float, repeats: int = 3) -> float:
+        """Effective FLOP/s of one transformer layer of ``cfg`` as one rank runs it: GPT
+        models of 1 and 3 layers with this rank's share of the layer (heads, ffn and
+        sequence divided by tp and cp; tp 1, so no collective) timed forward and backward
+        on one micro-batch; the planner's FLOPs of the two extra layers over their time
+        less ``overhead_s`` (the fixed cost of a layer). What a layer runs besides its
+        GEMMs (attention core, norms, activation, copies) is in the rate."""
+        import copy
+
+        import torch
+
+        from megalite.planner.memory import dense_layer_params, dense_mlp_params
+
+        m, p = cfg.model, cfg.parallel
+        tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+        key = (m.hidden_size, m.num_attention_heads // tp, m.ffn_hidden_size // tp,
+               m.seq_length // cp, cfg.train.micro_batch_size)
+        if key not in self._rate_models:
+            models = []
+            for layers in (1, 3):
+                pm = copy.deepcopy(m)
+                pm.num_layers, pm.num_attention_heads = layers, m.num_attention_heads // tp
+                pm.num_query_groups = max(1, m.num_query_groups // tp)
+                pm.kv_channels, pm.ffn_hidden_size = m.kv_channels, m.ffn_hidden_size // tp
+                pm.seq_length = m.seq_length // cp
+                pm.vocab_size = 64
+                pm.recompute_granularity = pm.recompute_method = None
+                pm.recompute_num_layers = None
+                models.append(GPTModel(pm, self.ps, seed=1))
+            ids = torch.randint(0, 64, (key[4], key[3]))
+            self._rate_models[key] = (models, ids, pm)
+        models, ids, pm = self._rate_models[key]
+        one, three = (self._time(mod, True, repeats, ids) for mod in models)
+        tokens = ids.numel()
+        flops = (6.0 * (dense_layer_params(pm, 1) + dense_mlp_params(pm, 1)) * tokens
+                 + 12.0 * pm.num_attention_heads * pm.kv_channels * pm.seq_length * tokens)
+        seconds = (three - one) / 2 - overhead_s
+        return flops / seconds if seconds > 0 else float("nan")
 
     def close(self) -> None:
         self.ps.destroy()

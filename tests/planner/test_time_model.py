@@ -1,13 +1,13 @@
 """The planner's time model against measured step times on this CPU (slow: timing).
 
 ``tools/benchmark.py plan-check`` (:mod:`tools.bench.plan_check`) trains 11 layouts of a
-small GPT on 1, 2 and 4 gloo ranks, with the machine's probes (matmul FLOP/s on each
-layout's own GEMM shapes, gloo latency and bandwidth, memory bandwidth, the fixed cost of
-a layer and of a micro-batch) interleaved with the timed steps, medians over repeats. The
-planner's ranking of the layouts must agree with the measured one (Spearman rank
-correlation >= 0.8) and each estimate must fall within 25%. About 6 minutes on an idle
-2-core machine (15 under heavy load, where it cannot pass: other processes' share of the
-cores changes faster than the probes can follow):
+small GPT on 1, 2 and 4 gloo ranks, with the machine's probes (the effective FLOP/s of
+each layout's layer as a rank runs it, gloo latency and bandwidth, memory bandwidth, the
+fixed cost of a layer and of a micro-batch) interleaved with the timed steps, medians over
+repeats. The planner's ranking of the layouts must agree with the measured one (Spearman rank
+correlation >= 0.8) and each estimate must fall within 25%. About 2.5 minutes of CPU time
+(6.5-7.5 minutes of wall time on the 2-core machine at load 20, 15 at load 45, where it
+has not passed: other processes' share of the cores changes faster than the probes follow):
 
     .venv/bin/python -m pytest -q -m slow tests/planner/test_time_model.py -s
 """

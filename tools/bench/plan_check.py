@@ -8,11 +8,14 @@ the probes at once (so a figure is the rank's share of the cores: a world of 2 r
 2 cores gets a core each, one of 4 ranks half a core), and the figures a layout's
 estimate uses are medians over its repeats:
 
-* matmul FLOP/s on the layout's own GEMM shapes (its qkv, projection, fc1, fc2 and output
-  layer per micro-batch and tp rank, forward and both backward products;
-  :func:`megalite.planner.measure.matmul_rate`), the slowest rank's;
+* the effective FLOP/s of one of the layout's transformer layers as a rank runs it (this
+  rank's share of heads, ffn and sequence, forward and backward, its fixed cost taken
+  out; :meth:`megalite.planner.measure.OverheadProbe.layer_rate`: what a layer runs
+  besides GEMMs is in the rate), the slowest rank's; for reference also the GEMMs alone
+  on the layout's shapes (:func:`~megalite.planner.measure.matmul_rate`), which leave the
+  estimates about 30% short;
 * gloo latency per ring hop and bandwidth on the world, from an all-gather and a
-  reduce-scatter of one ``[s, b, h]`` activation and of 4 bytes
+  reduce-scatter of 4 bytes and of 4 MiB
   (:func:`~megalite.planner.measure.collective_speed`);
 * memory bandwidth of an out-of-cache add;
 * the fixed cost of one more layer per micro-batch, forward and backward and forward
@@ -23,7 +26,7 @@ Each layout trains a small GPT (4 layers, hidden 256, seq 128, global batch 8; m
 dominate, the fixed costs are a tenth): one warm-up step, then ``--repeats`` timed steps
 (barrier to barrier, batches fetched beforehand), the median reported. The layouts are
 chosen so that their step times differ clearly (single rank with and without full
-recomputation, dp2, tp2, pp2 with 4 and 2 micro-batches, dp2 with recomputation, four
+recomputation, dp2, tp2, pp2 with 8 and 2 micro-batches, dp2 with recomputation, four
 ranks on two cores, ...). Printed: per layout, estimated and measured ms with the main
 terms, the Spearman rank correlation of the estimates with the measurements (the issue
 asks >= 0.8) and the largest relative error (<= 25%). ``tests/planner/test_time_model.py``
@@ -95,12 +98,15 @@ def _probe(cfg, world: int, overhead) -> dict:
 
     if world > 1:
         dist.barrier()
-    out = {"flops": matmul_rate(layout_gemms(planner_config(cfg)))}
+    # long enough to be the sustained rate: a short burst right after a barrier (a sleep)
+    # gets more than its share of a loaded machine
+    out = {"flops": matmul_rate(layout_gemms(planner_config(cfg)), seconds=0.25)}
     out["memory_bw"] = memory_bandwidth()
     out.update(overhead.measure(repeats=3))
-    m = cfg.model   # one [s, b, h] activation of the layout, fp32
-    out["latency"], out["bw"] = collective_speed(
-        cfg.train.micro_batch_size * m.seq_length * m.hidden_size * 4)
+    out["layer_flops"] = overhead.layer_rate(planner_config(cfg), out["layer"])
+    # bandwidth from at least 4 MiB (the gradients' reduction; an activation alone is
+    # mostly latency, whose noise would swamp the difference)
+    out["latency"], out["bw"] = collective_speed(4 << 20)
     return out
 
 
@@ -172,7 +178,9 @@ def cluster_of(world: int, per_rank: list[dict]):
         return sum(v) / len(v)
 
     bw = med("bw", min) if world > 1 else 1e12
-    return Cluster(gpus_per_node=world, nodes=1, gpu_memory=1e12, peak_flops=med("flops", min),
+    flops = med("layer_flops", min)   # a whole layer's effective rate; GEMMs alone if unusable
+    flops = flops if flops == flops and flops > 0 else med("flops", min)
+    return Cluster(gpus_per_node=world, nodes=1, gpu_memory=1e12, peak_flops=flops,
                    intra_node_bw=bw, inter_node_bw=bw, matmul_efficiency=1.0,
                    latency_s=med("latency", mean), memory_bw=med("memory_bw", mean),
                    layer_overhead_s=med("layer", mean),
@@ -213,6 +221,9 @@ def check(repeats: int = 5, names: list[str] | None = None, echo=print) -> dict:
                    "compute_s": t.compute, "comm_s": dict(t.comm), "bubble_s": t.bubble,
                    "optimizer_s": t.optimizer,
                    "probes": {"gflops": cluster.peak_flops / 1e9,
+                              "gemm_gflops": statistics.median(
+                                  min(r["probes"][i]["flops"] for r in per_rank)
+                                  for i in range(repeats)) / 1e9,
                               "gloo_gbps": cluster.intra_node_bw / 1e9,
                               "latency_us": cluster.latency_s * 1e6,
                               "memory_gbps": cluster.memory_bw / 1e9,
@@ -226,7 +237,8 @@ def check(repeats: int = 5, names: list[str] | None = None, echo=print) -> dict:
                  f"ms ({t.step / measured - 1:+5.0%})  compute {t.compute * 1e3:.0f}"
                  + (f" {comm}" if comm else "") + (f" bubble {t.bubble * 1e3:.0f}"
                                                    if t.bubble else "")
-                 + f"  [{p['gflops']:.1f} GFLOP/s, layer {p['layer_ms']:.2f} ms, "
+                 + f"  [{p['gflops']:.1f} GFLOP/s ({p['gemm_gflops']:.1f} GEMM), layer "
+                 f"{p['layer_ms']:.2f} ms, "
                  f"mb {p['microbatch_ms']:.2f} ms"
                  + (f", gloo {p['gloo_gbps']:.2f} GB/s {p['latency_us']:.0f} us"
                     if world > 1 else "") + "]")
