@@ -102,10 +102,19 @@ def continuations(model, tokenizer, texts: list[str], args, generator) -> list[s
     out = []
     for i in range(0, len(texts), args.batch_size):
         prompts = [tokenizer.tokenize(t) for t in texts[i:i + args.batch_size]]
-        for ids in generate_batch(model, prompts, args.max_new_tokens, params,
-                                  eod=tokenizer.eod, generator=generator):
-            out.append(tokenizer.detokenize(ids[:-1] if ids[-1:] == [tokenizer.eod] else ids))
+        for prompt, ids in zip(prompts, generate_batch(
+                model, prompts, args.max_new_tokens, params, eod=tokenizer.eod,
+                generator=generator)):
+            out.append(_new_text(tokenizer, prompt, ids[:-1] if ids[-1:] == [tokenizer.eod]
+                                 else ids))
     return out
+
+
+def _new_text(tokenizer, prompt: list[int], new: list[int]) -> str:
+    """The text ``new`` adds after ``prompt``: decoded together, so a word boundary between
+    them keeps its space (SentencePiece drops a leading one when decoding ``new`` alone)."""
+    head, whole = tokenizer.detokenize(prompt), tokenizer.detokenize(prompt + new)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.detokenize(new)
 
 
 def _interactive(model, tokenizer, args, generator, ps) -> None:

@@ -122,3 +122,49 @@ def test_evaluate_at_tp2(trained):
     assert code0 == code1 == 0 and out1 == ""
     loss = float(re.search(r"iteration 8 \| lm loss value: (\S+) ", out0).group(1))
     assert abs(loss - valid_losses[8]) < 1e-5 * valid_losses[8]
+
+
+def test_server_tool_on_an_os_chosen_port(trained):
+    """tools/run_text_generation_server.py as users start it (--port 0: the OS picks),
+    answered by a real HTTP client: greedy equals tools/generate.py's tokens, and limits
+    from its flags."""
+    import json
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    from megalite.inference.generation import generate
+    from megalite.inference.loading import load_for_inference
+
+    root, _ = trained
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tools" / "run_text_generation_server.py"), "--load", root,
+         "--port", "0", "--max-prompts", "2", "--max-request-bytes", "500"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        m = re.match(r"serving PUT (http://127\.0\.0\.1:(\d+)/api)$", line.strip())
+        assert m and int(m.group(2)) > 0, (line, proc.stderr.read() if proc.poll() else "")
+
+        def put(body):
+            req = urllib.request.Request(m.group(1), data=json.dumps(body).encode(),
+                                         method="PUT")
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        code, out = put({"prompts": ["5 9 12", "7"], "tokens_to_generate": 4,
+                         "temperature": 0})
+        _, model, tok = load_for_inference(root)
+        assert code == 200
+        assert out["tokens"] == [[5, 9, 12] + generate(model, [5, 9, 12], 4, eod=tok.eod),
+                                 [7] + generate(model, [7], 4, eod=tok.eod)]
+        assert put({"prompts": ["1"] * 3}) == (400, {"error": "at most 2 prompts per "
+                                                              "request, got 3"})
+        assert put({"prompts": ["1" * 600]})[0] == 413
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
