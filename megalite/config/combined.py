@@ -44,10 +44,16 @@ class MegaliteConfig:
         tp = p.tensor_model_parallel_size
         dp = p.data_parallel_size(world_size)
         if self.optim.optimizer_cpu_offload:
-            require(p.data_parallel_sharding_strategy in ("optim", "optim_grads"),
+            require(p.data_parallel_sharding_strategy != "no_shard",
                     "--optimizer-cpu-offload with --data-parallel-sharding-strategy "
-                    f"{p.data_parallel_sharding_strategy} is not supported yet; use optim or "
-                    "optim_grads (or --use-distributed-optimizer)")
+                    f"{p.data_parallel_sharding_strategy} is not supported yet; use optim, "
+                    "optim_grads or optim_grads_params (or --use-distributed-optimizer)")
+        require(not (p.data_parallel_sharding_strategy == "optim_grads_params"
+                     and t.compile),
+                "--data-parallel-sharding-strategy optim_grads_params with --compile is not "
+                "supported yet: each compiled layer is traced with its parameters freed (a "
+                "stride-0 placeholder) and its guards fail on the gathered ones; drop "
+                "--compile or use optim_grads")
         if p.sequence_parallel:
             require(m.seq_length % (tp * p.context_parallel_size) == 0,
                      f"seq_length ({m.seq_length}) must be divisible by "

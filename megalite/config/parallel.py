@@ -30,7 +30,9 @@ class ParallelConfig:
         "no_shard", "What data parallelism shards: nothing (no_shard), the fp32 main "
         "parameters and optimizer state (optim, ZeRO-1: --use-distributed-optimizer), also "
         "the reduced gradients (optim_grads, ZeRO-2: each rank keeps only its shard of the "
-        "gradients between steps); optim_grads_params (ZeRO-3) is not implemented yet.",
+        "gradients between steps), also the parameters (optim_grads_params, ZeRO-3: each "
+        "layer's parameters are all-gathered before its forward and its backward and freed "
+        "after, the next layer's gather prefetched).",
         choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
     use_torch_fsdp2: bool = arg(False, "Wrap the model in torch FSDP2 (not implemented yet; "
                                 "use --data-parallel-sharding-strategy optim_grads).")
@@ -75,14 +77,11 @@ class ParallelConfig:
         if self.ddp_bucket_size is not None:
             require(self.ddp_bucket_size > 0,
                      f"--ddp-bucket-size must be > 0, got {self.ddp_bucket_size}")
-        require(self.data_parallel_sharding_strategy != "optim_grads_params",
-                "--data-parallel-sharding-strategy optim_grads_params (parameters sharded "
-                "and gathered per layer) is not implemented yet; use optim_grads")
         require(not self.use_torch_fsdp2, "--use-torch-fsdp2 is not implemented yet; use "
                 "--data-parallel-sharding-strategy optim_grads")
         if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
             self.data_parallel_sharding_strategy = "optim"
-        # optim and optim_grads run the distributed optimizer
+        # optim, optim_grads and optim_grads_params run the distributed optimizer
         self.use_distributed_optimizer = self.data_parallel_sharding_strategy != "no_shard"
         if self.overlap_param_gather:
             require(self.use_distributed_optimizer,

@@ -14,7 +14,9 @@ def build_grads_and_optimizer(model, cfg: MegaliteConfig, ps: ParallelState, tim
     """``(DataParallelGrads, optimizer)`` for ``model`` (a Module or its pipeline chunks,
     already in its training dtype and on its device): the distributed optimizer under
     ``--data-parallel-sharding-strategy optim`` (``--use-distributed-optimizer``) or
-    ``optim_grads`` (gradients sharded too), else :class:`MixedPrecisionOptimizer`;
+    ``optim_grads`` (gradients sharded too) or ``optim_grads_params`` (parameters sharded
+    too, gathered per layer: :mod:`megalite.optim.param_sharding`), else
+    :class:`MixedPrecisionOptimizer`;
     buckets, overlap and reduction dtype from ``cfg.parallel``, CPU offload from
     ``cfg.optim``."""
     p = cfg.parallel
@@ -23,7 +25,9 @@ def build_grads_and_optimizer(model, cfg: MegaliteConfig, ps: ParallelState, tim
                               use_distributed_optimizer=p.use_distributed_optimizer,
                               grad_reduce_in_bf16=p.grad_reduce_in_bf16,
                               overlap_param_gather=p.overlap_param_gather,
-                              shard_grads=p.data_parallel_sharding_strategy == "optim_grads")
+                              shard_grads=p.data_parallel_sharding_strategy == "optim_grads",
+                              shard_params=p.data_parallel_sharding_strategy
+                              == "optim_grads_params")
     scaler = build_loss_scaler(cfg.optim, cfg.model.fp16)
     if p.use_distributed_optimizer:
         optimizer = DistributedOptimizer(model, cfg.optim, ps, scaler, grads,

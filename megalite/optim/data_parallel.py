@@ -54,6 +54,15 @@ forward pre-hook on each module waits for the buckets of that module's own param
 the gather of later layers overlaps the forward of earlier ones. A ``state_dict`` pre-hook
 and :meth:`finish_param_sync` wait for everything (call the latter before reading
 parameters any other way).
+
+Sharded parameters (``shard_params``, ``--data-parallel-sharding-strategy
+optim_grads_params``, ZeRO-3; implies ``shard_grads``): the buffers keep only this rank's
+shard of the parameters and :class:`~megalite.optim.param_sharding.ParamSharding` gathers
+each layer's buckets around its forward and backward (buckets never span two layers).
+:meth:`start_param_sync` then only drops the gathered copies the optimizer step made
+stale; :meth:`finish_param_sync` gathers every parameter (collective), so reading
+parameters after it works as under the other strategies, until the next forward frees
+them layer by layer again.
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ from __future__ import annotations
 import torch
 
 from megalite.optim.grad_buffer import Bucket, GradBuffer
+from megalite.optim.param_sharding import ParamSharding, find_units
 from megalite.parallel.collectives import all_reduce_coalesced
 from megalite.parallel.params import is_expert_param, param_meta
 from megalite.parallel.state import ParallelState
@@ -95,19 +105,24 @@ class DataParallelGrads:
     trace:        set to a list to record ``(event, chunk, buffer, bucket)`` tuples
                   (``grad-final``, ``grad-sync-start``, ``param-sync-start``,
                   ``param-sync-wait``) for tests of the overlap order.
+    shard_params: ZeRO-3 (see module docstring); ``model`` must be modules (chunks).
+    prefetch:     with ``shard_params``: gather the next layer while this one computes.
     """
 
     def __init__(self, model, ps: ParallelState, bucket_size: int | None = None,
                  timers=None, *, overlap_grad_reduce: bool = False,
                  use_distributed_optimizer: bool = False, grad_reduce_in_bf16: bool = False,
-                 overlap_param_gather: bool = False, shard_grads: bool = False):
+                 overlap_param_gather: bool = False, shard_grads: bool = False,
+                 shard_params: bool = False, prefetch: bool = True):
         if bucket_size is not None and bucket_size <= 0:
             raise ValueError(f"bucket_size must be > 0, got {bucket_size}")
         if overlap_param_gather and not use_distributed_optimizer:
             raise ValueError("overlap_param_gather needs use_distributed_optimizer")
-        if shard_grads and not use_distributed_optimizer:
-            raise ValueError("shard_grads (optim_grads) needs use_distributed_optimizer")
-        self.shard_grads = shard_grads
+        if (shard_grads or shard_params) and not use_distributed_optimizer:
+            raise ValueError("shard_grads (optim_grads) and shard_params "
+                             "(optim_grads_params) need use_distributed_optimizer")
+        self.shard_grads = shard_grads or shard_params
+        self.shard_params = shard_params
         self.ps, self.timers = ps, timers
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
@@ -115,6 +130,12 @@ class DataParallelGrads:
         self.grad_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
         self.bucket_size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * ps.dp_cp.size)
         self.chunks = _param_chunks(model)
+        self._units = None
+        if shard_params:
+            if not all(isinstance(chunk, torch.nn.Module) for chunk in self.chunks):
+                raise ValueError("shard_params (optim_grads_params) needs the model's "
+                                 "modules, not an iterable of parameters")
+            self._units = [find_units(chunk) for chunk in self.chunks]
         self.trace: list | None = None
         self.params: list = []
         self.buffers: list[GradBuffer] = []
@@ -125,6 +146,9 @@ class DataParallelGrads:
                        for p in self.params]
         if overlap_param_gather:
             self._hooks += self._register_forward_waits()
+        self.param_sharding = None
+        if shard_params:
+            self.param_sharding = ParamSharding(self._units, self.buffers, prefetch=prefetch)
         self._hooks += [chunk.register_state_dict_pre_hook(self._before_state_dict)
                         for chunk in self.chunks if isinstance(chunk, torch.nn.Module)]
         self._expected: int | None = None
@@ -138,13 +162,17 @@ class DataParallelGrads:
         seen = {id(p) for p in self.params}
         params = [p for p in params if id(p) not in seen]
         self.params += params
+        unit_of = None
+        if self._units is not None:
+            unit_of = {id(p): u for u, unit in enumerate(self._units[c]) for p in unit.params}
         kinds: dict[tuple, list] = {}
         for p in params:
             kinds.setdefault((is_expert_param(p), p.dtype), []).append(p)
         for (expert, _dtype), members in sorted(kinds.items(), key=lambda kv: kv[0][0]):
             group = self.ps.edp if expert else self.ps.dp_cp
             buf = GradBuffer(members, group, self.grad_dtype, self.bucket_size, self.sharded,
-                             self.ps.device, shard_grads=self.shard_grads)
+                             self.ps.device, shard_grads=self.shard_grads,
+                             shard_params=self.shard_params, unit_of=unit_of)
             for bucket in buf.buckets:
                 for p in bucket.params:
                     self._where[id(p)] = (c, len(self.buffers), bucket)
@@ -217,10 +245,20 @@ class DataParallelGrads:
         held = [b.grad_data for b in self.buffers]
         return held + [b.shard_grad_data for b in self.buffers if b.shard_grad_data is not None]
 
+    def param_memory_tensors(self) -> list[torch.Tensor]:
+        """Parameter storages this object holds besides the parameters' own: the
+        persistent shards and the gathered bucket copies (``shard_params``; their storage
+        is empty while freed)."""
+        held = [b.shard_param_data for b in self.buffers if b.shard_param_data is not None]
+        return held + [bk.param for b in self.buffers if b.shard_params for bk in b.buckets]
+
     # -- parameter all-gather (distributed optimizer) ------------------------------------
     def start_param_sync(self) -> None:
         """All-gather every bucket's parameter shards (after the optimizer updated this
-        rank's shards); blocking unless ``overlap_param_gather``."""
+        rank's shards); blocking unless ``overlap_param_gather``. Under ``shard_params``
+        only frees the gathered copies (stale now): layers gather again when used."""
+        if self.param_sharding is not None:
+            self.param_sharding.invalidate()
         if not self.sharded:
             return
         timer = self.timers("params-all-gather", log_level=2) if self.timers else None
@@ -233,18 +271,31 @@ class DataParallelGrads:
                 self._record("param-sync-start", self._where[id(bucket.params[0])][0], b,
                              bucket.index)
         if not (self.overlap_param_gather and self._forward_waits_possible()):
-            self.finish_param_sync()
+            self.wait_param_sync()
         if timer:
             timer.stop()
 
     def finish_param_sync(self) -> None:
-        """Wait for every parameter all-gather still in flight."""
+        """Wait for every parameter all-gather still in flight; under ``shard_params`` also
+        gather every parameter (collective over each buffer's group), so that they can be
+        read (the next forward frees them again, layer by layer)."""
+        self.wait_param_sync()
+        if self.param_sharding is not None:
+            self.param_sharding.materialize()
+
+    def wait_param_sync(self) -> None:
+        """Wait for the all-gathers of :meth:`start_param_sync` still in flight (no
+        collective of its own): what the optimizer needs before writing its shards."""
         for buf in self.buffers:
             for bucket in buf.buckets:
                 bucket.wait_param_sync()
 
     def remove_hooks(self) -> None:
+        """Complete the parameter sync (full parameters again, also under
+        ``shard_params``) and remove every hook: the model is a plain module after it."""
         self.finish_param_sync()
+        if self.param_sharding is not None:
+            self.param_sharding.remove()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -26,6 +26,9 @@ this rank's shard of ``grad_data``:
 ``--data-parallel-sharding-strategy optim_grads`` changes only where the reduced gradients
 live (a shard buffer of their own, the full buffer dropped between steps:
 :mod:`megalite.optim.grad_buffer`); pieces read them through ``bucket.shard_grad()``.
+``optim_grads_params`` also keeps the parameters as shards (``bucket.shard_param()``, the
+same element range; :mod:`megalite.optim.param_sharding` gathers them per layer): step 3
+writes the shard, and step 4 only drops the gathered copies the update made stale.
 
 CPU offload (``--optimizer-cpu-offload``, ``--optimizer-offload-fraction F``): whole pieces,
 first to last, until at least ``F`` of this rank's shard elements, keep their fp32 master
@@ -177,13 +180,13 @@ class DistributedOptimizer(LossScaledOptimizer):
         self.num_steps = 0
 
     def _shard(self, bucket: Bucket, lo: int, hi: int, split: int, parts: list) -> _Shard:
-        view = bucket.param[split:hi]
+        view = bucket.shard_param()[split - lo:]
         master = view.detach().float().clone() if self.half else view
         shard = _Shard(bucket, lo, hi, split, master)
         if split > lo:
             shard.host_master = torch.empty(split - lo, dtype=torch.float32,
                                             pin_memory=self.pinned)
-            shard.host_master.copy_(bucket.param[lo:split])
+            shard.host_master.copy_(bucket.shard_param()[:split - lo])
             shard.host_grad = torch.empty(split - lo, dtype=torch.float32,
                                           pin_memory=self.pinned)
         for name, p, s, e, a in parts:
@@ -218,7 +221,7 @@ class DistributedOptimizer(LossScaledOptimizer):
     def step(self) -> StepOutcome:
         """Unscale, check, clip, update this rank's shard (the offloaded part on the CPU),
         all-gather the parameters."""
-        self.grads.finish_param_sync()
+        self.grads.wait_param_sync()
         grads = [sh.grad for sh in self.shards]
         if self._unscale_and_check(grads):
             return StepOutcome(updated=False, found_inf=True, grad_norm=None)
@@ -241,11 +244,11 @@ class DistributedOptimizer(LossScaledOptimizer):
         for pc in self.pieces:
             pc.master.grad = None
         for sh in self.shards:
+            mine = sh.bucket.shard_param()
             if self.half:
-                sh.bucket.param[sh.split:sh.hi].copy_(sh.master)
+                mine[sh.split - sh.lo:].copy_(sh.master)
             if sh.host_master is not None:   # host -> device, cast
-                sh.bucket.param[sh.lo:sh.split].copy_(sh.host_master,
-                                                      non_blocking=self.pinned)
+                mine[:sh.split - sh.lo].copy_(sh.host_master, non_blocking=self.pinned)
         self.grads.start_param_sync()
         self.num_steps += 1
         return StepOutcome(updated=True, found_inf=False, grad_norm=norm)
@@ -272,13 +275,18 @@ class DistributedOptimizer(LossScaledOptimizer):
     # -- checkpointing ------------------------------------------------------------------
     @torch.no_grad()
     def reload_model_params(self) -> None:
-        """Refresh the shard masters from the model (after loading model weights)."""
-        self.grads.finish_param_sync()
+        """Refresh the shard masters from the model (after loading model weights; under
+        optim_grads_params the loaded, gathered parameters are first copied into the
+        shards)."""
+        self.grads.wait_param_sync()
+        if self.grads.param_sharding is not None:
+            self.grads.param_sharding.write_back()
         for sh in self.shards:
+            mine = sh.bucket.shard_param()
             if self.half:
-                sh.master.copy_(sh.bucket.param[sh.split:sh.hi])
+                sh.master.copy_(mine[sh.split - sh.lo:])
             if sh.host_master is not None:
-                sh.host_master.copy_(sh.bucket.param[sh.lo:sh.split])
+                sh.host_master.copy_(mine[:sh.split - sh.lo])
 
     @torch.no_grad()
     def state_dict_per_param(self) -> dict:
@@ -310,7 +318,8 @@ class DistributedOptimizer(LossScaledOptimizer):
     def load_state_dict_per_param(self, state: dict) -> None:
         """Keep this rank's slices of full per-parameter tensors (no collective)."""
         keys = self._check_per_param(state)
-        self.grads.finish_param_sync()
+        self.grads.wait_param_sync()
+        sharding = self.grads.param_sharding
         step, saved = int(state["step"]), state["params"]
         for pc in self.pieces:
             entry = saved[pc.name]
@@ -322,12 +331,18 @@ class DistributedOptimizer(LossScaledOptimizer):
             self.reload_model_params()
         elif self.half:
             for p, name in zip(self.params, self.names):
-                if "master" in saved[name]:
+                if "master" in saved[name] and sharding is None:
                     p.copy_(saved[name]["master"])     # every rank holds the full master
             for pc in self.pieces:
                 if "master" in saved[pc.name]:
                     pc.master.copy_(saved[pc.name]["master"].reshape(-1)[
                         pc.start:pc.start + pc.hi - pc.lo])
+                    if sharding is not None:   # this rank's shard of the parameter
+                        first = pc.bucket.shard_range()[0]
+                        pc.bucket.shard_param()[pc.lo - first:pc.hi - first].copy_(
+                            pc.master)
+            if sharding is not None:
+                sharding.invalidate()     # gathered copies are stale now
         self.num_steps = step
 
     def state_dict(self) -> dict:

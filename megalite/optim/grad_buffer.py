@@ -64,7 +64,12 @@ class Bucket:
         self._scattered = None
         self._param_work = None
         self.reduced_shard: torch.Tensor | None = None   # set by GradBuffer (shard_grads)
+        self.param_shard: torch.Tensor | None = None     # set by GradBuffer (shard_params)
         self.grad_sync_launched = False
+        # optim_grads_params (megalite.optim.param_sharding): units holding the gathered
+        # ``param``, and the all-gather in flight into it
+        self.gather_users = 0
+        self.gather_work = None
 
     @property
     def grad(self) -> torch.Tensor:
@@ -87,6 +92,15 @@ class Bucket:
         size = self.numel // self.group.size
         rank = self.group.rank if rank is None else rank
         return rank * size, (rank + 1) * size
+
+    def shard_param(self) -> torch.Tensor:
+        """``[hi - lo]``: this rank's shard of the bucket's parameters (the whole bucket when
+        not sharded): a view of ``param``, or under ``shard_params`` the persistent shard,
+        which stays valid while ``param`` is freed."""
+        if self.param_shard is not None:
+            return self.param_shard
+        lo, hi = self.shard_range()
+        return self.param[lo:hi]
 
     def shard_grad(self) -> torch.Tensor:
         """``[hi - lo]``: this rank's shard of the bucket's gradients (after the reduction:
@@ -127,8 +141,9 @@ class Bucket:
 
     # -- parameters (distributed optimizer) ----------------------------------------------
     def start_param_sync(self) -> None:
-        """Launch the all-gather of every rank's parameter shard into ``self.param``."""
-        if self.group.size == 1 or self.param is None:
+        """Launch the all-gather of every rank's parameter shard into ``self.param`` (not
+        under ``shard_params``: layers gather their own buckets when they need them)."""
+        if self.group.size == 1 or self.param is None or self.param_shard is not None:
             return
         lo, hi = self.shard_range()
         mine = self.param[lo:hi].clone()
@@ -159,22 +174,29 @@ class GradBuffer:
                   the parameters into ``param_data``.
     shard_grads:  (with ``sharded``) keep only this rank's shard of the reduced gradients
                   between steps (see module docstring); no effect when ``group.size`` is 1.
+    shard_params: (with ``sharded``; implies ``shard_grads``) keep only this rank's shard of
+                  the parameters; per-bucket full ``param`` gathered on demand (see module
+                  docstring); no effect when ``group.size`` is 1.
+    unit_of:      id(param) -> gather unit: a bucket never spans two units (any strategy).
     """
 
     def __init__(self, params: list, group: Group, grad_dtype: torch.dtype, bucket_size: int,
-                 sharded: bool, device: torch.device, shard_grads: bool = False):
-        if shard_grads and not sharded:
-            raise ValueError("shard_grads needs sharded=True (the distributed optimizer)")
+                 sharded: bool, device: torch.device, shard_grads: bool = False,
+                 shard_params: bool = False, unit_of: dict | None = None):
+        if (shard_grads or shard_params) and not sharded:
+            raise ValueError("shard_grads / shard_params need sharded=True (the distributed "
+                             "optimizer)")
         self.group, self.sharded = group, sharded
-        self.shard_grads = shard_grads and group.size > 1
+        self.shard_params = shard_params and group.size > 1
+        self.shard_grads = (shard_grads or shard_params) and group.size > 1
         self.params = list(reversed(params))
         self.param_dtype = self.params[0].dtype
-        spans = self._layout(self.params, bucket_size, group.size if sharded else 1)
+        spans = self._layout(self.params, bucket_size, group.size if sharded else 1, unit_of)
         total = spans[-1][2] if spans else 0
         self.total, self.grad_dtype, self.device = total, grad_dtype, device
         self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
         self.param_data = None
-        if sharded:
+        if sharded and not self.shard_params:
             self.param_data = torch.zeros(total, dtype=self.param_dtype, device=device)
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[int, Bucket] = {}   # id(param) -> bucket
@@ -184,6 +206,8 @@ class GradBuffer:
                 ranges.append((offset - start, offset - start + p.numel()))
                 offset += p.numel()
             bucket = Bucket(self, index, members, ranges, start, end)
+            if self.shard_params:    # a full copy of its own, freed and gathered per use
+                bucket.param = torch.zeros(end - start, dtype=self.param_dtype, device=device)
             self.buckets.append(bucket)
             for p, (a, b) in zip(members, ranges):
                 self.bucket_of[id(p)] = bucket
@@ -202,6 +226,17 @@ class GradBuffer:
                 bucket.reduced_shard = self.shard_grad_data[offset:offset + n]
                 offset += n
             self.release()
+        self.shard_param_data = None
+        if self.shard_params:
+            self.shard_param_data = torch.empty(total // group.size, dtype=self.param_dtype,
+                                                device=device)
+            offset = 0
+            for bucket in self.buckets:
+                n = bucket.numel // group.size
+                bucket.param_shard = self.shard_param_data[offset:offset + n]
+                lo, hi = bucket.shard_range()
+                bucket.param_shard.copy_(bucket.param[lo:hi])
+                offset += n
 
     # -- the full gradient buffer's storage (shard_grads) --------------------------------
     def _attach_main_grads(self) -> None:
@@ -232,9 +267,11 @@ class GradBuffer:
                     del p.main_grad
 
     @staticmethod
-    def _layout(params: list, bucket_size: int, pad_to: int) -> list[tuple[list, int, int]]:
+    def _layout(params: list, bucket_size: int, pad_to: int, unit_of: dict | None = None
+                ) -> list[tuple[list, int, int]]:
         """``[(params, start, end), ...]``: bucket members and element range (padded)."""
         spans, members, start, offset = [], [], 0, 0
+        unit_of = unit_of or {}
 
         def close():
             nonlocal members, start, offset
@@ -245,7 +282,7 @@ class GradBuffer:
 
         for p in params:
             alone = param_meta(p).shared_embedding
-            if alone:
+            if alone or (members and unit_of.get(id(p)) != unit_of.get(id(members[-1]))):
                 close()
             members.append(p)
             offset += p.numel()
@@ -266,4 +303,5 @@ class GradBuffer:
         return (f"GradBuffer({len(self.params)} params, {self.grad_data.numel()} elements, "
                 f"{len(self.buckets)} buckets, group {self.group.name} x{self.group.size}, "
                 f"{'sharded' if self.sharded else 'replicated'}"
-                f"{', gradients sharded' if self.shard_grads else ''})")
+                f"{', gradients sharded' if self.shard_grads else ''}"
+                f"{', parameters sharded' if self.shard_params else ''})")

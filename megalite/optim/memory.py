@@ -10,7 +10,9 @@ of this rank's model-parallel slice: 2 bytes of parameter, 4 of gradient, and 12
 optimizer state (fp32 master + two fp32 moments), divided by the data-parallel size ``D``
 under the distributed optimizer: :func:`expected_optimizer_bytes`. With
 ``--data-parallel-sharding-strategy optim_grads`` the gradients between steps are
-``4 / D`` too (:func:`expected_bytes_per_param`); ``--optimizer-cpu-offload`` moves a
+``4 / D`` too (:func:`expected_bytes_per_param`), and with ``optim_grads_params`` the
+parameters as well (their persistent shards; the full copies gathered for a layer's
+forward or backward are freed between steps); ``--optimizer-cpu-offload`` moves a
 fraction of the optimizer bytes (plus an fp32 gradient copy) to host memory, counted in
 ``RankMemory.offloaded``, not in ``optimizer``.
 """
@@ -62,7 +64,7 @@ def rank_memory(model, grads, optimizer) -> RankMemory:
     for chunk in model_chunks(model):
         params += list(chunk.parameters()) if isinstance(chunk, torch.nn.Module) else chunk
     unique = list({id(p): p for p in params}.values())
-    p_st = _storages(unique)
+    p_st = _storages(unique + getattr(grads, "param_memory_tensors", list)())
     g_st = _storages(grads.memory_tensors() + [p.grad for p in unique], p_st)
     o_st = _storages(optimizer.memory_tensors(), {**p_st, **g_st})
     h_st = _storages(getattr(optimizer, "offloaded_tensors", list)(), {**p_st, **g_st, **o_st})
@@ -79,17 +81,20 @@ def expected_optimizer_bytes(num_params: int, dp: int, distributed: bool,
     return per_param * num_params
 
 
-STRATEGIES = ("no_shard", "optim", "optim_grads")
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def expected_bytes_per_param(strategy: str, dp: int, param_bytes: int = 2,
                              grad_bytes: int = 4, optim_bytes: int = 12) -> dict[str, float]:
     """ZeRO's accounting per parameter of this rank's slice, between steps, for a
-    ``--data-parallel-sharding-strategy``: ``params`` (never sharded here), ``grads``
-    (divided by ``dp`` under optim_grads) and ``optimizer`` (divided by ``dp`` under optim
-    and optim_grads). Defaults: bf16 parameters, fp32 gradients, Adam with fp32 masters."""
+    ``--data-parallel-sharding-strategy``: ``params`` (divided by ``dp`` under
+    optim_grads_params), ``grads`` (divided by ``dp`` under optim_grads and
+    optim_grads_params) and ``optimizer`` (divided by ``dp`` under all but no_shard).
+    Defaults: bf16 parameters, fp32 gradients, Adam with fp32 masters. Not included: the
+    gathered layer's transient copy under optim_grads_params."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown sharding strategy {strategy!r}; one of {STRATEGIES}")
-    return {"params": float(param_bytes),
-            "grads": grad_bytes / (dp if strategy == "optim_grads" else 1),
+    return {"params": param_bytes / (dp if strategy == "optim_grads_params" else 1),
+            "grads": grad_bytes / (dp if strategy in ("optim_grads", "optim_grads_params")
+                                   else 1),
             "optimizer": optim_bytes / (1 if strategy == "no_shard" else dp)}

@@ -163,6 +163,9 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--data-parallel-sharding-strategy", "optim_grads"], "optim_grads", True),
     (["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"],
      "optim_grads", True),
+    (["--data-parallel-sharding-strategy", "optim_grads_params"], "optim_grads_params", True),
+    (["--data-parallel-sharding-strategy", "optim_grads_params", "--optimizer-cpu-offload"],
+     "optim_grads_params", True),
 ])
 def test_strategy_flags(flags, strategy, distributed):
     p = parse_args(BASE + flags).validate(2).parallel
@@ -171,11 +174,11 @@ def test_strategy_flags(flags, strategy, distributed):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--data-parallel-sharding-strategy", "optim_grads_params"],
-     "optim_grads_params .* is not implemented yet; use optim_grads"),
     (["--use-torch-fsdp2"], "--use-torch-fsdp2 is not implemented yet; use "
      "--data-parallel-sharding-strategy optim_grads"),
     (["--data-parallel-sharding-strategy", "zero3"], "invalid choice: .zero3."),
+    (["--data-parallel-sharding-strategy", "optim_grads_params", "--compile"],
+     "optim_grads_params with --compile is not supported yet"),
     (["--optimizer-cpu-offload"], "--optimizer-cpu-offload with "
      "--data-parallel-sharding-strategy no_shard is not supported yet"),
     (["--use-distributed-optimizer", "--optimizer-cpu-offload",
