@@ -29,14 +29,17 @@ reduction, optimizer step; the second step holds the optimizer state and the act
 once). Measured: each rank's peak resident set size (``ru_maxrss``) minus its resident set
 after start-up (torch and the process group, before the model is built). The model fits if
 the measured peak is within the cap; if it is not, a smaller model is tried (scaled by how
-far over the cap it went; up to 3 tries). ``measured (pred)``: the confirmed model's
+far over the cap it went; up to 5 tries). ``measured (pred)``: the confirmed model's
 measured peak and the planner's ``device + host`` for it.
 An address-space limit (``RLIMIT_AS``, start-up size + 3 x cap) stops a rank that would run
 away, so the machine is never asked for more than about ``dp x cap``.
 
 Extrapolated: the largest model for ``--machine-gib`` of RAM shared by the ``dp`` ranks of
-this CPU machine (cap ``machine / dp`` on ``device + host``), and for a GPU with
-``--machine-gib`` per rank (cap on ``device`` only).
+this CPU machine (cap ``machine / dp`` on ``device + host``; ``calibrated``: the same with
+the prediction scaled by the confirmed run's measured / predicted peak, which on this CPU
+includes what the planner does not count, e.g. the foreach Adam step's full-size
+temporaries and the allocator's slack), and for a GPU with ``--machine-gib`` per rank (cap
+on ``device`` only).
 """
 
 from __future__ import annotations
@@ -205,7 +208,8 @@ def main(argv: list[str]) -> None:
         print(f"  not run: {line}")
     print(f"{'strategy':>18} {'offload':>8} | {'pred ' + f'{args.cap_gib:g}G cpu':>16} "
           f"{'measured (pred) GiB':>20} {'confirmed':>16} | "
-          f"{f'{args.machine_gib:g}G/{args.dp} cpu':>16} {f'{args.machine_gib:g}G gpu':>16}")
+          f"{f'{args.machine_gib:g}G/{args.dp} cpu':>16} {'calibrated':>16} "
+          f"{f'{args.machine_gib:g}G gpu':>16}")
 
     def show(n, strategy):
         return f"{n} ({_params(args, n, strategy) / 1e6:.0f}M)" if n else "-"
@@ -216,17 +220,20 @@ def main(argv: list[str]) -> None:
         under_cap = largest(args, strategy, offload, lambda d, h: d + h <= cap)
         on_cpu = largest(args, strategy, offload, lambda d, h: d + h <= machine / args.dp)
         on_gpu = largest(args, strategy, offload, lambda d, h: d <= machine)
-        measured, confirmed = "-", "-"
+        measured, confirmed, calibrated = "-", "-", "-"
         if args.confirm and under_cap:
             layers = under_cap
-            for _ in range(3):
+            for _ in range(5):
                 got = confirm(args, layers, strategy, offload)
                 measured = (f"{got['peak'] / GIB:.2f}" if got["peak"] != float("inf")
                             else "killed")
                 if got["error"] is None and got["peak"] <= cap:
                     confirmed = show(layers, strategy)
-                    pred = sum(predict(args, layers, strategy, offload)) / GIB
-                    measured += f" ({pred:.2f})"
+                    pred = sum(predict(args, layers, strategy, offload))
+                    measured += f" ({pred / GIB:.2f})"
+                    ratio = got["peak"] / pred   # what the planner leaves out on a CPU
+                    calibrated = show(largest(args, strategy, offload, lambda d, h: (
+                        d + h) * ratio <= machine / args.dp), strategy)
                     break
                 # next: scaled by how far over the cap it went, at least one layer less
                 over = got["peak"] / cap if got["peak"] != float("inf") else 2.0
@@ -235,7 +242,7 @@ def main(argv: list[str]) -> None:
                     break
         print(f"{strategy:>18} {offload:>8} | {show(under_cap, strategy):>16} "
               f"{measured:>20} {confirmed:>16} | {show(on_cpu, strategy):>16} "
-              f"{show(on_gpu, strategy):>16}", flush=True)
+              f"{calibrated:>16} {show(on_gpu, strategy):>16}", flush=True)
 
 
 if __name__ == "__main__":
