@@ -15,10 +15,13 @@ from tests.layouts import run_by_world
 from tests.planner.cases import MEMORY_CASES, measure_body, planner_config
 
 TOLERANCE = 0.10
-# tp-only layouts on a loaded machine: gloo's worker threads release all-reduced tensors
+# tp layouts on a loaded machine: gloo's worker threads release all-reduced tensors
 # late under CPU contention, so 2-8 extra [s, b, h] buffers (up to 0.5 MiB, +-10%) can be
 # live at the peak, varying from run to run; checked in the slow suite only
-TIMING_SENSITIVE = {"mem-tp2", "mem-tp2-sel"}
+# (seen on the tp rows with pipeline or MoE too: the two tp ranks of one stage, doing the
+# same work, measured 2.50 and 2.75 MiB)
+TIMING_SENSITIVE = {"mem-tp2", "mem-tp2-sel", "mem-tp2-pp2-distopt-full",
+                    "mem-tp2-sp-dp2-ep2-distopt-moe"}
 CASES = [pytest.param(c, marks=pytest.mark.slow) if c.name in TIMING_SENSITIVE else c
          for c in MEMORY_CASES]
 
