@@ -30,6 +30,7 @@ MEMORY_CASES: tuple[Layout, ...] = (
     row("mem", 2, distopt=True),
     row("mem", 2, "og", strategy="optim_grads"),
     row("mem", 2, "offload", strategy="optim", optim=OFFLOAD),
+    row("mem", 2, "zero3", strategy="optim_grads_params"),
     row("mem", 2, pp=2),
     row("mem", 2, pp=2, vpp=2),
     row("mem", 2, "moe", model=MOE, ep=2),
