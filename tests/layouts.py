@@ -157,6 +157,8 @@ _MOE_TRAINING = [
     row("moe-training", 4, "offload0.5", model={"num_experts": 4}, ep=2,
         strategy="optim_grads", overlap_grad=True,
         optim={"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}),
+    # ZeRO-3: expert parameters sharded and gathered over edp 2, dense ones over dp 4
+    row("moe-training", 4, model={"num_experts": 4}, ep=2, strategy="optim_grads_params"),
     # 4 layers, MoE every other one: with pp 2 x vpp 2 the second stage holds no MoE layer
     row("moe-training", 4, model={"num_experts": 4, "num_layers": 4, "moe_layer_freq": 2,
                                   "moe_token_dispatcher_type": "alltoall"},
@@ -187,12 +189,26 @@ _OPTIM_LAYOUTS = [
 ]
 OPTIM_EXTRA_LAYOUTS = [(2, {}, None), (4, {"tp": 2, "sp": True}, None),
                        (4, {"pp": 2, "vpp": 2}, {"num_layers": 4})]
+# ZeRO-3 (parameters sharded too, gathered per layer): dp 2, tp 2 + sp and pp 2 x vpp 2 in
+# the default run; dp 4, pp 2, tp 2 x pp 2, both overlaps and offload in the slow one
+ZERO3 = {"strategy": "optim_grads_params"}
+_SLOW = ("slow",)
+_OPTIM_ZERO3 = [
+    row("optim", 2, **ZERO3), row("optim", 4, tp=2, sp=True, **ZERO3),
+    row("optim", 4, model={"num_layers": 4}, pp=2, vpp=2, **ZERO3),
+    row("optim", 4, tags=_SLOW, **ZERO3), row("optim", 4, tags=_SLOW, pp=2, **ZERO3),
+    row("optim", 8, tags=_SLOW, tp=2, pp=2, **ZERO3),
+    row("optim", 2, tags=_SLOW, overlap_grad=True, overlap_param=True, **ZERO3),
+    row("optim", 4, "offload1", optim={**OFFLOAD, "optimizer_offload_fraction": 1.0},
+        tags=_SLOW, tp=2, sp=True, **ZERO3),
+]
 _OPTIM = [*(row("optim", world, model=model, **sizes, **flags)
             for world, sizes, model in _OPTIM_LAYOUTS for flags in OPTIM_VARIANTS.values()),
           *(row("optim", world, variant if "offload" in variant else "", model=model,
                 optim=optim, **sizes, **flags)
             for world, sizes, model in OPTIM_EXTRA_LAYOUTS
-            for variant, (flags, optim) in OPTIM_EXTRA.items())]
+            for variant, (flags, optim) in OPTIM_EXTRA.items()),
+          *_OPTIM_ZERO3]
 
 # -- pipeline: an 8-layer GPT, micro-batch 1, global batch 8 ------------------------------
 _PIPE_MODEL, _PIPE_TRAIN = {"num_layers": 8}, {"micro_batch_size": 1, "global_batch_size": 8}
@@ -246,6 +262,8 @@ _CP = [
     dataclasses.replace(_cp_row(4, "p2p", variant="offload0.5", cp=2, strategy="optim_grads",
                                 overlap_grad=True), optim=OFFLOAD),
     _cp_row(4, "allgather", model=CP_MOE, cp=2, ep=2),
+    # ZeRO-3: parameters sharded and gathered per layer over dp x cp (4 ranks)
+    _cp_row(4, "p2p", cp=2, strategy="optim_grads_params"),
     # recomputation replays the ring's and the all-to-all's forward inside checkpoints
     _cp_row(2, "p2p", model=RECOMPUTE["selective"], variant="selective", cp=2),
     _cp_row(2, "a2a", model=RECOMPUTE["full-uniform"], variant="full", cp=2),

@@ -19,7 +19,10 @@ tp 2 + sp and pp 2 x vpp 2 also run optim_grads with both overlaps, and
 ``--optimizer-cpu-offload`` (fraction 0.5 under optim, 1.0 under optim_grads: on this
 CPU-only host the offloaded pieces take the same host code path: copies of masters and
 gradients, their own torch optimizer). Sharding changes no arithmetic, so these rows
-meet the same tolerances.
+meet the same tolerances. ``optim_grads_params`` (ZeRO-3: parameters sharded too, each
+layer gathered around its forward and backward) runs at dp 2, tp 2 + sp and pp 2 x vpp 2;
+its rows tagged ``slow`` (dp 4, pp 2, tp 2 x pp 2, both overlaps, tp 2 + sp with all of the
+optimizer state offloaded) run in a pool of their own outside the default run.
 Not run: dp 4 x tp 2 x pp 2 (a world of 16 on a 2-core machine). The fp32 memory of every
 run is checked too: optimizer bytes are 8 per parameter (two Adam moments; the fp32
 parameters are the masters), divided by dp under the distributed optimizer; offloaded
@@ -38,6 +41,7 @@ from tests.optim.common import config, train_run
 LOSS_TOL = 1e-5
 PARAM_TOL = 2e-5
 LAYOUTS = layouts("optim")
+SLOW = [layout for layout in LAYOUTS if "slow" in layout.tags]
 # the fields that only choose the optimizer and the overlap: rows differing only in these
 # share one ParallelState
 _OPTIMIZER_FIELDS = {SHORT[s] for s in ("distopt", "overlap_grad", "overlap_param",
@@ -86,10 +90,15 @@ def reference():
 
 @pytest.fixture(scope="module")
 def trained():
-    return run_by_world(LAYOUTS, _body)
+    """Results by row; the slow rows are trained in pools of their own, so that the default
+    run never trains them."""
+    default = run_by_world([lay for lay in LAYOUTS if lay not in SLOW], _body)
+    slow = run_by_world(SLOW, _body)
+    return lambda layout: (slow if layout in SLOW else default)(layout)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("layout", [pytest.param(lay, marks=pytest.mark.slow)
+                                    if lay in SLOW else lay for lay in LAYOUTS], ids=str)
 def test_matches_single_process(layout, reference, trained):
     ref_losses, ref_params = reference[repr(layout.model)]
     distributed = layout.get("distopt")
@@ -112,6 +121,7 @@ def test_matches_single_process(layout, reference, trained):
         want -= 8 * off
         assert abs(memory.optimizer - want) <= 0.03 * want + 8, (what, memory, want)
         assert abs(memory.offloaded - 16 * off) <= 0.03 * 16 * off, (what, memory, off)
-        grads = 4 * memory.num_params / (dp if layout.get("strategy") == "optim_grads" else 1)
+        sharded = layout.get("strategy") in ("optim_grads", "optim_grads_params")
+        grads = 4 * memory.num_params / (dp if sharded else 1)
         assert abs(memory.grads - grads) <= 0.03 * grads, (what, memory, grads)
     assert names == set(ref_params), layout.name   # every parameter, on some rank
