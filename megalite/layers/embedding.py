@@ -27,17 +27,20 @@ def vocab_range(padded_vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int
 
 
 class ReusedGradBuffer:
-    """A dense gradient buffer handed out again once its previous user dropped it.
+    """A buffer handed out again once its previous user dropped it.
 
-    :meth:`zeros` returns a zero tensor of ``shape``: a new tensor object on the kept
-    storage when no other tensor refers to it any more (use count of the storage), else on
-    newly allocated storage, which is kept from then on.
+    :meth:`empty` returns a tensor of ``shape``: a new tensor object on the kept storage
+    when no other tensor refers to it any more (use count of the storage), else on newly
+    allocated storage, which is kept from then on. :meth:`zeros` is the same, zero-filled.
+    On CPU this saves the page faults of a fresh allocation above glibc's mmap threshold
+    (32 MiB at most): the table gradient here; the output layer's logits ``[s b, V/tp]``
+    and weight gradient would gain the same way (see ``tools/bench/model.py``).
     """
 
     def __init__(self):
         self._storage = None
 
-    def zeros(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    def empty(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
         st = self._storage
         numel = 1
         for n in shape:
@@ -45,11 +48,13 @@ class ReusedGradBuffer:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if (st is not None and st.device == torch.device(device) and st.nbytes() == nbytes
                 and torch._C._storage_Use_Count(st._cdata) == 1):
-            out = torch.empty(0, dtype=dtype, device=device).set_(st, 0, shape)
-            return out.zero_()
-        out = torch.zeros(shape, dtype=dtype, device=device)
+            return torch.empty(0, dtype=dtype, device=device).set_(st, 0, shape)
+        out = torch.empty(shape, dtype=dtype, device=device)
         self._storage = out.untyped_storage()
         return out
+
+    def zeros(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        return self.empty(shape, dtype, device).zero_()
 
 
 class _EmbeddingLookup(torch.autograd.Function):
