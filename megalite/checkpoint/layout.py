@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.checkpoint.files import CheckpointError
 from megalite.layers.sharding import full_shape
 from megalite.parallel.params import param_meta
 from megalite.pipeline.layout import model_chunks
@@ -178,10 +179,39 @@ def piece_keys(layout: ParamLayout) -> list[str]:
     return [layout.key]
 
 
+def read_fused_whole_where_saved_so(layouts: list[ParamLayout], shapes: dict) -> None:
+    """Read fused parameters from one whole tensor where the checkpoint holds them so
+    (``shapes``: global tensor key -> shape): checkpoints written before expert weights
+    at etp = 1 were stored part by part keep ``...experts.fc1`` (gate|up) whole.
+
+    A rank that holds its parameter unsplit (etp = 1) reads it as one block of the whole
+    tensor; ``layouts`` are changed in place. A split one (etp > 1) would need two
+    blocks of one key, which a state dict cannot hold: that raises a CheckpointError
+    saying how to convert the checkpoint."""
+    for layout in layouts:
+        pieces = layout.pieces
+        if (len(pieces) < 2 or layout.key not in shapes
+                or any(piece.key in shapes for piece in pieces)):
+            continue
+        local = tuple(layout.param.shape)
+        dim = param_meta(layout.param).partition_dim
+        if tuple(shapes[layout.key])[dim] != local[dim]:
+            raise CheckpointError(
+                f"the checkpoint stores {layout.key!r} whole (as megalite wrote expert "
+                "weights at --expert-tensor-parallel-size 1 before resharding them was "
+                "supported); load it once at --expert-tensor-parallel-size 1 and save "
+                "again, then any expert tensor parallel size loads it")
+        first = pieces[0]
+        layout.pieces = [Piece(layout.key, tuple(shapes[layout.key]), first.offsets, local)]
+
+
 def saved_global_shape(layout: ParamLayout, shapes: dict) -> tuple[int, ...] | None:
     """The full shape a checkpoint holds for ``layout``'s parameter (``shapes``: global
     tensor key -> shape), reassembling parts; None if a key is missing."""
-    found = [shapes.get(k) for k in piece_keys(layout)]
+    keys = piece_keys(layout)
+    if keys[0] not in shapes and layout.key in shapes and len(keys) > 1:
+        return tuple(shapes[layout.key])    # saved whole (see read_fused_whole_where_saved_so)
+    found = [shapes.get(k) for k in keys]
     if any(s is None for s in found):
         return None
     out = list(found[0])

@@ -52,7 +52,12 @@ from megalite.checkpoint.files import (
     parse_metadata,
     read_metadata_bytes,
 )
-from megalite.checkpoint.layout import param_layouts, piece_keys, saved_global_shape
+from megalite.checkpoint.layout import (
+    param_layouts,
+    piece_keys,
+    read_fused_whole_where_saved_so,
+    saved_global_shape,
+)
 from megalite.checkpoint.lock import live_holder
 from megalite.checkpoint.planner import load_blocks
 from megalite.checkpoint.rng import restore_rng_state
@@ -209,7 +214,9 @@ def _check_model(layouts, shapes: dict, path: str, ps: ParallelState) -> None:
             break
     raise_if_any(error, ps, "{error}")
     wanted = set()
-    for keys in gather_objects(sorted(k for lay in layouts for k in piece_keys(lay)), ps):
+    mine = {k for lay in layouts for k in piece_keys(lay)}
+    mine.update(piece.key for lay in layouts for piece in lay.pieces)   # saved whole
+    for keys in gather_objects(sorted(mine), ps):
         wanted.update(keys)
     unexpected = sorted(set(shapes) - wanted)
     if unexpected:
@@ -242,6 +249,7 @@ def _read(iter_dir: str, meta: dict, model, optimizer, ps: ParallelState,
     dtypes = {k: v.properties.dtype for k, v in entries.items()
               if isinstance(v, TensorStorageMetadata)}
     layouts = param_layouts(model, ps)
+    read_fused_whole_where_saved_so(layouts, shapes)
     _check_model(layouts, shapes, iter_dir, ps)
 
     state, pieces = model_load_state(layouts)

@@ -101,19 +101,19 @@ class GroupedMLP(torch.nn.Module):
         std = cfg.init_method_std
         out_std = std / math.sqrt(2.0 * cfg.num_layers)  # Megatron's scaled output init
         split = etp > 1
+        # marked as sharded over etp even at etp = 1 (as dense layers are at tp = 1), so
+        # a checkpoint stores fc1's gate|up parts apart whatever etp it was saved at
         self.fc1 = mark_param(
             torch.nn.Parameter(torch.empty(num_local_experts, h, fc1_out, **kw)),
-            partition_dim=2 if split else -1, parts=parts if split else None, init_std=std,
-            **mark)
+            partition_dim=2, parts=parts, init_std=std, **mark)
         self.fc2 = mark_param(
             torch.nn.Parameter(torch.empty(num_local_experts, ffn // etp, h, **kw)),
-            partition_dim=1 if split else -1, init_std=out_std, **mark)
+            partition_dim=1, init_std=out_std, **mark)
         self.fc1_bias = self.fc2_bias = None
         if cfg.add_bias_linear:
             self.fc1_bias = mark_param(
                 torch.nn.Parameter(torch.empty(num_local_experts, fc1_out, **kw)),
-                partition_dim=1 if split else -1, parts=parts if split else None,
-                init_fill=0.0, **mark)
+                partition_dim=1, parts=parts, init_fill=0.0, **mark)
             self.fc2_bias = mark_param(
                 torch.nn.Parameter(torch.empty(num_local_experts, h, **kw)), init_fill=0.0,
                 sequence_parallel=split, **mark)

@@ -8,7 +8,13 @@ import shutil
 import pytest
 import torch
 
-from megalite.checkpoint.layout import Piece, param_pieces
+from megalite.checkpoint.files import CheckpointError
+from megalite.checkpoint.layout import (
+    ParamLayout,
+    Piece,
+    param_pieces,
+    read_fused_whole_where_saved_so,
+)
 from megalite.layers.sharding import mark_param
 from tests.distributed.harness import run_distributed
 from tests.training.common import run_training, tiny_config
@@ -89,3 +95,69 @@ def test_pp1_checkpoint_resumes_at_pp2_with_virtual_chunks(tmp_path):
     assert list(resumed) == [3, 4]
     for it in (3, 4):
         assert resumed[it] == pytest.approx(straight.losses[it], rel=2e-6)
+
+
+def _mixtral_tp2(rank, world_size, load):
+    cfg = tiny_config(world_size, model=MIXTRAL, parallel={"tensor_model_parallel_size": 2},
+                      train={"train_iters": 4}, checkpoint={"load": load, "save": load})
+    assert cfg.parallel.expert_tensor_parallel_size == 2
+    return run_training(cfg)[0].losses
+
+
+def test_mixtral_at_etp1_resumes_at_etp2(tmp_path):
+    """Expert fc1 (SwiGLU gate|up) is stored part by part at etp = 1 too, so an etp-1
+    checkpoint loads with the experts split over etp = 2 (and back, for conversion)."""
+    save = str(tmp_path / "etp1")
+    straight, _ = run_training(tiny_config(model=MIXTRAL, train={"train_iters": 4}))
+    run_training(tiny_config(model=MIXTRAL, train={"train_iters": 4, "exit_interval": 2},
+                             checkpoint={"save": save}))
+    resumed = run_distributed(2, _mixtral_tp2, save)[-1]
+    assert list(resumed) == [3, 4]
+    for it in (3, 4):
+        assert resumed[it] == pytest.approx(straight.losses[it], rel=2e-6)
+
+
+def test_expert_fc1_saved_whole_by_older_versions_still_loads(tmp_path, monkeypatch):
+    """Before expert weights were marked sharded at etp = 1, fc1 was one global tensor
+    ``...experts.fc1`` (gate|up concatenated): such a checkpoint resumes the same."""
+    from megalite.moe import experts
+
+    real = experts.mark_param
+
+    def whole(param, *, partition_dim=-1, parts=None, **kw):   # the old marking
+        return real(param, **kw)
+
+    save = str(tmp_path / "old")
+    straight, _ = run_training(tiny_config(model=MIXTRAL, train={"train_iters": 4}))
+    monkeypatch.setattr(experts, "mark_param", whole)
+    run_training(tiny_config(model=MIXTRAL, train={"train_iters": 4, "exit_interval": 2},
+                             checkpoint={"save": save}))
+    monkeypatch.undo()
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = FileSystemReader(os.path.join(save, "iter_0000002")).read_metadata()
+    keys = keys.state_dict_metadata
+    assert "model/decoder.layers.0.mlp.experts.fc1" in keys
+    assert "model/decoder.layers.0.mlp.experts.fc1/part0" not in keys
+    resumed, _ = run_training(tiny_config(model=MIXTRAL, train={"train_iters": 4},
+                                          checkpoint={"load": save, "save": save}))
+    assert list(resumed.losses) == [3, 4]
+    for it in (3, 4):
+        assert resumed.losses[it] == pytest.approx(straight.losses[it], rel=2e-6)
+
+
+def _fc1_layout(etp):
+    fc1 = _param((2, 8, 12 // etp), partition_dim=2, parts=(6, 6), expert=True)
+    pieces = param_pieces("fc1", fc1, etp, 0)
+    return ParamLayout("fc1", "fc1", "fc1", fc1, pieces, (2, 8, 12))
+
+
+def test_a_whole_fused_tensor_is_read_as_one_block_only_unsplit():
+    layout = _fc1_layout(1)
+    read_fused_whole_where_saved_so([layout], {"fc1": (2, 8, 12)})
+    assert layout.pieces == [Piece("fc1", (2, 8, 12), (0, 0, 0), (2, 8, 12))]
+    untouched = _fc1_layout(1)
+    read_fused_whole_where_saved_so([untouched], {"fc1/part0": (2, 8, 6),
+                                                  "fc1/part1": (2, 8, 6)})
+    assert [p.key for p in untouched.pieces] == ["fc1/part0", "fc1/part1"]
+    with pytest.raises(CheckpointError, match="--expert-tensor-parallel-size 1"):
+        read_fused_whole_where_saved_so([_fc1_layout(2)], {"fc1": (2, 8, 12)})

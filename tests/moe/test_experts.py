@@ -107,7 +107,9 @@ def test_expert_init_is_layout_invariant_and_params_are_marked():
     for p in (*full.parameters(), *shards[0].parameters()):
         assert param_meta(p).expert and is_expert_param(p)
     assert all(param_meta(p).first_expert == 2 for p in half.parameters())
-    assert not param_meta(full.fc1).tensor_parallel
+    # marked sharded over etp at etp = 1 too: checkpoints keep gate and up apart
+    assert param_meta(full.fc1).partition_dim == 2
+    assert param_meta(full.fc1).partition_parts == (6, 6)
     assert param_meta(shards[0].fc1).partition_dim == 2
     assert param_meta(shards[0].fc2).partition_dim == 1
     assert param_meta(shards[0].fc2_bias).sequence_parallel
