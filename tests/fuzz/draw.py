@@ -15,7 +15,9 @@ Context parallelism is drawn last, from a generator of its own (``random.Random`
 stay what they were before cp was a dimension. The same holds for the sharding strategy
 and optimizer CPU offload (``"shard-<seed>"``): where the distributed optimizer was drawn,
 half the draws shard the gradients too (``--data-parallel-sharding-strategy optim_grads``)
-and a third offload half or all of the optimizer state to the host. Activation offload
+and a third offload half or all of the optimizer state to the host; half of the
+optim_grads draws then shard the parameters too (``optim_grads_params``, ZeRO-3; drawn
+last, so the earlier draws of a seed are unchanged). Activation offload
 (``--cpu-offloading``, 1 to num_layers - 1 layers per chunk) is drawn for a quarter of the
 seeds from ``"act-offload-<seed>"``.
 
@@ -146,8 +148,9 @@ def _context_parallel(crng: random.Random, short: dict, model: dict, world: int)
 
 
 def _sharding(srng: random.Random, short: dict, optim: dict) -> None:
-    """optim_grads instead of the distributed optimizer's optim, and CPU offload (fraction
-    0.5 or 1), into ``short`` / ``optim``, where the distributed optimizer was drawn."""
+    """optim_grads (or optim_grads_params) instead of the distributed optimizer's optim,
+    and CPU offload (fraction 0.5 or 1), into ``short`` / ``optim``, where the distributed
+    optimizer was drawn."""
     if not short.get("distopt"):
         return
     if srng.random() < 0.5:
@@ -156,6 +159,8 @@ def _sharding(srng: random.Random, short: dict, optim: dict) -> None:
     if srng.random() < 1 / 3:
         optim.update(optimizer_cpu_offload=True,
                      optimizer_offload_fraction=srng.choice((0.5, 1.0)))
+    if short.get("strategy") == "optim_grads" and srng.random() < 0.5:
+        short["strategy"] = "optim_grads_params"
 
 
 def _activation_offload(arng: random.Random, model: dict) -> None:
