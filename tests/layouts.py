@@ -285,6 +285,9 @@ _ACT_OFFLOAD = [
         model={**ACT_OFFLOAD, **RECOMPUTE["full-block"], "bf16": True}, tags=("slow",)),
     row("activation-offload", 2, "1f1b", model={**ACT_OFFLOAD, "num_layers": 4},
         tags=("slow",), pp=2, distopt=True),
+    # parameters gathered per layer (ZeRO-3): the gathered weights are not copied
+    row("activation-offload", 2, model=ACT_OFFLOAD, tags=("slow",),
+        strategy="optim_grads_params"),
 ]
 
 SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "pipeline", "training",
