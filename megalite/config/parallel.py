@@ -34,8 +34,9 @@ class ParallelConfig:
         "layer's parameters are all-gathered before its forward and its backward and freed "
         "after, the next layer's gather prefetched).",
         choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
-    use_torch_fsdp2: bool = arg(False, "Wrap the model in torch FSDP2 (not implemented yet; "
-                                "use --data-parallel-sharding-strategy optim_grads).")
+    use_torch_fsdp2: bool = arg(False, "Wrap the model in torch FSDP2 (refused: it does not "
+                                "compose with megalite's gradient buffers; use "
+                                "--data-parallel-sharding-strategy optim_grads_params).")
     overlap_grad_reduce: bool = arg(False, "Overlap gradient reduction with backward.")
     overlap_param_gather: bool = arg(False, "Overlap the parameter all-gather with forward.")
     ddp_bucket_size: int | None = arg(None, "Gradient bucket size in elements.")
@@ -77,8 +78,12 @@ class ParallelConfig:
         if self.ddp_bucket_size is not None:
             require(self.ddp_bucket_size > 0,
                      f"--ddp-bucket-size must be > 0, got {self.ddp_bucket_size}")
-        require(not self.use_torch_fsdp2, "--use-torch-fsdp2 is not implemented yet; use "
-                "--data-parallel-sharding-strategy optim_grads")
+        require(not self.use_torch_fsdp2, "--use-torch-fsdp2 is not supported: torch's "
+                "fully_shard makes every parameter a DTensor, while megalite's gradient "
+                "buffers, distributed optimizer, clipping and checkpoints work on plain tensors "
+                "(building the buffers over a fully_shard-ed GPTModel fails with 'aten.copy_ "
+                "got mixed torch.Tensor and DTensor'); use --data-parallel-sharding-strategy "
+                "optim_grads_params, megalite's own ZeRO-3")
         if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
             self.data_parallel_sharding_strategy = "optim"
         # optim, optim_grads and optim_grads_params run the distributed optimizer

@@ -191,3 +191,38 @@ def test_checkpoints_move_between_strategies(world2, first, then):
         saved, resumed, straight = out[f"{first}->{then}"]
         assert list(saved) == [1, 2] and list(resumed) == [3, 4]
         assert {**saved, **resumed} == straight
+
+
+def _fsdp2_body(rank, world_size):
+    """fully_shard on megalite's GPT (dp 2): forward and backward run, megalite's gradient
+    buffers cannot be built over its DTensor parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    from megalite.optim.data_parallel import DataParallelGrads
+    from megalite.training.build import default_model_provider
+
+    cfg = config(world_size)
+    ps = ParallelState.build(cfg.parallel)
+    try:
+        model = default_model_provider(cfg, ps)
+        for layer in model.decoder.layers.values():
+            fully_shard(layer)
+        fully_shard(model)
+        ids = torch.randint(0, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+        model(ids, labels=ids).float().mean().backward()
+        kinds = {type(p).__name__ for p in model.parameters()}
+        try:
+            DataParallelGrads(model, ps, use_distributed_optimizer=True)
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+    finally:
+        ps.destroy()
+    return kinds, error
+
+
+def test_torch_fsdp2_does_not_compose_with_the_grad_buffers():
+    """What --use-torch-fsdp2's refusal says, measured."""
+    for kinds, error in run_distributed(2, _fsdp2_body):
+        assert kinds == {"DTensor"}
+        assert error is not None and "got mixed torch.Tensor and DTensor" in error

@@ -174,8 +174,8 @@ def test_strategy_flags(flags, strategy, distributed):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--use-torch-fsdp2"], "--use-torch-fsdp2 is not implemented yet; use "
-     "--data-parallel-sharding-strategy optim_grads"),
+    (["--use-torch-fsdp2"], "--use-torch-fsdp2 is not supported: .* got mixed torch.Tensor "
+     "and DTensor.*; use --data-parallel-sharding-strategy optim_grads_params"),
     (["--data-parallel-sharding-strategy", "zero3"], "invalid choice: .zero3."),
     (["--data-parallel-sharding-strategy", "optim_grads_params", "--compile"],
      "optim_grads_params with --compile is not supported yet"),
