@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megalite.config import ConfigError, OptimConfig
+from megalite.config import OptimConfig
 from megalite.optim.clip_grads import clip_coefficient, sharded_grad_norm
 from megalite.optim.data_parallel import DataParallelGrads
 from megalite.optim.grad_buffer import Bucket
@@ -71,6 +71,7 @@ from megalite.optim.optimizer_state import (
     state_tensor,
 )
 from megalite.parallel import collectives
+from megalite.parallel.device import host_memory_pinned
 from megalite.parallel.state import ParallelState
 
 
@@ -121,22 +122,6 @@ class _Shard:
         return self.bucket.shard_grad()
 
 
-def host_memory_pinned(device: torch.device) -> bool:
-    """Whether host buffers for ``device`` are pinned: yes for CUDA, no on a CPU-only run
-    (host and device are the same); any other device cannot offload (ConfigError)."""
-    if device.type == "cpu":
-        return False
-    if device.type == "cuda":
-        try:
-            torch.empty(1, pin_memory=True)
-        except RuntimeError as e:
-            raise ConfigError(f"--optimizer-cpu-offload needs pinned host memory, which this "
-                              f"host does not offer for {device} ({e})") from None
-        return True
-    raise ConfigError(f"--optimizer-cpu-offload needs pinned host memory, which device "
-                      f"{device.type} does not offer; run without it")
-
-
 class DistributedOptimizer(LossScaledOptimizer):
     """Same interface as :class:`megalite.optim.optimizer.MixedPrecisionOptimizer`, state
     sharded over data parallelism (see module docstring)."""
@@ -153,7 +138,7 @@ class DistributedOptimizer(LossScaledOptimizer):
         name_of = {id(p): n for n, p in named}
         self.half = any(p.dtype != torch.float32 for p in self.params)
         offload = getattr(ocfg, "optimizer_cpu_offload", False)
-        self.pinned = host_memory_pinned(ps.device) if offload else False
+        self.pinned = host_memory_pinned(ps.device, "--optimizer-cpu-offload") if offload else False
         layout = []
         for buf in grads.buffers:
             for bucket in buf.buckets:

@@ -179,3 +179,20 @@ def check_device_setup(cfg) -> tuple[torch.device, str]:
     check_precision_and_kernels(device, bf16=bool(m.bf16), fp16=bool(m.fp16),
                                 attention_backend=m.attention_backend)
     return device, backend
+
+
+def host_memory_pinned(device: torch.device, flag: str) -> bool:
+    """Whether host buffers that offload from ``device`` are pinned: yes for CUDA, no on a
+    CPU-only run (host and device are the same memory). Any other device, or a CUDA host
+    that cannot pin, cannot offload: a ConfigError naming ``flag``."""
+    if device.type == "cpu":
+        return False
+    if device.type == "cuda":
+        try:
+            torch.empty(1, pin_memory=True)
+        except RuntimeError as e:
+            raise ConfigError(f"{flag} needs pinned host memory, which this host does not "
+                              f"offer for {device} ({e}); run without it") from None
+        return True
+    raise ConfigError(f"{flag} needs pinned host memory, which device {device.type} does "
+                      "not offer; run without it")

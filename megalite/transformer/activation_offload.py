@@ -37,25 +37,9 @@ import contextlib
 
 import torch
 
-from megalite.config import ConfigError
+from megalite.parallel.device import host_memory_pinned
 
 MIN_OFFLOAD_BYTES = 1024   # smaller saved tensors (norm statistics, masks of tiny models) stay
-
-
-def host_memory_pinned(device: torch.device) -> bool:
-    """Whether host copies for ``device`` are pinned: yes for CUDA, no on a CPU-only run
-    (host and device are the same memory); other devices cannot offload (ConfigError)."""
-    if device.type == "cpu":
-        return False
-    if device.type == "cuda":
-        try:
-            torch.empty(1, pin_memory=True)
-        except RuntimeError as e:
-            raise ConfigError(f"--cpu-offloading needs pinned host memory, which this host "
-                              f"does not offer for {device} ({e}); run without it") from None
-        return True
-    raise ConfigError(f"--cpu-offloading needs pinned host memory, which device "
-                      f"{device.type} does not offer; run without it")
 
 
 def _bytes_view(storage: torch.UntypedStorage, device) -> torch.Tensor:
@@ -257,7 +241,7 @@ class ActivationOffload:
     def __init__(self, num_layers: int, device, min_bytes: int = MIN_OFFLOAD_BYTES):
         self.num_layers = num_layers
         self.device = torch.device(device)
-        self.pinned = host_memory_pinned(self.device)
+        self.pinned = host_memory_pinned(self.device, "--cpu-offloading")
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.min_bytes = min_bytes
         self.offloaded_bytes = 0

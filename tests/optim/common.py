@@ -3,6 +3,8 @@ to compare afterwards (layout-invariant full parameters, measured memory)."""
 
 from __future__ import annotations
 
+import torch
+
 from megalite.data.tokenizers import build_tokenizer
 from megalite.optim.memory import rank_memory
 from megalite.parallel.state import ParallelState
@@ -66,6 +68,22 @@ def full_params(model) -> dict:
         for name, tensor in chunk.full_state_dict().items():
             out[EMBEDDING if name == OUTPUT else name] = tensor
     return out
+
+
+def assert_bitwise_same(got, want, iters: int, what: str) -> None:
+    """Two runs' (losses, full parameters, optimizer state) are equal bit for bit: the
+    same losses, every parameter, and every parameter's Adam moments and fp32 master."""
+    (got_losses, got_params, got_state), (losses, params, state) = got, want
+    assert got_losses == losses and len(losses) == iters, what
+    assert set(got_params) == set(params), what
+    for key, tensor in params.items():
+        assert torch.equal(got_params[key], tensor), (what, key)
+    assert got_state["step"] == state["step"] == iters, what
+    for key, entry in state["params"].items():
+        assert set(got_state["params"][key]) == set(entry) == \
+            {"exp_avg", "exp_avg_sq", "master"}, (what, key)
+        for field, tensor in entry.items():
+            assert torch.equal(got_state["params"][key][field], tensor), (what, key, field)
 
 
 def train_run(cfg, setup=None, inspect=None, ps=None):

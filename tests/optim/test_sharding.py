@@ -26,11 +26,11 @@ import torch
 
 from megalite.arguments import parse_args
 from megalite.config import ConfigError
-from megalite.optim.distributed_optimizer import host_memory_pinned
+from megalite.parallel.device import host_memory_pinned
 from megalite.optim.memory import expected_bytes_per_param
 from megalite.parallel.state import ParallelState
 from tests.distributed.harness import run_distributed
-from tests.optim.common import config, train_run
+from tests.optim.common import assert_bitwise_same, config, train_run
 
 BF16 = {"bf16": True}
 OFFLOAD_HALF = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}
@@ -91,16 +91,8 @@ def test_strategies_and_offload_are_bitwise_the_same(world2):
         losses, params, _, (state, _, _) = out["optim"]
         for name in RUNS:
             got_losses, got_params, _, (got_state, _, _) = out[name]
-            assert got_losses == losses, name
-            for key, tensor in params.items():
-                assert torch.equal(got_params[key], tensor), (name, key)
-            assert got_state["step"] == state["step"] == 4
-            for key, entry in state["params"].items():
-                assert set(got_state["params"][key]) == set(entry) == \
-                    {"exp_avg", "exp_avg_sq", "master"}
-                for field, tensor in entry.items():
-                    assert torch.equal(got_state["params"][key][field], tensor), \
-                        (name, key, field)
+            assert_bitwise_same((got_losses, got_params, got_state), (losses, params, state),
+                                4, name)
 
 
 def test_optim_grads_keeps_only_the_reduced_shard(world2):
@@ -190,9 +182,10 @@ def test_bad_flags_fail_clearly(flags, message):
 
 
 def test_offload_needs_pinned_host_memory():
-    assert host_memory_pinned(torch.device("cpu")) is False   # host and device are one
-    with pytest.raises(ConfigError, match="needs pinned host memory, which device meta"):
-        host_memory_pinned(torch.device("meta"))
+    flag = "--optimizer-cpu-offload"
+    assert host_memory_pinned(torch.device("cpu"), flag) is False   # host and device are one
+    with pytest.raises(ConfigError, match=f"{flag} needs pinned host memory, which device meta"):
+        host_memory_pinned(torch.device("meta"), flag)
     ocfg = parse_args(BASE + ["--use-distributed-optimizer", "--optimizer-cpu-offload",
                               "--optimizer-offload-fraction", "0.25"]).validate(2).optim
     assert (ocfg.optimizer_cpu_offload, ocfg.optimizer_offload_fraction) == (True, 0.25)
