@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.layers.linear import _divide
+from megalite.layers.reused_buffer import ReusedGradBuffer
 from megalite.parallel.params import mark_param
 from megalite.parallel import mappings
 
@@ -24,37 +25,6 @@ def vocab_range(padded_vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int
     """[start, end) of the vocabulary rows held by ``tp_rank``."""
     per_rank = _divide(padded_vocab_size, tp_size, "padded vocabulary size")
     return tp_rank * per_rank, (tp_rank + 1) * per_rank
-
-
-class ReusedGradBuffer:
-    """A buffer handed out again once its previous user dropped it.
-
-    :meth:`empty` returns a tensor of ``shape``: a new tensor object on the kept storage
-    when no other tensor refers to it any more (use count of the storage), else on newly
-    allocated storage, which is kept from then on. :meth:`zeros` is the same, zero-filled.
-    On CPU this saves the page faults of a fresh allocation above glibc's mmap threshold
-    (32 MiB at most): the table gradient here; the output layer's logits ``[s b, V/tp]``
-    and weight gradient would gain the same way (see ``tools/bench/model.py``).
-    """
-
-    def __init__(self):
-        self._storage = None
-
-    def empty(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
-        st = self._storage
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if (st is not None and st.device == torch.device(device) and st.nbytes() == nbytes
-                and torch._C._storage_Use_Count(st._cdata) == 1):
-            return torch.empty(0, dtype=dtype, device=device).set_(st, 0, shape)
-        out = torch.empty(shape, dtype=dtype, device=device)
-        self._storage = out.untyped_storage()
-        return out
-
-    def zeros(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
-        return self.empty(shape, dtype, device).zero_()
 
 
 class _EmbeddingLookup(torch.autograd.Function):
