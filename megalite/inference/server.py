@@ -175,21 +175,26 @@ def make_handler(service: GenerationService):
                 busy = service.limits.max_concurrent_requests
                 return self._reply(503, {"error": f"busy: {busy} requests in progress "
                                                   f"(--max-concurrent-requests); retry"})
-            try:
-                try:
-                    body = json.loads(self.rfile.read(length))
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    return self._reply(400, {"error": "the body is not valid JSON"})
-                except RecursionError:
-                    return self._reply(400, {"error": "the JSON body is nested too deeply"})
-                try:
-                    return self._reply(200, service.handle(body))
-                except RequestError as exc:
-                    return self._reply(exc.status, {"error": str(exc).splitlines()[0]})
-                except (ConfigError, ValueError) as exc:  # bad requests; the server lives on
-                    return self._reply(400, {"error": str(exc).splitlines()[0]})
+            try:   # the slot is free again before the client reads its answer
+                status, answer = self._answer(length)
             finally:
                 service.slots.release()
+            return self._reply(status, answer)
+
+        def _answer(self, length: int) -> tuple[int, dict]:
+            """(HTTP status, JSON answer) for a request body of ``length`` bytes."""
+            try:
+                body = json.loads(self.rfile.read(length))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return 400, {"error": "the body is not valid JSON"}
+            except RecursionError:
+                return 400, {"error": "the JSON body is nested too deeply"}
+            try:
+                return 200, service.handle(body)
+            except RequestError as exc:
+                return exc.status, {"error": str(exc).splitlines()[0]}
+            except (ConfigError, ValueError) as exc:  # bad requests; the server lives on
+                return 400, {"error": str(exc).splitlines()[0]}
 
         def _not_allowed(self):
             try:
