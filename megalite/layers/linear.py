@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from megalite.layers.reused_buffer import ReusedGradBuffer
 from megalite.parallel.params import mark_param
 from megalite.parallel import mappings
 
@@ -29,45 +28,6 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-class _ProjectionIntoReusedBuffers(torch.autograd.Function):
-    """``x @ weight.T`` (no bias) whose output and weight gradient are written into the
-    storage of two :class:`ReusedGradBuffer` s: the same matmuls as ``F.linear`` and its
-    backward (the same values bit for bit), without a fresh allocation per step."""
-
-    @staticmethod
-    def forward(ctx, x, weight, out_buffer, grad_buffer):
-        ctx.save_for_backward(x, weight)
-        ctx.grad_buffer = grad_buffer
-        x2 = x.reshape(-1, x.shape[-1])
-        y = out_buffer.empty((x2.shape[0], weight.shape[0]), x.dtype, x.device)
-        torch.mm(x2, weight.t(), out=y)
-        return y.view(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = g2.mm(weight).view(x.shape)
-        if ctx.needs_input_grad[1]:
-            dw = ctx.grad_buffer.empty(tuple(weight.shape), weight.dtype, weight.device)
-            torch.mm(g2.t(), x.reshape(-1, x.shape[-1]), out=dw)
-        return dx, dw, None, None
-
-
-def _project(x: torch.Tensor, weight: torch.Tensor, bias, buffers) -> torch.Tensor:
-    """``F.linear``, or on CPU (where a fresh large tensor costs a page fault per 4 KiB
-    every step) :class:`_ProjectionIntoReusedBuffers` when ``buffers`` are given, there is
-    no bias, no autocast and no compilation, and input and weight are fp32."""
-    if (buffers is None or bias is not None or x.device.type != "cpu"
-            or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or torch.is_autocast_enabled("cpu")
-            or torch.compiler.is_compiling()):
-        return F.linear(x, weight, bias)
-    return _ProjectionIntoReusedBuffers.apply(x, weight, *buffers)
-
-
 class ColumnParallelLinear(torch.nn.Module):
     """``[s, b, in] -> [s, b, out/tp]`` (or ``[s, b, out]`` with ``gather_output``).
 
@@ -75,20 +35,15 @@ class ColumnParallelLinear(torch.nn.Module):
     of fused outputs (e.g. Q, K, V), each sharded separately (see ``layers.sharding``).
     With ``sequence_parallel`` the input is this rank's ``[s/tp, b, in]`` and is
     all-gathered along the sequence over ``ps.tp`` first. ``skip_weight_param`` makes
-    a layer whose weight is passed to ``forward`` (the tied output layer);
-    ``reuse_buffers`` keeps the output and weight gradient storage from step to step
-    (the output layer's ``[s, b, V/tp]`` logits).
+    a layer whose weight is passed to ``forward`` (the tied output layer).
     """
 
     def __init__(self, input_size: int, output_size: int, *, ps, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, parts: Sequence[int] | None = None,
-                 skip_weight_param: bool = False, reuse_buffers: bool = False,
-                 device=None, dtype=None):
+                 skip_weight_param: bool = False, device=None, dtype=None):
         super().__init__()
         self.tp_group = tp_group = ps.tp
-        # the output layer's logits and weight gradient: see _project
-        self._reused = (ReusedGradBuffer(), ReusedGradBuffer()) if reuse_buffers else None
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         local = _divide(output_size, tp_group.size, "output size")
@@ -114,7 +69,7 @@ class ColumnParallelLinear(torch.nn.Module):
             x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
-        y = _project(x, weight, self.bias, self._reused)
+        y = F.linear(x, weight, self.bias)
         if self.gather_output:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y
