@@ -27,18 +27,22 @@ def _measure_body(rank: int, world: int) -> list[tuple]:
         sys.path.insert(0, TOOLS)
     import torch
 
-    from bench.memory import measure
+    from bench.memory import _runs, measure
 
     torch.set_num_threads(1)
-    return [(name, strategy, offload, mem.params, mem.grads, mem.optimizer, mem.offloaded,
-             mem.num_params) for name, strategy, offload, mem, _, _ in measure(BENCH, world)]
+    rows = []
+    for run in _runs(BENCH):
+        name, strategy, offload, mem = measure(BENCH, world, run)[:4]
+        rows.append((name, strategy, offload, mem.params, mem.grads, mem.optimizer,
+                     mem.offloaded, mem.num_params))
+    return rows
 
 
 def test_state_bytes_equal_the_measured_rank_memory():
-    """dp 2, bf16 GPT: no_shard, optim, optim_grads and the two offload rows of
-    tools/bench/memory.py; parameter counts exact, bytes within 0.1% (bucket padding, Adam's
-    step counters); with offload, device + host optimizer bytes in total (whole parameters
-    move to the host, so the split is at least the fraction)."""
+    """dp 2, bf16 GPT: every strategy and offload row of tools/bench/memory.py; parameter
+    counts exact, bytes within 0.1% (bucket padding, Adam's step counters); with offload,
+    device + host optimizer bytes in total (whole parameters move to the host, so the split
+    is at least the fraction)."""
     from tests.distributed.harness import run_distributed
 
     if TOOLS not in sys.path:
