@@ -20,9 +20,10 @@ best estimate of this machine's speed, and process CPU time per step is reported
 ``faults`` is the process's minor page faults per step (median): on CPU every fresh
 allocation above glibc's mmap threshold (32 MiB at most) is mapped anew and faulted in page
 by page, which costs about as much as writing it twice. megalite's embedding gradient
-reuses its storage (``layers.embedding.ReusedGradBuffer``); at the default shape the
+reuses its storage (``layers.reused_buffer.ReusedGradBuffer``); at the default shape the
 output layer's logits and weight gradient (64 MB each) are what is left (a prototype
-reusing both took one process's step from 2.83 to 2.49 CPU seconds, same bits).
+reusing both took one process's step from 2.83 to 2.49 CPU seconds, same bits; not landed,
+as the kept buffers stay allocated between steps, which the planner does not count yet).
 """
 
 from __future__ import annotations
