@@ -59,7 +59,9 @@ def read_latest_iteration(root: str) -> int | None:
             from None
 
 
-def fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """Flush a file's written data, or a directory's entries, to the disk (any read-only
+    descriptor of it will do)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -75,13 +77,13 @@ def write_text_atomic(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
+    fsync_path(os.path.dirname(path) or ".")
 
 
 def fsync_tree(path: str) -> None:
     """fsync every directory under ``path`` (files are fsynced by their writers)."""
     for d, _, _ in os.walk(path):
-        fsync_dir(d)
+        fsync_path(d)
 
 
 # -- manifest ------------------------------------------------------------------------------
@@ -115,15 +117,6 @@ def fast_checksum(path: str, algorithm: str = FAST_CHECKSUM) -> str:
                 data.close()
 
 
-def fsync_file(path: str) -> None:
-    """Flush ``path``'s written data to the disk (any descriptor of the file will do)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def manifest_entries(root: str, names: list[str], fast: bool = True,
                      sha256: bool = False, fsync: bool = False) -> dict[str, dict]:
     """``{name: {"bytes": size[, FAST_CHECKSUM: hex][, "sha256": hex]}}`` for ``names``.
@@ -154,7 +147,7 @@ def manifest_entries(root: str, names: list[str], fast: bool = True,
         hasher.start()
         try:
             for name in names:
-                fsync_file(os.path.join(root, name))
+                fsync_path(os.path.join(root, name))
         finally:
             hasher.join()
     if errors:

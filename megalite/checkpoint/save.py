@@ -37,7 +37,7 @@ from megalite.checkpoint.files import (
     LATEST,
     METADATA,
     CheckpointError,
-    fsync_dir,
+    fsync_path,
     fsync_tree,
     iteration_dir,
     manifest_entries,
@@ -263,7 +263,7 @@ def _publish_dir(job: _Job, files: dict) -> None:
         shutil.rmtree(old)
     else:
         os.rename(job.tmp, job.final)
-    fsync_dir(job.root)
+    fsync_path(job.root)
     write_text_atomic(os.path.join(job.root, LATEST), f"{job.iteration}\n")
 
 
