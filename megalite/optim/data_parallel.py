@@ -258,7 +258,8 @@ class DataParallelGrads:
         rank's shards); blocking unless ``overlap_param_gather``. Under ``shard_params``
         only frees the gathered copies (stale now): layers gather again when used."""
         if self.param_sharding is not None:
-            self.param_sharding.invalidate()
+            self.param_sharding.invalidate()   # each layer gathers its buckets when used
+            return
         if not self.sharded:
             return
         timer = self.timers("params-all-gather", log_level=2) if self.timers else None
