@@ -1,9 +1,11 @@
-"""Generate text from a megalite checkpoint (any saved layout), on one process or tensor parallel.
+"""Generate text from a megalite checkpoint (any saved layout): one process, tp, pp or both.
 
     python tools/generate.py --load runs/pretrain_tiny_cpu/checkpoints \
         --prompt "In the beginning" --max-new-tokens 40 --temperature 0.8 --top-p 0.9
     torchrun --nproc-per-node 2 tools/generate.py --load runs/pretrain_tiny_cpu/checkpoints \
         --tensor-model-parallel-size 2 --prompts-file prompts.txt --temperature 0
+    torchrun --nproc-per-node 4 tools/generate.py --load runs/pretrain_tiny_cpu/checkpoints \
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --prompt "And God"
 
 Greedy with ``--temperature 0`` (the default is 1.0); ``--top-k``/``--top-p`` filter;
 ``--seed`` makes sampling repeatable; generation stops at the end-of-document token or
@@ -11,10 +13,13 @@ the model's sequence length. Prompts: ``--prompt`` (repeatable), ``--prompts-fil
 per line), or ``--interactive`` (read prompts from stdin); up to ``--batch-size`` of them
 are decoded together (left-padded; greedy output is the same as one at a time). The
 tokenizer is the one the checkpoint records unless the tokenizer flags say otherwise. A
-KV cache makes each new token one token's forward. ``--tensor-model-parallel-size N``
-under ``torchrun --nproc-per-node N`` splits the model's heads and vocabulary over N
-ranks (the checkpoint is resharded on load); rank 0 prints. Pipeline, context and
-sequence parallelism are refused.
+KV cache makes each new token one token's forward. ``--tensor-model-parallel-size T``
+splits the model's heads and vocabulary over T ranks, ``--pipeline-model-parallel-size
+P`` its layers over P stages (each step's hidden state goes from stage to stage, no
+micro-batch pipelining), under ``torchrun --nproc-per-node T*P``; MoE experts may also
+be split (``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``). The
+checkpoint is resharded on load; rank 0 prints. Context and sequence parallelism are
+refused.
 """
 
 from __future__ import annotations
@@ -50,7 +55,11 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="ranks the model is split over (launch that many with torchrun)")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help=argparse.SUPPRESS)  # refused with one line when not 1
+                   help="pipeline stages the layers are split over (tp x pp ranks)")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="MoE: ranks the experts are split over (ep x etp must divide tp)")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="MoE: tensor parallel size of the experts (default: tp)")
     p.add_argument("--context-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--sequence-parallel", action="store_true", help=argparse.SUPPRESS)
 
@@ -58,14 +67,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
 def load(args):
     """(cfg, model, tokenizer, ParallelState) for the load flags (collective over the
     ranks torchrun started)."""
-    from megalite.inference.loading import (
-        check_inference_layout,
-        inference_state,
-        load_for_inference,
-    )
+    from megalite.inference.loading import load_for_inference, state_for_args
 
-    check_inference_layout(args)
-    ps = inference_state(args.tensor_model_parallel_size)
+    ps = state_for_args(args)
     cfg, model, tokenizer = load_for_inference(args.load, args.ckpt_step, args, ps)
     return cfg, model, tokenizer, ps
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from megalite.inference.stages import from_last_stage, stage_forward
 from megalite.parallel.cp_chunks import with_document_ids
 
 
@@ -44,20 +45,23 @@ def validation_samples(dataset, start: int, count: int, micro_batch_size: int):
 @torch.no_grad()
 def validation_loss(model, batches, num_batches: int,
                     progress: Callable[[int, int], None] | None = None) -> tuple[float, int]:
-    """(mean per-token loss, tokens counted) of ``model`` over ``batches``."""
+    """(mean per-token loss, tokens counted) of ``model`` over ``batches``. Under
+    pipeline parallelism every stage runs every batch (:func:`stages.stage_forward`, one
+    micro-batch at a time) and the last stage's sums are broadcast over ``ps.pp``."""
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64)
     tokens = torch.zeros((), dtype=torch.float64)
     for i, batch in enumerate(batches):
         batch = with_document_ids(batch)
-        docs = {"document_ids": batch["document_ids"]} if "document_ids" in batch else {}
-        out = model(batch["tokens"], position_ids=batch.get("position_ids"),
-                    labels=batch["labels"], **docs)
+        out = stage_forward(model, batch["tokens"], batch.get("position_ids"),
+                            labels=batch["labels"], document_ids=batch.get("document_ids"))
         mask = batch["loss_mask"].float()
-        loss_sum += (out.float() * mask).sum().double()
+        if out is not None:
+            loss_sum += (out.float() * mask).sum().double()
         tokens += mask.double().sum()
         if progress is not None:
             progress(i + 1, num_batches)
+    loss_sum = from_last_stage(model, loss_sum)
     return float(loss_sum / tokens.clamp_min(1.0)), int(tokens.item())
 
 

@@ -1,4 +1,4 @@
-"""Autoregressive generation with a GPTModel, on one process or tensor parallel.
+"""Autoregressive generation with a GPTModel, on one process, tensor or pipeline parallel.
 
 :func:`generate_batch` left-pads a batch of prompts, runs them once through the model
 filling an :class:`~megalite.inference.kv_cache.InferenceCache` (pad keys masked, each
@@ -10,7 +10,11 @@ reference the cache is tested against.
 Under tensor parallelism every rank of ``model.ps.tp`` runs this with the same prompts:
 each rank caches its own heads' keys/values, the last position's logits are all-gathered
 over the tp group (``[b, V_padded/tp]`` -> ``[b, V_padded]``), and the token tp rank 0
-chooses is broadcast over the tp group, so every rank feeds the same next token.
+chooses is broadcast over the tp group, so every rank feeds the same next token. Under
+pipeline parallelism every rank of the world runs this with the same prompts; each stage
+runs its layers and caches their keys/values, the hidden state goes from stage to stage
+(:mod:`megalite.inference.stages`: the whole batch at once, no micro-batch pipelining),
+the last stage samples, and its tokens are broadcast over ``ps.pp`` to every stage.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 from megalite.config import ConfigError
 from megalite.inference.kv_cache import InferenceCache
 from megalite.inference.sampling import SamplingParams, sample
-from megalite.parallel import collectives
+from megalite.inference.stages import from_last_stage, share_tokens, stage_forward
 from megalite.parallel.mappings import gather_from_tensor_model_parallel_region
 
 
@@ -57,15 +61,14 @@ def _last_logits(model, logits: torch.Tensor) -> torch.Tensor:
     return last[:, :model.config.vocab_size]
 
 
-def _agree(model, tokens: torch.Tensor) -> torch.Tensor:
-    """int64 ``[b]``: tp rank 0's tokens on every rank of ``model.ps.tp`` (a broadcast
-    over the tp group), so sampling cannot drift apart between ranks."""
-    tp = model.ps.tp
-    if tp.size == 1:
-        return tokens
-    return torch.tensor(collectives.broadcast_object_list(
-        [tokens.tolist()], src=tp.ranks[0], group=tp)[0], dtype=torch.int64,
-        device=tokens.device)
+def _choose(model, logits: torch.Tensor | None, params: SamplingParams,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """int64 ``[b]``: the next tokens, sampled on the last pipeline stage (``logits``
+    None elsewhere) and the same on every rank (:func:`stages.share_tokens`)."""
+    tokens = None
+    if logits is not None:
+        tokens = sample(_last_logits(model, logits), params, generator)
+    return share_tokens(model, tokens)
 
 
 @torch.no_grad()
@@ -117,16 +120,14 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
             # a finished row's positions may run past the limit: clamped, never used
             if use_cache:
                 pos = cache.position_ids(len(prompts), step_input.shape[1], device)
-                logits = model(step_input, position_ids=pos.clamp_max(limit - 1),
-                               inference_cache=cache)
+                logits = stage_forward(model, step_input, pos.clamp_max(limit - 1), cache)
             elif len(prompts) > 1:  # a fresh cache: one full forward with padding masked
                 fresh = InferenceCache(ids.shape[1], pads)
                 pos = fresh.position_ids(len(prompts), ids.shape[1], device)
-                logits = model(ids, position_ids=pos.clamp_max(limit - 1),
-                               inference_cache=fresh)
+                logits = stage_forward(model, ids, pos.clamp_max(limit - 1), fresh)
             else:
-                logits = model(ids)
-            tokens = _agree(model, sample(_last_logits(model, logits), params, generator))
+                logits = stage_forward(model, ids)
+            tokens = _choose(model, logits, params, generator)
             for r, token in enumerate(tokens.tolist()):
                 if done[r]:
                     continue
@@ -146,14 +147,21 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
 def sequence_logits(model, tokens: list[int], use_cache: bool) -> torch.Tensor:
     """fp32 ``[s, V]`` logits of every position of ``tokens``: in one forward, or with
     the cache one token at a time (each from the cached keys of the earlier ones); under
-    tensor parallelism gathered over ``model.ps.tp`` (every rank gets all of them)."""
+    tensor parallelism gathered over ``model.ps.tp``, under pipeline parallelism
+    broadcast from the last stage (every rank gets all of them)."""
     model.eval()
     ids = torch.tensor([tokens], dtype=torch.int64, device=next(model.parameters()).device)
     vocab = model.config.vocab_size
     if not use_cache:
-        local = model(ids)[0].float()  # [s, V_padded/tp]
+        out = stage_forward(model, ids)
+        local = None if out is None else out[0].float()  # [s, V_padded/tp]
     else:
         cache = InferenceCache(len(tokens))
-        local = torch.stack([model(ids[:, i:i + 1], inference_cache=cache)[0, -1].float()
-                             for i in range(len(tokens))])
-    return gather_from_tensor_model_parallel_region(local, model.ps.tp)[:, :vocab]
+        rows = []  # copies: a step's logits may live in storage the next step reuses
+        for i in range(len(tokens)):
+            out = stage_forward(model, ids[:, i:i + 1], inference_cache=cache)
+            rows.append(None if out is None else out[0, -1].float().clone())
+        local = None if rows[0] is None else torch.stack(rows)
+    if local is not None:
+        local = gather_from_tensor_model_parallel_region(local, model.ps.tp)[:, :vocab]
+    return from_last_stage(model, local)

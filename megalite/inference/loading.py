@@ -1,6 +1,6 @@
 """A checkpoint and its tokenizer, ready for generation or evaluation: in one process,
-or tensor parallel across the ranks torchrun started (the checkpoint resharded on load,
-whatever layout saved it)."""
+or tensor / pipeline / expert parallel across the ranks torchrun started (the checkpoint
+resharded on load, whatever layout saved it)."""
 
 from __future__ import annotations
 
@@ -18,42 +18,88 @@ def apply_tokenizer_flags(data_cfg, args) -> None:
             setattr(data_cfg, name, value)
 
 
+def _size(args, name: str, default=1):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
 def check_inference_layout(args) -> None:
-    """Refuse the parallelisms generation and evaluation do not run (one line each)."""
-    for flag, value in (("--pipeline-model-parallel-size",
-                         getattr(args, "pipeline_model_parallel_size", 1)),
-                        ("--context-parallel-size", getattr(args, "context_parallel_size", 1))):
-        if value != 1:
-            raise ConfigError(f"{flag} {value}: inference runs tensor parallel only; use "
-                              f"--tensor-model-parallel-size (pipeline and context "
-                              f"parallelism are for training)")
+    """Refuse the parallelisms generation and evaluation do not run, and sizes below 1
+    (one line each)."""
+    cp = _size(args, "context_parallel_size")
+    if cp != 1:
+        raise ConfigError(f"--context-parallel-size {cp}: inference runs tensor, pipeline "
+                          f"and expert parallel, not context parallel; drop the flag")
     if getattr(args, "sequence_parallel", False):
         raise ConfigError("--sequence-parallel: inference runs tensor parallel without "
                           "sequence parallelism; drop the flag")
-    tp = getattr(args, "tensor_model_parallel_size", 1)
-    if tp < 1:
-        raise ConfigError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size"):
+        value = _size(args, flag)
+        if value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
 
 
-def inference_state(tp: int = 1):
-    """The :class:`~megalite.parallel.state.ParallelState` of ``tp`` ranks (CPU, gloo),
-    initializing torch.distributed from torchrun's environment when ``tp > 1``; the world
-    must be exactly the ``tp`` ranks."""
+def inference_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                    timeout_minutes: float = 10):
+    """The :class:`~megalite.parallel.state.ParallelState` of ``tp x pp`` ranks (CPU,
+    gloo; experts over ``ep x etp``, which must divide tp), initializing
+    torch.distributed from torchrun's environment when more than one; the world must be
+    exactly the ``tp x pp`` ranks. ``timeout_minutes``: of every collective (a server's
+    other ranks wait in one for the next request)."""
     from megalite.parallel.state import ParallelState, init_distributed
 
-    world = 1
-    if tp > 1:
-        _, world = init_distributed("gloo", device="cpu")
-    if world != tp:
-        raise ConfigError(f"--tensor-model-parallel-size {tp} needs {tp} processes, this run "
-                          f"has {world}; launch with torchrun --nproc-per-node {tp}")
-    return ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp),
-                               device=torch.device("cpu"))
+    etp = tp if etp is None else etp
+    if ep > 1:  # an ep rank that receives no token fails in moe/comm.py's byte count
+        raise ConfigError(f"--expert-model-parallel-size {ep}: inference keeps every expert "
+                          f"on each rank (ep 1; the experts are split over "
+                          f"--expert-tensor-parallel-size, default tp); drop the flag")
+    if ep * etp > 1 and tp % (ep * etp):
+        raise ConfigError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size "
+                          f"{etp} must divide --tensor-model-parallel-size {tp} (inference "
+                          f"has no data parallel ranks)")
+    world, need = 1, tp * pp
+    if need > 1:
+        _, world = init_distributed("gloo", timeout_minutes=timeout_minutes, device="cpu")
+    if world != need:
+        sizes = (f"--tensor-model-parallel-size {tp}" if pp == 1 else
+                 f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}")
+        raise ConfigError(f"{sizes} needs {need} processes, this run has {world}; launch "
+                          f"with torchrun --nproc-per-node {need}")
+    return ParallelState.build(
+        ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                       expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                       distributed_timeout_minutes=timeout_minutes),
+        device=torch.device("cpu"))
+
+
+def state_for_args(args, timeout_minutes: float = 10):
+    """:func:`inference_state` for the load flags (``tools/generate.py``'s)."""
+    check_inference_layout(args)
+    return inference_state(_size(args, "tensor_model_parallel_size"),
+                           _size(args, "pipeline_model_parallel_size"),
+                           _size(args, "expert_model_parallel_size"),
+                           getattr(args, "expert_tensor_parallel_size", None),
+                           timeout_minutes)
+
+
+def _stage_layers(num_layers: int, ps) -> tuple[int, int]:
+    """(first global layer, number of layers) of this rank's pipeline stage: the layers
+    split equally, as training splits them without ``--decoder-first/last-...``."""
+    from megalite.pipeline.layout import chunk_layer_ranges
+
+    pp = ps.pp.size
+    if num_layers % pp:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide the model's "
+                          f"{num_layers} layers; choose a divisor")
+    return chunk_layer_ranges(num_layers, pp)[ps.pp.rank][0]
 
 
 def load_model(load: str, iteration: int | None = None, ps=None):
-    """(MegaliteConfig, fp32 GPTModel at ``ps``'s tensor parallel size in eval mode) of
-    the checkpoint under ``load``; collective over ``ps``'s world."""
+    """(MegaliteConfig, fp32 GPTModel in eval mode) of the checkpoint under ``load``, at
+    ``ps``'s tensor / expert parallel sizes; under pipeline parallelism this rank's
+    stage (its layers, the embedding on the first, the output layer on the last).
+    Collective over ``ps``'s world."""
     from megalite.checkpoint.consolidated import checkpoint_config, single_process_state
     from megalite.checkpoint.load import load_checkpoint
     from megalite.models.gpt import GPTModel
@@ -67,11 +113,19 @@ def load_model(load: str, iteration: int | None = None, ps=None):
         raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the model's "
                           f"{heads} attention heads / {groups or heads} query groups; "
                           f"choose a divisor")
-    if cfg.model.num_experts and tp > 1:
-        raise ConfigError(f"--tensor-model-parallel-size {tp}: MoE models ({cfg.model.num_experts}"
-                          f" experts) run inference at tensor parallel size 1 (the MoE layer "
-                          f"splits the sequence over tp; a decoding step has one token)")
-    model = GPTModel(cfg.model, ps, seed=cfg.train.seed)
+    experts = cfg.model.num_experts
+    if (ps.ep.size > 1 or ps.etp.size != tp) and not experts:
+        raise ConfigError(f"--expert-model-parallel-size {ps.ep.size} / "
+                          f"--expert-tensor-parallel-size {ps.etp.size}: the model has no "
+                          f"experts; drop the flags")
+    if experts and experts % ps.ep.size:
+        raise ConfigError(f"--expert-model-parallel-size {ps.ep.size} does not divide the "
+                          f"model's {experts} experts; choose a divisor")
+    first, num_layers = _stage_layers(cfg.model.num_layers, ps)
+    model = GPTModel(cfg.model, ps, seed=cfg.train.seed,
+                     pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(), first_layer=first,
+                     num_layers=num_layers)
     load_checkpoint(load, model, None, None, ps, load_optim=False, load_rng=False,
                     iteration=iteration)
     return cfg, model.eval()
@@ -79,7 +133,7 @@ def load_model(load: str, iteration: int | None = None, ps=None):
 
 def load_for_inference(load: str, iteration: int | None = None, args=None, ps=None):
     """(MegaliteConfig, GPTModel in eval mode, tokenizer) of the checkpoint under
-    ``load`` (any saved layout), at ``ps``'s tensor parallel size (default one process).
+    ``load`` (any saved layout), at ``ps``'s layout (default one process).
     The tokenizer is the one the checkpoint records unless ``args`` names another
     (``--tokenizer-type`` ...); its vocabulary must match the model's."""
     cfg, model = load_model(load, iteration, ps)

@@ -10,7 +10,13 @@
 Inside the layer the tokens are always split over tp: without sequence parallelism (and
 tp > 1) the replicated input is scattered along the sequence on entry and all-gathered on
 exit, so no two ranks route or compute the same token and the experts (etp = 1) never see
-a token twice. Then: router -> dispatcher (alltoall / allgather over ``ps.ep``) ->
+a token twice. Without gradients (generation, evaluation) a sequence that tp does not
+divide -- a decoding step's one token -- is padded with zero tokens to a multiple of tp
+before the scatter and cut back after the gather. The padding is routed like any token:
+it can take expert capacity under ``--moe-expert-capacity-factor`` (which counts this
+rank's tokens, so it differs across tp anyway) and joins that forward's logged router
+losses; dropless, no real token's output depends on it. Training (the sequence divisible
+by tp) never pads. Then: router -> dispatcher (alltoall / allgather over ``ps.ep``) ->
 local experts (grouped GEMM) -> weighted combine, plus the shared experts (a dense
 tensor-parallel MLP of ``--moe-shared-expert-intermediate-size`` over every token).
 
@@ -119,10 +125,14 @@ class MoELayer(torch.nn.Module):
         """``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) -> same shape."""
         tp, dtype = self.ps.tp, hidden.dtype
         scatter = tp.size > 1 and not self.sequence_parallel
+        seq, pad = hidden.shape[0], 0
         if scatter:
-            if hidden.shape[0] % tp.size:
-                raise ValueError(f"MoE without sequence parallelism splits the sequence "
-                                 f"({hidden.shape[0]}) over tp ({tp.size}): not divisible")
+            if seq % tp.size:
+                if torch.is_grad_enabled():
+                    raise ValueError(f"MoE without sequence parallelism splits the sequence "
+                                     f"({seq}) over tp ({tp.size}): not divisible")
+                pad = tp.size - seq % tp.size  # inference: zero tokens, dropped below
+                hidden = torch.cat([hidden, hidden.new_zeros(pad, *hidden.shape[1:])])
             hidden = mappings.scatter_to_sequence_parallel_region(hidden, tp)
         s, b, h = hidden.shape
         routing = self.router(hidden)
@@ -136,6 +146,8 @@ class MoELayer(torch.nn.Module):
         if scatter:
             out = mappings.gather_from_sequence_parallel_region(
                 out, tp, tensor_parallel_output_grad=False)
+            if pad:
+                out = out[:seq]
         return out.to(dtype)
 
 

@@ -59,7 +59,10 @@ def test_generate_tool_and_bad_input(trained, capsys, tmp_path):
          "--tensor-model-parallel-size 2 needs 2 processes, this run has 1; launch with "
          "torchrun --nproc-per-node 2"),
         (["--load", root, "--prompt", "1", "--pipeline-model-parallel-size", "2"], 2,
-         "inference runs tensor parallel only"),
+         "--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2 needs 2 "
+         "processes, this run has 1; launch with torchrun --nproc-per-node 2"),
+        (["--load", root, "--prompt", "1", "--context-parallel-size", "2"], 2,
+         "--context-parallel-size 2: inference runs tensor, pipeline and expert parallel"),
     ]
     for argv, code, message in cases:
         assert generate.main(argv) == code, argv
@@ -101,24 +104,27 @@ def test_evaluate_jsonl(trained, capsys, tmp_path):
     assert "make no sample of 17 tokens" in capsys.readouterr().err
 
 
-def _evaluate_on_rank(rank, world_size, root):
+def _evaluate_on_rank(rank, world_size, root, flag):
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = load_tool("evaluate").main(["--load", root, "--no-progress",
-                                           "--tensor-model-parallel-size", str(world_size)])
+        code = load_tool("evaluate").main(["--load", root, "--no-progress", flag,
+                                           str(world_size)])
     return code, out.getvalue()
 
 
-def test_evaluate_at_tp2(trained):
-    """The checkpoint (saved at tp=1) evaluated at tp=2: rank 0 prints the training loop's
-    validation loss, rank 1 nothing."""
+@pytest.mark.parametrize("flag", ["--tensor-model-parallel-size",
+                                  "--pipeline-model-parallel-size"])
+def test_evaluate_at_tp2_and_pp2(trained, flag):
+    """The checkpoint (saved at tp=1) evaluated at tp=2, and at pp=2 (the last stage's
+    loss broadcast to stage 0): rank 0 prints the training loop's validation loss, rank 1
+    nothing."""
     from tests.distributed.harness import run_distributed
 
     root, valid_losses = trained
-    (code0, out0), (code1, out1) = run_distributed(2, _evaluate_on_rank, root)
+    (code0, out0), (code1, out1) = run_distributed(2, _evaluate_on_rank, root, flag)
     assert code0 == code1 == 0 and out1 == ""
     loss = float(re.search(r"iteration 8 \| lm loss value: (\S+) ", out0).group(1))
     assert abs(loss - valid_losses[8]) < 1e-5 * valid_losses[8]

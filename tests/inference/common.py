@@ -1,0 +1,76 @@
+"""Shared by the parallel generation tests: random-weight GPT-2 / Llama / Mixtral
+checkpoints saved at tp=1, what one rank generates at a layout, and the check that a
+layout's ranks equal one process."""
+
+import torch
+
+from megalite.checkpoint.consolidated import save_full_model
+from megalite.config import MegaliteConfig
+from megalite.inference.generation import generate, generate_batch, sequence_logits
+from megalite.inference.kv_cache import InferenceCache
+from megalite.inference.loading import inference_state, load_model
+from megalite.inference.stages import stage_forward
+from megalite.models.gpt import GPTModel
+from tests.model.common import gpt2_config, llama_config, mixtral_config, single_process_state
+from tests.model.test_hf_parity import _random_weights
+
+PROMPTS = [[3, 17, 41, 8, 29], [9], [22, 4, 31, 40, 2, 11, 6, 1, 30]]
+TOKENS = [5, 12, 44, 0, 7, 33, 21, 19, 48, 2, 10, 27]
+CONFIGS = {"llama": llama_config, "gpt2": gpt2_config, "mixtral": mixtral_config}
+
+
+def save_checkpoints(tmp_path_factory) -> dict:
+    """{family: checkpoint directory} of random-weight 2-layer models saved at tp=1
+    (vocab 50, padded to 56 at tp=1 and 64 at tp=2)."""
+    out = {}
+    for family, make in CONFIGS.items():
+        cfg = MegaliteConfig(model=make())
+        model = GPTModel(cfg.model, single_process_state(), seed=1)
+        root = str(tmp_path_factory.mktemp(family))
+        save_full_model(cfg, _random_weights(model), root)
+        out[family] = root
+    return out
+
+
+def run_layout(root: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None):
+    """What this rank generates and computes at the layout (every rank gets the tokens
+    and logits: they are shared from the last pipeline stage)."""
+    ps = inference_state(tp, pp, ep, etp)
+    _, model = load_model(root, None, ps)
+    torch.manual_seed(0)
+    layers = sorted(int(i) for i in model.decoder.layers)
+    cache = InferenceCache(len(TOKENS))
+    with torch.no_grad():
+        stage_forward(model, torch.tensor([TOKENS[:4]]), inference_cache=cache)
+    groups = cache.layer(layers[0]).k.shape[2]  # this rank's: [max_len, b, ng/tp, d]
+    return {
+        "greedy": [generate(model, p, 10) for p in PROMPTS],
+        "batch": generate_batch(model, PROMPTS, 10),
+        "logits": sequence_logits(model, TOKENS, use_cache=True),
+        "full": sequence_logits(model, TOKENS, use_cache=False),
+        "cached_groups": groups,
+        "stage_layers": layers,
+        "padded_vocab": (model.output_weight().shape[0] * tp if model.post_process
+                         else None),
+    }
+
+
+def on_rank(rank, world_size, root, tp, pp=1, ep=1, etp=None):
+    return run_layout(root, tp, pp, ep, etp)
+
+
+def check_equal(one: dict, ranks: list[dict], family: str, tp: int) -> None:
+    """Every rank generated one process's tokens (single prompts and the batch), its
+    logits (cached and full forward) within 1e-4 of one process's."""
+    cfg = CONFIGS[family]()
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    assert one["cached_groups"] == groups and one["padded_vocab"] == 56
+    for rank in ranks:
+        assert rank["cached_groups"] == groups // tp
+        assert rank["padded_vocab"] in (None, 56 if tp == 1 else 64)
+        assert rank["greedy"] == one["greedy"]
+        assert rank["batch"] == one["greedy"]
+        assert rank["logits"].shape == one["logits"].shape == (len(TOKENS), 50)
+        assert (rank["logits"] - one["logits"]).abs().max().item() < 1e-4
+        assert (rank["full"] - one["logits"]).abs().max().item() < 1e-4
+    assert any(len(set(g)) > 1 for g in one["greedy"])  # not a constant output

@@ -1,0 +1,51 @@
+"""Pipeline-parallel generation: a checkpoint saved at tp1 pp1 loads at pp 2 (and tp 2 x
+pp 2) with each stage holding its layers and their part of the KV cache; greedy tokens
+equal one process's token for token, logits within fp32 rounding, on every rank (the last
+stage's tokens are broadcast). A pp that does not divide the layers is refused."""
+
+import pytest
+
+from megalite.config import ConfigError
+from tests.distributed.harness import run_distributed
+from tests.inference.common import check_equal, on_rank, run_layout, save_checkpoints
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return save_checkpoints(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(saved):
+    return {family: run_layout(root) for family, root in saved.items()}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+def test_pp2_generation_equals_one_process(saved, reference, family):
+    ranks = run_distributed(2, on_rank, saved[family], 1, 2)
+    check_equal(reference[family], ranks, family, 1)
+    assert [r["stage_layers"] for r in ranks] == [[0], [1]]
+    assert ranks[0]["padded_vocab"] is None and ranks[1]["padded_vocab"] == 56
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+def test_tp2_pp2_generation_equals_one_process(saved, reference, family):
+    ranks = run_distributed(4, on_rank, saved[family], 2, 2)
+    check_equal(reference[family], ranks, family, 2)
+    # world ranks are tp-fastest: ranks 0, 1 are stage 0's two tp ranks
+    assert [r["stage_layers"] for r in ranks] == [[0], [0], [1], [1]]
+
+
+def _refused(rank, world_size, root, tp, pp):
+    try:
+        run_layout(root, tp, pp)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_pp_that_does_not_divide_the_layers(saved):
+    """3 stages for the 2 layers of the tiny models."""
+    for message in run_distributed(3, _refused, saved["llama"], 1, 3):
+        assert message == ("--pipeline-model-parallel-size 3 does not divide the model's "
+                           "2 layers; choose a divisor"), message
