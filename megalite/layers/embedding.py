@@ -86,7 +86,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.weight = mark_param(
             torch.nn.Parameter(torch.empty(local, hidden_size, device=device, dtype=dtype)),
             partition_dim=0, unpadded_size=vocab_size, init_std=init_std)
-        self._grad_buffer = ReusedGradBuffer()
+        # kept gradient storage on CPU only (a GPU's caching allocator reuses storage)
+        self._grad_buffer = ReusedGradBuffer() if torch.device(device).type == "cpu" else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:

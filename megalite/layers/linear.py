@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from megalite.layers.reused_buffer import ReusedGradBuffer, reused_linear
 from megalite.parallel.params import mark_param
 from megalite.parallel import mappings
 
@@ -36,12 +37,15 @@ class ColumnParallelLinear(torch.nn.Module):
     With ``sequence_parallel`` the input is this rank's ``[s/tp, b, in]`` and is
     all-gathered along the sequence over ``ps.tp`` first. ``skip_weight_param`` makes
     a layer whose weight is passed to ``forward`` (the tied output layer).
+    ``reuse_buffers`` (the output layer; no bias): on CPU its output and weight gradient
+    reuse their storage from step to step (:func:`megalite.layers.reused_buffer.reused_linear`).
     """
 
     def __init__(self, input_size: int, output_size: int, *, ps, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, parts: Sequence[int] | None = None,
-                 skip_weight_param: bool = False, device=None, dtype=None):
+                 skip_weight_param: bool = False, reuse_buffers: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         self.tp_group = tp_group = ps.tp
         self.gather_output = gather_output
@@ -62,6 +66,9 @@ class ColumnParallelLinear(torch.nn.Module):
         if bias:
             self.bias = mark_param(torch.nn.Parameter(torch.empty(local, **kw)),
                                    partition_dim=0, parts=parts, init_fill=0.0)
+        self._reused = None
+        if reuse_buffers and not bias and torch.device(kw["device"] or "cpu").type == "cpu":
+            self._reused = (ReusedGradBuffer(), ReusedGradBuffer())  # output, weight grad
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
@@ -69,7 +76,10 @@ class ColumnParallelLinear(torch.nn.Module):
             x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
-        y = F.linear(x, weight, self.bias)
+        if self._reused is not None:
+            y = reused_linear(x, weight, *self._reused)
+        else:
+            y = F.linear(x, weight, self.bias)
         if self.gather_output:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y

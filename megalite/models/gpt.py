@@ -87,7 +87,8 @@ class GPTModel(torch.nn.Module):
             share = self.tied and pre_process
             self.output_layer = ColumnParallelLinear(
                 cfg.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
-                init_std=cfg.init_method_std, skip_weight_param=share, ps=ps, **common)
+                init_std=cfg.init_method_std, skip_weight_param=share, reuse_buffers=True,
+                ps=ps, **common)
             if not share:
                 update_meta(self.output_layer.weight, unpadded_size=cfg.vocab_size)
                 if self.tied:  # a later pipeline stage's copy of the word embedding

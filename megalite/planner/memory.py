@@ -36,6 +36,12 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   sharded, ``2 / D`` bytes each between steps) the full copies of the running unit and
   of the prefetched one (:mod:`megalite.optim.param_sharding`): the two largest of this
   stage's units (:func:`unit_params`: each layer, the embedding, the output layer).
+* **reused** (``device_type="cpu"`` only) -- storage megalite keeps from step to step on
+  CPU instead of allocating it afresh (:mod:`megalite.layers.reused_buffer`): the
+  embedding's and the output layer's ``[V/tp, h]`` weight gradients, held through the
+  whole step from the second step on, and the output layer's logits ``[tokens, V/tp]``,
+  held while the layers run backward. On a GPU the caching allocator reuses storage
+  itself and megalite keeps nothing (0).
 
 Elements are multiplied by the activation dtype's bytes (4 fp32, 2 bf16/fp16); softmax
 statistics and the cross entropy's probabilities are fp32 whatever the dtype.
@@ -69,17 +75,18 @@ class MemoryEstimate:
     in_flight: int
     notes: list = field(default_factory=list)
     host: float = 0.0      # optimizer bytes in host memory (--optimizer-cpu-offload)
+    reused: float = 0.0    # buffers kept between steps on CPU (layers.reused_buffer)
 
     @property
     def total(self) -> float:
         return (self.params + self.grads + self.optimizer + self.activations
-                + self.transient + self.comm_buffers + self.gathered_params)
+                + self.transient + self.comm_buffers + self.gathered_params + self.reused)
 
     def as_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "transient": self.transient,
                 "comm_buffers": self.comm_buffers, "gathered_params": self.gathered_params,
-                "total": self.total, "host": self.host}
+                "reused": self.reused, "total": self.total, "host": self.host}
 
 
 def _dtype_bytes(m) -> int:
@@ -231,12 +238,14 @@ def _layer_bytes(m, p, mb: int, moe: bool) -> float:
     return e["act"] * _dtype_bytes(m) + e["fp32"] * 4
 
 
-def estimate_memory(cfg, world_size: int, pp_rank: int | None = None) -> MemoryEstimate:
+def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
+                    device_type: str = "cuda") -> MemoryEstimate:
     """Estimated peak bytes of one rank of ``cfg`` (validated for ``world_size``) on
-    pipeline stage ``pp_rank``; None: the stage with the largest total."""
+    pipeline stage ``pp_rank``; None: the stage with the largest total. ``device_type``
+    "cpu" adds the buffers megalite keeps between steps on CPU (``reused``)."""
     p = cfg.parallel
     if pp_rank is None:
-        stages = [estimate_memory(cfg, world_size, r)
+        stages = [estimate_memory(cfg, world_size, r, device_type)
                   for r in range(p.pipeline_model_parallel_size)]
         return max(stages, key=lambda s: s.total)
     m, t = cfg.model, cfg.train
@@ -285,6 +294,8 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None) -> MemoryE
     backward = tokens * (f + 2 * h) * eb + recompute
     loss = tokens * vocab // tp * (eb + 4) if last else 0  # logits, fp32 shifted logits
     transient = max(backward, loss)
+    # on CPU the kept logits storage is held while the layers run backward
+    kept_logits = max(0, backward + tokens * vocab // tp * eb - transient) if last else 0
     if first:
         transient += tokens * h // sp * eb                       # embedding output
     comm = 0.0
@@ -296,10 +307,14 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None) -> MemoryE
     gathered = 0.0
     if strategy == "optim_grads_params":   # the running unit and the prefetched one
         gathered = sum(sorted(unit_params(m, p, pp_rank), reverse=True)[:2]) * eb
+    reused = 0.0
+    if device_type == "cpu":   # layers.reused_buffer: weight gradients, kept logits
+        reused = vocab // tp * h * eb * (first + last) + kept_logits
     return MemoryEstimate(params=params, grads=grads, optimizer=optimizer,
                           activations=activations, transient=transient, comm_buffers=comm,
                           gathered_params=gathered, params_elements=state["elements"],
-                          in_flight=in_flight, notes=notes, host=state["host"])
+                          in_flight=in_flight, notes=notes, host=state["host"],
+                          reused=reused)
 
 
 def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:

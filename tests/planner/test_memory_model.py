@@ -50,7 +50,7 @@ def test_memory_estimate_matches_measured_peak(lay, measured):
     cfg = planner_config(lay)
     lines, bad = [], []
     for rank, got in enumerate(measured(lay)):
-        est = estimate_memory(cfg, lay.world_size, got["pp_rank"])
+        est = estimate_memory(cfg, lay.world_size, got["pp_rank"], device_type="cpu")
         assert est.params_elements == got["params"], (rank, est.params_elements, got)
         err = est.total / got["peak"] - 1
         lines.append(f"rank {rank}: measured {got['peak'] / 2**20:.3f} MiB, estimated "

@@ -76,7 +76,7 @@ def predict(args, layers: int, strategy: str, offload: str) -> tuple[float, floa
     from megalite.planner.memory import estimate_memory, layer_activation_elements
 
     cfg = _config(args, layers, strategy, "none")
-    est = estimate_memory(cfg, args.dp)
+    est = estimate_memory(cfg, args.dp, device_type="cpu")
     device, host = est.total, 0.0
     if "opt" in offload.split("+"):
         shard = est.params_elements / (args.dp if strategy != "no_shard" else 1)
@@ -166,7 +166,7 @@ def _params(args, layers: int, strategy: str) -> float:
     from megalite.planner.memory import estimate_memory
 
     cfg = _config(args, layers, strategy, "none")
-    est = estimate_memory(cfg, args.dp)
+    est = estimate_memory(cfg, args.dp, device_type="cpu")
     return est.params_elements   # this rank's (= the whole model's at tp 1, pp 1)
 
 
