@@ -1,12 +1,18 @@
 """Serve text generation from a megalite checkpoint over HTTP (Megatron's PUT /api).
 
     python tools/run_text_generation_server.py --load runs/pretrain_tiny_cpu/checkpoints --port 5000
+    torchrun --nproc-per-node 2 tools/run_text_generation_server.py \
+        --load runs/pretrain_tiny_cpu/checkpoints --port 5000 --tensor-model-parallel-size 2
     curl -X PUT localhost:5000/api -H 'Content-Type: application/json' \
         -d '{"prompts": ["And God said"], "tokens_to_generate": 30, "temperature": 0.8}'
 
 Fields: prompts, tokens_to_generate, temperature (0 = greedy), top_k, top_p,
-random_seed; the prompts of a request are decoded together in one batch. One process;
-the checkpoint (any saved layout) is loaded whole. Limits: ``--max-request-bytes``
+random_seed; the prompts of a request are decoded together in one batch. The checkpoint
+(any saved layout) is loaded at the layout the flags give: one process, or under
+``torchrun --nproc-per-node T*P`` tensor (``--tensor-model-parallel-size T``) and/or
+pipeline (``--pipeline-model-parallel-size P``) parallel, where rank 0 serves HTTP and
+sends each accepted request to the other ranks, which generate with it; SIGINT or
+SIGTERM to rank 0 (Ctrl-C) stops them all. Limits: ``--max-request-bytes``
 (413 beyond), ``--max-prompts`` per request, ``--max-tokens-to-generate`` (and prompt +
 tokens_to_generate within the model's sequence length; 400 beyond),
 ``--max-concurrent-requests`` (one more gets 503).
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,6 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.errors import report_tool_error  # noqa: E402
 
 PROG = "run_text_generation_server"
+
+
+# the other ranks wait in one collective for the next request: an idle server must not
+# time them out
+_IDLE_TIMEOUT_MINUTES = 60 * 24 * 30
 
 
 def main(argv=None) -> int:
@@ -39,34 +51,69 @@ def main(argv=None) -> int:
     p.add_argument("--max-concurrent-requests", type=int, default=4)
     args = p.parse_args(argv)
     try:
-        from megalite.config import ConfigError
         from megalite.inference.generation import max_sequence_length
-        from megalite.inference.loading import check_inference_layout, load_for_inference
-        from megalite.inference.server import GenerationService, ServerLimits, build_server
+        from megalite.inference.loading import load_for_inference, state_for_args
+        from megalite.inference.server import (
+            GenerationService,
+            ServerLimits,
+            build_server,
+            follow,
+        )
 
-        check_inference_layout(args)
-        if args.tensor_model_parallel_size != 1:
-            raise ConfigError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}"
-                              f": the server runs in one process; use tools/generate.py "
-                              f"for tensor-parallel generation")
         limits = ServerLimits(args.max_request_bytes, args.max_prompts,
                               args.max_tokens_to_generate, args.max_concurrent_requests).check()
-        cfg, model, tokenizer = load_for_inference(args.load, args.ckpt_step, args)
-        service = GenerationService(model, tokenizer, max_sequence_length(cfg.model), limits)
-        server = build_server(service, args.host, args.port)
+        ps = state_for_args(args, timeout_minutes=_IDLE_TIMEOUT_MINUTES)
+        cfg, model, tokenizer = load_for_inference(args.load, args.ckpt_step, args, ps)
+        if ps.rank != 0:
+            return _follow(follow, model)
+        service = GenerationService(model, tokenizer, max_sequence_length(cfg.model), limits,
+                                    ranks=ps.world_size)
+        try:
+            server = build_server(service, args.host, args.port)
+        except OSError:
+            service.stop()  # the other ranks return too
+            raise
     except Exception as exc:
         code = report_tool_error(PROG, exc)
         if code is None:
             raise
         return code
+    return _serve(server, service)
+
+
+def _follow(follow, model) -> int:
+    """Ranks other than 0: Ctrl-C reaches every process of the terminal's group; rank 0
+    takes it and broadcasts the end, so the others ignore it and return with it."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        follow(model)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _serve(server, service) -> int:
+    """Rank 0: serve until SIGINT / SIGTERM (or Ctrl-C), then stop the other ranks."""
     host, port = server.server_address[:2]
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     print(f"serving PUT http://{host}:{port}/api", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         server.server_close()
+    try:
+        service.stop()
+    except Exception as exc:  # the other ranks are gone already (torchrun stopped them)
+        print(f"{PROG}: could not stop the other ranks: {str(exc).splitlines()[0]}",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

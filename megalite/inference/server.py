@@ -1,4 +1,6 @@
-"""A text-generation HTTP server (Megatron's ``/api`` PUT interface), one process.
+"""A text-generation HTTP server (Megatron's ``/api`` PUT interface): one process, or
+world rank 0 of a model split over several (:class:`GenerationService` ``ranks``; the
+others run :func:`follow`).
 
 ``PUT /api`` with a JSON body::
 
@@ -26,8 +28,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from megalite.config import ConfigError
-from megalite.inference.generation import generate_batch
+from megalite.inference.generation import check_prompt, generate_batch
 from megalite.inference.sampling import SamplingParams
+from megalite.parallel.collectives import broadcast_object_list
 
 FIELDS = ("prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "random_seed")
 _DRAIN_LIMIT = 64 << 20  # an oversized body is read and dropped up to this many bytes
@@ -104,16 +107,26 @@ def parse_request(body, max_tokens: int, limits: ServerLimits | None = None
 class GenerationService:
     """The model and tokenizer behind the server; :meth:`handle` serves one request.
     ``slots`` bounds the requests in the server; ``lock`` lets one at a time use the
-    model."""
+    model.
 
-    def __init__(self, model, tokenizer, max_tokens: int, limits: ServerLimits | None = None):
+    ``ranks`` > 1: the model is split over that many processes (the whole world; tensor
+    and/or pipeline parallel), this one world rank 0. Each accepted request -- checked
+    here first, so a bad one never leaves rank 0 -- is broadcast over the world
+    (``broadcast_object_list``) to the other ranks, which wait in :func:`follow` and
+    generate with rank 0; :meth:`stop` broadcasts the end."""
+
+    def __init__(self, model, tokenizer, max_tokens: int, limits: ServerLimits | None = None,
+                 ranks: int = 1):
         self.model, self.tokenizer, self.max_tokens = model, tokenizer, max_tokens
         self.limits = (limits or ServerLimits()).check()
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(self.limits.max_concurrent_requests)
+        self.ranks = ranks
+        self.stopped = False
 
     def handle(self, body) -> dict:
         prompts, new, params, seed = parse_request(body, self.max_tokens, self.limits)
+        params.check()
         tok = self.tokenizer
         ids = [tok.tokenize(p) for p in prompts]
         for i, prompt in enumerate(ids):
@@ -121,13 +134,43 @@ class GenerationService:
                 raise RequestError(
                     f"prompts[{i}] has {len(prompt)} tokens; with tokens_to_generate {new} "
                     f"that is beyond the model's sequence length of {self.max_tokens}")
+            check_prompt(prompt, self.model.config)
+        request = (ids, new, params, seed, tok.eod)
         with self.lock:
-            generator = torch.Generator().manual_seed(seed)
-            outs = generate_batch(self.model, ids, new, params, eod=tok.eod,
-                                  generator=generator)
+            if self.stopped:
+                raise RequestError("the server is shutting down", 503)
+            if self.ranks > 1:
+                broadcast_object_list([request], src=0)
+            outs = _generate(self.model, request)
         texts = [tok.detokenize(p + (o[:-1] if o[-1:] == [tok.eod] else o))
                  for p, o in zip(ids, outs)]
         return {"text": texts, "tokens": [p + o for p, o in zip(ids, outs)]}
+
+    def stop(self) -> None:
+        """No more requests; the other ranks' :func:`follow` returns (after the request
+        in progress, if any)."""
+        with self.lock:
+            if not self.stopped and self.ranks > 1:
+                broadcast_object_list([None], src=0)
+            self.stopped = True
+
+
+def _generate(model, request) -> list[list[int]]:
+    ids, new, params, seed, eod = request
+    return generate_batch(model, ids, new, params, eod=eod,
+                          generator=torch.Generator().manual_seed(seed))
+
+
+def follow(model) -> int:
+    """A server rank other than 0: generate each request rank 0 broadcasts over the world,
+    until it broadcasts the end (None). Returns the requests served."""
+    served = 0
+    while True:
+        request = broadcast_object_list([None], src=0)[0]
+        if request is None:
+            return served
+        _generate(model, request)
+        served += 1
 
 
 def make_handler(service: GenerationService):

@@ -174,3 +174,93 @@ def test_server_tool_on_an_os_chosen_port(trained):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+class _Port:
+    """stdout of the server's rank 0: sets ``ready`` once it prints its address."""
+
+    def __init__(self):
+        import threading
+
+        self.text, self.ready = "", threading.Event()
+
+    def write(self, text):
+        self.text += text
+        if "serving PUT" in self.text:
+            self.ready.set()
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def _serve_on_rank(rank, world_size, root, flag):
+    """Every rank runs the server tool; on rank 0 a client thread sends a bad request,
+    then a good one, then SIGTERM to this process (the tool's main is in this thread)."""
+    import contextlib
+    import json
+    import os
+    import signal
+    import threading
+    import urllib.error
+    import urllib.request
+
+    argv = ["--load", root, "--port", "0", flag, str(world_size)]
+    server = load_tool("run_text_generation_server")
+    if rank != 0:
+        return server.main(argv), None
+    out, answers = _Port(), []
+
+    def client():
+        try:
+            assert out.ready.wait(120), out.text
+            url = re.search(r"serving PUT (\S+)", out.text).group(1)
+            for body in ({"prompts": ["5 9 12", ""], "tokens_to_generate": 4},
+                         {"prompts": ["5 9 12", "7"], "tokens_to_generate": 4,
+                          "temperature": 0},
+                         {"prompts": ["3 4"], "tokens_to_generate": 5, "top_k": 5,
+                          "random_seed": 11}):
+                req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                             method="PUT")
+                try:
+                    with urllib.request.urlopen(req, timeout=120) as r:
+                        answers.append((r.status, json.loads(r.read())))
+                except urllib.error.HTTPError as e:
+                    answers.append((e.code, json.loads(e.read())))
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    with contextlib.redirect_stdout(out):
+        code = server.main(argv)
+    thread.join()
+    return code, answers
+
+
+@pytest.mark.parametrize("flag", ["--tensor-model-parallel-size",
+                                  "--pipeline-model-parallel-size"])
+def test_server_on_two_ranks(trained, flag):
+    """The server tool at tp 2 and at pp 2, answered by a real HTTP client: a bad request
+    is refused on rank 0 (rank 1 never sees it), good ones equal one process's
+    generation, and SIGTERM to rank 0 stops both ranks cleanly (exit 0)."""
+    import torch
+
+    from megalite.inference.generation import generate
+    from megalite.inference.loading import load_for_inference
+    from megalite.inference.sampling import SamplingParams
+    from tests.distributed.harness import run_distributed
+
+    root, _ = trained
+    (code0, answers), (code1, _) = run_distributed(2, _serve_on_rank, root, flag)
+    assert code0 == code1 == 0
+    assert answers[0] == (400, {"error": "the prompt is empty (no tokens)"})
+    _, model, tok = load_for_inference(root)
+    assert answers[1][0] == 200
+    assert answers[1][1]["tokens"] == [[5, 9, 12] + generate(model, [5, 9, 12], 4, eod=tok.eod),
+                                       [7] + generate(model, [7], 4, eod=tok.eod)]
+    sampled = generate(model, [3, 4], 5, SamplingParams(1.0, 5), eod=tok.eod,
+                       generator=torch.Generator().manual_seed(11))
+    assert answers[2] == (200, {"text": [tok.detokenize([3, 4] + [t for t in sampled
+                                                                   if t != tok.eod])],
+                                "tokens": [[3, 4] + sampled]})
