@@ -43,13 +43,13 @@ from megalite.training.timers import Timers
 
 
 def set_seeds(seed: int, ps: ParallelState) -> None:
-    """python / numpy / torch seeds; pipeline stages differ (``parallel.random.stage_seed``)."""
+    """python / numpy / torch seeds; pipeline stages differ (``parallel.random.stage_seed``).
+    ``torch.manual_seed`` seeds every device's generator too (CUDA's lazily, so a CPU run
+    never touches CUDA)."""
     seed = stage_seed(seed, ps)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
 
 
 def default_model_provider(cfg: MegaliteConfig, ps: ParallelState) -> torch.nn.Module:

@@ -10,7 +10,10 @@ hidden 512, 8 heads / 4 query groups, SwiGLU ffn 1408, RoPE, RMSNorm, untied, vo
 inputs and threads. Steps of the variants are interleaved so background load hits them alike; the
 median step time is reported.
 
-MFU = model FLOP/s / the fp32 ``torch.mm`` peak measured in the same run. Model FLOPs per
+MFU = model FLOP/s / the fp32 ``torch.mm`` peak measured in the same run. The *kernel
+bound* (:class:`KernelBound`) is the time of the model's GEMMs and attention kernel alone
+at the step's shapes, measured in the same run: the MFU no implementation built on these
+kernels exceeds here, and each variant's share of it. Model FLOPs per
 token are ``6 N + 12 L h s`` (PaLM / Megatron convention, as the training loop's MFU) with
 N the matmul parameters (the layers and the output layer; the input embedding table is a
 lookup and not counted) -- the same count as the training loop's ``6 N + 6 h V + 12 L h s``.
@@ -19,11 +22,10 @@ best estimate of this machine's speed, and process CPU time per step is reported
 
 ``faults`` is the process's minor page faults per step (median): on CPU every fresh
 allocation above glibc's mmap threshold (32 MiB at most) is mapped anew and faulted in page
-by page, which costs about as much as writing it twice. megalite's embedding gradient
-reuses its storage (``layers.reused_buffer.ReusedGradBuffer``); at the default shape the
-output layer's logits and weight gradient (64 MB each) are what is left (a prototype
-reusing both took one process's step from 2.83 to 2.49 CPU seconds, same bits; not landed,
-as the kept buffers stay allocated between steps, which the planner does not count yet).
+by page, which costs about as much as writing it twice. On CPU megalite's embedding
+gradient and the output layer's logits and weight gradient reuse their storage from step to
+step (``layers.reused_buffer``): 40,000 faults per step before the output layer reused its
+buffers, about 3,300 after, at the default shape.
 """
 
 from __future__ import annotations
@@ -53,6 +55,51 @@ class MatmulPeak:
                 torch.mm(self.a, self.b)
             self.best = max(self.best, 4.0 * self.n ** 3 / (time.perf_counter() - start))
         return self.best
+
+
+class KernelBound:
+    """The least time this machine needs for the model's own kernels, run alone at the
+    step's shapes: each linear layer's three products (``x @ w``, ``g @ w.T``,
+    ``x.T @ g``) and the causal attention kernel's forward and backward, per layer, plus
+    the output layer. Each is the best of bursts taken between timed steps (the same
+    background load as the steps). ``flops / seconds / peak`` is the highest MFU any
+    implementation of this model reaches on this machine without faster kernels."""
+
+    def __init__(self, cfg, batch: int):
+        n, h, heads = batch * cfg.seq_length, cfg.hidden_size, cfg.num_attention_heads
+        d, groups = h // heads, cfg.num_query_groups
+        layer = [(n, h, (heads + 2 * groups) * d), (n, heads * d, h),
+                 (n, h, 2 * cfg.ffn_hidden_size), (n, cfg.ffn_hidden_size, h)]
+        self.linears = [(shape, cfg.num_layers) for shape in layer] + [((n, h, cfg.vocab_size), 1)]
+        self.mats = {s: (torch.randn(s[0], s[1]), torch.randn(s[1], s[2]), torch.randn(s[0], s[2]))
+                     for s, _ in self.linears}
+        self.best = dict.fromkeys(self.mats, float("inf"))
+        self.layers, self.attention = cfg.num_layers, float("inf")
+        shape = (batch, heads, cfg.seq_length, d)
+        self.qkv = [torch.randn(shape, requires_grad=True) for _ in range(3)]
+        self.grad = torch.randn(shape)
+
+    def probe(self) -> None:
+        for s, (x, w, g) in self.mats.items():
+            start = time.perf_counter()
+            x @ w
+            g @ w.t()
+            x.t() @ g
+            self.best[s] = min(self.best[s], time.perf_counter() - start)
+        start = time.perf_counter()
+        out = torch.nn.functional.scaled_dot_product_attention(*self.qkv, is_causal=True)
+        out.backward(self.grad)
+        self.attention = min(self.attention, time.perf_counter() - start)
+        for t in self.qkv:
+            t.grad = None
+
+    def gemm_seconds(self) -> tuple[float, float]:
+        """(seconds, FLOPs) of the linear layers' products per step."""
+        return (sum(self.best[s] * count for s, count in self.linears),
+                sum(6.0 * s[0] * s[1] * s[2] * count for s, count in self.linears))
+
+    def seconds(self) -> float:
+        return self.gemm_seconds()[0] + self.layers * self.attention
 
 
 def build_config(args):
@@ -135,6 +182,9 @@ def main(argv=None) -> None:
         variants["transformers"] = make_hf(cfg, state)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1))
     ids, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    bound = KernelBound(cfg, args.batch)
+    for _ in range(3):
+        bound.probe()
     steps = {}
     for name, model in variants.items():
         model.train()
@@ -159,6 +209,7 @@ def main(argv=None) -> None:
             cpu[name].append(time.process_time() - c)
             faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         peak.probe()
+        bound.probe()
     peak = peak.best
 
     tokens = args.batch * args.seq
@@ -180,6 +231,13 @@ def main(argv=None) -> None:
               f"MFU {flops / fast / peak:6.1%}  step {fast * 1e3:6.0f} ms  "
               f"cpu {statistics.median(cpu[name]):5.2f} s  "
               f"faults {statistics.median(faults[name]):7.0f}")
+    gemm_s, gemm_flops = bound.gemm_seconds()
+    print(f"kernel bound: the model's GEMMs and attention alone take {bound.seconds() * 1e3:.0f} ms"
+          f" per step (its GEMM shapes run at {gemm_flops / gemm_s / peak:.1%} of the mm peak):"
+          f" MFU at most {flops / bound.seconds() / peak:.1%} on this machine")
+    for name in steps:
+        print(f"{name:>18}: fastest step at {bound.seconds() / min(wall[name]):.1%} of the "
+              "kernel bound")
     if "transformers" in best:
         for name, rate in best.items():
             if name != "transformers":
