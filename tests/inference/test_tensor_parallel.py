@@ -32,6 +32,13 @@ def test_tp2_generation_equals_tp1(saved, reference, family):
     assert [r["stage_layers"] for r in two] == [[0, 1], [0, 1]]
 
 
+def test_mixtral_tp2_etp1_generation_equals_tp1(saved, reference):
+    """The experts whole on each tp rank (--expert-tensor-parallel-size 1): each rank
+    routes and computes its share of the tokens (a decoding step's padded to tp)."""
+    two = run_distributed(2, on_rank, saved["mixtral"], 2, 1, 1, 1)
+    check_equal(reference["mixtral"], two, "mixtral", 2)
+
+
 @pytest.mark.parametrize("flags, message", [
     ({"context_parallel_size": 2}, "--context-parallel-size 2: inference runs tensor, "
                                    "pipeline and expert parallel"),
