@@ -3,7 +3,9 @@
 # seq 2048, vocab 51200, mixed precision, activation recomputation. Published: 148 TFLOP/s
 # per GPU, 47% of the 312 TFLOP/s peak, counting the recomputed forward (Narayanan et al.,
 # "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC21,
-# arXiv:2104.04473, Table 1). Compared in README.md (Planning a layout).
+# arXiv:2104.04473, Table 1; the same table, model-parallel size 64 without the split, in
+# NVIDIA/Megatron-LM's README of April 2021, images/cases_april2021.png at commit 50a4b5f).
+# Compared in README.md (Planning a layout).
 cd "$(dirname "$0")/../.." && exec .venv/bin/python tools/plan_layout.py --preset a100 --nodes 192 \
     --tp 8 --pp 8 --vpp 1 --micro-batch-sizes 1 --recompute full --strategies no_shard \
     --offload-fractions 0 --top 1 --show-infeasible 1 -- \

@@ -12,6 +12,12 @@ kernel launches, on a CPU the framework's per-operator dispatch), per rank:
 ``microbatch_overhead_s`` of the rest of a micro-batch (embedding, output layer, loss).
 The presets leave them 0 (hidden by asynchronous launches on a GPU at these sizes); the
 CPU check measures them (:class:`megalite.planner.measure.OverheadProbe`).
+``collective_overhead_s`` is the same kind of cost for communication: what one blocking
+collective issued between compute costs beyond ``latency_s`` and its bytes. On a CPU with
+gloo it is large (the collective wakes gloo's worker and transport threads on cores the
+ranks compute on, and a rank that arrives first waits for the other's compute), measured
+by :func:`megalite.planner.measure.tp_collective_cost`; 0 in the presets (NCCL kernels
+queue behind the compute on their own stream).
 
 ``host_bw`` (bytes/s per GPU, one direction, PCIe) and ``host_memory_bw`` (each GPU's
 share of the host's memory bandwidth) time ``--optimizer-cpu-offload``: the offloaded
@@ -39,6 +45,7 @@ class Cluster:
     layer_overhead_s: float = 0.0
     layer_forward_overhead_s: float = 0.0
     microbatch_overhead_s: float = 0.0
+    collective_overhead_s: float = 0.0
     host_bw: float = 25e9      # PCIe 4/5 x16, about half its peak in practice
     host_memory_bw: float = 25e9
     memory_margin: float = 0.9  # fraction of gpu_memory a layout may plan for (the CUDA

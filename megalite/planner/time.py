@@ -16,18 +16,27 @@ pipeline's first and last stage):
 * **tp** -- per layer and micro-batch, forward and backward, two all-gathers and two
   reduce-scatters of the activations ``[s/cp, b, h]`` over tp under sequence parallelism
   (two all-reduces without: the same bytes), each moving ``(t-1)/t`` of them; full
-  recomputation repeats the forward's.
+  recomputation repeats the forward's. Per micro-batch and pass one more each around the
+  embedding (first stage: its partial sums reduce-scattered) and the output layer (last:
+  its input gathered), and the vocab-parallel cross entropy's two all-reduces of fp32
+  ``[s/cp, b]`` (max; target logit and sum of exponentials). Per step, the sequence-
+  parallel replicated parameters' gradients (norms, row-parallel biases, learned
+  positions) summed over tp. Each collective also pays ``collective_overhead_s`` (0 on
+  the GPU presets; on a CPU the cost of a blocking gloo call between compute, measured).
 * **cp** -- ring attention: each layer's keys and values pass ``cp - 1`` hops forward and
   the same plus their gradients backward.
 * **ep** -- the MoE all-to-all: dispatch and combine, forward and backward, of the routed
   tokens ``top-k x tokens x h`` (the fraction ``(ep-1)/ep`` leaves the rank).
 * **pp** -- one activation per micro-batch and chunk boundary forward and its gradient
-  backward, ``2 vpp m`` transfers of ``[s/cp, b, h]`` (``/tp`` under sp).
+  backward, ``2 vpp m`` transfers of ``[s/cp, b, h]`` (``/tp`` under sp); per step the
+  word embedding's gradient summed between the first and the last stage (tied
+  embeddings).
 * **dp** -- the gradient reduction over dp x cp (``2 (d-1)/d`` of the gradient bytes,
   all-reduce or reduce-scatter + parameter all-gather), exposed in full unless
-  ``--overlap-grad-reduce`` hides all but the last bucket.
+  ``--overlap-grad-reduce`` hides all but the last bucket. Plus the step's two scalar
+  all-reduces over the world (the loss and the gradient norm; latency only, a tree).
 * **bubble** -- ``(pp - 1) / (vpp m)`` of the per-micro-batch path (compute, tp, cp, ep,
-  pp transfers).
+  pp transfers; not the once-per-step reductions).
   Under optim_grads_params each unit's parameters are all-gathered before every forward
   and backward (``passes x m`` gathers of the stage's parameters), exposed.
 * **optimizer** -- the step reads and writes the local optimizer state at memory bandwidth;
@@ -41,6 +50,7 @@ megalite's rank order (tp fastest, then cp, dp, pp; :meth:`Cluster.group_bw`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megalite.planner.cluster import Cluster
@@ -65,6 +75,12 @@ class TimeEstimate:
     step: float
     model_flops: float   # per step, whole model
     mfu: float
+    calls: dict = None   # tp / pp / dp -> blocking collectives per step per rank counted
+                         # above (tp: the layers', embedding's, output layer's, cross
+                         # entropy's, replicated gradients'; pp: the embedding gradient's
+                         # and the loss's;
+                         # dp: the loss and gradient norm; not the bucketed gradient
+                         # reduction or the stage-to-stage transfers)
 
 
 def active_layer_params(m) -> int:
@@ -138,17 +154,39 @@ def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
     comm, sent = {}, {}
     act_bytes = tokens * h * eb
     passes = 3 if m.recompute_granularity == "full" else 2   # forward (again), backward
-    tp_bw = cluster.group_bw(tp, 1)
-    # per layer and pass: two all-gathers and two reduce-scatters (sp), or two all-reduces
-    # (each the cost of one all-gather plus one reduce-scatter)
-    n_tp = 4 * passes * layers * num_micro
-    hop = (tp - 1) / tp * act_bytes
-    comm["tp"] = n_tp * (hop / tp_bw + (tp - 1) * lat) if tp > 1 else 0.0
-    sent["tp"] = n_tp * hop if tp > 1 else 0.0
+    tp_bw, call = cluster.group_bw(tp, 1), cluster.collective_overhead_s
+    calls = {"tp": 0, "pp": 0, "dp": 0}   # blocking collectives per step (rank), by group
+    step_comm = {"tp": 0.0, "pp": 0.0, "dp": 0.0}   # once per step, after the pipeline
+    comm["tp"] = sent["tp"] = 0.0
+    if tp > 1:
+        # in all-gather/reduce-scatter units of [s/cp, b, h] per micro-batch: per layer,
+        # forward and backward, two of each (sp), or two all-reduces (each one of both);
+        # full recomputation re-runs a layer's forward only until backward has what it
+        # saved (torch's non-reentrant checkpoint stops early), so not its last reduction:
+        # 3 of the 4 (sp), 1 of the 2 all-reduces; per pass one more around the embedding
+        # (first stage) and the output layer (last stage)
+        edge = 2 if pp == 1 else 1
+        again = (3 if p.sequence_parallel else 2) if passes == 3 else 0
+        hops = ((8 + again) * layers + 2 * edge) * num_micro
+        hop = (tp - 1) / tp * act_bytes
+        calls["tp"] = hops if p.sequence_parallel else hops // 2
+        # vocab-parallel cross entropy, last stage, per micro-batch: the max and the
+        # (target logit, sum of exponentials) all-reduces of fp32 [s/cp, b]
+        ce = _ring(4 * tokens, tp, tp_bw, lat) + _ring(8 * tokens, tp, tp_bw, lat)
+        calls["tp"] += 2 * num_micro
+        comm["tp"] = hops * (hop / tp_bw + (tp - 1) * lat) + num_micro * ce \
+            + calls["tp"] * call
+        sent["tp"] = hops * hop
+        if p.sequence_parallel:   # the replicated (norm, bias, position) gradients, fp32
+            norm = h * (1 if m.normalization == "RMSNorm" else 2)
+            replicated = layers * (2 * norm + (2 * h if m.add_bias_linear else 0)) + norm + (
+                m.max_position_embeddings * h if m.learned_positions else 0)
+            step_comm["tp"] = _ring(4 * replicated, tp, tp_bw, lat) + call
+            calls["tp"] += 1
     kv = tokens * 2 * m.num_query_groups * m.kv_channels // tp * eb
     cp_bytes = 3 * (cp - 1) * kv * layers * num_micro if cp > 1 else 0.0
-    comm["cp"] = cp_bytes / cluster.group_bw(cp, tp) + (cp - 1) * layers * num_micro * lat \
-        if cp > 1 else 0.0
+    comm["cp"] = cp_bytes / cluster.group_bw(cp, tp) + (cp - 1) * layers * num_micro * (
+        lat + call) if cp > 1 else 0.0
     sent["cp"] = cp_bytes
     moe_layers = 0 if m.num_experts is None else len(range(0, m.num_layers, m.moe_layer_freq))
     a2a = 4 * (ep - 1) / ep * m.moe_router_topk * tokens // max(tp, 1) * h * eb \
@@ -157,9 +195,18 @@ def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
     sent["ep"] = a2a
     sp = tp if p.sequence_parallel else 1
     pp_bytes = 2 * vpp * num_micro * act_bytes / sp if pp > 1 else 0.0
-    comm["pp"] = (pp_bytes / cluster.group_bw(pp, tp * cp * dp) + 2 * vpp * num_micro * lat
-                  if pp > 1 else 0.0)
+    comm["pp"] = (pp_bytes / cluster.group_bw(pp, tp * cp * dp)
+                  + 2 * vpp * num_micro * (lat + call) if pp > 1 else 0.0)
     sent["pp"] = pp_bytes
+    if pp > 1 and not m.untie_embeddings_and_output_weights:
+        # the word embedding's gradient summed between the first and the last stage
+        emb = m.padded_vocab_size(tp) // tp * h * (2 if p.grad_reduce_in_bf16 else 4)
+        step_comm["pp"] = _ring(emb, 2, cluster.group_bw(pp, tp * cp * dp), lat) + call
+        sent["pp"] += emb
+        calls["pp"] = 1
+    if pp > 1:   # the loss, summed over the stages (a scalar)
+        step_comm["pp"] += 2 * math.ceil(math.log2(pp)) * lat + call
+        calls["pp"] += 1
     from megalite.planner.memory import stage_param_counts
 
     local = max(sum(stage_param_counts(m, p, r)) for r in range(pp))
@@ -177,16 +224,22 @@ def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
         dp_time *= 0.2
     comm["dp"] = dp_time
     sent["dp"] = 2 * (d - 1) / d * grad_bytes if d > 1 else 0.0
+    if world_size > 1:   # the loss and the gradient norm: two scalar all-reduces (a tree)
+        step_comm["dp"] = 2 * (2 * math.ceil(math.log2(world_size)) * lat + call)
+        calls["dp"] = 2
 
     path = compute + comm["tp"] + comm["cp"] + comm["ep"] + comm["pp"]
     bubble = bubble_fraction(pp, num_micro, vpp) * path if pp > 1 else 0.0
+    for k, v in step_comm.items():
+        comm[k] += v
     shard = d if p.use_distributed_optimizer else 1
     offload = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
     optimizer = (1 - offload) * local * (16 + 2 * eb) / shard / cluster.memory_bw
     if offload:  # gradients to the host, parameters back (fp32), Adam on the host
         moved = offload * local / shard
         optimizer += moved * 8 / cluster.host_bw + moved * 36 / cluster.host_memory_bw
-    step = path + bubble + comm["dp"] + optimizer
+    step = path + bubble + comm["dp"] + step_comm["tp"] + step_comm["pp"] + optimizer
     mfu = flops / (step * world_size * cluster.peak_flops)
     return TimeEstimate(compute=compute, comm=comm, comm_bytes=sent, bubble=bubble,
-                        optimizer=optimizer, step=step, model_flops=flops, mfu=mfu)
+                        optimizer=optimizer, step=step, model_flops=flops, mfu=mfu,
+                        calls=calls)

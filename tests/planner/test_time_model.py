@@ -58,3 +58,69 @@ def test_time_model_ranks_layouts_like_measurement():
                       f"{r['measured_s'] * 1e3:.0f} ms" for r in out["rows"])
     assert out["spearman"] >= 0.8, table
     assert out["max_error"] <= 0.25, table
+
+
+# -- the collectives the time model charges, against those a step runs -------------------
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "61",
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--lr", "1e-4", "--log-interval", "1000", "--eval-iters",
+        "0"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"]
+COUNTED = [  # flags over TINY (2 ranks)
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--tensor-model-parallel-size", "2"] + FULL,
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2"]
+    + FULL,
+    ["--pipeline-model-parallel-size", "2"],
+]
+
+
+def _count_body(rank, world, flags):
+    """Collectives per group (flight-recorder sequence numbers) of one training step,
+    after a first one."""
+    from megalite.arguments import parse_args
+    from megalite.parallel.state import ParallelState
+    from megalite.parallel.watchdog import RECORDER
+    from megalite.training.build import build_components
+    from megalite.training.loop import train_step
+
+    cfg = parse_args(TINY + flags).validate(world)
+    ps = ParallelState.build(cfg.parallel)
+    c = build_components(cfg, ps, peak_probe_seconds=0.0)
+    try:
+        it = c.train_iterator(0)
+        num_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * ps.dp.size)
+        counts = {}
+        for step in (1, 2):
+            batches = [next(it) for _ in range(num_micro)]
+            before = dict(RECORDER.seqs)
+            train_step(c, batches, step)
+            counts = {g: n - before.get(g, 0) for g, n in RECORDER.seqs.items()
+                      if n > before.get(g, 0)}
+        return counts
+    finally:
+        c.close()
+        ps.destroy()
+
+
+@pytest.mark.parametrize("flags", COUNTED, ids=lambda f: " ".join(f).replace("--", ""))
+def test_time_model_counts_the_collectives_a_step_runs(flags):
+    """Every blocking collective a tp / pp step runs over the tp group (layers, embedding,
+    output layer, vocab-parallel cross entropy, replicated gradients), the embedding group
+    (the tied word embedding's gradient), the pipeline group (the loss; its stage-to-stage
+    transfers are counted apart) and the world (loss, gradient norm) is one the
+    time model charges (its ``calls``): counted by the flight recorder on 2 gloo ranks."""
+    from megalite.arguments import parse_args
+    from megalite.planner.cluster import preset
+    from megalite.planner.time import estimate_time
+    from tests.distributed.harness import run_distributed
+
+    counts = run_distributed(2, _count_body, flags)
+    t = estimate_time(parse_args(TINY + flags).validate(2), 2, preset("h100"))
+    last = counts[-1]   # the last pipeline stage: the output layer and the loss
+    assert last.get("tp", 0) == t.calls["tp"], (last, t.calls)
+    assert last.get("embedding", 0) + last.get("pp", 0) == t.calls["pp"], (last, t.calls)
+    assert last.get("world", 0) == t.calls["dp"], (last, t.calls)

@@ -85,7 +85,7 @@ def planner_config(cfg):
     return cfg
 
 
-def _probe(cfg, world: int, overhead) -> dict:
+def _probe(cfg, world: int, overhead, ps) -> dict:
     """This rank's probes, all ranks at once (collective)."""
     import torch.distributed as dist
 
@@ -94,6 +94,7 @@ def _probe(cfg, world: int, overhead) -> dict:
         layout_gemms,
         matmul_rate,
         memory_bandwidth,
+        tp_collective_cost,
     )
 
     if world > 1:
@@ -107,6 +108,13 @@ def _probe(cfg, world: int, overhead) -> dict:
     # bandwidth from at least 4 MiB (the gradients' reduction; an activation alone is
     # mostly latency, whose noise would swamp the difference)
     out["latency"], out["bw"] = collective_speed(4 << 20)
+    # an all-gather / reduce-scatter between a layer's GEMMs, on the group the layout's
+    # collectives mostly run on (tp, else pp, else dp); its size and gathered bytes
+    group = next((g for g in (ps.tp, ps.pp, ps.dp) if g.size > 1), ps.tp)
+    out["call"], _ = tp_collective_cost(planner_config(cfg), group)
+    m = cfg.model
+    out["call_group"] = group.size
+    out["call_bytes"] = 4 * cfg.train.micro_batch_size * m.seq_length * m.hidden_size
     return out
 
 
@@ -116,6 +124,7 @@ def _time_layout(cfg, world: int, repeats: int, overhead) -> dict:
     import torch.distributed as dist
 
     from megalite.parallel.state import ParallelState
+    from megalite.parallel.watchdog import RECORDER
     from megalite.training.build import build_components
     from megalite.training.loop import train_step
 
@@ -124,23 +133,27 @@ def _time_layout(cfg, world: int, repeats: int, overhead) -> dict:
     try:
         it = c.train_iterator(0)
         num_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * ps.dp.size)
-        steps, probes = [], []
+        steps, probes, comm, calls = [], [], [], []
         for i in range(repeats + 1):
             batches = [next(it) for _ in range(num_micro)]
             if i > 0:
-                probes.append(_probe(cfg, world, overhead))
+                probes.append(_probe(cfg, world, overhead, ps))
             if world > 1:
                 dist.barrier()
+            blocked, issued = RECORDER.comm_seconds, dict(RECORDER.seqs)
             start = time.perf_counter()
             train_step(c, batches, i + 1)
             if world > 1:
                 dist.barrier()
             if i > 0:
                 steps.append(time.perf_counter() - start)
+                comm.append(RECORDER.comm_seconds - blocked)
+                calls.append({g: n - issued.get(g, 0) for g, n in RECORDER.seqs.items()
+                              if n > issued.get(g, 0)})
     finally:
         c.close()
         ps.destroy()
-    return {"steps": steps, "probes": probes}
+    return {"steps": steps, "probes": probes, "comm": comm, "calls": calls}
 
 
 def _body(rank: int, world: int, rows: list, repeats: int) -> list[dict]:
@@ -180,12 +193,18 @@ def cluster_of(world: int, per_rank: list[dict]):
     bw = med("bw", min) if world > 1 else 1e12
     flops = med("layer_flops", min)   # a whole layer's effective rate; GEMMs alone if unusable
     flops = flops if flops == flops and flops > 0 else med("flops", min)
+    latency = med("latency", mean)
+    # what a collective between GEMMs costs beyond the back-to-back probe's latency and
+    # bandwidth at its size
+    n, size = per_rank[0]["probes"][0]["call_group"], per_rank[0]["probes"][0]["call_bytes"]
+    call = med("call", mean) - ((n - 1) / n * size / bw + (n - 1) * latency) if n > 1 else 0.0
     return Cluster(gpus_per_node=world, nodes=1, gpu_memory=1e12, peak_flops=flops,
                    intra_node_bw=bw, inter_node_bw=bw, matmul_efficiency=1.0,
-                   latency_s=med("latency", mean), memory_bw=med("memory_bw", mean),
+                   latency_s=latency, memory_bw=med("memory_bw", mean),
                    layer_overhead_s=med("layer", mean),
                    layer_forward_overhead_s=med("layer_forward", mean),
-                   microbatch_overhead_s=med("microbatch", mean), name="this CPU")
+                   microbatch_overhead_s=med("microbatch", mean),
+                   collective_overhead_s=max(0.0, call), name="this CPU")
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -228,8 +247,15 @@ def check(repeats: int = 5, names: list[str] | None = None, echo=print) -> dict:
                               "latency_us": cluster.latency_s * 1e6,
                               "memory_gbps": cluster.memory_bw / 1e9,
                               "layer_ms": cluster.layer_overhead_s * 1e3,
-                              "microbatch_ms": cluster.microbatch_overhead_s * 1e3},
-                   "steps_s": [max(r["steps"][i] for r in per_rank) for i in range(repeats)]}
+                              "microbatch_ms": cluster.microbatch_overhead_s * 1e3,
+                              "call_us": cluster.collective_overhead_s * 1e6},
+                   "steps_s": [max(r["steps"][i] for r in per_rank) for i in range(repeats)],
+                   # seconds a rank spent blocked in collectives per step (waiting for its
+                   # peers included; the flight recorder's count), rank mean, median over
+                   # repeats; and the collectives each group ran per step (rank 0)
+                   "blocked_s": statistics.median(
+                       statistics.mean(r["comm"][i] for r in per_rank) for i in range(repeats)),
+                   "calls": per_rank[0]["calls"][-1]}
             rows.append(row)
             comm = " ".join(f"{k} {v * 1e3:.0f}" for k, v in t.comm.items() if v)
             p = row["probes"]
@@ -240,8 +266,11 @@ def check(repeats: int = 5, names: list[str] | None = None, echo=print) -> dict:
                  + f"  [{p['gflops']:.1f} GFLOP/s ({p['gemm_gflops']:.1f} GEMM), layer "
                  f"{p['layer_ms']:.2f} ms, "
                  f"mb {p['microbatch_ms']:.2f} ms"
-                 + (f", gloo {p['gloo_gbps']:.2f} GB/s {p['latency_us']:.0f} us"
-                    if world > 1 else "") + "]")
+                 + (f", gloo {p['gloo_gbps']:.2f} GB/s {p['latency_us']:.0f} us + "
+                    f"{p['call_us']:.0f} us between compute" if world > 1 else "") + "]"
+                 + (f"  blocked in collectives {row['blocked_s'] * 1e3:.0f} ms ("
+                    + " ".join(f"{g} {n}" for g, n in sorted(row["calls"].items())) + ")"
+                    if row["calls"] else ""))
     est = [r["estimated_s"] for r in rows]
     meas = [r["measured_s"] for r in rows]
     rho = spearman(est, meas)
