@@ -17,9 +17,9 @@ KV cache makes each new token one token's forward. ``--tensor-model-parallel-siz
 splits the model's heads and vocabulary over T ranks, ``--pipeline-model-parallel-size
 P`` its layers over P stages (each step's hidden state goes from stage to stage, no
 micro-batch pipelining), under ``torchrun --nproc-per-node T*P``; an MoE model's experts
-are split over ``--expert-tensor-parallel-size`` (default T; 1 keeps them whole). The
-checkpoint is resharded on load; rank 0 prints. Context, sequence and expert parallelism
-are refused.
+are split over ``--expert-model-parallel-size`` E ranks x ``--expert-tensor-parallel-size``
+(default E 1 and T; E x etp divides T). The checkpoint is resharded on load; rank 0
+prints. Context and sequence parallelism are refused.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages the layers are split over (tp x pp ranks)")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help=argparse.SUPPRESS)  # refused with one line when not 1
+                   help="MoE: ranks the experts are spread over (ep x etp must divide tp)")
     p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="MoE: tensor parallel size of the experts (default: tp)")
     p.add_argument("--context-parallel-size", type=int, default=1, help=argparse.SUPPRESS)

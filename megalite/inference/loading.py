@@ -50,10 +50,6 @@ def inference_state(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = Non
     from megalite.parallel.state import ParallelState, init_distributed
 
     etp = tp if etp is None else etp
-    if ep > 1:  # an ep rank that receives no token fails in moe/comm.py's byte count
-        raise ConfigError(f"--expert-model-parallel-size {ep}: inference keeps every expert "
-                          f"on each rank (ep 1; the experts are split over "
-                          f"--expert-tensor-parallel-size, default tp); drop the flag")
     if ep * etp > 1 and tp % (ep * etp):
         raise ConfigError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size "
                           f"{etp} must divide --tensor-model-parallel-size {tp} (inference "

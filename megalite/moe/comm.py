@@ -25,6 +25,7 @@ bytes in the opposite direction and is not counted.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,7 +51,9 @@ class CommCounter:
 
 
 def _row_bytes(x: torch.Tensor) -> int:
-    return x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    """Bytes of one row of ``x`` ``[rows, ...]``, also when it has no rows (an
+    expert-parallel rank that receives no token)."""
+    return math.prod(x.shape[1:]) * x.element_size()
 
 
 def _raw_all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int],

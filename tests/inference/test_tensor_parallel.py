@@ -39,6 +39,14 @@ def test_mixtral_tp2_etp1_generation_equals_tp1(saved, reference):
     check_equal(reference["mixtral"], two, "mixtral", 2)
 
 
+def test_mixtral_tp2_ep2_generation_equals_tp1(saved, reference):
+    """Half the experts on each rank (--expert-model-parallel-size 2, etp 1): tokens go
+    to their experts' rank and back (all-to-all over ep), and a decoding step often sends
+    a rank no token at all."""
+    two = run_distributed(2, on_rank, saved["mixtral"], 2, 1, 2, 1)
+    check_equal(reference["mixtral"], two, "mixtral", 2)
+
+
 @pytest.mark.parametrize("flags, message", [
     ({"context_parallel_size": 2}, "--context-parallel-size 2: inference runs tensor, "
                                    "pipeline and expert parallel"),
@@ -58,9 +66,6 @@ def test_world_size_and_expert_sizes_refused():
                                           r"--pipeline-model-parallel-size 2 needs 4 "
                                           r"processes, this run has 1"):
         inference_state(2, 2)
-    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size 2: inference "
-                                          r"keeps every expert on each rank"):
-        inference_state(2, 1, 2, 1)
     with pytest.raises(ConfigError, match=r"--expert-model-parallel-size 1 x "
                                           r"--expert-tensor-parallel-size 4 must divide "
                                           r"--tensor-model-parallel-size 2"):
