@@ -66,23 +66,9 @@ def stage_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor | N
     if not model.pre_process:
         hidden = _recv(model, (s, b, model.config.hidden_size))
     last = model.post_process
-    if inference_cache is None:
-        out = model(input_ids if model.pre_process else None, position_ids=position_ids,
-                    labels=labels if last else None, hidden_states=hidden,
-                    document_ids=document_ids)
-    else:  # GPTModel.forward keeps its cache path to whole models; the same steps here
-        if position_ids is None:
-            start = inference_cache.seq_len
-            position_ids = torch.arange(start, start + s, device=input_ids.device).expand(b, s)
-        pos = position_ids.t()
-        x = model.embedding(input_ids.t(), pos) if model.pre_process else hidden
-        rotary = model.rotary(pos) if model.rotary is not None else None
-        x = model.decoder(x, rotary, document_ids, inference_cache=inference_cache)
-        inference_cache.advance(s)
-        out = x
-        if last:
-            out = model.output_layer(x, weight=model.output_weight()).transpose(0, 1)
-            out = out.contiguous()
+    out = model(input_ids if model.pre_process else None, position_ids=position_ids,
+                labels=labels if last else None, hidden_states=hidden,
+                document_ids=document_ids, inference_cache=inference_cache)
     if not last:
         _send(model, out)
         return None

@@ -112,10 +112,11 @@ class GPTModel(torch.nn.Module):
                 inference_cache=None) -> torch.Tensor:
         """input_ids, position_ids, labels: int64 ``[b, s]``.
 
-        ``inference_cache`` (generation only, one process or tp without sequence
-        parallelism): an :class:`~megalite.inference.kv_cache.InferenceCache`; the tokens
-        are the ones after its ``seq_len`` cached ones (positions default to
-        ``seq_len ..``), their keys/values are cached, and ``seq_len`` advances.
+        ``inference_cache`` (generation only, without sequence or context parallelism;
+        a pipeline stage caches its own layers, :mod:`megalite.inference.stages`): an
+        :class:`~megalite.inference.kv_cache.InferenceCache`; the tokens are the ones
+        after its ``seq_len`` cached ones (positions default to ``seq_len ..``), their
+        keys/values are cached, and ``seq_len`` advances.
 
         ``document_ids`` int64 ``[b, s_full]`` (``--reset-attention-mask``; the whole
         sequence even under context parallelism): each token attends only within its
@@ -130,8 +131,9 @@ class GPTModel(torch.nn.Module):
         """
         if inference_cache is not None and position_ids is None:
             start = inference_cache.seq_len
-            position_ids = torch.arange(start, start + input_ids.shape[1],
-                                        device=input_ids.device).expand(input_ids.shape)
+            given = input_ids if input_ids is not None else hidden_states.transpose(0, 1)
+            b, s = given.shape[:2]
+            position_ids = torch.arange(start, start + s, device=given.device).expand(b, s)
         pos = None if position_ids is None else position_ids.t()
         if self.pre_process:
             x = self.embedding(input_ids.t(), pos)  # [s(/tp), b, h]
@@ -146,12 +148,11 @@ class GPTModel(torch.nn.Module):
         if inference_cache is None:
             x = self.decoder(x, rotary, document_ids)
         else:
-            if self.sequence_parallel or self.ps.cp.size > 1 or not (
-                    self.pre_process and self.post_process):
-                raise NotImplementedError("KV-cache inference runs without sequence, "
-                                          "context or pipeline parallelism")
+            if self.sequence_parallel or self.ps.cp.size > 1:
+                raise NotImplementedError("KV-cache inference runs without sequence or "
+                                          "context parallelism")
             x = self.decoder(x, rotary, document_ids, inference_cache=inference_cache)
-            inference_cache.advance(input_ids.shape[1])
+            inference_cache.advance(x.shape[0])
         if not self.post_process:
             return x
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/tp]
