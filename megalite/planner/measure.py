@@ -160,18 +160,18 @@ def collective_speed(nbytes: int = 1 << 20, repeats: int = 5) -> tuple[float, fl
     return latency, bw
 
 
-def tp_collective_cost(cfg, group, rounds: int = 5) -> tuple[float, float]:
+def tp_collective_cost(cfg, group, rounds: int = 7) -> tuple[float, float]:
     """(seconds per collective, seconds per GEMM pass) of tensor parallelism as a layer
-    issues them: per round, two transformer layers' forward on this rank's shapes
+    issues them: per round, one transformer layer's forward on this rank's shapes
     (:func:`layout_gemms`: ``[s b, h] @ [h, qkv/t]``, the attention projection, fc1, fc2)
     with the sequence-parallel all-gather of ``[s/t, b, h]`` before each column-parallel
     pair and the reduce-scatter of ``[s, b, h]`` after each row-parallel GEMM, on
     ``group`` (megalite's own collectives, so their copies count), timed against the
-    same GEMMs without them, alternating; medians. The difference per collective is what
-    one costs between compute: its latency and bytes plus, on a CPU, waking gloo's
-    threads on cores the ranks compute on and the ranks' arrival skew, which a
-    back-to-back probe (:func:`collective_speed`) does not see. Collective on ``group``
-    (every member calls it); (0, GEMM time) alone."""
+    same GEMMs without them, alternating; the median of the paired differences. That
+    difference per collective is what one costs between compute: its latency and bytes
+    plus, on a CPU, waking gloo's threads on cores the ranks compute on and the ranks'
+    arrival skew, which a back-to-back probe (:func:`collective_speed`) does not see.
+    Collective on ``group`` (every member calls it); (0, GEMM time) alone."""
     import statistics
     import time
 
@@ -186,7 +186,7 @@ def tp_collective_cost(cfg, group, rounds: int = 5) -> tuple[float, float]:
     weights = [torch.randn(k, o) for _, k, o in (qkv, proj, fc1, fc2)]
     inner = [torch.randn(tokens, proj[1]), torch.randn(tokens, fc2[1])]
     part = torch.randn(max(1, tokens // max(t, 1)), h)
-    layers = 2
+    layers = 1
 
     def run(with_comm: bool) -> float:
         start = time.perf_counter()
@@ -201,11 +201,12 @@ def tp_collective_cost(cfg, group, rounds: int = 5) -> tuple[float, float]:
         return time.perf_counter() - start
 
     run(True)
-    comm, gemm = [], []
-    for _ in range(rounds):
-        comm.append(run(True))
+    extra, gemm = [], []
+    for _ in range(rounds):   # paired, so that a change in the machine's load cancels
+        with_comm = run(True)
         gemm.append(run(False))
-    per_call = (statistics.median(comm) - statistics.median(gemm)) / (4 * layers)
+        extra.append(with_comm - gemm[-1])
+    per_call = statistics.median(extra) / (4 * layers)
     return (max(0.0, per_call) if t > 1 else 0.0), statistics.median(gemm) / (4 * layers)
 
 

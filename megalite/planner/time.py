@@ -97,6 +97,11 @@ def active_layer_params(m) -> int:
     return n + m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
 
 
+def moe_layer_count(m) -> int:
+    """MoE layers of the model (every ``moe_layer_freq``-th from the first)."""
+    return len(range(0, m.num_layers, m.moe_layer_freq))
+
+
 def step_model_flops(cfg) -> float:
     """Model FLOPs of one step (global batch), as megalite's MFU counts them."""
     m, t = cfg.model, cfg.train
@@ -170,13 +175,28 @@ def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
         hops = ((8 + again) * layers + 2 * edge) * num_micro
         hop = (tp - 1) / tp * act_bytes
         calls["tp"] = hops if p.sequence_parallel else hops // 2
+        if p.sequence_parallel:
+            # the column-parallel linears (qkv, fc1 of dense layers; the output layer on
+            # the last stage) keep their [s/tp, b, h] input and gather it again in backward,
+            # overlapped with the input gradient's product: exposed only where longer
+            rate = cluster.peak_flops * cluster.matmul_efficiency
+            gather = hop / tp_bw + (tp - 1) * lat
+            qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
+            fc1_out = (2 if m.swiglu else 1) * m.ffn_hidden_size
+            dense = layers - (moe_layer_count(m) / pp if m.num_experts is not None else 0)
+            outs = [(qkv_out, layers), (fc1_out, dense), (m.padded_vocab_size(tp), 1)]
+            regather = sum(n * (max(0.0, gather - 2 * tokens * h * out / tp / rate) + call)
+                           for out, n in outs)
+            comm["tp"] += num_micro * regather
+            calls["tp"] += num_micro * round(sum(n for _, n in outs))
+            sent["tp"] += num_micro * sum(n for _, n in outs) * hop
         # vocab-parallel cross entropy, last stage, per micro-batch: the max and the
         # (target logit, sum of exponentials) all-reduces of fp32 [s/cp, b]
         ce = _ring(4 * tokens, tp, tp_bw, lat) + _ring(8 * tokens, tp, tp_bw, lat)
         calls["tp"] += 2 * num_micro
-        comm["tp"] = hops * (hop / tp_bw + (tp - 1) * lat) + num_micro * ce \
-            + calls["tp"] * call
-        sent["tp"] = hops * hop
+        comm["tp"] += hops * (hop / tp_bw + (tp - 1) * lat) + num_micro * ce \
+            + (hops if p.sequence_parallel else hops // 2) * call + 2 * num_micro * call
+        sent["tp"] += hops * hop
         if p.sequence_parallel:   # the replicated (norm, bias, position) gradients, fp32
             norm = h * (1 if m.normalization == "RMSNorm" else 2)
             replicated = layers * (2 * norm + (2 * h if m.add_bias_linear else 0)) + norm + (
@@ -188,7 +208,7 @@ def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
     comm["cp"] = cp_bytes / cluster.group_bw(cp, tp) + (cp - 1) * layers * num_micro * (
         lat + call) if cp > 1 else 0.0
     sent["cp"] = cp_bytes
-    moe_layers = 0 if m.num_experts is None else len(range(0, m.num_layers, m.moe_layer_freq))
+    moe_layers = 0 if m.num_experts is None else moe_layer_count(m)
     a2a = 4 * (ep - 1) / ep * m.moe_router_topk * tokens // max(tp, 1) * h * eb \
         * moe_layers / pp * num_micro if ep > 1 else 0.0
     comm["ep"] = a2a / cluster.group_bw(ep, p.expert_tensor_parallel_size) if ep > 1 else 0.0

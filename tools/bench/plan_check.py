@@ -17,6 +17,14 @@ estimate uses are medians over its repeats:
 * gloo latency per ring hop and bandwidth on the world, from an all-gather and a
   reduce-scatter of 4 bytes and of 4 MiB
   (:func:`~megalite.planner.measure.collective_speed`);
+* what one collective costs between compute beyond that latency and bandwidth: the
+  sequence-parallel all-gather / reduce-scatter of one micro-batch's activations between
+  the layout's per-rank GEMMs, against the GEMMs alone, on the group the layout's
+  collectives mostly run on (tp, else pp, else dp;
+  :func:`~megalite.planner.measure.tp_collective_cost`). Back to back a gloo
+  collective of 128 KiB costs about what latency and bandwidth say; between GEMMs about
+  twice (gloo's worker and transport threads wake on cores the ranks compute on, and the
+  rank that arrives first waits for the other), which left every tp layout 31-42% short;
 * memory bandwidth of an out-of-cache add;
 * the fixed cost of one more layer per micro-batch, forward and backward and forward
   alone, and of the rest of a micro-batch, timed on megalite's own GPT at hidden 32
@@ -28,8 +36,10 @@ dominate, the fixed costs are a tenth): one warm-up step, then ``--repeats`` tim
 chosen so that their step times differ clearly (single rank with and without full
 recomputation, dp2, tp2, pp2 with 8 and 2 micro-batches, dp2 with recomputation, four
 ranks on two cores, ...). Printed: per layout, estimated and measured ms with the main
-terms, the Spearman rank correlation of the estimates with the measurements (the issue
-asks >= 0.8) and the largest relative error (<= 25%). ``tests/planner/test_time_model.py``
+terms, the seconds a rank spent blocked in collectives per step and how many each group
+ran (the flight recorder's count: compare with the estimate's tp/pp/dp terms), the
+Spearman rank correlation of the estimates with the measurements (the issue asks >= 0.8)
+and the largest relative error (<= 25%). ``tests/planner/test_time_model.py``
 (slow) runs it and asserts both.
 """
 
