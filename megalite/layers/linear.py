@@ -20,7 +20,41 @@ import torch.nn.functional as F
 
 from megalite.layers.reused_buffer import ReusedGradBuffer, reused_linear
 from megalite.parallel.params import mark_param
+from megalite.parallel import collectives as C
 from megalite.parallel import mappings
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """Under sequence parallelism: all-gather ``x`` ``[s/tp, b, in]`` over the tp group
+    along the sequence, then ``F.linear`` -> ``[s, b, out/tp]``; keeps only this rank's
+    ``[s/tp, b, in]`` for backward (not the gathered ``[s, b, in]``, tp times larger) and
+    gathers it again in backward, overlapped with the input gradient's product, as
+    Megatron-LM does. Gradients are the products autograd forms for ``F.linear`` (bit for
+    bit); the input gradient is reduce-scattered back to ``[s/tp, b, in]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        full = C.all_gather_dim0(x, group)
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x = x.contiguous()
+        full = x.new_empty((x.shape[0] * ctx.group.size, *x.shape[1:]))
+        work = C.all_gather_into_tensor(full, x, ctx.group, async_op=True)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        dx = g2.mm(weight).view(full.shape)           # while the input is gathered
+        if work is not None:
+            work.wait()
+        dw = db = None
+        if ctx.needs_input_grad[1]:
+            dw = g2.t().mm(full.view(-1, full.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g2.sum(0)
+        return C.reduce_scatter_dim0(dx, ctx.group), dw, db, None
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -38,7 +72,9 @@ class ColumnParallelLinear(torch.nn.Module):
     all-gathered along the sequence over ``ps.tp`` first. ``skip_weight_param`` makes
     a layer whose weight is passed to ``forward`` (the tied output layer).
     ``reuse_buffers`` (the output layer; no bias): on CPU its output and weight gradient
-    reuse their storage from step to step (:func:`megalite.layers.reused_buffer.reused_linear`).
+    reuse their storage from step to step (:func:`megalite.layers.reused_buffer.reused_linear`),
+    except under sequence parallelism, where the layer keeps its ``[s/tp, b, in]`` input
+    instead of the gathered one (``_SequenceParallelLinear``).
     """
 
     def __init__(self, input_size: int, output_size: int, *, ps, bias: bool = True,
@@ -72,14 +108,19 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
-        if self.sequence_parallel:
-            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)
+        if (self.sequence_parallel and self.tp_group.size > 1 and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()
+                and not torch.is_autocast_enabled(x.device.type)):
+            y = _SequenceParallelLinear.apply(x, weight, self.bias, self.tp_group)
         else:
-            x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
-        if self._reused is not None:
-            y = reused_linear(x, weight, *self._reused)
-        else:
-            y = F.linear(x, weight, self.bias)
+            if self.sequence_parallel:
+                x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)
+            else:
+                x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
+            if self._reused is not None:
+                y = reused_linear(x, weight, *self._reused)
+            else:
+                y = F.linear(x, weight, self.bias)
         if self.gather_output:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y

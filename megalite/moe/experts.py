@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from megalite.layers.sharding import gather_full, initialize_params, shard
 from megalite.parallel.collectives import all_gather_list
 from megalite.parallel.params import mark_param, update_meta
+from megalite.transformer.mlp import swiglu as swiglu_fn
 
 
 def padded_index(tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -70,10 +71,11 @@ def grouped_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Ten
 
 
 def activation(x: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    """SwiGLU ``silu(gate) * up`` over ``x = [gate | up]`` (last dim), else GeLU."""
+    """SwiGLU ``silu(gate) * up`` over ``x = [gate | up]`` (last dim; the dense MLP's
+    :func:`~megalite.transformer.mlp.swiglu`, which keeps only ``x`` for backward), else
+    GeLU."""
     if swiglu:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return swiglu_fn(x)
     return F.gelu(x)
 
 

@@ -40,7 +40,8 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   CPU instead of allocating it afresh (:mod:`megalite.layers.reused_buffer`): the
   embedding's and the output layer's ``[V/tp, h]`` weight gradients, held through the
   whole step from the second step on, and the output layer's logits ``[tokens, V/tp]``,
-  held while the layers run backward. On a GPU the caching allocator reuses storage
+  held while the layers run backward (the output layer's only without sequence
+  parallelism). On a GPU the caching allocator reuses storage
   itself and megalite keeps nothing (0).
 
 Elements are multiplied by the activation dtype's bytes (4 fp32, 2 bf16/fp16); softmax
@@ -190,8 +191,9 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
     input is included, its output is not (it is the next layer's input).
 
     Sequence ``S = seq / cp`` per rank; ``h``-sized tensors on the residual stream are
-    split over tp under sequence parallelism, the norm outputs feeding the column-parallel
-    linears are whole, heads and ffn are split over tp."""
+    split over tp under sequence parallelism, and so are the norm outputs feeding the
+    column-parallel linears (they keep their ``[s/tp, b, h]`` input and gather it again
+    in backward); heads and ffn are split over tp."""
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     sp = tp if p.sequence_parallel else 1
     tokens = m.seq_length // cp * micro_batch
@@ -201,8 +203,8 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
     # residual stream: layer input (saved by input norm), mid-layer sum (pre-MLP norm)
     act += 2 * tokens * h // sp
     fp32 += 2 * stats * tokens // sp
-    # normed inputs of qkv and fc1 (whole sequence: gathered under sp)
-    act += tokens * h * (1 if moe else 2)
+    # normed inputs of qkv and fc1 (this rank's [s/tp, b, h] under sp)
+    act += tokens * h // sp * (1 if moe else 2)
     act += tokens * (nh + 2 * ng) * d // tp                   # q, k, v (views of qkv)
     if m.position_embedding_type == "rope":
         act += tokens * (nh + ng) * d // tp                   # rotated q, k
@@ -212,7 +214,7 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
         act += 2 * tokens * h // sp // _dtype_bytes(m)        # bool masks, 1 byte
     if not moe:
         f = m.ffn_hidden_size // tp
-        act += tokens * f * (4 if m.swiglu else 2)            # fc1 out, act (swiglu), fc2 in
+        act += tokens * f * (3 if m.swiglu else 2)            # fc1 out, fc2 in
         return {"act": act, "fp32": fp32}
     # MoE: tokens split over tp inside the layer, routed top-k to local experts
     etp = p.expert_tensor_parallel_size
@@ -225,11 +227,11 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
     imbalance = m.moe_expert_capacity_factor or MOE_IMBALANCE
     routed = int(local * k * etp * imbalance)
     act += routed * h * 2                                     # permuted, expert fc1 input
-    act += routed * f * (4 if m.swiglu else 2)
+    act += routed * f * (3 if m.swiglu else 2)
     act += routed * h                                         # expert outputs (combine)
     if m.moe_shared_expert_intermediate_size:
         act += tokens * m.moe_shared_expert_intermediate_size // tp * (
-            4 if m.swiglu else 2) + tokens * h
+            3 if m.swiglu else 2) + tokens * h
     return {"act": act, "fp32": fp32}
 
 
@@ -287,15 +289,18 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     activations = chunk_bytes * in_flight
     first, last = pp_rank == 0, pp_rank == pp - 1
     vocab = m.padded_vocab_size(tp)
-    if last:  # final norm input and output (whole under sp: output layer input)
-        activations += (tokens * h // sp + tokens * h) * eb
+    if last:  # final norm input and output (the output layer's input)
+        activations += 2 * tokens * h // sp * eb
     # working sets on top of the saved activations (the largest one)
     f = max(m.ffn_hidden_size, m.moe_ffn_hidden_size or 0) // tp * (2 if m.swiglu else 1)
     backward = tokens * (f + 2 * h) * eb + recompute
+    if sp > 1:   # a column-parallel linear's input, gathered again for its weight gradient
+        backward += tokens * h * eb
     loss = tokens * vocab // tp * (eb + 4) if last else 0  # logits, fp32 shifted logits
     transient = max(backward, loss)
     # on CPU the kept logits storage is held while the layers run backward
-    kept_logits = max(0, backward + tokens * vocab // tp * eb - transient) if last else 0
+    kept_logits = max(0, backward + tokens * vocab // tp * eb - transient) \
+        if last and sp == 1 else 0
     if first:
         transient += tokens * h // sp * eb                       # embedding output
     comm = 0.0
@@ -309,7 +314,7 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
         gathered = sum(sorted(unit_params(m, p, pp_rank), reverse=True)[:2]) * eb
     reused = 0.0
     if device_type == "cpu":   # layers.reused_buffer: weight gradients, kept logits
-        reused = vocab // tp * h * eb * (first + last) + kept_logits
+        reused = vocab // tp * h * eb * (first + (last and sp == 1)) + kept_logits
     return MemoryEstimate(params=params, grads=grads, optimizer=optimizer,
                           activations=activations, transient=transient, comm_buffers=comm,
                           gathered_params=gathered, params_elements=state["elements"],

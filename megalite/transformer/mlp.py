@@ -48,16 +48,16 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y):
         gate, up = y.chunk(2, dim=-1)
-        act = F.silu(gate)
-        ctx.save_for_backward(y, act)
-        return act * up
+        ctx.save_for_backward(y)          # silu(gate) is computed again in backward
+        return F.silu(gate) * up
 
     @staticmethod
     def backward(ctx, grad):
         # d up = grad silu(gate); d gate = silu'(gate) (grad up): the same ops autograd
         # runs for silu(gate) * up, written into the halves of one gradient tensor
-        y, act = ctx.saved_tensors
+        (y,) = ctx.saved_tensors
         gate, up = y.chunk(2, dim=-1)
+        act = F.silu(gate)
         dy = torch.empty(y.shape, dtype=grad.dtype, device=grad.device)
         d_gate, d_up = dy.chunk(2, dim=-1)
         torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)

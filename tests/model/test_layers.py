@@ -79,10 +79,42 @@ def _check_linear_pair(ps):
     return max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)  # relative
 
 
+def _check_sequence_parallel_column(ps, bias: bool) -> float:
+    """The sequence-parallel column layer (keeps its ``[s/tp, b, h]`` input, gathers it
+    again in backward) against all-gather + ``F.linear``: output and the input, weight
+    and bias gradients bit for bit; 0.0 when equal. Also the bytes it keeps for backward:
+    the shard and the weight, not the gathered input."""
+    group = ps.tp
+    col = ColumnParallelLinear(H, 24, ps=ps, bias=bias, sequence_parallel=True,
+                               parts=[8, 8, 8])
+    sharding.initialize_params(col, 3, ps)
+    x0 = _rand(8 + group.rank, S // group.size, B, H)
+    up = _rand(9 + group.rank, S, B, 24 // group.size)
+    x = x0.clone().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel()) or t, lambda t: t):
+        y = col(x)
+    y.backward(up)
+    xr = x0.clone().requires_grad_(True)
+    wr = col.weight.detach().clone().requires_grad_(True)
+    br = col.bias.detach().clone().requires_grad_(True) if bias else None
+    yr = F.linear(mappings.gather_from_sequence_parallel_region(xr, group), wr, br)
+    yr.backward(up)
+    pairs = [(y, yr), (x.grad, xr.grad), (col.weight.grad, wr.grad)]
+    if bias:
+        pairs.append((col.bias.grad, br.grad))
+    if group.size > 1:
+        assert sorted(saved) == sorted([x0.numel(), col.weight.numel()]), saved
+    return 0.0 if all(torch.equal(a, b) for a, b in pairs) else 1.0
+
+
 def _layers_body(rank, world_size):
     with parallel_state(tensor_model_parallel_size=world_size) as ps:
         return {"ce": _check_cross_entropy(ps.tp), "emb": _check_embedding(ps, False),
-                    "emb_sp": _check_embedding(ps, True), "linear": _check_linear_pair(ps)}
+                "emb_sp": _check_embedding(ps, True), "linear": _check_linear_pair(ps),
+                "sp_column": _check_sequence_parallel_column(ps, False),
+                "sp_column_bias": _check_sequence_parallel_column(ps, True)}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

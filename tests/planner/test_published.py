@@ -16,9 +16,9 @@ from tests.tools import load_tool
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "planner"
 # script -> {recompute: (estimated GiB per GPU on the busiest stage, estimated MFU %)}
 ESTIMATES = {
-    "gpt_145b_a100": {"full": (40.6, 40.8)},
-    "llama31_405b_h100": {"none": (148.0, 38.9), "full": (24.5, 30.1)},
-    "mixtral_8x7b_h100": {"none": (75.2, 50.2)},
+    "gpt_145b_a100": {"full": (40.6, 41.2)},
+    "llama31_405b_h100": {"none": (83.5, 39.6), "full": (24.2, 30.5)},
+    "mixtral_8x7b_h100": {"none": (65.6, 51.1)},
 }
 
 
