@@ -166,9 +166,10 @@ def tp_collective_cost(cfg, group, rounds: int = 7) -> tuple[float, float]:
     (:func:`layout_gemms`: ``[s b, h] @ [h, qkv/t]``, the attention projection, fc1, fc2)
     with the sequence-parallel all-gather of ``[s/t, b, h]`` before each column-parallel
     pair and the reduce-scatter of ``[s, b, h]`` after each row-parallel GEMM, on
-    ``group`` (megalite's own collectives, so their copies count), timed against the
-    same GEMMs without them, alternating; the median of the paired differences. That
-    difference per collective is what one costs between compute: its latency and bytes
+    ``group`` (through the layers' own autograd mappings, so their copies and dispatch
+    count), timed against the same GEMMs without them, alternating; the median of the
+    paired differences. That difference per collective is what one costs between compute:
+    its latency and bytes
     plus, on a CPU, waking gloo's threads on cores the ranks compute on and the ranks'
     arrival skew, which a back-to-back probe (:func:`collective_speed`) does not see.
     Collective on ``group`` (every member calls it); (0, GEMM time) alone."""
@@ -177,7 +178,7 @@ def tp_collective_cost(cfg, group, rounds: int = 7) -> tuple[float, float]:
 
     import torch
 
-    from megalite.parallel import collectives
+    from megalite.parallel import mappings
 
     m, t = cfg.model, group.size
     tokens, h = cfg.train.micro_batch_size * m.seq_length // cfg.parallel.context_parallel_size, \
@@ -192,12 +193,12 @@ def tp_collective_cost(cfg, group, rounds: int = 7) -> tuple[float, float]:
         start = time.perf_counter()
         for _ in range(layers):
             for pair in range(2):     # attention: qkv, proj; MLP: fc1, fc2
-                x = collectives.all_gather_dim0(part, group) if with_comm else \
-                    part.repeat(t, 1)
+                x = mappings.gather_from_sequence_parallel_region(part, group) \
+                    if with_comm else part.repeat(t, 1)
                 x @ weights[2 * pair]
                 y = inner[pair] @ weights[2 * pair + 1]
                 if with_comm:
-                    collectives.reduce_scatter_dim0(y, group)
+                    mappings.reduce_scatter_to_sequence_parallel_region(y, group)
         return time.perf_counter() - start
 
     run(True)
