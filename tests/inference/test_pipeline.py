@@ -7,17 +7,7 @@ import pytest
 
 from megalite.config import ConfigError
 from tests.distributed.harness import run_distributed
-from tests.inference.common import check_equal, on_rank, run_layout, save_checkpoints
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    return save_checkpoints(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(saved):
-    return {family: run_layout(root) for family, root in saved.items()}
+from tests.inference.common import check_equal, on_rank, run_layout
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])

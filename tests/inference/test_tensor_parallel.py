@@ -11,18 +11,7 @@ import pytest
 from megalite.config import ConfigError
 from megalite.inference.loading import check_inference_layout, inference_state
 from tests.distributed.harness import run_distributed
-from tests.inference.common import check_equal, on_rank, run_layout, save_checkpoints
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    return save_checkpoints(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(saved):
-    """{family: one process's results}."""
-    return {family: run_layout(root) for family, root in saved.items()}
+from tests.inference.common import check_equal, on_rank
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
