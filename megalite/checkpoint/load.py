@@ -13,16 +13,17 @@ it sees that same checkpoint, so a directory rewritten under a running load (ano
 is one error, never ranks restoring different iterations. All checks (files, manifest,
 names and shapes) agree across ranks before any rank starts reading, so a bad checkpoint is
 one :class:`CheckpointError` everywhere, not a hang. The files' checksums (xxh3_64 or
-crc32, recorded at every save) are verified by default in a thread while DCP reads
-(files split over ranks); a damaged file is named with the older complete iteration to
-fall back to.
+crc32, recorded at every save) are verified by default from the bytes DCP reads, as it
+reads them (:mod:`megalite.checkpoint.verify`; every rank verifies the files it reads,
+files no rank reads are split over the ranks); a damaged file is named on every rank,
+with the older complete iteration to fall back to, before the load returns.
 
 Loading from a directory a live job saves to takes no lock (see
 :mod:`megalite.checkpoint.lock`): saves are published whole (``iter_N.tmp`` renamed, then
 the ``latest`` pointer), so ``latest`` names a complete iteration. The live job can still
 replace a published ``iter_N`` by re-saving that iteration (after resuming from an older
 one). Every rank pins the directory it reads (device and inode of ``iter_N`` before the
-first byte, compared after the last, the checksum thread's included): a directory
+first byte, compared after the last, the checksums' included): a directory
 replaced in between -- files read partly from the old and partly from the new one -- is
 detected on every rank together, and the load starts again from rank 0's decision (up to
 :data:`READ_ATTEMPTS` times).
@@ -33,14 +34,13 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite.checkpoint.files import (
     CheckpointError,
@@ -68,6 +68,7 @@ from megalite.checkpoint.state import (
     optimizer_load_state,
     rng_key,
 )
+from megalite.checkpoint.verify import METADATA_FILE, VerifyingReader
 from megalite.parallel import collectives
 from megalite.parallel.state import ParallelState
 
@@ -156,12 +157,14 @@ def _replaced(iter_dir: str, pin) -> str | None:
     return None
 
 
-def _check_files(iter_dir: str, identity: str, ps: ParallelState, sha256: bool
-                 ) -> tuple[dict, tuple | None]:
-    """metadata.json (the one rank 0 chose), then every manifest file's size (all ranks)
-    and, with ``sha256``, those checksums (files split over ranks). Collective; returns
-    the metadata and this rank's pin of the directory (:func:`_pin`, taken first)."""
-    meta, error, moved = None, None, None
+def _check_files(iter_dir: str, identity: str, ps: ParallelState, sha256: bool,
+                 verify: bool, hint) -> tuple[dict, tuple | None]:
+    """metadata.json (the one rank 0 chose), then every manifest file's size (all ranks),
+    with ``verify`` the fast checksum of DCP's ``.metadata`` (all ranks: each reads it
+    before any plan exists) and, with ``sha256``, those checksums (files split over
+    ranks). Collective; returns the metadata and this rank's pin of the directory
+    (:func:`_pin`, taken first). A damaged file's error ends with ``hint()``."""
+    meta, error, moved, damaged = None, None, None, False
     pin = _pin(iter_dir)
     try:
         raw = read_metadata_bytes(iter_dir)
@@ -172,30 +175,18 @@ def _check_files(iter_dir: str, identity: str, ps: ParallelState, sha256: bool
             meta = parse_metadata(iter_dir, raw)
             names = sorted(meta["files"])
             check_sizes(iter_dir, meta["files"], names)
+            damaged = True
+            if verify and METADATA_FILE in meta["files"]:
+                check_checksums(iter_dir, meta["files"], [METADATA_FILE], fast=True)
             if sha256:
                 check_checksums(iter_dir, meta["files"], names[ps.rank::ps.world_size],
                                 fast=False, sha256=True)
+            damaged = False
     except CheckpointError as exc:
         error = str(exc)
         moved = _replaced(iter_dir, pin)
-    _agree(error, moved, ps)
+    _agree(error, moved, ps, hint if damaged else str)
     return meta, pin
-
-
-class _ChecksumThread(threading.Thread):
-    """Verifies this rank's share of the files' fast checksums while DCP reads them (the
-    hashes release the GIL). ``error`` after :meth:`join`."""
-
-    def __init__(self, iter_dir: str, manifest: dict, names: list[str]):
-        super().__init__(name="checkpoint-verify", daemon=True)
-        self.args_ = (iter_dir, manifest, names)
-        self.error: str | None = None
-
-    def run(self) -> None:
-        try:
-            check_checksums(*self.args_, fast=True)
-        except (CheckpointError, OSError) as exc:
-            self.error = str(exc)
 
 
 def _check_model(layouts, shapes: dict, path: str, ps: ParallelState) -> None:
@@ -240,9 +231,8 @@ def reseed(seed: int, iteration: int, ps: ParallelState, tracker=None) -> None:
 
 
 def _read(iter_dir: str, meta: dict, model, optimizer, ps: ParallelState,
-          load_optim: bool, load_rng: bool, finetune: bool):
+          load_optim: bool, load_rng: bool, finetune: bool, reader: VerifyingReader):
     """Check the model against the checkpoint and read the blocks (collective)."""
-    reader = dcp.FileSystemReader(iter_dir)
     entries = reader.read_metadata().state_dict_metadata
     shapes = {k[len("model/"):]: tuple(v.size) for k, v in entries.items()
               if k.startswith("model/") and isinstance(v, TensorStorageMetadata)}
@@ -320,28 +310,24 @@ def _load_iteration(root: str, iteration: int, identity: str, model, optimizer, 
     """One read of ``iteration`` (rank 0's choice, ``identity`` the sha256 of its
     metadata.json); :class:`_Replaced` on every rank when its directory was replaced."""
     iter_dir = iteration_dir(root, iteration)
-    meta, pin = _check_files(iter_dir, identity, ps, sha256)
-    checker = None
-    if verify:
-        names = sorted(meta["files"])
-        checker = _ChecksumThread(iter_dir, meta["files"], names[ps.rank::ps.world_size])
-        checker.start()
+
+    def hint() -> str:
+        return (f"; {fallback_hint(root, iteration)} (or pass --no-ckpt-verify to load this "
+                "one as it is)")
+
+    meta, pin = _check_files(iter_dir, identity, ps, sha256, verify, hint)
+    reader = VerifyingReader(iter_dir, meta["files"] if verify else None, ps.rank,
+                             ps.world_size)
     try:
         common, per_param, want_optim, want_rng, same_layout, state = _read(
-            iter_dir, meta, model, optimizer, ps, load_optim, load_rng, finetune)
-    except Exception as exc:  # raised on every rank (the checks and DCP agree first)
-        if checker is not None:
-            checker.join()
-        _agree(None, _replaced(iter_dir, pin), ps)
-        if checker is not None and checker.error is not None:  # the damage explains it
-            raise CheckpointError(f"{checker.error}; "
-                                  f"{fallback_hint(root, iteration)}") from exc
+            iter_dir, meta, model, optimizer, ps, load_optim, load_rng, finetune, reader)
+    except (Exception, CheckpointException):  # on every rank (the checks and DCP agree)
+        # damage that broke the read explains it: named on every rank, else the error
+        # (DCP's CheckpointException is a BaseException)
+        _agree(reader.outcome(failed=True), _replaced(iter_dir, pin), ps,
+               lambda: f"; {fallback_hint(root, iteration)}")
         raise
-    if checker is not None:
-        checker.join()
-    _agree(checker.error if checker is not None else None, _replaced(iter_dir, pin), ps,
-           lambda: f"; {fallback_hint(root, iteration)} (or pass --no-ckpt-verify to load "
-                   "this one as it is)")
+    _agree(reader.outcome(), _replaced(iter_dir, pin), ps, hint)
     if optimizer is not None:
         optimizer.reload_model_params()
     if finetune:

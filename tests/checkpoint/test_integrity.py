@@ -12,6 +12,7 @@ import pytest
 
 import megalite.checkpoint.files as ckpt_files
 import megalite.checkpoint.load as ckpt_load
+import megalite.checkpoint.verify as ckpt_verify
 from megalite.checkpoint import CheckpointError
 from megalite.checkpoint.lock import LOCK, SaveLock
 from megalite.parallel.state import ParallelState
@@ -124,6 +125,143 @@ def test_damage_without_an_older_checkpoint_says_so(saved, tmp_path):
     _flip(os.path.join(root, "iter_0000002", "__0_0.distcp"))
     with pytest.raises(CheckpointError, match="no older complete checkpoint exists"):
         _load(load=root, ckpt_step=2)
+
+
+# -- checksums verified from the bytes DCP reads, on 2 ranks ------------------------------
+def _train_on_ranks(rank, world_size, root):
+    run_training(tiny_config(world_size, train={"train_iters": 4},
+                             checkpoint={"save": root, "save_interval": 2}))
+    return rank
+
+
+@pytest.fixture(scope="module")
+def saved2(tmp_path_factory):
+    """Checkpoints of iterations 2 and 4 saved by 2 ranks (dp 2: each rank's file holds
+    half the weights, its optimizer shard and its RNG state)."""
+    save = str(tmp_path_factory.mktemp("integrity2") / "ckpt")
+    assert run_distributed(2, _train_on_ranks, save) == [0, 1]
+    return save
+
+
+def _load_or_error(rank, world_size, root, checkpoint, pieces=None):
+    """``pieces``: (size, hashed by the pieces' thread) -- the tiny model's tensors are
+    smaller than the default piece, so large reads need a smaller one."""
+    saved = (ckpt_verify.PIECE, ckpt_verify.SMALL, ckpt_verify.PIPELINE)
+    if pieces is not None:
+        ckpt_verify.PIECE, ckpt_verify.PIPELINE = pieces
+        ckpt_verify.SMALL = ckpt_verify.PIECE // 4
+    try:
+        return _load(world_size, load=root, **checkpoint)
+    except CheckpointError as exc:
+        return f"CheckpointError: {exc}"
+    finally:
+        ckpt_verify.PIECE, ckpt_verify.SMALL, ckpt_verify.PIPELINE = saved
+
+
+def _blob(iter_dir: str, name: str, key_prefix: str) -> tuple[int, int]:
+    """(offset, length) in ``name`` of the largest saved blob whose key starts so."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    blobs = [(info.length, info.offset) for index, info in
+             FileSystemReader(iter_dir).read_metadata().storage_data.items()
+             if info.relative_path == name and index.fqn.startswith(key_prefix)]
+    assert blobs, (name, key_prefix)
+    length, offset = max(blobs)
+    return offset, length
+
+
+def _middle(iter_dir: str, name: str, key_prefix: str) -> int:
+    offset, length = _blob(iter_dir, name, key_prefix)
+    return offset + length // 2
+
+
+def _invert(path: str, at: int, count: int = 1) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        data = f.read(count)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _add_unread_file(iter_dir: str) -> str:
+    """A file in the manifest that DCP never reads (no rank's plan names it)."""
+    path = os.path.join(iter_dir, "extra.bin")
+    with open(path, "wb") as f:
+        f.write(os.urandom(3 << 20))
+    meta_path = os.path.join(iter_dir, "metadata.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    algorithm = ckpt_files.FAST_CHECKSUM
+    meta["files"]["extra.bin"] = {"bytes": os.path.getsize(path),
+                                  algorithm: ckpt_files.fast_checksum(path, algorithm)}
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    return path
+
+
+def _at_end(path: str) -> int:
+    return os.path.getsize(path) - 1
+
+
+# damage -> (load flags, the damaged file, where in it). Which check finds it: the bytes
+# hashed as DCP reads them (middle, tensor's bytes: with 4 KiB pieces), bytes DCP skips,
+# read again with pread (last byte: a zip directory torch.load need not read;
+# --no-load-rng: the RNG blob), the files hashed whole after a read that damage broke
+# (first byte: the pickled common state), a thread hashing whole the files a rank reads
+# a third of (--no-load-optim) or that no rank reads, and .metadata (checked before DCP
+# reads it).
+_DAMAGE = {
+    "middle of a shard": ({}, "__1_0.distcp", lambda d, p: os.path.getsize(p) // 2),
+    "middle of a tensor's bytes": ({}, "__0_0.distcp",
+                                   lambda d, p: _middle(d, "__0_0.distcp", "model/")),
+    "last byte of a shard": ({}, "__0_0.distcp", lambda d, p: _at_end(p)),
+    "first byte of a shard": ({}, "__1_0.distcp", lambda d, p: 0),
+    "RNG state not read (--no-load-rng)": ({"no_load_rng": True}, "__1_0.distcp",
+                                           lambda d, p: _middle(d, "__1_0.distcp", "rng")),
+    "optimizer state not read (--no-load-optim)": (
+        {"no_load_optim": True}, "__0_0.distcp",
+        lambda d, p: _middle(d, "__0_0.distcp", "optim/")),
+    "a manifest file no rank reads": ({}, "extra.bin", lambda d, p: os.path.getsize(p) // 2),
+    ".metadata": ({}, ".metadata", lambda d, p: 100),
+}
+
+
+@pytest.mark.parametrize("pieces", [None, (4096, True), (4096, False)],
+                         ids=["default-pieces", "4KiB-pieces-thread", "4KiB-pieces-inline"])
+@pytest.mark.parametrize("damage", sorted(_DAMAGE))
+def test_damage_found_while_reading_is_one_error_on_both_ranks(saved2, tmp_path, damage,
+                                                               pieces):
+    """Checksums are verified from the bytes DCP reads, as it reads them: wherever a file
+    is damaged, every rank raises one error naming it and the fallback, before the load
+    returns (no timing here: tools/benchmark.py checkpoint measures the cost)."""
+    root = _copy(saved2, tmp_path)
+    iter_dir = os.path.join(root, "iter_0000004")
+    flags, name, where = _DAMAGE[damage]
+    if name == "extra.bin":
+        _add_unread_file(iter_dir)
+    assert run_distributed(2, _load_or_error, root, flags, pieces) == [4, 4]   # intact
+    path = os.path.join(iter_dir, name)
+    _invert(path, where(iter_dir, path))
+    errors = run_distributed(2, _load_or_error, root, flags, pieces)
+    for rank, error in enumerate(errors):
+        assert error.startswith("CheckpointError: "), (rank, error)
+        assert (f"checkpoint file {path} is damaged: its {ckpt_files.FAST_CHECKSUM} "
+                "differs from the manifest's") in error, (rank, error)
+        assert "older complete checkpoint is iteration 2" in error, (rank, error)
+    assert errors[0].split(": ", 2)[2] == errors[1].split(": ", 2)[2]   # one error
+    assert run_distributed(2, _load_or_error, root, {**flags, "ckpt_step": 2}) == [2, 2]
+
+
+def test_a_truncated_shard_is_named_on_both_ranks(saved2, tmp_path):
+    root = _copy(saved2, tmp_path)
+    shard = os.path.join(root, "iter_0000004", "__1_0.distcp")
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        f.truncate(size - 1)
+    errors = run_distributed(2, _load_or_error, root, {})
+    for error in errors:
+        assert (f"checkpoint file {shard} is damaged: {size - 1} bytes, the manifest says "
+                f"{size} (truncated?)") in error, errors
 
 
 # -- item 1: one job per --save directory ----------------------------------------------------

@@ -4,13 +4,15 @@
 
 1. Throughput (one process): a Llama-style GPTModel of about ``--size-mb`` MB of fp32
    weights, saved and loaded with megalite's checkpoint (DCP, fsynced, manifest with
-   sizes), each with and without the files' fast checksums (computed at save, verified
-   at load; the two settings alternate within every repeat, medians are shown, and the
-   overhead as the ratio of medians and as the median of the per-repeat ratios; issue
-   15 budgets 5%), the checksum alone, and raw ``torch.save`` / ``torch.load`` of the
-   same state dict (fsynced too), in MB/s. Loads read back what was just written, so
-   they come from the page cache (this machine cannot drop it for one process), as on a
-   node that just saved.
+   sizes), each with and without the files' fast checksums (computed at save while the
+   files are fsynced, verified at load from the bytes DCP reads:
+   :mod:`megalite.checkpoint.verify`; the two settings alternate within every repeat,
+   medians are shown, and the overhead as the ratio of medians and as the median of the
+   per-repeat ratios; issue 15 budgets 5%), the checksum alone (a second pass over the
+   files, which the load no longer makes), and raw ``torch.save`` / ``torch.load`` of the
+   same state dict (fsynced too), in MB/s; ``--load-pairs`` loads of each kind per
+   repeat. Loads read back what was just written, so they come from the page cache
+   (this machine cannot drop it for one process), as on a node that just saved.
    Async: how long ``save()`` blocks (staging copy + planning) and when the background
    write is published.
 2. Stall: a smaller model (``--stall-mb``, weights + Adam state) trains; per mode (after
@@ -79,6 +81,7 @@ def throughput(args, root: str) -> None:
     from megalite.checkpoint.files import FAST_CHECKSUM, iteration_dir, manifest_entries
     from megalite.models.gpt import GPTModel
 
+    start_load = os.getloadavg()[0]
     ps = single_process_state()
     model = GPTModel(_model_config(args.size_mb), ps, seed=1)
     size = _mb(model)
@@ -105,10 +108,11 @@ def throughput(args, root: str) -> None:
             record(save_name[on], lambda it=iteration, s=savers[on]: s.save(
                 ckpt, it, model, None, None, {}, 0, save_optim=False, save_rng=False))
         verified = iteration_dir(ckpt, iteration - (0 if order[-1] else 1))
-        for on in order:
-            record(load_name[on], lambda on=on, d=verified: load_checkpoint(
-                ckpt, model, None, None, ps, load_rng=False, verify=on,
-                iteration=int(os.path.basename(d)[len("iter_"):])))
+        for pair in range(args.load_pairs):
+            for on in (order if pair % 2 == 0 else order[::-1]):
+                record(load_name[on], lambda on=on, d=verified: load_checkpoint(
+                    ckpt, model, None, None, ps, load_rng=False, verify=on,
+                    iteration=int(os.path.basename(d)[len("iter_"):])))
         record(f"  {FAST_CHECKSUM} of the files alone", lambda d=verified: manifest_entries(
             d, sorted(n for n in os.listdir(d) if n != "metadata.json")))
         record("torch.save (fsync)", lambda: _torch_save(state, raw))
@@ -122,7 +126,7 @@ def throughput(args, root: str) -> None:
         shutil.rmtree(ckpt)
     async_saver.close()
     print(f"{'over ' + str(args.repeat) + ' repeats':42s} {'median s':>9s} {'min s':>7s} "
-          f"{'MB/s':>7s}")
+          f"{'MB/s':>7s}   (loads: {args.load_pairs} pairs per repeat)")
     for name, values in times.items():
         print(f"{name:42s} {_median(values):9.3f} {min(values):7.3f} "
               f"{size / _median(values):7.0f}")
@@ -131,6 +135,8 @@ def throughput(args, root: str) -> None:
         paired = _median([a / b - 1 for a, b in zip(on, off)])
         print(f"checksum overhead on {what}: {100 * (_median(on) / _median(off) - 1):+.1f}% "
               f"(medians), {100 * paired:+.1f}% (median of the {len(on)} paired runs)")
+    print(f"load average {start_load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end "
+          f"({os.cpu_count()} cores): other work on the machine makes these noisy")
 
 
 def stall(args, root: str) -> None:
@@ -189,6 +195,9 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeat", type=int, default=5,
                    help="throughput runs (medians and minima are shown)")
+    p.add_argument("--load-pairs", type=int, default=3,
+                   help="verified / unverified loads per repeat (alternating; cheap "
+                        "next to the saves, and the paired overhead needs many)")
     p.add_argument("--no-stall", action="store_true", help="throughput only")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = p.parse_args(argv)
