@@ -64,4 +64,4 @@ def measure_body(rank: int, world_size: int, rows: list[Layout]) -> list[dict]:
     from megalite.planner.measure import measure_training_peak
 
     torch.set_num_threads(1)
-    return [measure_training_peak(case_config(lay), iterations=2) for lay in rows]
+    return [measure_training_peak(case_config(lay)) for lay in rows]
