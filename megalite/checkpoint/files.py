@@ -88,6 +88,7 @@ def fsync_tree(path: str) -> None:
 
 # -- manifest ------------------------------------------------------------------------------
 FAST_CHECKSUM = "xxh3_64" if xxhash is not None else "crc32"
+_HASH_CHUNK = 8 << 20      # bytes hashed per call (each releases the GIL)
 
 
 def sha256_file(path: str) -> str:
@@ -96,25 +97,33 @@ def sha256_file(path: str) -> str:
 
 
 def fast_checksum(path: str, algorithm: str = FAST_CHECKSUM) -> str:
-    """The file's xxh3_64 or crc32 as hex, hashed from a read-only map of it (no copy; both
-    release the GIL, so a thread can hash while another reads)."""
+    """The file's xxh3_64 or crc32 as hex, hashed from a read-only map of it read
+    sequentially (no copy, the kernel reads ahead; both hashes release the GIL, so a
+    thread can hash while another reads the same pages)."""
+    if algorithm == "xxh3_64" and xxhash is None:
+        raise CheckpointError(
+            f"checkpoint file {path} was checksummed with xxh3_64, which needs the xxhash "
+            "package (pip install xxhash); or load with --no-ckpt-verify")
+    state = xxhash.xxh3_64() if algorithm == "xxh3_64" else None
+    crc = 0
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            data = b""
-        else:
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        size = os.fstat(f.fileno()).st_size
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         try:
-            if algorithm == "xxh3_64":
-                if xxhash is None:
-                    raise CheckpointError(
-                        f"checkpoint file {path} was checksummed with xxh3_64, which needs "
-                        "the xxhash package (pip install xxhash); or load with "
-                        "--no-ckpt-verify")
-                return xxhash.xxh3_64_hexdigest(data)
-            return f"{zlib.crc32(data):08x}"
+            if data is not None and hasattr(data, "madvise"):
+                data.madvise(mmap.MADV_SEQUENTIAL)
+            with memoryview(data if data is not None else b"") as view:
+                for start in range(0, size, _HASH_CHUNK):
+                    chunk = view[start:start + _HASH_CHUNK]
+                    if state is not None:
+                        state.update(chunk)
+                    else:
+                        crc = zlib.crc32(chunk, crc)
+                    chunk.release()
         finally:
-            if isinstance(data, mmap.mmap):
+            if data is not None:
                 data.close()
+    return state.hexdigest() if state is not None else f"{crc:08x}"
 
 
 def manifest_entries(root: str, names: list[str], fast: bool = True,

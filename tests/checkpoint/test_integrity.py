@@ -12,7 +12,6 @@ import pytest
 
 import megalite.checkpoint.files as ckpt_files
 import megalite.checkpoint.load as ckpt_load
-import megalite.checkpoint.verify as ckpt_verify
 from megalite.checkpoint import CheckpointError
 from megalite.checkpoint.lock import LOCK, SaveLock
 from megalite.parallel.state import ParallelState
@@ -127,7 +126,7 @@ def test_damage_without_an_older_checkpoint_says_so(saved, tmp_path):
         _load(load=root, ckpt_step=2)
 
 
-# -- checksums verified from the bytes DCP reads, on 2 ranks ------------------------------
+# -- checksums verified beside DCP's read, on 2 ranks ----------------------------------
 def _train_on_ranks(rank, world_size, root):
     run_training(tiny_config(world_size, train={"train_iters": 4},
                              checkpoint={"save": root, "save_interval": 2}))
@@ -143,19 +142,11 @@ def saved2(tmp_path_factory):
     return save
 
 
-def _load_or_error(rank, world_size, root, checkpoint, pieces=None):
-    """``pieces``: (size, hashed by the pieces' thread) -- the tiny model's tensors are
-    smaller than the default piece, so large reads need a smaller one."""
-    saved = (ckpt_verify.PIECE, ckpt_verify.SMALL, ckpt_verify.PIPELINE)
-    if pieces is not None:
-        ckpt_verify.PIECE, ckpt_verify.PIPELINE = pieces
-        ckpt_verify.SMALL = ckpt_verify.PIECE // 4
+def _load_or_error(rank, world_size, root, checkpoint):
     try:
         return _load(world_size, load=root, **checkpoint)
     except CheckpointError as exc:
         return f"CheckpointError: {exc}"
-    finally:
-        ckpt_verify.PIECE, ckpt_verify.SMALL, ckpt_verify.PIPELINE = saved
 
 
 def _blob(iter_dir: str, name: str, key_prefix: str) -> tuple[int, int]:
@@ -203,13 +194,13 @@ def _at_end(path: str) -> int:
     return os.path.getsize(path) - 1
 
 
-# damage -> (load flags, the damaged file, where in it). Which check finds it: the bytes
-# hashed as DCP reads them (middle, tensor's bytes: with 4 KiB pieces), bytes DCP skips,
-# read again with pread (last byte: a zip directory torch.load need not read;
-# --no-load-rng: the RNG blob), the files hashed whole after a read that damage broke
-# (first byte: the pickled common state), a thread hashing whole the files a rank reads
-# a third of (--no-load-optim) or that no rank reads, and .metadata (checked before DCP
-# reads it).
+# damage -> (load flags, the damaged file, where in it). The thread beside DCP's read
+# hashes every file a rank reads whole, so each place is found: a tensor's bytes, bytes
+# DCP never reads (the last byte: a zip directory torch.load need not read; the RNG blob
+# under --no-load-rng; the optimizer under --no-load-optim), bytes whose damage breaks
+# torch.load (the first byte: the pickled common state; the thread still finishes), a
+# file that no rank reads (hashed by one rank), and .metadata (checked before DCP reads
+# it).
 _DAMAGE = {
     "middle of a shard": ({}, "__1_0.distcp", lambda d, p: os.path.getsize(p) // 2),
     "middle of a tensor's bytes": ({}, "__0_0.distcp",
@@ -226,23 +217,20 @@ _DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("pieces", [None, (4096, True), (4096, False)],
-                         ids=["default-pieces", "4KiB-pieces-thread", "4KiB-pieces-inline"])
 @pytest.mark.parametrize("damage", sorted(_DAMAGE))
-def test_damage_found_while_reading_is_one_error_on_both_ranks(saved2, tmp_path, damage,
-                                                               pieces):
-    """Checksums are verified from the bytes DCP reads, as it reads them: wherever a file
-    is damaged, every rank raises one error naming it and the fallback, before the load
-    returns (no timing here: tools/benchmark.py checkpoint measures the cost)."""
+def test_damage_found_while_reading_is_one_error_on_both_ranks(saved2, tmp_path, damage):
+    """Checksums are verified beside DCP's read: wherever a file is damaged, every rank
+    raises one error naming it and the fallback, before the load returns (no timing
+    here: tools/benchmark.py checkpoint measures the cost)."""
     root = _copy(saved2, tmp_path)
     iter_dir = os.path.join(root, "iter_0000004")
     flags, name, where = _DAMAGE[damage]
     if name == "extra.bin":
         _add_unread_file(iter_dir)
-    assert run_distributed(2, _load_or_error, root, flags, pieces) == [4, 4]   # intact
+    assert run_distributed(2, _load_or_error, root, flags) == [4, 4]   # intact
     path = os.path.join(iter_dir, name)
     _invert(path, where(iter_dir, path))
-    errors = run_distributed(2, _load_or_error, root, flags, pieces)
+    errors = run_distributed(2, _load_or_error, root, flags)
     for rank, error in enumerate(errors):
         assert error.startswith("CheckpointError: "), (rank, error)
         assert (f"checkpoint file {path} is damaged: its {ckpt_files.FAST_CHECKSUM} "

@@ -5,14 +5,16 @@
 1. Throughput (one process): a Llama-style GPTModel of about ``--size-mb`` MB of fp32
    weights, saved and loaded with megalite's checkpoint (DCP, fsynced, manifest with
    sizes), each with and without the files' fast checksums (computed at save while the
-   files are fsynced, verified at load from the bytes DCP reads:
+   files are fsynced, verified at load by a thread beside DCP's read:
    :mod:`megalite.checkpoint.verify`; the two settings alternate within every repeat,
    medians are shown, and the overhead as the ratio of medians and as the median of the
    per-repeat ratios; issue 15 budgets 5%), the checksum alone (a second pass over the
    files, which the load no longer makes), and raw ``torch.save`` / ``torch.load`` of the
    same state dict (fsynced too), in MB/s; ``--load-pairs`` loads of each kind per
-   repeat. Loads read back what was just written, so they come from the page cache
-   (this machine cannot drop it for one process), as on a node that just saved.
+   repeat. Those read back what was just written, so they come from the page cache, as
+   on a node that just saved; ``--disk-pairs`` loads of each kind per repeat come from
+   the disk, as after a restart on another node (the files are dropped from the page
+   cache first with ``posix_fadvise(DONTNEED)``; Linux).
    Async: how long ``save()`` blocks (staging copy + planning) and when the background
    write is published.
 2. Stall: a smaller model (``--stall-mb``, weights + Adam state) trains; per mode (after
@@ -67,6 +69,17 @@ def _torch_save(state: dict, path: str) -> None:
         os.fsync(f.fileno())
 
 
+def _drop_from_page_cache(iter_dir: str) -> None:
+    """Evict an iteration's files from the page cache (they are fsynced: clean pages)."""
+    for name in os.listdir(iter_dir):
+        fd = os.open(os.path.join(iter_dir, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -100,6 +113,9 @@ def throughput(args, root: str) -> None:
                  False: "megalite save (no checksums)"}
     load_name = {True: f"megalite load ({FAST_CHECKSUM} verified)",
                  False: "megalite load (--no-ckpt-verify)"}
+    disk_name = {True: f"megalite load from disk ({FAST_CHECKSUM})",
+                 False: "megalite load from disk (no verify)"}
+    disk_pairs = args.disk_pairs if hasattr(os, "posix_fadvise") else 0
     iteration = 0
     for i in range(args.repeat):
         order = (True, False) if i % 2 == 0 else (False, True)
@@ -111,6 +127,12 @@ def throughput(args, root: str) -> None:
         for pair in range(args.load_pairs):
             for on in (order if pair % 2 == 0 else order[::-1]):
                 record(load_name[on], lambda on=on, d=verified: load_checkpoint(
+                    ckpt, model, None, None, ps, load_rng=False, verify=on,
+                    iteration=int(os.path.basename(d)[len("iter_"):])))
+        for pair in range(disk_pairs):
+            for on in (order if pair % 2 == 0 else order[::-1]):
+                _drop_from_page_cache(verified)
+                record(disk_name[on], lambda on=on, d=verified: load_checkpoint(
                     ckpt, model, None, None, ps, load_rng=False, verify=on,
                     iteration=int(os.path.basename(d)[len("iter_"):])))
         record(f"  {FAST_CHECKSUM} of the files alone", lambda d=verified: manifest_entries(
@@ -130,7 +152,10 @@ def throughput(args, root: str) -> None:
     for name, values in times.items():
         print(f"{name:42s} {_median(values):9.3f} {min(values):7.3f} "
               f"{size / _median(values):7.0f}")
-    for what, names in (("save", save_name), ("load", load_name)):
+    for what, names in (("save", save_name), ("load", load_name),
+                        ("load from disk", disk_name)):
+        if names[True] not in times:
+            continue
         on, off = times[names[True]], times[names[False]]
         paired = _median([a / b - 1 for a, b in zip(on, off)])
         print(f"checksum overhead on {what}: {100 * (_median(on) / _median(off) - 1):+.1f}% "
@@ -198,6 +223,9 @@ def main(argv=None) -> None:
     p.add_argument("--load-pairs", type=int, default=3,
                    help="verified / unverified loads per repeat (alternating; cheap "
                         "next to the saves, and the paired overhead needs many)")
+    p.add_argument("--disk-pairs", type=int, default=2,
+                   help="verified / unverified loads from the disk per repeat (the files "
+                        "dropped from the page cache first)")
     p.add_argument("--no-stall", action="store_true", help="throughput only")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = p.parse_args(argv)
