@@ -23,6 +23,7 @@ each breaks.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megalite.arguments import build_parser, parse_args  # noqa: E402
+from megalite.config.fields import ConfigError  # noqa: E402
 from megalite.planner.cluster import GIB, PRESETS, Cluster, preset  # noqa: E402
 from megalite.planner.search import RECOMPUTE, STRATEGIES, search  # noqa: E402
 
@@ -40,31 +42,99 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size"
                 "--micro-batch-size", "--recompute-granularity", "--recompute-method",
                 "--recompute-num-layers", "--data-parallel-sharding-strategy",
                 "--optimizer-offload-fraction"}
-LAYOUT_SWITCHES = {"--sequence-parallel", "--use-distributed-optimizer", "--optimizer-cpu-offload"}
+# (--overlap-param-gather needs the distributed optimizer, which the search chooses)
+LAYOUT_SWITCHES = {"--sequence-parallel", "--use-distributed-optimizer", "--optimizer-cpu-offload",
+                   "--overlap-param-gather"}
+
+
+_SHELL = {")", "(", "[[", "]]", "[", "]", ";", "then", "else", "fi", "do", "done", "&&", "||",
+          "|", "{", "}"}
+_ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)=(.*)$", re.S)
+_VAR = re.compile(r"\$\{(\w+)(?::?-((?:[^{}]|\{[^{}]*\})*))?\}|\$(\w+)")
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    """``text`` with ``$NAME``, ``${NAME}`` and ``${NAME:-default}`` replaced from ``env``
+    (unknown names, positional ``$1`` included, take their default or stay as text)."""
+    def sub(m):
+        name = m.group(1) or m.group(3)
+        if name in env:
+            return env[name]
+        if m.group(2) is not None:
+            return _expand(m.group(2), env)
+        return m.group(0)
+    return _VAR.sub(sub, text)
+
+
+def _is_value(token: str) -> bool:
+    """Whether ``token`` can be a flag's value rather than shell syntax or another
+    flag or command (``-m``, ``X=(``, ``${ARGS[@]}``); negative numbers are values."""
+    if token in _SHELL or token.endswith("=(") or "[@]" in token or "[*]" in token:
+        return False
+    if token.startswith("-"):
+        return re.fullmatch(r"-[0-9.][0-9.e+-]*", token) is not None
+    return True
 
 
 def script_flags(text: str) -> tuple[list[str], list[str]]:
-    """(flags megalite accepts, flags skipped) from a launch script's text: every token
-    from the first ``--flag`` on, line continuations joined, shell variables kept as text."""
-    tokens = shlex.split(text.replace("\\\n", " "), comments=True)
-    known = {s for a in build_parser()._actions for s in a.option_strings}
+    """(flags megalite accepts, flags skipped) from a launch script's text: every
+    ``--flag`` with as many values as megalite's parser takes for it (bash arrays,
+    ``"--flag value"`` strings and line continuations as Megatron-LM's scripts write
+    them), ``$VARIABLES`` replaced from the script's assignments above them. Both
+    branches of an ``if`` are read."""
+    tokens = []
+    for tok in shlex.split(text.replace("\\\n", " "), comments=True):
+        tokens += tok.split() if tok.startswith("--") and " " in tok else [tok]
+    actions = {s: a for a in build_parser()._actions for s in a.option_strings}
+    env: dict[str, str] = {}
     out, skipped, i = [], [], 0
     while i < len(tokens):
         tok = tokens[i]
+        assign = _ASSIGN.match(tok)
+        if assign and not assign.group(2).startswith("("):
+            env[assign.group(1)] = _expand(assign.group(2), env)
         if not tok.startswith("--"):
             i += 1
             continue
-        values = []
-        j = i + 1
-        while j < len(tokens) and not tokens[j].startswith("--"):
-            values.append(tokens[j])
+        action = actions.get(tok)
+        nargs = None if action is None else action.nargs
+        most = {0: 0, None: 1, "?": 1}.get(nargs, nargs if isinstance(nargs, int) else None)
+        values, j = [], i + 1
+        while j < len(tokens) and (most is None or len(values) < most) and (
+                _is_value(tokens[j]) or (nargs is None and action is not None)):
+            values.append(_expand(tokens[j], env))
             j += 1
-        if tok in known:
+        if action is not None:
             out += [tok, *values]
         else:
             skipped.append(tok)
         i = j
     return out, skipped
+
+
+# what a run reads and writes, not what it computes: the planner builds the model alone
+# (NullTokenizer, mock data), so a script's paths need not exist here
+IO_FLAGS = {"--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
+            "--data-cache-path", "--mock-data", "--split", "--vocab-file", "--merge-file",
+            "--tokenizer-type", "--tokenizer-model", "--tiktoken-pattern", "--save", "--load",
+            "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
+            "--metrics-jsonl", "--config-logger-dir", "--save-interval", "--no-load-optim",
+            "--no-load-rng", "--ckpt-step", "--async-save", "--finetune"}
+KNOWN_VOCAB = {"GPT2BPETokenizer": 50257}
+
+
+def drop_flags(flags: list[str], names: set[str]) -> list[str]:
+    """``flags`` without ``names`` and the values after each (up to the next ``--flag``)."""
+    out, i = [], 0
+    while i < len(flags):
+        if flags[i] in names:
+            i += 1
+            while i < len(flags) and not flags[i].startswith("--"):
+                i += 1
+            continue
+        out.append(flags[i])
+        i += 1
+    return out
 
 
 def strip_layout(flags: list[str]) -> list[str]:
@@ -186,12 +256,19 @@ def plan(argv: list[str]):
         if skipped:
             print(f"note: skipped flags megalite does not know: {' '.join(skipped)}")
         model_flags = flags + model_flags
-    model_flags = strip_layout(model_flags)
+    tokenizers = [model_flags[i + 1] for i, f in enumerate(model_flags[:-1])
+                  if f == "--tokenizer-type"]
+    model_flags = drop_flags(strip_layout(model_flags), IO_FLAGS)
     if "--vocab-size" not in model_flags and not any(f == "--config" for f in model_flags):
-        model_flags += ["--vocab-size", "50257"]
-        print("note: no --vocab-size given; assuming 50257")
-    base = parse_args(model_flags + ["--tokenizer-type", "NullTokenizer", "--mock-data"]
-                      if "--tokenizer-type" not in model_flags else model_flags)
+        vocab = KNOWN_VOCAB.get(tokenizers[-1] if tokenizers else "GPT2BPETokenizer")
+        model_flags += ["--vocab-size", str(vocab or 50257)]
+        print(f"note: no --vocab-size given; {'assuming ' if vocab is None else ''}"
+              f"{vocab or 50257}{' (' + tokenizers[-1] + ')' if vocab and tokenizers else ''}"
+              f"{'; give --vocab-size after --' if vocab is None else ''}")
+    try:
+        base = parse_args(model_flags + ["--tokenizer-type", "NullTokenizer", "--mock-data"])
+    except ConfigError as exc:
+        parser.error(f"the model's flags: {exc}")
     if base.train.global_batch_size is None:
         parser.error("give --global-batch-size after --")
     cluster = build_cluster(args)

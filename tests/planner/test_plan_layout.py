@@ -80,3 +80,32 @@ def test_script_flags_keep_known_flags_and_drop_layout(tmp_path):
 def test_presets(name):
     c = preset(name, 2)
     assert c.world_size == 16 and c.gpu_memory > 40 * GIB and c.peak_flops > 1e14
+
+
+def test_script_flags_read_megatron_style_scripts(tmp_path):
+    """Bash arrays, "--flag value" strings, $VARIABLES and ${X:-default} as Megatron-LM's
+    example scripts write them; the command line after the arrays is not a value."""
+    tool = load_tool("plan_layout")
+    text = ('NUM_LAYERS=4\nSEQ=${SEQ:-"256"}\nOUT=${1:-"runs/x"}\n'
+            'MODEL_ARGS=(\n    --num-layers $NUM_LAYERS\n    --seq-length ${SEQ}\n'
+            '    "--hidden-size 64"\n    --swiglu\n)\n'
+            'IO_ARGS=(\n    --save $OUT/ckpt\n    --lr -1e-3\n)\n'
+            'python -m torch.distributed.run --nproc_per_node 2 pretrain_gpt.py \\\n'
+            '    ${MODEL_ARGS[@]} "${IO_ARGS[@]}" --data-path 0.5 a 0.5 b\n')
+    flags, skipped = tool.script_flags(text)
+    assert flags == ["--num-layers", "4", "--seq-length", "256", "--hidden-size", "64",
+                     "--swiglu", "--save", "runs/x/ckpt", "--lr", "-1e-3",
+                     "--data-path", "0.5", "a", "0.5", "b"]
+    assert skipped == ["--nproc_per_node"]
+
+
+@pytest.mark.parametrize("script", ["gpt3_175b", "llama3_8b", "mixtral_8x7b"])
+def test_plan_layout_reads_the_bundled_megatron_scripts(script, capsys):
+    """The adapted Megatron-LM launch scripts plan as they are (paths, data and tokenizer
+    flags set aside; the model and batch kept)."""
+    tool = load_tool("plan_layout")
+    code = tool.main(["--preset", "h100", "--nodes", "1", "--gpus-per-node", "2", "--top", "1",
+                      "--megatron-script", f"scripts/megatron_examples/{script}.sh"])
+    out = capsys.readouterr().out
+    assert code == 0 and "best layout: " in out, out
+    assert "launch flags: --tensor-model-parallel-size" in out
