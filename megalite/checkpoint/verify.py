@@ -2,9 +2,11 @@
 
 A ``FileSystemReader`` that, once DCP has planned the load, starts a thread hashing
 whole (:func:`megalite.checkpoint.files.fast_checksum`: a read-only map of the file,
-walked in order, no copy) every data file this rank reads, plus its share of the files
-that no rank reads, while DCP reads the same files on the calling thread, sorted by file
-and offset. Both walk the same pages in the same order, so a file comes from the disk
+walked in order, no copy) the data files given to this rank, while DCP reads on the
+calling thread, sorted by file and offset. Each file is hashed by one rank: one that
+reads most of it, the least loaded of those (a file no rank reads: the least loaded
+rank), so replicas (dp) and resharded reads do not hash a file once per reader; the
+ranks agree on the outcome, so damage any rank finds fails the load on all. Both walk the same pages in the same order, so a file comes from the disk
 once and the hash mostly finds its bytes still in the CPU cache; the hash (xxh3_64 at
 ~14 GB/s from memory, or crc32) releases the GIL and runs on another core.
 ``tools/benchmark.py checkpoint`` measures it against a load without checksums (README):
@@ -35,8 +37,8 @@ _FAST = ("xxh3_64", "crc32")
 
 class VerifyingReader(FileSystemReader):
     """DCP's ``FileSystemReader`` for ``iter_dir``; with a ``manifest`` (metadata.json's
-    ``files``) it verifies the fast checksums of the data files this rank reads, and of
-    its share of those no rank reads, in a thread beside the read (module docstring).
+    ``files``) it verifies the fast checksums of the data files the coordinator gives
+    this rank, in a thread beside the read (module docstring).
     ``.metadata`` is the caller's to verify. Get the verdict from :meth:`outcome` once
     DCP's load returned or raised."""
 
@@ -49,24 +51,33 @@ class VerifyingReader(FileSystemReader):
         self.errors: list[str] = []
         self.thread: threading.Thread | None = None
 
-    def _read(self, plan: LoadPlan) -> set[str]:
-        """The files ``plan`` reads from."""
-        return {self.storage_data[item.storage_index].relative_path for item in plan.items}
+    def _read(self, plan: LoadPlan) -> dict[str, int]:
+        """``{file: bytes}`` that ``plan`` reads (DCP reads each saved blob whole)."""
+        out: dict[str, int] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            out[info.relative_path] = out.get(info.relative_path, 0) + info.length
+        return out
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """(coordinator) hand each file that no rank reads to one rank, the fewest bytes
-        first, in the plans' ``storage_data``."""
+        """(coordinator) give each manifest file to one rank to hash, in the plans'
+        ``storage_data``: the largest files first, each to the least loaded of the ranks
+        that read the most of it (within half of the most; any rank when none reads
+        it)."""
         plans = super().prepare_global_plan(plans)
         if not self.manifest:
             return plans
-        read = set().union(*(self._read(plan) for plan in plans))
+        reads = [self._read(plan) for plan in plans]
         load = [0] * len(plans)
         share: list[list[str]] = [[] for _ in plans]
-        for name in sorted(set(self.manifest) - read):
-            rank = min(range(len(plans)), key=lambda r: (load[r], r))
+        for name in sorted(self.manifest, key=lambda n: (-self.manifest[n]["bytes"], n)):
+            most = max(r.get(name, 0) for r in reads)
+            ranks = [k for k, r in enumerate(reads) if r.get(name, 0) * 2 >= most > 0] \
+                or range(len(plans))
+            rank = min(ranks, key=lambda k: (load[k], k))
             share[rank].append(name)
             load[rank] += self.manifest[name]["bytes"]
-        return [dataclasses.replace(plan, storage_data={"verify_whole": names})
+        return [dataclasses.replace(plan, storage_data={"verify": sorted(names)})
                 for plan, names in zip(plans, share)]
 
     def read_data(self, plan: LoadPlan, planner):
@@ -77,8 +88,7 @@ class VerifyingReader(FileSystemReader):
             self.storage_data[item.storage_index].relative_path,
             self.storage_data[item.storage_index].offset)))
         if self.manifest:
-            share = (plan.storage_data or {}).get("verify_whole", [])
-            self.mine = sorted((self._read(plan) & set(self.manifest)) | set(share))
+            self.mine = list((plan.storage_data or {}).get("verify", []))
             if self.mine:
                 self.thread = threading.Thread(target=self._hash, args=(self.mine,),
                                                name="checkpoint-verify", daemon=True)

@@ -307,3 +307,35 @@ def test_a_lock_taken_over_is_not_refreshed_or_removed_by_its_old_holder(tmp_pat
         lock.refresh()
     lock.release()
     assert os.path.exists(os.path.join(root, LOCK))
+
+
+def test_each_file_is_hashed_by_one_rank_that_reads_it(tmp_path):
+    """The coordinator gives every manifest file to exactly one rank: a reader of it when
+    there is one (replicas split the files between them instead of each hashing all),
+    the largest files spread first; a file nobody reads goes to the least loaded rank."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from megalite.checkpoint.verify import VerifyingReader
+
+    sizes = {"a.distcp": 400, "b.distcp": 300, "c.distcp": 200, "d.distcp": 100,
+             "unread.bin": 50}
+    manifest = {n: {"bytes": b, "xxh3_64": "0"} for n, b in sizes.items()}
+    reader = VerifyingReader(str(tmp_path), manifest, 0, 3)
+
+    def item(fqn, name, length):
+        index = MetadataIndex(fqn, torch.Size([0]))
+        reader.storage_data[index] = _StorageInfo(name, 0, length)
+        return ReadItem(LoadItemType.TENSOR, index, torch.Size([0]), index, torch.Size([0]),
+                        torch.Size([1]))
+
+    # ranks 0 and 1 are replicas reading a, b and c whole; rank 2 reads d and a sliver of a
+    plans = [LoadPlan([item(f"{n}@{r}", n, sizes[n]) for n in ("a.distcp", "b.distcp",
+                                                                "c.distcp")])
+             for r in range(2)]
+    plans.append(LoadPlan([item("d@2", "d.distcp", 100), item("a@2", "a.distcp", 10)]))
+    mine = [p.storage_data["verify"] for p in reader.prepare_global_plan(plans)]
+    assert mine == [["a.distcp"], ["b.distcp", "c.distcp"], ["d.distcp", "unread.bin"]]
+    assert sorted(sum(mine, [])) == sorted(sizes)        # each file exactly once
