@@ -79,16 +79,20 @@ def state_for_args(args, timeout_minutes: float = 10):
                            timeout_minutes)
 
 
-def _stage_layers(num_layers: int, ps) -> tuple[int, int]:
-    """(first global layer, number of layers) of this rank's pipeline stage: the layers
-    split equally, as training splits them without ``--decoder-first/last-...``."""
+def _stage_layers(cfg, ps) -> tuple[int, int]:
+    """(first global layer, number of layers) of this rank's pipeline stage: as the
+    checkpoint's training split them when it ran the same pipeline size (its
+    ``--decoder-first/last-pipeline-num-layers`` included), else equally."""
     from megalite.pipeline.layout import chunk_layer_ranges
 
-    pp = ps.pp.size
-    if num_layers % pp:
+    pp, num_layers, p = ps.pp.size, cfg.model.num_layers, cfg.parallel
+    first = last = None
+    if pp == p.pipeline_model_parallel_size:
+        first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if first is None and last is None and num_layers % pp:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide the model's "
                           f"{num_layers} layers; choose a divisor")
-    return chunk_layer_ranges(num_layers, pp)[ps.pp.rank][0]
+    return chunk_layer_ranges(num_layers, pp, None, first, last)[ps.pp.rank][0]
 
 
 def load_model(load: str, iteration: int | None = None, ps=None):
@@ -117,7 +121,7 @@ def load_model(load: str, iteration: int | None = None, ps=None):
     if experts and experts % ps.ep.size:
         raise ConfigError(f"--expert-model-parallel-size {ps.ep.size} does not divide the "
                           f"model's {experts} experts; choose a divisor")
-    first, num_layers = _stage_layers(cfg.model.num_layers, ps)
+    first, num_layers = _stage_layers(cfg, ps)
     model = GPTModel(cfg.model, ps, seed=cfg.train.seed,
                      pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), first_layer=first,

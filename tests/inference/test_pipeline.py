@@ -39,3 +39,30 @@ def test_pp_that_does_not_divide_the_layers(saved):
     for message in run_distributed(3, _refused, saved["llama"], 1, 3):
         assert message == ("--pipeline-model-parallel-size 3 does not divide the model's "
                            "2 layers; choose a divisor"), message
+
+
+def test_pp2_follows_the_checkpoints_uneven_stages(tmp_path):
+    """A 3-layer model trained at pp 2 with --decoder-first-pipeline-num-layers 1 loads at
+    pp 2 split as it trained (stage 0 one layer, stage 1 two) and generates one process's
+    tokens; at another pp the layers split evenly (or are refused when they do not)."""
+    from megalite.checkpoint.consolidated import save_full_model
+    from megalite.config import MegaliteConfig, ParallelConfig
+    from megalite.models.gpt import GPTModel
+    from tests.inference.common import CONFIGS
+    from tests.model.common import single_process_state
+    from tests.model.test_hf_parity import _random_weights
+
+    cfg = MegaliteConfig(model=CONFIGS["llama"](num_layers=3),
+                         parallel=ParallelConfig(pipeline_model_parallel_size=2,
+                                                 decoder_first_pipeline_num_layers=1))
+    model = GPTModel(cfg.model, single_process_state(), seed=1)
+    root = str(tmp_path / "uneven")
+    save_full_model(cfg, _random_weights(model), root)
+    one = run_layout(root)
+    ranks = run_distributed(2, on_rank, root, 1, 2)
+    assert [r["stage_layers"] for r in ranks] == [[0], [1, 2]]
+    for rank in ranks:
+        assert rank["greedy"] == one["greedy"] and rank["batch"] == one["greedy"]
+        assert (rank["logits"] - one["logits"]).abs().max().item() < 1e-4
+    for message in run_distributed(3, _refused, root, 1, 3):     # 3 stages: one layer each
+        assert message is None, message
