@@ -98,8 +98,11 @@ class VerifyingReader(FileSystemReader):
     def _hash(self, names: list[str]) -> None:
         try:
             check_checksums(self.iter_dir, self.manifest, names, fast=True)
-        except (CheckpointError, OSError) as exc:
+        except CheckpointError as exc:
             self.errors.append(str(exc))
+        except Exception as exc:  # noqa: BLE001 - a check that could not run is no pass
+            self.errors.append(f"checkpoint files in {self.iter_dir} could not be verified: "
+                               f"{type(exc).__name__}: {exc}")
 
     def outcome(self, failed: bool = False) -> str | None:
         """The first damaged file this rank found, or None. ``failed``: DCP's load

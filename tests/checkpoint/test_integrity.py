@@ -119,6 +119,21 @@ def test_flipped_bytes_name_the_file_and_the_fallback(saved, tmp_path):
     assert _load(load=root, ckpt_step=2) == 2                # the fallback is intact
 
 
+def test_a_check_that_cannot_run_fails_the_load(saved, monkeypatch):
+    """The hashing thread failing for any reason is not a pass: the load stops with one
+    error naming the directory and the cause."""
+    import megalite.checkpoint.verify as ckpt_verify
+
+    def broken(*args, **kwargs):
+        raise ValueError("mmap length is greater than file size")
+
+    monkeypatch.setattr(ckpt_verify, "check_checksums", broken)
+    with pytest.raises(CheckpointError, match=r"iter_0000004 could not be verified: "
+                                              r"ValueError: mmap length"):
+        _load(load=saved)
+    assert _load(load=saved, no_ckpt_verify=True) == 4
+
+
 def test_damage_without_an_older_checkpoint_says_so(saved, tmp_path):
     root = _copy(saved, tmp_path)
     _flip(os.path.join(root, "iter_0000002", "__0_0.distcp"))
