@@ -260,11 +260,11 @@ def plan(argv: list[str]):
                   if f == "--tokenizer-type"]
     model_flags = drop_flags(strip_layout(model_flags), IO_FLAGS)
     if "--vocab-size" not in model_flags and not any(f == "--config" for f in model_flags):
-        vocab = KNOWN_VOCAB.get(tokenizers[-1] if tokenizers else "GPT2BPETokenizer")
+        vocab = KNOWN_VOCAB.get(tokenizers[-1]) if tokenizers else None
         model_flags += ["--vocab-size", str(vocab or 50257)]
-        print(f"note: no --vocab-size given; {'assuming ' if vocab is None else ''}"
-              f"{vocab or 50257}{' (' + tokenizers[-1] + ')' if vocab and tokenizers else ''}"
-              f"{'; give --vocab-size after --' if vocab is None else ''}")
+        print(f"note: no --vocab-size given; {tokenizers[-1]} has {vocab} tokens" if vocab
+              else "note: no --vocab-size given; assuming GPT-2's 50257 (give --vocab-size "
+                   "after --)")
     try:
         base = parse_args(model_flags + ["--tokenizer-type", "NullTokenizer", "--mock-data"])
     except ConfigError as exc:
