@@ -109,7 +109,6 @@ class ColumnParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         if (self.sequence_parallel and self.tp_group.size > 1 and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling()
                 and not torch.is_autocast_enabled(x.device.type)):
             y = _SequenceParallelLinear.apply(x, weight, self.bias, self.tp_group)
         else:
