@@ -8,8 +8,8 @@
    files are fsynced, verified at load by a thread beside DCP's read:
    :mod:`megalite.checkpoint.verify`; the two settings alternate within every repeat,
    medians are shown, and the overhead as the ratio of medians and as the median of the
-   per-repeat ratios; issue 15 budgets 5%), the checksum alone (a second pass over the
-   files, which the load no longer makes), and raw ``torch.save`` / ``torch.load`` of the
+   per-repeat ratios; issue 15 budgets 5%), the checksum alone (what the load's thread
+   hashes, timed on its own), and raw ``torch.save`` / ``torch.load`` of the
    same state dict (fsynced too), in MB/s; ``--load-pairs`` loads of each kind per
    repeat. Those read back what was just written, so they come from the page cache, as
    on a node that just saved; ``--disk-pairs`` loads of each kind per repeat come from
