@@ -87,6 +87,7 @@ def fsync_tree(path: str) -> None:
 
 
 # -- manifest ------------------------------------------------------------------------------
+FAST_ALGORITHMS = ("xxh3_64", "crc32")   # the fast checksums a manifest entry may record
 FAST_CHECKSUM = "xxh3_64" if xxhash is not None else "crc32"
 _HASH_CHUNK = 8 << 20      # bytes hashed per call (each releases the GIL)
 
@@ -221,7 +222,7 @@ def check_checksums(iter_dir: str, manifest: dict, names: list[str], *, fast: bo
         want = manifest[name]
         path = os.path.join(iter_dir, name)
         if fast:
-            for algorithm in ("xxh3_64", "crc32"):
+            for algorithm in FAST_ALGORITHMS:
                 if algorithm in want and fast_checksum(path, algorithm) != want[algorithm]:
                     raise CheckpointError(f"checkpoint file {path} is damaged: its "
                                           f"{algorithm} differs from the manifest's")

@@ -13,10 +13,10 @@ it sees that same checkpoint, so a directory rewritten under a running load (ano
 is one error, never ranks restoring different iterations. All checks (files, manifest,
 names and shapes) agree across ranks before any rank starts reading, so a bad checkpoint is
 one :class:`CheckpointError` everywhere, not a hang. The files' checksums (xxh3_64 or
-crc32, recorded at every save) are verified by default from the bytes DCP reads, as it
-reads them (:mod:`megalite.checkpoint.verify`; every rank verifies the files it reads,
-files no rank reads are split over the ranks); a damaged file is named on every rank,
-with the older complete iteration to fall back to, before the load returns.
+crc32, recorded at every save) are verified by default in a thread beside DCP's read
+(:mod:`megalite.checkpoint.verify`; each file by one rank, a reader of it where there is
+one); a damaged file is named on every rank, with the older complete iteration to fall
+back to, before the load returns.
 
 Loading from a directory a live job saves to takes no lock (see
 :mod:`megalite.checkpoint.lock`): saves are published whole (``iter_N.tmp`` renamed, then

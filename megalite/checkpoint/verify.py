@@ -3,22 +3,25 @@
 A ``FileSystemReader`` that, once DCP has planned the load, starts a thread hashing
 whole (:func:`megalite.checkpoint.files.fast_checksum`: a read-only map of the file,
 walked in order, no copy) the data files given to this rank, while DCP reads on the
-calling thread, sorted by file and offset. Each file is hashed by one rank: one that
-reads most of it, the least loaded of those (a file no rank reads: the least loaded
-rank), so replicas (dp) and resharded reads do not hash a file once per reader; the
-ranks agree on the outcome, so damage any rank finds fails the load on all. Both walk the same pages in the same order, so a file comes from the disk
-once and the hash mostly finds its bytes still in the CPU cache; the hash (xxh3_64 at
-~14 GB/s from memory, or crc32) releases the GIL and runs on another core.
-``tools/benchmark.py checkpoint`` measures it against a load without checksums (README):
-about 2% from the page cache. DCP's own order (state-dict order, jumping around the
-file) made the same thread cost 18%, and hashing the bytes DCP reads as pieces of its
-buffers (the design before this one) 5-8%.
+calling thread, sorted by file and offset. Where the rank also reads the file, both walk
+the same pages in the same order, so it comes from the disk once and the hash mostly
+finds its bytes still in the CPU cache; the hash (xxh3_64 at ~14 GB/s from memory, or
+crc32) releases the GIL and runs on another core. ``tools/benchmark.py checkpoint``
+measures it against a load without checksums (README): about 2% from the page cache.
+DCP's own order (state-dict order, jumping around the file) made the same thread cost
+18%, and hashing the bytes DCP reads as pieces of its buffers (the design before this
+one) 5-8%.
+
+Each file is hashed by one rank: one that reads most of it, the least loaded of those (a
+file no rank reads: the least loaded rank), so replicas (dp) and resharded reads do not
+hash a file once per reader; the ranks agree on the outcome, so damage any rank finds
+fails the load on all.
 
 ``.metadata`` is read before the plan exists: the caller verifies it first. Nothing is
 raised from inside DCP's read: :meth:`VerifyingReader.outcome` returns the first damaged
 file once the thread is done (collect it on every rank, then agree). The thread hashes
-every file this rank reads even when the read fails, so damage that broke ``torch.load``
-is named rather than the unpickling error it caused.
+its files even when the read fails, so damage that broke ``torch.load`` is named rather
+than the unpickling error it caused.
 """
 
 from __future__ import annotations
@@ -29,10 +32,9 @@ import threading
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from megalite.checkpoint.files import CheckpointError, check_checksums
+from megalite.checkpoint.files import FAST_ALGORITHMS, CheckpointError, check_checksums
 
 METADATA_FILE = ".metadata"
-_FAST = ("xxh3_64", "crc32")
 
 
 class VerifyingReader(FileSystemReader):
@@ -46,7 +48,7 @@ class VerifyingReader(FileSystemReader):
         super().__init__(iter_dir)
         self.iter_dir, self.rank, self.world_size = iter_dir, rank, world_size
         self.manifest = {n: e for n, e in (manifest or {}).items()
-                         if n != METADATA_FILE and any(a in e for a in _FAST)}
+                         if n != METADATA_FILE and any(a in e for a in FAST_ALGORITHMS)}
         self.mine: list[str] | None = None   # the files this rank hashes (None: unplanned)
         self.errors: list[str] = []
         self.thread: threading.Thread | None = None

@@ -123,20 +123,19 @@ def throughput(args, root: str) -> None:
             iteration += 1
             record(save_name[on], lambda it=iteration, s=savers[on]: s.save(
                 ckpt, it, model, None, None, {}, 0, save_optim=False, save_rng=False))
-        verified = iteration_dir(ckpt, iteration - (0 if order[-1] else 1))
-        for pair in range(args.load_pairs):
-            for on in (order if pair % 2 == 0 else order[::-1]):
-                record(load_name[on], lambda on=on, d=verified: load_checkpoint(
-                    ckpt, model, None, None, ps, load_rng=False, verify=on,
-                    iteration=int(os.path.basename(d)[len("iter_"):])))
-        for pair in range(disk_pairs):
-            for on in (order if pair % 2 == 0 else order[::-1]):
-                _drop_from_page_cache(verified)
-                record(disk_name[on], lambda on=on, d=verified: load_checkpoint(
-                    ckpt, model, None, None, ps, load_rng=False, verify=on,
-                    iteration=int(os.path.basename(d)[len("iter_"):])))
-        record(f"  {FAST_CHECKSUM} of the files alone", lambda d=verified: manifest_entries(
-            d, sorted(n for n in os.listdir(d) if n != "metadata.json")))
+        verified = iteration - (0 if order[-1] else 1)     # the checksummed save
+        verified_dir = iteration_dir(ckpt, verified)
+        for names, pairs, from_disk in ((load_name, args.load_pairs, False),
+                                        (disk_name, disk_pairs, True)):
+            for pair in range(pairs):
+                for on in (order if pair % 2 == 0 else order[::-1]):
+                    if from_disk:
+                        _drop_from_page_cache(verified_dir)
+                    record(names[on], lambda on=on: load_checkpoint(
+                        ckpt, model, None, None, ps, load_rng=False, verify=on,
+                        iteration=verified))
+        record(f"  {FAST_CHECKSUM} of the files alone", lambda: manifest_entries(
+            verified_dir, sorted(n for n in os.listdir(verified_dir) if n != "metadata.json")))
         record("torch.save (fsync)", lambda: _torch_save(state, raw))
         record("torch.load", lambda: torch.load(raw, weights_only=True))
         os.remove(raw)
