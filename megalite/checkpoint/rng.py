@@ -15,9 +15,6 @@ import random
 import numpy as np
 import torch
 
-from megalite.parallel import collectives
-from megalite.parallel.state import Group
-
 
 def _on_cuda(device) -> bool:
     return device is not None and torch.device(device).type == "cuda"
@@ -50,8 +47,3 @@ def restore_rng_state(state: dict, tracker=None, device=None) -> None:
             torch.cuda.set_rng_state(cuda, torch.device(device))
     if tracker is not None and state.get("tracker") is not None:
         tracker.set_states(state["tracker"])
-
-
-def gather_rng_states(group: Group, tracker=None, device=None) -> list[dict]:
-    """Every rank's state over ``group`` (all-gather of python objects), in group order."""
-    return collectives.all_gather_object(capture_rng_state(tracker, device), group)

@@ -158,10 +158,6 @@ class Bucket:
         self._param_work = None
         return True
 
-    @property
-    def param_sync_pending(self) -> bool:
-        return self._param_work is not None
-
 
 class GradBuffer:
     """Flat gradient (and, when ``sharded``, parameter) storage for ``params``.

@@ -219,13 +219,6 @@ class ParallelState:
                 f"pp {self.pp.rank}/{self.pp.size} ep {self.ep.rank}/{self.ep.size}")
 
 
-def default_device(flag: str = "auto") -> torch.device:
-    """This rank's device for ``--device flag``: cuda:LOCAL_RANK when CUDA is requested or
-    (``auto``) present, else cpu; ``MEGALITE_DEVICE`` stands in for ``auto``
-    (:func:`megalite.parallel.device.select_device`, the one place that decides)."""
-    return select_device(flag)
-
-
 def init_distributed(backend: str = "auto", timeout_minutes: float = 10,
                      device: str = "auto") -> tuple[int, int]:
     """Initialize torch.distributed from torchrun's environment if present.
