@@ -24,7 +24,7 @@ import torch
 from megalite.config import ConfigError
 from megalite.inference.kv_cache import InferenceCache
 from megalite.inference.sampling import SamplingParams, sample
-from megalite.inference.stages import from_last_stage, share_tokens, stage_forward
+from megalite.inference.stages import share_tokens, stage_forward
 from megalite.parallel.mappings import gather_from_tensor_model_parallel_region
 
 
@@ -141,27 +141,3 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
     finally:
         model.train(was_training)
     return out
-
-
-@torch.no_grad()
-def sequence_logits(model, tokens: list[int], use_cache: bool) -> torch.Tensor:
-    """fp32 ``[s, V]`` logits of every position of ``tokens``: in one forward, or with
-    the cache one token at a time (each from the cached keys of the earlier ones); under
-    tensor parallelism gathered over ``model.ps.tp``, under pipeline parallelism
-    broadcast from the last stage (every rank gets all of them)."""
-    model.eval()
-    ids = torch.tensor([tokens], dtype=torch.int64, device=next(model.parameters()).device)
-    vocab = model.config.vocab_size
-    if not use_cache:
-        out = stage_forward(model, ids)
-        local = None if out is None else out[0].float()  # [s, V_padded/tp]
-    else:
-        cache = InferenceCache(len(tokens))
-        rows = []  # copies: a step's logits may live in storage the next step reuses
-        for i in range(len(tokens)):
-            out = stage_forward(model, ids[:, i:i + 1], inference_cache=cache)
-            rows.append(None if out is None else out[0, -1].float().clone())
-        local = None if rows[0] is None else torch.stack(rows)
-    if local is not None:
-        local = gather_from_tensor_model_parallel_region(local, model.ps.tp)[:, :vocab]
-    return from_last_stage(model, local)

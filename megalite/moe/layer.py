@@ -167,15 +167,3 @@ def set_aux_loss_scale(model: torch.nn.Module, scale: float) -> None:
     """Set the router-loss gradient factor on every MoE layer of ``model``."""
     for layer in moe_layers(model):
         layer.set_aux_loss_scale(scale)
-
-
-def aux_loss_summary(model: torch.nn.Module) -> dict:
-    """Mean over this rank's MoE layers of their last forward's ``aux_losses`` (floats).
-
-    Averaging over pipeline stages and micro-batches is the training loop's job."""
-    sums: dict = {}
-    layers = moe_layers(model)
-    for layer in layers:
-        for name, value in layer.aux_losses.items():
-            sums[name] = sums.get(name, 0.0) + float(value)
-    return {name: total / len(layers) for name, total in sums.items()}

@@ -6,17 +6,42 @@ import torch
 
 from megalite.checkpoint.consolidated import save_full_model
 from megalite.config import MegaliteConfig
-from megalite.inference.generation import generate, generate_batch, sequence_logits
+from megalite.inference.generation import generate, generate_batch
 from megalite.inference.kv_cache import InferenceCache
 from megalite.inference.loading import inference_state, load_model
-from megalite.inference.stages import stage_forward
+from megalite.inference.stages import from_last_stage, stage_forward
 from megalite.models.gpt import GPTModel
+from megalite.parallel.mappings import gather_from_tensor_model_parallel_region
 from tests.model.common import gpt2_config, llama_config, mixtral_config, single_process_state
 from tests.model.test_hf_parity import _random_weights
 
 PROMPTS = [[3, 17, 41, 8, 29], [9], [22, 4, 31, 40, 2, 11, 6, 1, 30]]
 TOKENS = [5, 12, 44, 0, 7, 33, 21, 19, 48, 2, 10, 27]
 CONFIGS = {"llama": llama_config, "gpt2": gpt2_config, "mixtral": mixtral_config}
+
+
+@torch.no_grad()
+def sequence_logits(model, tokens: list[int], use_cache: bool) -> torch.Tensor:
+    """fp32 ``[s, V]`` logits of every position of ``tokens``: in one forward, or with
+    the cache one token at a time (each from the cached keys of the earlier ones); under
+    tensor parallelism gathered over ``model.ps.tp``, under pipeline parallelism
+    broadcast from the last stage (every rank gets all of them)."""
+    model.eval()
+    ids = torch.tensor([tokens], dtype=torch.int64, device=next(model.parameters()).device)
+    vocab = model.config.vocab_size
+    if not use_cache:
+        out = stage_forward(model, ids)
+        local = None if out is None else out[0].float()  # [s, V_padded/tp]
+    else:
+        cache = InferenceCache(len(tokens))
+        rows = []  # copies: a step's logits may live in storage the next step reuses
+        for i in range(len(tokens)):
+            out = stage_forward(model, ids[:, i:i + 1], inference_cache=cache)
+            rows.append(None if out is None else out[0, -1].float().clone())
+        local = None if rows[0] is None else torch.stack(rows)
+    if local is not None:
+        local = gather_from_tensor_model_parallel_region(local, model.ps.tp)[:, :vocab]
+    return from_last_stage(model, local)
 
 
 def save_checkpoints(tmp_path_factory) -> dict:

@@ -4,16 +4,12 @@ cache gives the same logits as full forwards; sampling filters keep the right to
 import pytest
 import torch
 
-from megalite.inference.generation import (
-    GenerationError,
-    generate,
-    generate_batch,
-    sequence_logits,
-)
+from megalite.inference.generation import GenerationError, generate, generate_batch
 from megalite.inference.kv_cache import InferenceCache
 from megalite.inference.sampling import SamplingError, SamplingParams, filter_logits, sample
 from megalite.models.families import get_family
 from megalite.models.gpt import GPTModel
+from tests.inference.common import sequence_logits
 from tests.model.common import FAMILIES, mixtral_config, single_process_state
 from tests.model.test_hf_parity import _random_weights
 

@@ -4,12 +4,7 @@ import pytest
 import torch
 
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, ParallelConfig
-from megalite.moe.layer import (
-    MoELayer,
-    aux_loss_summary,
-    moe_layer_pattern,
-    set_aux_loss_scale,
-)
+from megalite.moe.layer import MoELayer, moe_layer_pattern, moe_layers, set_aux_loss_scale
 from megalite.parallel.state import ParallelState
 from tests.moe.reference import naive_moe
 
@@ -97,6 +92,16 @@ def test_dropless_by_default_and_bias_gelu_shared_expert_reference():
                      fc1_bias=e.fc1_bias, fc2_bias=e.fc2_bias)
     want = want.view(6, 2, 8) + layer.shared_experts(x)
     torch.testing.assert_close(layer(x), want)
+
+
+def aux_loss_summary(model: torch.nn.Module) -> dict:
+    """Mean over ``model``'s MoE layers of their last forward's ``aux_losses`` (floats)."""
+    sums: dict = {}
+    layers = moe_layers(model)
+    for layer in layers:
+        for name, value in layer.aux_losses.items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+    return {name: total / len(layers) for name, total in sums.items()}
 
 
 def test_aux_loss_scale_and_summary():
