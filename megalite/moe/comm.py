@@ -5,8 +5,9 @@ expert-parallel exchange, ``ps.etp`` for expert tensor parallelism) and is the
 identity when the group has one member. Uneven sizes go through ``all_to_all_single``
 with explicit split sizes (gloo rejects the list form of ``all_to_all`` when sizes differ),
 so the sizes must be known on both sides first: :func:`exchange_counts` sends them. The raw
-(non-autograd) exchanges are in :mod:`megalite.parallel.collectives`; this module adds
-their autograd adjoints and the traffic accounting.
+(non-autograd) exchanges are in :mod:`megalite.parallel.collectives` and the autograd
+all-to-all in :func:`megalite.parallel.mappings.all_to_all`; this module adds the uneven
+gather/scatter adjoints and the traffic accounting.
 
 Each autograd function is paired with its adjoint in backward:
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megalite.parallel import collectives
+from megalite.parallel import collectives, mappings
 
 
 @dataclass
@@ -89,17 +90,6 @@ def all_gather_stacked(x: torch.Tensor, group,
     return out
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, send, recv, group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _raw_all_to_all(x, send, recv, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _raw_all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
-
-
 def _gather_rows(x: torch.Tensor, sizes: Sequence[int], group) -> torch.Tensor:
     """Uneven all-gather: every rank sends its rows to everyone (rank order)."""
     mine = sizes[group.rank]
@@ -149,7 +139,7 @@ def all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group,
         return x
     if counter is not None:
         counter.add(name, (sum(send) - send[group.rank]) * _row_bytes(x))
-    return _AllToAll.apply(x, list(send), list(recv), group)
+    return mappings.all_to_all(x, group, send, recv)
 
 
 def gather_uneven(x: torch.Tensor, sizes: Sequence[int], group,

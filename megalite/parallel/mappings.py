@@ -1,8 +1,10 @@
-"""Autograd-aware collectives for tensor and sequence parallelism.
+"""Autograd-aware collectives for tensor and sequence parallelism, and the all-to-all of
+context and expert parallelism.
 
 Every function takes the process group as a :class:`megalite.parallel.state.Group`
-(``ps.tp`` for tensor/sequence parallelism) and is the identity when the group has
-one member, so single-process code never touches ``torch.distributed``.
+(``ps.tp`` for tensor/sequence parallelism, ``ps.cp`` for the all-to-all of
+``--cp-comm-type a2a``, ``ps.ep`` for the MoE token dispatch) and is the identity when the
+group has one member, so single-process code never touches ``torch.distributed``.
 
 Tensor-parallel (TP) regions split the *last* dimension (hidden or vocab); sequence-parallel
 (SP) regions split the *first* dimension, the sequence of Megatron's ``[s, b, h]`` layout.
@@ -18,10 +20,14 @@ gather_from_tensor_model_parallel_region    all-gather last dim     split last d
 scatter_to_sequence_parallel_region         split dim 0             all-gather dim 0
 gather_from_sequence_parallel_region        all-gather dim 0        reduce-scatter dim 0
 reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0    all-gather dim 0
+all_to_all                                  all-to-all of dim-0     the reverse all-to-all
+                                            row blocks
 ==========================================  ======================  ======================
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -141,6 +147,18 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return C.all_gather_dim0(grad, ctx.group), None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, send, recv):
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        return C.all_to_all(x, group, send, recv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # the reverse exchange: what was received goes back to where it came from
+        return C.all_to_all(grad.contiguous(), ctx.group, ctx.recv, ctx.send), None, None, None
+
+
 # -- public API --------------------------------------------------------------------------
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a TP region: ``[..., h]`` -> ``[..., h]`` unchanged; backward all-reduces
@@ -204,3 +222,21 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.
     if group.size == 1:
         return x
     return _ReduceScatterToSP.apply(x, group)
+
+
+def all_to_all(x: torch.Tensor, group, send: Sequence[int] | None = None,
+               recv: Sequence[int] | None = None) -> torch.Tensor:
+    """All-to-all of dim-0 row blocks over ``group`` (``all_to_all_single``); backward
+    sends the gradient back the reverse way.
+
+    Even (``send``/``recv`` None): ``x`` ``[n * m, ...]`` (n = ``group.size``), block r
+    goes to rank r; returns ``[n * m, ...]`` whose block r came from rank r. Uneven:
+    ``x`` ``[sum(send), ...]``, its first ``send[0]`` rows go to rank 0, the next
+    ``send[1]`` to rank 1, ...; returns ``[sum(recv), ...]`` with ``recv[r]`` rows from
+    rank r, in rank order (both sides must know the sizes).
+    """
+    if group.size == 1:
+        return x
+    if send is not None:
+        send, recv = list(send), list(recv)
+    return _AllToAll.apply(x, group, send, recv)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from megalite.parallel import collectives
 from megalite.parallel.cp_chunks import rank_order
+from megalite.parallel.mappings import all_to_all
 from megalite.transformer.attention_kernels.base import from_batch_heads, to_batch_heads
 from megalite.transformer.attention_kernels.context_parallel.base import (
     ContextParallelAttention,
@@ -23,26 +23,13 @@ from megalite.transformer.attention_kernels.context_parallel.base import (
 )
 
 
-class _AllToAll(torch.autograd.Function):
-    """Even all-to-all of dim-0 blocks over ``group``; backward is the same exchange."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return collectives.all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return collectives.all_to_all(grad.contiguous(), ctx.group), None
-
-
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """``[s/cp, b, H, d]`` (this rank's chunks) -> ``[s, b, H/cp, d]`` (head group
     ``group.rank`` of the whole sequence, in rank order of the chunks), over ``group``."""
     s_local, b, heads, d = x.shape
     cp = group.size
     blocks = x.view(s_local, b, cp, heads // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-    return _AllToAll.apply(blocks.view(cp * s_local, b, heads // cp, d), group)
+    return all_to_all(blocks.view(cp * s_local, b, heads // cp, d), group)
 
 
 def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -50,7 +37,7 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     ``[s/cp, b, H, d]``."""
     seq, b, heads_local, d = x.shape
     cp = group.size
-    out = _AllToAll.apply(x.contiguous(), group).view(cp, seq // cp, b, heads_local, d)
+    out = all_to_all(x.contiguous(), group).view(cp, seq // cp, b, heads_local, d)
     return out.permute(1, 2, 0, 3, 4).reshape(seq // cp, b, cp * heads_local, d)
 
 
