@@ -1,4 +1,5 @@
-"""Import the scripts under tools/ in tests (tools/ is not a package)."""
+"""Import a script under tools/ in tests, from its file (the scripts are run as
+``python tools/NAME.py``; the benchmarks are imported as ``tools.bench.NAME``)."""
 
 from __future__ import annotations
 

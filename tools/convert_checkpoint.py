@@ -30,11 +30,9 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 
-try:
-    import megalite  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 import torch
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 from megalite.errors import report_tool_error  # noqa: E402
 

@@ -25,10 +25,10 @@ prints. Context and sequence parallelism are refused.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 import torch  # noqa: E402
 

@@ -19,7 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 from megalite.arguments import build_parser
 from megalite.compat import IMPLEMENTED, NO_EFFECT, REFUSED, flag_status, has_choices

@@ -28,7 +28,7 @@ import shlex
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 from megalite.arguments import build_parser, parse_args  # noqa: E402
 from megalite.config.fields import ConfigError  # noqa: E402

@@ -5,8 +5,6 @@ search proposes them with the flags megalite accepts, and ZeRO's published accou
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,17 +15,15 @@ from megalite.planner.memory import estimate_memory, state_bytes
 from megalite.planner.search import STRATEGIES, search
 from tests.planner.test_plan_layout import SMALL
 
-TOOLS = str(Path(__file__).resolve().parents[2] / "tools")
-BENCH = SimpleNamespace(layers=2, hidden=64, vocab=256, tp=1, grad_reduce_in_bf16=False,
-                        offload_fraction=0.5)
+BENCH = SimpleNamespace(num_layers=2, hidden_size=64, vocab_size=256,
+                        tensor_model_parallel_size=1, grad_reduce_in_bf16=False,
+                        optimizer_offload_fraction=0.5)
 
 
 def _measure_body(rank: int, world: int) -> list[tuple]:
-    if TOOLS not in sys.path:
-        sys.path.insert(0, TOOLS)
     import torch
 
-    from bench.memory import _runs, measure
+    from tools.bench.memory import _runs, measure
 
     torch.set_num_threads(1)
     rows = []
@@ -45,9 +41,7 @@ def test_state_bytes_equal_the_measured_rank_memory():
     is at least the fraction)."""
     from tests.distributed.harness import run_distributed
 
-    if TOOLS not in sys.path:
-        sys.path.insert(0, TOOLS)
-    from bench.memory import _config
+    from tools.bench.memory import _config
 
     world = 2
     per_rank = run_distributed(world, _measure_body)

@@ -14,18 +14,11 @@ has not passed: other processes' share of the cores changes faster than the prob
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-TOOLS = str(Path(__file__).resolve().parents[2] / "tools")
 
 
 def _plan_check():
-    if TOOLS not in sys.path:
-        sys.path.insert(0, TOOLS)
-    from bench import plan_check
+    from tools.bench import plan_check
 
     return plan_check
 

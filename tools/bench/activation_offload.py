@@ -1,8 +1,8 @@
 """Activation offload (``--cpu-offloading``): saved-activation bytes left on the device at
 the end of the forward, and step time, for 0 .. L-1 offloaded layers.
 
-``python tools/benchmark.py activation-offload [--layers 6] [--hidden 256] [--seq 256]
-[--micro-batch 2] [--bf16] [--steps 3]``
+``python tools/benchmark.py activation-offload [--num-layers 6] [--hidden-size 256]
+[--seq-length 256] [--micro-batch-size 2] [--vocab-size 1024] [--bf16] [--steps 3]``
 
 One process builds the GPT model (GPT-2 style, dropout 0) once per ``N`` =
 ``--cpu-offloading-num-layers`` (0: without ``--cpu-offloading``) and runs ``--steps``
@@ -36,9 +36,10 @@ def _model(args, n: int):
     from megalite.parallel.state import ParallelState
 
     extra = {"cpu_offloading": True, "cpu_offloading_num_layers": n} if n else {}
-    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
-                      num_attention_heads=max(1, args.hidden // 64), seq_length=args.seq,
-                      vocab_size=args.vocab, hidden_dropout=0.0, attention_dropout=0.0,
+    cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_attention_heads=max(1, args.hidden_size // 64),
+                      seq_length=args.seq_length,
+                      vocab_size=args.vocab_size, hidden_dropout=0.0, attention_dropout=0.0,
                       attention_backend="sdpa", bf16=args.bf16, **extra)
     ps = ParallelState.build(ParallelConfig())
     model = GPTModel(cfg, ps, seed=1)
@@ -70,8 +71,8 @@ def _measure(args, n: int) -> dict:
     from megalite.transformer.activation_offload import SavedActivationLedger
 
     cfg, model = _model(args, n)
-    ids, labels = _batch(cfg, args.micro_batch)
-    out = {"layer_bytes": _layer_bytes(cfg, model, args.micro_batch) if n == 0 else None}
+    ids, labels = _batch(cfg, args.micro_batch_size)
+    out = {"layer_bytes": _layer_bytes(cfg, model, args.micro_batch_size) if n == 0 else None}
     times = []
     for step in range(args.steps + 1):
         ledger = SavedActivationLedger(model.parameters())
@@ -99,22 +100,23 @@ def _planner_layer_bytes(cfg, mb: int) -> float:
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="benchmark.py activation-offload")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--num-layers", type=int, default=6)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    rows = {n: _measure(args, n) for n in range(args.layers)}
+    rows = {n: _measure(args, n) for n in range(args.num_layers)}
     base = rows[0]
     layer = base["layer_bytes"]
-    print(f"activation offload: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
-          f"micro-batch {args.micro_batch}, {'bf16' if args.bf16 else 'fp32'}; one layer "
+    print(f"activation offload: {args.num_layers} layers, hidden {args.hidden_size}, "
+          f"seq {args.seq_length}, micro-batch {args.micro_batch_size}, "
+          f"{'bf16' if args.bf16 else 'fp32'}; one layer "
           f"saves {layer / MIB:.2f} MiB offloadable (planner's estimate "
-          f"{_planner_layer_bytes(base['cfg'], args.micro_batch) / MIB:.2f} MiB); "
+          f"{_planner_layer_bytes(base['cfg'], args.micro_batch_size) / MIB:.2f} MiB); "
           f"median of {args.steps} steps")
     print(f"{'N':>3} {'resident MiB':>13} {'formula MiB':>12} {'resident/formula':>17} "
           f"{'offloaded MiB':>14} {'step ms':>9} {'x plain':>8}")
@@ -124,8 +126,3 @@ def main(argv: list[str]) -> None:
               f"{r['resident'] / formula:>17.4f} {r['offloaded'] / MIB:>14.2f} "
               f"{r['step'] * 1e3:>9.1f} {r['step'] / base['step']:>8.2f}")
 
-
-if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:])

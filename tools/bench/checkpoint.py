@@ -8,7 +8,7 @@
    files are fsynced, verified at load by a thread beside DCP's read:
    :mod:`megalite.checkpoint.verify`; the two settings alternate within every repeat,
    medians are shown, and the overhead as the ratio of medians and as the median of the
-   per-repeat ratios; issue 15 budgets 5%), the checksum alone (what the load's thread
+   per-repeat ratios; the budget is 5%), the checksum alone (what the load's thread
    hashes, timed on its own), and raw ``torch.save`` / ``torch.load`` of the
    same state dict (fsynced too), in MB/s; ``--load-pairs`` loads of each kind per
    repeat. Those read back what was just written, so they come from the page cache, as

@@ -1,7 +1,8 @@
 """Context parallelism: per-rank attention memory, time and bytes against cp, by comm type.
 
-``python tools/benchmark.py cp [--seq 16384] [--heads 8] [--groups 4] [--head-dim 64]
-[--ranks 1 2 4] [--backend sdpa] [--reps 1] [--comm p2p allgather a2a]``
+``python tools/benchmark.py cp [--seq-length 16384] [--num-attention-heads 8]
+[--num-query-groups 4] [--kv-channels 64] [--ranks 1 2 4] [--attention-backend sdpa]
+[--repeat 1] [--cp-comm-type p2p allgather a2a]``
 
 One attention layer's core (q, k, v of a ``[seq, 1, heads, head_dim]`` sequence, fp32,
 causal) forward + backward on ``cp`` gloo ranks (one thread each), for each comm type:
@@ -9,7 +10,7 @@ causal) forward + backward on ``cp`` gloo ranks (one thread each), for each comm
 * ``saved MiB``: the bytes autograd keeps for the backward on one rank (the attention's
   activation memory; ``saved_tensors_hooks``, each storage counted once), and ``peak MiB``
   its largest single tensor;
-* ``ms``: forward + backward wall time, the slowest rank, best of ``--reps``;
+* ``ms``: forward + backward wall time, the slowest rank, best of ``--repeat``;
 * ``sent MiB``: bytes one rank hands to the cp collectives for other ranks, measured by
   wrapping ``megalite.parallel.collectives`` (all-gather, reduce-scatter, all-to-all, ring
   exchange), against ``theory``:
@@ -29,7 +30,7 @@ import time
 
 import torch
 
-from bench.ranks import run_on_ranks
+from tools.bench._ranks import run_on_ranks
 
 
 class _Wire:
@@ -66,6 +67,11 @@ class _Wire:
         C.all_to_all, C.ring_exchange = all_to_all, ring_exchange
 
 
+def _shape(args) -> tuple[int, int, int, int]:
+    """(sequence, heads, query groups, head dim) of the benchmarked attention."""
+    return args.seq_length, args.num_attention_heads, args.num_query_groups, args.kv_channels
+
+
 def _theory(comm: str, cp: int, s_local: int, heads: int, groups: int, d: int) -> int:
     kv = 2 * s_local * groups * d * 4
     if cp == 1:
@@ -91,12 +97,12 @@ def _body(rank, world, args, comm):
     wire.install()
 
     class Cfg:
-        attention_backend, cp_comm_type, attention_dropout = args.backend, comm, 0.0
+        attention_backend, cp_comm_type, attention_dropout = args.attention_backend, comm, 0.0
 
     ps = ParallelState.build(ParallelConfig(context_parallel_size=world))
     kernel = build_core_attention(Cfg, ps, RNGTracker.from_state(ps, 1))
     g = torch.Generator().manual_seed(0)
-    s, h, ng, d = args.seq, args.heads, args.groups, args.head_dim
+    s, h, ng, d = _shape(args)
     idx = chunk_positions(s, world, rank) if world > 1 else torch.arange(s)
     q = torch.randn(s, 1, h, d, generator=g)[idx].requires_grad_()
     k = torch.randn(s, 1, ng, d, generator=g)[idx].requires_grad_()
@@ -110,7 +116,7 @@ def _body(rank, world, args, comm):
         return t
 
     best, sent = float("inf"), 0
-    for rep in range(args.reps):
+    for rep in range(args.repeat):
         saved.clear()
         wire.sent = 0
         dist.barrier()
@@ -136,7 +142,7 @@ def _single(args):
     from megalite.transformer.attention_kernels import build_core_attention
 
     class Cfg:
-        attention_backend, cp_comm_type, attention_dropout = args.backend, "p2p", 0.0
+        attention_backend, cp_comm_type, attention_dropout = args.attention_backend, "p2p", 0.0
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -144,7 +150,7 @@ def _single(args):
         ps = ParallelState.build(ParallelConfig())
         kernel = build_core_attention(Cfg, ps, RNGTracker.from_state(ps, 1))
         g = torch.Generator().manual_seed(0)
-        s, h, ng, d = args.seq, args.heads, args.groups, args.head_dim
+        s, h, ng, d = _shape(args)
         q = torch.randn(s, 1, h, d, generator=g, requires_grad=True)
         k = torch.randn(s, 1, ng, d, generator=g, requires_grad=True)
         v = torch.randn(s, 1, ng, d, generator=g, requires_grad=True)
@@ -156,7 +162,7 @@ def _single(args):
             return t
 
         best = float("inf")
-        for _ in range(args.reps):
+        for _ in range(args.repeat):
             saved.clear()
             t0 = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -170,24 +176,25 @@ def _single(args):
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="benchmark.py cp")
-    p.add_argument("--seq", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--seq-length", type=int, default=16384)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--num-query-groups", type=int, default=4)
+    p.add_argument("--kv-channels", type=int, default=64)
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--comm", nargs="+", default=["p2p", "allgather", "a2a"])
-    p.add_argument("--backend", default="sdpa", choices=("sdpa", "local"))
-    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--cp-comm-type", nargs="+", default=["p2p", "allgather", "a2a"])
+    p.add_argument("--attention-backend", default="sdpa", choices=("sdpa", "local"))
+    p.add_argument("--repeat", type=int, default=1)
     args = p.parse_args(argv)
     mib = 2 ** 20
-    print(f"attention core, seq {args.seq}, {args.heads} heads / {args.groups} groups x "
-          f"{args.head_dim}, fp32, backend {args.backend}, fwd+bwd, 1 thread per rank")
+    s, h, ng, d = _shape(args)
+    print(f"attention core, seq {s}, {h} heads / {ng} groups x {d}, fp32, backend "
+          f"{args.attention_backend}, fwd+bwd, 1 thread per rank")
     print(f"{'cp':>3} {'comm':<10} {'ms':>9} {'saved MiB':>10} {'peak MiB':>9} "
           f"{'sent MiB':>9} {'theory':>9} {'ratio':>6}")
     rows = {}
     for cp in args.ranks:
-        for comm in (args.comm if cp > 1 else ["(none)"]):
-            if comm == "a2a" and (args.heads % cp or args.groups % cp):
+        for comm in (args.cp_comm_type if cp > 1 else ["(none)"]):
+            if comm == "a2a" and (args.num_attention_heads % cp or args.num_query_groups % cp):
                 print(f"{cp:>3} {comm:<10} skipped: heads/groups not divisible by cp")
                 continue
             if cp == 1:
@@ -206,7 +213,7 @@ def main(argv: list[str]) -> None:
             fastest = min(done, key=lambda c: done[c][0])
             fewest = min(done, key=lambda c: done[c][3])
             print(f"cp {cp}: fastest {fastest}, fewest bytes {fewest}")
-    ratio = args.heads / args.groups
+    ratio = args.num_attention_heads / args.num_query_groups
     print(f"bytes crossover (theory): a2a sends less than allgather once cp > heads/groups "
           f"+ 1 = {ratio + 1:g}; p2p sends (3 cp - 2)/(2 cp - 2) x allgather's "
           f"(the fp32 key/value gradients travel the ring)")

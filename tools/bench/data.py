@@ -1,7 +1,6 @@
 """Data pipeline throughput: preprocessing, index building, blending and sample reads.
 
 ``python tools/benchmark.py data [--tokens 1e8] [--seq-length 2048] [--mean-doc 500]``
-(or ``python tools/bench/data.py ...``)
 
 1. Preprocessing the bundled corpus (data/kjv.jsonl.gz, ``--copies`` times over, with
    GPTSentencePieceTokenizer) with 1 and 2 workers: docs/s, MB/s of JSONL input, and the
@@ -18,14 +17,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _timed(fn, repeat: int = 1):
@@ -145,7 +140,7 @@ def bench_reads(seq_length: int, count: int) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="benchmark.py data", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=float, default=1e8, help="Tokens for the index build.")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--mean-doc", type=int, default=500, help="Mean synthetic document length.")
@@ -164,6 +159,3 @@ def main(argv=None) -> None:
     bench_blending(args.blend_samples)
     bench_reads(args.seq_length, 2000)
 
-
-if __name__ == "__main__":
-    main()

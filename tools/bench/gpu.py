@@ -1,6 +1,6 @@
 """Training-step throughput on one GPU: megalite (bf16, --compile, fusions) vs transformers.
 
-    python tools/benchmark.py gpu [--small] [--no-compile] [--steps 10] [--layers 16] ...
+    python tools/benchmark.py gpu [--small] [--no-compile] [--steps 10] [--num-layers 16] ...
     python tools/benchmark.py gpu --device cpu --small --no-compile   # smoke run on a CPU
 
 Default shape (Llama ~1.1B): 16 layers, hidden 2048, 32 heads / 8 query groups, SwiGLU ffn
@@ -31,18 +31,19 @@ import time
 
 import torch
 
-SHAPES = {  # name: (layers, hidden, heads, groups, ffn, vocab, seq, batch)
+SHAPES = {  # name: the values of FIELDS
     "default": (16, 2048, 32, 8, 8192, 32000, 2048, 4),
     "small": (2, 128, 4, 2, 352, 1024, 128, 2),
 }
-FIELDS = ("layers", "hidden", "heads", "groups", "ffn", "vocab", "seq", "batch")
+FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+          "ffn_hidden_size", "vocab_size", "seq_length", "micro_batch_size")
 
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="benchmark.py gpu", description=__doc__.split("\n")[0])
     p.add_argument("--small", action="store_true", help="a tiny shape (smoke runs)")
     for name in FIELDS:
-        p.add_argument(f"--{name}", type=int, default=None,
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                        help=f"default {SHAPES['default'][FIELDS.index(name)]}")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (and compilation)")
@@ -62,11 +63,12 @@ def parse(argv):
 def build_config(args):
     from megalite.config import ModelConfig
 
-    return ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
-                       num_attention_heads=args.heads, group_query_attention=True,
-                       num_query_groups=args.groups, ffn_hidden_size=args.ffn,
-                       seq_length=args.seq, max_position_embeddings=args.seq,
-                       vocab_size=args.vocab, normalization="RMSNorm", swiglu=True,
+    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads,
+                       group_query_attention=True, num_query_groups=args.num_query_groups,
+                       ffn_hidden_size=args.ffn_hidden_size,
+                       seq_length=args.seq_length, max_position_embeddings=args.seq_length,
+                       vocab_size=args.vocab_size, normalization="RMSNorm", swiglu=True,
                        position_embedding_type="rope", add_bias_linear=False,
                        untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
                        attention_dropout=0.0, attention_backend="auto", bf16=True,
@@ -224,9 +226,10 @@ def main(argv=None) -> None:
     table_peak, device_name = dev.table_peak()
     measured_peak = dev.matmul_peak(8192 if dev.cuda else 256, 2.0 if dev.cuda else 0.2)
     cfg = build_config(args)
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=dev.device)
+    mbs, seq = args.micro_batch_size, args.seq_length
+    ids = torch.randint(0, cfg.vocab_size, (mbs, seq + 1), device=dev.device)
     ids, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    tokens = args.batch * args.seq
+    tokens = mbs * seq
 
     compiled = not args.no_compile
     model, step = make_megalite(cfg, dev, compiled, args.compile_mode)
@@ -246,7 +249,7 @@ def main(argv=None) -> None:
         del hf_model, hf_step
     print(f"device: {device_name}; config: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"heads {cfg.num_attention_heads}/{cfg.num_query_groups} groups, ffn "
-          f"{cfg.ffn_hidden_size}, vocab {cfg.vocab_size}, seq {args.seq} x batch {args.batch},"
+          f"{cfg.ffn_hidden_size}, vocab {cfg.vocab_size}, seq {seq} x batch {mbs},"
           f" bf16; {n / 1e6:.1f} M matmul params, {flops / 1e12:.3f} TFLOP/step")
     table = tflops(table_peak) if table_peak else "n/a"
     print(f"peaks: table {table}; measured bf16 torch.mm {tflops(measured_peak)}; first "
@@ -268,6 +271,3 @@ def main(argv=None) -> None:
               f"{'CUDA' if dev.cuda else 'CPU'} time):")
         print(profile)
 
-
-if __name__ == "__main__":
-    main()

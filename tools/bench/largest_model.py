@@ -2,8 +2,9 @@
 strategy, with and without optimizer CPU offload and activation offload: predicted by the
 planner's memory model, confirmed by training it under a per-rank memory cap.
 
-``python tools/benchmark.py largest-model [--dp 2] [--hidden 512] [--seq 128] [--vocab 8192]
-[--cap-gib 2] [--machine-gib 24] [--no-confirm] [--only optim/none optim/opt ...]``
+``python tools/benchmark.py largest-model [--dp 2] [--hidden-size 512] [--seq-length 128]
+[--vocab-size 8192] [--cap-gib 2] [--machine-gib 24] [--no-confirm]
+[--only optim/none optim/opt ...]``
 
 Variants: each ``--data-parallel-sharding-strategy`` megalite accepts (no_shard, optim,
 optim_grads, and optim_grads_params once it is implemented) x offload: none,
@@ -56,10 +57,11 @@ def _config(args, layers: int, strategy: str, offload: str):
     """The variant's validated config (ConfigError when megalite refuses it)."""
     from megalite.arguments import parse_args
 
-    flags = ["--num-layers", str(layers), "--hidden-size", str(args.hidden),
-             "--num-attention-heads", str(max(1, args.hidden // 64)),
-             "--seq-length", str(args.seq), "--max-position-embeddings", str(args.seq),
-             "--vocab-size", str(args.vocab), "--make-vocab-size-divisible-by", "128",
+    flags = ["--num-layers", str(layers), "--hidden-size", str(args.hidden_size),
+             "--num-attention-heads", str(max(1, args.hidden_size // 64)),
+             "--seq-length", str(args.seq_length),
+             "--max-position-embeddings", str(args.seq_length),
+             "--vocab-size", str(args.vocab_size), "--make-vocab-size-divisible-by", "128",
              "--bf16", "--micro-batch-size", "1", "--global-batch-size", str(args.dp),
              "--hidden-dropout", "0", "--attention-dropout", "0", "--attention-backend", "sdpa",
              "--train-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -134,8 +136,8 @@ def _train_two_steps(rank: int, world: int, args, layers: int, strategy: str,
         model.train()
         gen = torch.Generator().manual_seed(1234 + rank)
         for _ in range(2):
-            ids = torch.randint(0, args.vocab, (1, args.seq), generator=gen)
-            labels = torch.randint(0, args.vocab, (1, args.seq), generator=gen)
+            ids = torch.randint(0, args.vocab_size, (1, args.seq_length), generator=gen)
+            labels = torch.randint(0, args.vocab_size, (1, args.seq_length), generator=gen)
             grads.zero_grad(num_microbatches=1)
             model(ids, labels=labels).float().mean().backward()
             grads.finish_grad_sync()
@@ -151,7 +153,7 @@ def _train_two_steps(rank: int, world: int, args, layers: int, strategy: str,
 
 
 def confirm(args, layers: int, strategy: str, offload: str) -> dict:
-    from bench.ranks import run_on_ranks
+    from tools.bench._ranks import run_on_ranks
 
     try:
         out = run_on_ranks(_train_two_steps, args.dp, args, layers, strategy, offload,
@@ -188,9 +190,9 @@ def _variants(args) -> tuple[list[tuple[str, str]], list[str]]:
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="benchmark.py largest-model")
     p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--cap-gib", type=float, default=2.0)
     p.add_argument("--machine-gib", type=float, default=24.0)
     p.add_argument("--max-layers", type=int, default=4096)
@@ -201,8 +203,9 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     variants, refused = _variants(args)
     cap, machine = args.cap_gib * GIB, args.machine_gib * GIB
-    print(f"largest GPT (hidden {args.hidden}, seq {args.seq}, vocab {args.vocab}, bf16, "
-          f"Adam, micro-batch 1) on dp {args.dp}: layers (parameters, millions); 'cpu' caps "
+    print(f"largest GPT (hidden {args.hidden_size}, seq {args.seq_length}, vocab "
+          f"{args.vocab_size}, bf16, Adam, micro-batch 1) on dp {args.dp}: layers (parameters, "
+          f"millions); 'cpu' caps "
           f"device + host bytes (this machine: no accelerator), 'gpu' caps device bytes only")
     for line in refused:
         print(f"  not run: {line}")
@@ -244,8 +247,3 @@ def main(argv: list[str]) -> None:
               f"{measured:>20} {confirmed:>16} | {show(on_cpu, strategy):>16} "
               f"{calibrated:>16} {show(on_gpu, strategy):>16}", flush=True)
 
-
-if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:])

@@ -1,8 +1,9 @@
 """Parameter, gradient and optimizer memory per rank, for each data-parallel sharding
 strategy: measured vs ZeRO's accounting.
 
-``python tools/benchmark.py memory [--dp 1 2 4 8] [--hidden 256] [--layers 4] [--vocab 8192]
-[--tp 1] [--grad-reduce-in-bf16] [--offload-fraction F]``
+``python tools/benchmark.py memory [--dp 1 2 4 8] [--hidden-size 256] [--num-layers 4]
+[--vocab-size 8192] [--tensor-model-parallel-size 1] [--grad-reduce-in-bf16]
+[--optimizer-offload-fraction F]``
 
 For each data-parallel size ``D`` it starts ``D x tp`` gloo ranks and, for each
 ``--data-parallel-sharding-strategy`` (no_shard, optim, optim_grads, optim_grads_params),
@@ -26,10 +27,10 @@ largest two neighbouring units (a layer and the prefetched next one; the output 
 unit includes the tied embedding). ``step s``: wall time of the timed step; ``peak RSS
 MiB``: the rank's resident-set high-water mark minus its size before the model was built
 (one fresh process per run; includes activations and allocator slack).
-``--offload-fraction F`` adds rows with ``--optimizer-cpu-offload``: the device keeps about
-12 (1 - F) / D optimizer bytes, the host 16 F / D (master, a gradient copy, two moments);
-whole parameters (pieces of the shard) move, so the split is at least ``F``: their rows
-check device + 12/16 host bytes against 12 / D. Reported: rank 0's bytes per parameter,
+``--optimizer-offload-fraction F`` adds rows with ``--optimizer-cpu-offload``: the device
+keeps about 12 (1 - F) / D optimizer bytes, the host 16 F / D (master, a gradient copy,
+two moments); whole parameters (pieces of the shard) move, so the split is at least ``F``:
+their rows check device + 12/16 host bytes against 12 / D. Reported: rank 0's bytes per parameter,
 total / formula, and the largest deviation
 of any one of params, grads, optimizer from its formula.
 """
@@ -41,7 +42,7 @@ import os
 
 import torch
 
-from bench.ranks import run_on_ranks
+from tools.bench._ranks import run_on_ranks
 
 MIB = 2.0 ** 20
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -50,12 +51,12 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 def _config(args, world: int, strategy: str, offload: float | None):
     from megalite.arguments import parse_args
 
-    flags = ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
-             "--num-attention-heads", str(max(1, args.hidden // 64)),
+    flags = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+             "--num-attention-heads", str(max(1, args.hidden_size // 64)),
              "--seq-length", "128", "--max-position-embeddings", "128",
-             "--vocab-size", str(args.vocab), "--bf16", "--micro-batch-size", "1",
+             "--vocab-size", str(args.vocab_size), "--bf16", "--micro-batch-size", "1",
              "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
-             "--tensor-model-parallel-size", str(args.tp),
+             "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
              "--data-parallel-sharding-strategy", strategy]
     if offload is not None:
         flags += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", str(offload)]
@@ -66,8 +67,8 @@ def _config(args, world: int, strategy: str, offload: float | None):
 
 def _runs(args) -> list[tuple[str, str, float | None]]:
     runs = [(s, s, None) for s in STRATEGIES]
-    if args.offload_fraction is not None:
-        runs += [(f"{s}+off{args.offload_fraction:g}", s, args.offload_fraction)
+    if args.optimizer_offload_fraction is not None:
+        runs += [(f"{s}+off{args.optimizer_offload_fraction:g}", s, args.optimizer_offload_fraction)
                  for s in ("optim", "optim_grads", "optim_grads_params")]
     return runs
 
@@ -110,8 +111,8 @@ def measure(args, world: int, run: tuple) -> tuple:
     model = default_model_provider(cfg, ps).to(torch.bfloat16)
     grads, optimizer = build_grads_and_optimizer(model, cfg, ps)
     gen = torch.Generator().manual_seed(1234)   # the same batch on every tp rank
-    ids = torch.randint(0, args.vocab, (1, 128), generator=gen)
-    labels = torch.randint(0, args.vocab, (1, 128), generator=gen)
+    ids = torch.randint(0, args.vocab_size, (1, 128), generator=gen)
+    labels = torch.randint(0, args.vocab_size, (1, 128), generator=gen)
     sharding = grads.param_sharding
     for _ in range(2):     # the first step starts from the model gathered whole
         if sharding is not None:
@@ -149,18 +150,19 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(prog="benchmark.py memory")
     parser.add_argument("--dp", type=int, nargs="*", default=[1, 2, 4, 8])
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--grad-reduce-in-bf16", action="store_true")
-    parser.add_argument("--offload-fraction", type=float, default=None)
+    parser.add_argument("--optimizer-offload-fraction", type=float, default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     grad_bytes = 2 if args.grad_reduce_in_bf16 else 4
-    print(f"memory per rank (rank 0) between steps, GPT hidden {args.hidden} x {args.layers} "
-          f"layers, vocab {args.vocab}, bf16 params, "
-          f"{'bf16' if grad_bytes == 2 else 'fp32'} grads, Adam, tp {args.tp}")
+    print(f"memory per rank (rank 0) between steps, GPT hidden {args.hidden_size} x "
+          f"{args.num_layers} layers, vocab {args.vocab_size}, bf16 params, "
+          f"{'bf16' if grad_bytes == 2 else 'fp32'} grads, Adam, "
+          f"tp {args.tensor_model_parallel_size}")
     print(f"{'dp':>3} {'strategy':>22} {'P/rank':>10} {'param B/P':>9} {'grad B/P':>8} "
           f"{'optim B/P':>9} {'total B/P':>9} {'formula':>8} {'x formula':>9} "
           f"{'grad MiB in step':>16} {'host B/P':>8} {'gathered MiB':>12} {'x formula':>9} "
@@ -168,7 +170,7 @@ def main(argv=None) -> None:
     worst = worst_gathered = 0.0
     for dp in args.dp:
         for (name, strategy, offload, mem, in_step, got_dp, gathered, gathered_formula,
-             seconds, rss) in run_world(args, dp * args.tp):
+             seconds, rss) in run_world(args, dp * args.tensor_model_parallel_size):
             assert got_dp == dp
             n = mem.num_params
             want = expected_bytes_per_param(strategy, dp, grad_bytes=grad_bytes)

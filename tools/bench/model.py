@@ -1,6 +1,6 @@
 """Training-step throughput of GPTModel vs transformers' LlamaForCausalLM (single process).
 
-    python tools/benchmark.py model [--compile] [--steps 4] [--batch 1] ...
+    python tools/benchmark.py model [--compile] [--steps 4] [--micro-batch-size 1] ...
 
 Times forward + backward + AdamW step of a fixed Llama-style model (default: 8 layers,
 hidden 512, 8 heads / 4 query groups, SwiGLU ffn 1408, RoPE, RMSNorm, untied, vocab
@@ -105,10 +105,11 @@ class KernelBound:
 def build_config(args):
     from megalite.config import ModelConfig
 
-    return ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
-                       num_attention_heads=args.heads, group_query_attention=True,
-                       num_query_groups=args.groups, ffn_hidden_size=args.ffn,
-                       seq_length=args.seq, vocab_size=args.vocab,
+    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads,
+                       group_query_attention=True, num_query_groups=args.num_query_groups,
+                       ffn_hidden_size=args.ffn_hidden_size,
+                       seq_length=args.seq_length, vocab_size=args.vocab_size,
                        normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                        add_bias_linear=False, untie_embeddings_and_output_weights=True,
                        hidden_dropout=0.0, attention_dropout=0.0, attention_backend="sdpa",
@@ -158,8 +159,9 @@ def matmul_params(model, hf: bool) -> int:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="benchmark.py model", description=__doc__.split("\n")[0])
-    for name, default in (("layers", 8), ("hidden", 512), ("heads", 8), ("groups", 4),
-                          ("ffn", 1408), ("seq", 512), ("vocab", 32000), ("batch", 1),
+    for name, default in (("num-layers", 8), ("hidden-size", 512), ("num-attention-heads", 8),
+                          ("num-query-groups", 4), ("ffn-hidden-size", 1408),
+                          ("seq-length", 512), ("vocab-size", 32000), ("micro-batch-size", 1),
                           ("steps", 4), ("warmup", 2)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd ours")
@@ -180,9 +182,9 @@ def main(argv=None) -> None:
         variants["megalite+compile"] = make_ours(cfg, True)
     if not args.no_hf:
         variants["transformers"] = make_hf(cfg, state)
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1))
+    ids = torch.randint(0, cfg.vocab_size, (args.micro_batch_size, args.seq_length + 1))
     ids, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    bound = KernelBound(cfg, args.batch)
+    bound = KernelBound(cfg, args.micro_batch_size)
     for _ in range(3):
         bound.probe()
     steps = {}
@@ -212,12 +214,12 @@ def main(argv=None) -> None:
         bound.probe()
     peak = peak.best
 
-    tokens = args.batch * args.seq
+    tokens = args.micro_batch_size * args.seq_length
     n = matmul_params(variants["megalite"], hf=False)
     flops = (6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length) * tokens
     print(f"config: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
           f"{cfg.num_attention_heads}/{cfg.num_query_groups} groups, ffn {cfg.ffn_hidden_size}, "
-          f"vocab {cfg.vocab_size}, seq {args.seq} x batch {args.batch}, fp32, "
+          f"vocab {cfg.vocab_size}, seq {args.seq_length} x batch {args.micro_batch_size}, fp32, "
           f"{torch.get_num_threads()} threads; {n / 1e6:.1f} M matmul params")
     print(f"fp32 torch.mm peak: {peak / 1e9:.1f} GFLOP/s; model {flops / 1e9:.1f} GFLOP/step")
     print("tokens/s from the fastest step (best estimate on a shared machine) and the median;"
@@ -244,6 +246,3 @@ def main(argv=None) -> None:
                 cpu_ratio = statistics.median(cpu["transformers"]) / statistics.median(cpu[name])
                 print(f"{name} / transformers: {rate / best['transformers']:.2f}x tokens/s "
                       f"({cpu_ratio:.2f}x by CPU time)")
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """MoE: grouped expert GEMM vs the per-expert loop, and the bytes each dispatcher moves.
 
-``python tools/benchmark.py moe [--tokens 4096] [--hidden 512] [--ffn 1024] [--experts 8]
-[--topk 2] [--ranks 2 4] [--dispatch-tokens 1024]``
+``python tools/benchmark.py moe [--tokens 4096] [--hidden-size 512] [--moe-ffn-hidden-size 1024]
+[--num-experts 8] [--moe-router-topk 2] [--repeat 3] [--ranks 2 4] [--dispatch-tokens 1024]``
 
 1. Expert compute on one rank (fp32, SwiGLU experts, tokens routed by a random router):
    tokens/s of :func:`megalite.moe.experts.grouped_mlp` (padded ``torch.bmm``) against the
@@ -9,7 +9,7 @@
 2. Dispatcher traffic: a real MoE layer with ``ep = ranks`` on gloo; the bytes every rank's
    forward collectives send to *other* ranks (``layer.dispatcher.counter``), per layer,
    against theory. Per rank with T tokens: ``T * k * h * 4`` bytes enter the all-to-all
-   (the brief's theory), of which ``(ep - 1) / ep`` leave the rank under uniform routing;
+   (the theory), of which ``(ep - 1) / ep`` leave the rank under uniform routing;
    allgather sends ``T * h * 4`` to each of the ``ep - 1`` peers whatever k. Combine moves
    the same again; backward mirrors forward and is not counted.
 """
@@ -23,14 +23,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.ranks import run_on_ranks
+from tools.bench._ranks import run_on_ranks
 
 
 def _model_cfg(args, dispatcher="alltoall"):
     from megalite.config import ModelConfig
 
-    return ModelConfig(hidden_size=args.hidden, num_experts=args.experts,
-                       moe_router_topk=args.topk, moe_ffn_hidden_size=args.ffn, swiglu=True,
+    return ModelConfig(hidden_size=args.hidden_size, num_experts=args.num_experts,
+                       moe_router_topk=args.moe_router_topk,
+                       moe_ffn_hidden_size=args.moe_ffn_hidden_size, swiglu=True,
                        add_bias_linear=False, init_method_std=0.02,
                        moe_token_dispatcher_type=dispatcher)
 
@@ -59,16 +60,17 @@ def bench_experts(args) -> None:
 
     torch.manual_seed(0)
     layer = MoELayer(_model_cfg(args), ParallelState.build(ParallelConfig()), 0, seed=1)
-    x = torch.randn(args.tokens, 1, args.hidden)
+    x = torch.randn(args.tokens, 1, args.hidden_size)
     with torch.no_grad():
         routing = layer.router(x)
-    tokens, _, _, counts = permute(x.view(-1, args.hidden), routing.probs,
+    tokens, _, _, counts = permute(x.view(-1, args.hidden_size), routing.probs,
                                    routing.routing_map)
     fc1, fc2 = layer.experts.fc1, layer.experts.fc2
     grad = torch.randn_like(tokens)
     inp = tokens.clone().requires_grad_(True)
-    print(f"expert compute: E={args.experts} k={args.topk} h={args.hidden} "
-          f"ffn={args.ffn} SwiGLU, {args.tokens} tokens -> {tokens.shape[0]} expert rows, "
+    print(f"expert compute: E={args.num_experts} k={args.moe_router_topk} h={args.hidden_size} "
+          f"ffn={args.moe_ffn_hidden_size} SwiGLU, {args.tokens} tokens -> {tokens.shape[0]} "
+          f"expert rows, "
           f"fp32, {torch.get_num_threads()} threads; rows per expert min/max "
           f"{int(counts.min())}/{int(counts.max())}")
     print(f"{'path':<28} {'fwd tok/s':>11} {'fwd+bwd tok/s':>14} {'fwd ms':>9} {'f+b ms':>9}")
@@ -84,13 +86,13 @@ def bench_experts(args) -> None:
         torch.autograd.backward(out, grad)
         inp.grad = fc1.grad = fc2.grad = None
 
-    t_f = _timed_interleaved([lambda fn=fn: fwd(fn) for _, fn in paths], args.reps)
-    t_fb = _timed_interleaved([lambda fn=fn: fwd_bwd(fn) for _, fn in paths], args.reps)
+    t_f = _timed_interleaved([lambda fn=fn: fwd(fn) for _, fn in paths], args.repeat)
+    t_fb = _timed_interleaved([lambda fn=fn: fwd_bwd(fn) for _, fn in paths], args.repeat)
     for (name, _), f, fb in zip(paths, t_f, t_fb):
         print(f"{name:<28} {args.tokens / f:>11.0f} {args.tokens / fb:>14.0f} "
               f"{f * 1e3:>9.1f} {fb * 1e3:>9.1f}")
     print(f"grouped / loop speed-up: forward {t_f[0] / t_f[1]:.2f}x, forward+backward "
-          f"{t_fb[0] / t_fb[1]:.2f}x (best of {args.reps}, interleaved)")
+          f"{t_fb[0] / t_fb[1]:.2f}x (best of {args.repeat}, interleaved)")
 
 
 def _dispatch_on_rank(rank, world, args):
@@ -102,7 +104,7 @@ def _dispatch_on_rank(rank, world, args):
     results = {}
     for dispatcher in ("alltoall", "allgather"):
         layer = MoELayer(_model_cfg(args, dispatcher), ps, 0, seed=1)
-        x = torch.randn(args.dispatch_tokens, 1, args.hidden,
+        x = torch.randn(args.dispatch_tokens, 1, args.hidden_size,
                         generator=torch.Generator().manual_seed(rank))
         with torch.no_grad():
             layer(x)  # warm-up
@@ -117,7 +119,7 @@ def _dispatch_on_rank(rank, world, args):
 
 
 def bench_dispatchers(args) -> None:
-    T, h, k, E = args.dispatch_tokens, args.hidden, args.topk, args.experts
+    T, h, k, E = args.dispatch_tokens, args.hidden_size, args.moe_router_topk, args.num_experts
     print(f"\ndispatcher bytes per MoE layer forward (sent to other ranks, mean per rank), "
           f"T={T} tokens/rank, h={h}, k={k}, E={E}, fp32")
     print(f"{'ranks':>5} {'dispatcher':>10} {'dispatch':>11} {'combine':>11} {'metadata':>9} "
@@ -144,11 +146,11 @@ def bench_dispatchers(args) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="benchmark.py moe")
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--moe-ffn-hidden-size", type=int, default=1024)
+    parser.add_argument("--num-experts", type=int, default=8)
+    parser.add_argument("--moe-router-topk", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--dispatch-tokens", type=int, default=1024)
     parser.add_argument("--skip-compute", action="store_true")

@@ -1,6 +1,7 @@
 """Pipeline bubble and activation memory: measured vs theory.
 
-``python tools/benchmark.py pipeline [--stages 4] [--forward-ms 8] [--compute sleep|matmul]``
+``python tools/benchmark.py pipeline [--pipeline-model-parallel-size 4] [--microbatches 4 8 16]
+[--virtual-pipeline-model-parallel-size 1 2] [--forward-ms 30] [--compute sleep|matmul]``
 
 Runs the real schedules (megalite.pipeline.schedules, gloo p2p) on ``p`` ranks. Each
 micro-batch's forward through a whole stage costs ``--forward-ms`` and its backward twice
@@ -25,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.ranks import run_on_ranks
+from tools.bench._ranks import run_on_ranks
 
 
 def _schedules_on_rank(rank, world, cases, args):
@@ -39,11 +40,11 @@ def _schedules_on_rank(rank, world, cases, args):
         run_schedule,
     )
 
-    shape = (args.seq, args.batch, args.hidden)
-    weight = torch.randn(args.hidden, args.hidden) / args.hidden ** 0.5
+    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
+    weight = torch.randn(args.hidden_size, args.hidden_size) / args.hidden_size ** 0.5
     matmul_per_ms = None
     if args.compute == "matmul":  # calibrate: how many matmuls make a millisecond
-        x = torch.randn(args.seq * args.batch, args.hidden)
+        x = torch.randn(args.seq_length * args.micro_batch_size, args.hidden_size)
         t0 = time.perf_counter()
         for _ in range(50):
             x @ weight
@@ -53,7 +54,7 @@ def _schedules_on_rank(rank, world, cases, args):
         if matmul_per_ms is None:
             time.sleep(ms / 1e3)
         else:
-            x = torch.randn(args.seq * args.batch, args.hidden)
+            x = torch.randn(args.seq_length * args.micro_batch_size, args.hidden_size)
             for _ in range(max(1, round(ms * matmul_per_ms))):
                 x @ weight
 
@@ -102,19 +103,21 @@ def _schedules_on_rank(rank, world, cases, args):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="benchmark.py pipeline")
-    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="*", default=[4, 8, 16])
-    parser.add_argument("--virtual", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, nargs="*",
+                        default=[1, 2])
     parser.add_argument("--forward-ms", type=float, default=30.0)
     parser.add_argument("--compute", choices=("sleep", "matmul"), default="sleep")
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--hidden-size", type=int, default=512)
     args = parser.parse_args(argv)
-    p = args.stages
-    cases = [(m, v) for v in args.virtual for m in args.microbatches if m % p == 0 or v == 1]
+    p = args.pipeline_model_parallel_size
+    cases = [(m, v) for v in args.virtual_pipeline_model_parallel_size
+             for m in args.microbatches if m % p == 0 or v == 1]
     by_rank = run_on_ranks(_schedules_on_rank, p, cases, args)
-    act_bytes = args.seq * args.batch * args.hidden * 4
+    act_bytes = args.seq_length * args.micro_batch_size * args.hidden_size * 4
     print(f"pipeline bubble, p={p}, forward {args.forward_ms} ms + backward "
           f"{2 * args.forward_ms} ms per micro-batch per stage, compute={args.compute}")
     gpipe_live = {by_rank[0][n][0]: [by_rank[r][n][5] for r in range(p)]

@@ -1,6 +1,6 @@
-"""The planner's time model against measured step times on this CPU (issue 19, item 3).
+"""The planner's time model against measured step times on this CPU.
 
-``python tools/benchmark.py plan-check [--repeats 5] [--layouts NAME ...] [--json PATH]``
+``python tools/benchmark.py plan-check [--repeat 5] [--layouts NAME ...] [--json PATH]``
 
 The 'cluster' is this machine, measured on the same gloo ranks that train, interleaved
 with the step timings: before each timed step of a layout every rank of its world runs
@@ -31,14 +31,14 @@ estimate uses are medians over its repeats:
   (:class:`~megalite.planner.measure.OverheadProbe`).
 
 Each layout trains a small GPT (4 layers, hidden 256, seq 128, global batch 8; matmuls
-dominate, the fixed costs are a tenth): one warm-up step, then ``--repeats`` timed steps
+dominate, the fixed costs are a tenth): one warm-up step, then ``--repeat`` timed steps
 (barrier to barrier, batches fetched beforehand), the median reported. The layouts are
 chosen so that their step times differ clearly (single rank with and without full
 recomputation, dp2, tp2, pp2 with 8 and 2 micro-batches, dp2 with recomputation, four
 ranks on two cores, ...). Printed: per layout, estimated and measured ms with the main
 terms, the seconds a rank spent blocked in collectives per step and how many each group
 ran (the flight recorder's count: compare with the estimate's tp/pp/dp terms), the
-Spearman rank correlation of the estimates with the measurements (the issue asks >= 0.8)
+Spearman rank correlation of the estimates with the measurements (>= 0.8 wanted)
 and the largest relative error (<= 25%). ``tests/planner/test_time_model.py``
 (slow) runs it and asserts both.
 """
@@ -179,7 +179,7 @@ def _body(rank: int, world: int, rows: list, repeats: int) -> list[dict]:
 
 def _run_world(world: int, rows: list, repeats: int) -> list[list[dict]]:
     """Per row, the per-rank results."""
-    from bench.ranks import run_on_ranks
+    from tools.bench._ranks import run_on_ranks
 
     per_rank = run_on_ranks(_body, world, rows, repeats, timeout=1800)
     return [[r[i] for r in per_rank] for i in range(len(rows))]
@@ -293,11 +293,11 @@ def check(repeats: int = 5, names: list[str] | None = None, echo=print) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="benchmark.py plan-check")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--layouts", nargs="*", help=f"of {[n for n, _, _ in LAYOUTS]}")
     parser.add_argument("--json", help="write the rows and figures here")
     args = parser.parse_args(argv)
-    out = check(args.repeats, args.layouts)
+    out = check(args.repeat, args.layouts)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -10,7 +10,8 @@ from tools.bench import model as bench
 
 
 def _args(**kw):
-    base = dict(layers=2, hidden=64, heads=4, groups=2, ffn=96, seq=32, vocab=256, batch=2,
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                ffn_hidden_size=96, seq_length=32, vocab_size=256, micro_batch_size=2,
                 default_cross_entropy=False)
     return argparse.Namespace(**{**base, **kw})
 
@@ -19,10 +20,10 @@ def test_kernel_bound_shapes_are_the_models_linears():
     args = _args()
     cfg = bench.build_config(args)
     model = bench.make_ours(cfg, False)
-    bound = bench.KernelBound(cfg, args.batch)
+    bound = bench.KernelBound(cfg, args.micro_batch_size)
     bound.probe()
     seconds, flops = bound.gemm_seconds()
-    tokens = args.batch * args.seq
+    tokens = args.micro_batch_size * args.seq_length
     linear = sum(p.numel() for n, p in model.named_parameters()
                  if p.dim() == 2 and "word_embeddings" not in n)
     assert flops == 6.0 * linear * tokens
@@ -31,8 +32,9 @@ def test_kernel_bound_shapes_are_the_models_linears():
 
 def test_benchmark_runs_and_reports_the_bound(capsys):
     torch.manual_seed(0)
-    bench.main(["--layers", "1", "--hidden", "64", "--heads", "4", "--groups", "2",
-                "--ffn", "96", "--seq", "32", "--vocab", "256", "--steps", "1",
+    bench.main(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+                "--num-query-groups", "2", "--ffn-hidden-size", "96", "--seq-length", "32",
+                "--vocab-size", "256", "--steps", "1",
                 "--warmup", "1", "--no-hf", "--threads", "1"])
     out = capsys.readouterr().out
     assert "kernel bound:" in out and "megalite: fastest step at" in out

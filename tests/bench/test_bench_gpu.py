@@ -7,15 +7,11 @@ import re
 import pytest
 import torch
 
-from tests.tools import load_tool
-
-
-def _gpu_bench():
-    return load_tool("bench/gpu")
+from tools.bench import gpu as bench
 
 
 def test_smoke_mode_on_cpu_times_both_and_profiles(capsys):
-    _gpu_bench().main(["--device", "cpu", "--small", "--no-compile", "--seq", "32",
+    bench.main(["--device", "cpu", "--small", "--no-compile", "--seq-length", "32",
                        "--steps", "1", "--warmup", "1", "--top", "3"])
     out = capsys.readouterr().out
     first = {m[0]: float(m[1]) for m in re.findall(
@@ -30,6 +26,6 @@ def test_smoke_mode_on_cpu_times_both_and_profiles(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host runs the real benchmark")
 def test_without_cuda_one_line_and_success(capsys):
-    _gpu_bench().main([])
+    bench.main([])
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "needs CUDA" in out[0]

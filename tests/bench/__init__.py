@@ -1,0 +1,1 @@
+"""The benchmarks under tools/bench, run on their smallest sizes."""
