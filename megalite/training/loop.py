@@ -142,18 +142,31 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
     snapshot = validator.snapshot(c) if validating else None
     loss_sum, lm_loss, router = _forward_backward(c, batches, tokens, divisors, iteration,
                                                   validator)
-    def rerun():   # the same step from the same state (the parameters are unchanged)
+
+    def rerun_and_judge(reason: str, first: torch.Tensor, step_again: bool = False):
+        """The same step again from the same state (the parameters are unchanged), judged
+        against the first run's local loss sum ``first`` (``[1]`` fp64); judge() raises if
+        the fault came back. ``step_again``: the re-run's gradients go through the
+        optimizer too, and NaN/inf in them again is the fault coming back. Returns
+        ((loss sum, lm_loss, router losses), faulty ranks, the optimizer's outcome or None)."""
         validator.restore(c, snapshot)
-        return _forward_backward(c, batches, tokens, divisors, iteration, validator,
-                                 attempt=1)
+        result = _forward_backward(c, batches, tokens, divisors, iteration, validator,
+                                   attempt=1)
+        outcome = reproduced = None
+        if step_again:
+            c.grads.finish_grad_sync()
+            with c.timers("optimizer", log_level=1):
+                outcome = c.optimizer.step()
+            reproduced = outcome.found_inf
+        faulty = validator.judge(reason, iteration, first, result[0], ps, samples,
+                                 reproduced=reproduced)
+        return result, faulty, outcome
 
     reason = validator.decide(lm_loss, iteration, ps) if validating else None
     faulty_ranks = None
-    if reason is not None:   # judge() raises if the re-run reproduced the fault
-        first = loss_sum
+    if reason is not None:
         c.grads.finish_grad_sync()   # let this run's reductions end before the re-run
-        loss_sum, lm_loss, router = rerun()
-        faulty_ranks = validator.judge(reason, iteration, first, loss_sum, ps, samples)
+        (loss_sum, lm_loss, router), faulty_ranks, _ = rerun_and_judge(reason, loss_sum)
     check = c.cfg.train.check_for_nan_in_loss_and_grad
     if check and not math.isfinite(lm_loss):
         raise NonFiniteLossError(f"the loss is {lm_loss} at iteration {iteration} "
@@ -166,13 +179,8 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
     if outcome.found_inf and check and not c.optimizer.fp16 and validating \
             and reason is None:   # NaN/inf gradients: nothing was updated; re-run the same way
         reason = validator.suspicious(lm_loss, iteration, found_inf=True)
-        first = loss_sum
-        loss_sum, lm_loss, router = rerun()
-        c.grads.finish_grad_sync()
-        with c.timers("optimizer", log_level=1):
-            outcome = c.optimizer.step()
-        faulty_ranks = validator.judge(reason, iteration, first, loss_sum, ps, samples,
-                                       reproduced=outcome.found_inf)
+        (loss_sum, lm_loss, router), faulty_ranks, outcome = rerun_and_judge(
+            reason, loss_sum, step_again=True)
     moe_losses = router.means() if router is not None else {}  # collective (world)
     if reason is not None and faulty_ranks is None:   # a requested validation passed
         c.metrics.print(f" iteration {iteration}: validated: the re-run reproduced the step "
