@@ -1,5 +1,5 @@
-"""The README's Megatron flag table is what tools/megatron_flags.py generates from the parser
-(so a stale table fails the tests)."""
+"""docs/megatron.md's Megatron flag table is what tools/megatron_flags.py generates from the
+parser (so a stale table fails the tests)."""
 
 import os
 
@@ -12,11 +12,11 @@ def _tool():
     return load_tool("megatron_flags")
 
 
-def test_readme_table_is_current():
+def test_docs_table_is_current():
     tool = _tool()
-    assert tool.main(["--check", os.path.join(REPO, "README.md")]) == 0, (
-        "README.md's Megatron flag table is stale: python tools/megatron_flags.py --write "
-        "README.md")
+    assert tool.main(["--check", os.path.join(REPO, "docs", "megatron.md")]) == 0, (
+        "docs/megatron.md's Megatron flag table is stale: python tools/megatron_flags.py "
+        "--write docs/megatron.md")
 
 
 def test_check_fails_on_a_stale_table_and_write_fixes_it(tmp_path, capsys):
