@@ -21,11 +21,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-try:
-    import megalite  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 import torch.distributed as dist
 
@@ -40,7 +38,7 @@ from megalite.training.loop import train
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from megalite.training.dry_run import dry_run, split_dry_run_flags
+    from megalite.planner.dry_run import dry_run, split_dry_run_flags
 
     try:  # --dry-run --world-size N --rank R: rank R's part of the layout, no peers
         argv, dry = split_dry_run_flags(list(sys.argv[1:] if argv is None else argv))

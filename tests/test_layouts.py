@@ -3,7 +3,7 @@ row a layout that megalite's own config validation accepts for its world size.""
 
 import pytest
 
-from megalite.pipeline.layout import chunk_layer_ranges
+from megalite.config.layout import chunk_layer_ranges
 from tests.layouts import LAYOUTS, SUITES, Layout, layouts, slug, tiny
 
 

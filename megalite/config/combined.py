@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megalite.config.batch_schedule import BatchSchedule, parse_step_schedule
 from megalite.config.data import DataConfig
 from megalite.config.fields import ConfigError, require
+from megalite.config.layout import ResolvedLayout, resolve_layout
 from megalite.config.model import ModelConfig
 from megalite.config.optim import OptimConfig
 from megalite.config.parallel import ParallelConfig
@@ -66,25 +68,17 @@ class MegaliteConfig:
         self._validate_pipeline()
         self._validate_experts(world_size, dp)
         self._validate_training_length()
-        self._validate_batch_schedule(dp)
-        if t.global_batch_size is None:
-            t.global_batch_size = t.micro_batch_size * dp
-        require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-                 f"global_batch_size ({t.global_batch_size}) must be divisible by "
-                 f"micro_batch_size ({t.micro_batch_size}) x data parallel size ({dp})")
-        num_micro = t.global_batch_size // (t.micro_batch_size * dp)
-        pp = p.pipeline_model_parallel_size
-        if p.virtual_pipeline_model_parallel_size and num_micro % pp:
-            raise ConfigError(
-                f"the interleaved pipeline schedule needs the number of micro-batches "
-                f"({num_micro} = global_batch_size {t.global_batch_size} / (micro_batch_size "
-                f"{t.micro_batch_size} x data parallel {dp})) to be a multiple of "
-                f"pipeline_model_parallel_size ({pp})")
+        self._validate_batches(dp)
         if self.checkpoint.save_interval is not None and self.checkpoint.save is None:
             raise ConfigError("--save-interval needs --save DIR")
         if not self.data.mock_data and self.data.tokenizer_type == "NullTokenizer":
             require(m.vocab_size is not None, "NullTokenizer needs --vocab-size")
         return self
+
+    def resolve(self, world_size: int) -> ResolvedLayout:
+        """Validate for ``world_size`` ranks (:meth:`validate`) and return the resolved
+        :class:`~megalite.config.layout.ResolvedLayout`: every size and count derived once."""
+        return resolve_layout(self.validate(world_size), world_size)
 
     def _validate_training_length(self) -> None:
         """Megatron's rule: iteration-based and sample-based lengths and LR schedules do
@@ -105,11 +99,10 @@ class MegaliteConfig:
                 require(not getattr(o, name), f"{base} excludes "
                         f"--{name.replace('_', '-')}; use the matching --...-samples flag")
 
-    def _validate_batch_schedule(self, dp: int) -> None:
-        """Resolve the final global batch of a schedule and check every batch size of it
-        against micro_batch_size x dp (``megalite.training.batch_schedule``)."""
-        from megalite.training.batch_schedule import BatchSchedule, parse_step_schedule
-
+    def _validate_batches(self, dp: int) -> None:
+        """Resolve the global batch (the last of a schedule, or micro x dp by default) and
+        check every batch size against micro_batch_size x dp, and for the interleaved
+        schedule its micro-batches against pp (``BatchSchedule.check_divisible``)."""
         t, p = self.train, self.parallel
         if t.step_batch_size_schedule:
             final = parse_step_schedule(t.step_batch_size_schedule, self.model.seq_length)[-1][1]
@@ -121,8 +114,8 @@ class MegaliteConfig:
         elif t.rampup_batch_size:
             require(t.global_batch_size is not None,
                      "--rampup-batch-size needs --global-batch-size (the size it ramps up to)")
-        else:
-            return
+        elif t.global_batch_size is None:
+            t.global_batch_size = t.micro_batch_size * dp
         vpp = p.virtual_pipeline_model_parallel_size
         BatchSchedule.from_config(t, self.model.seq_length).check_divisible(
             t.micro_batch_size, dp, p.pipeline_model_parallel_size if vpp else None)

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from megalite.config.fields import arg, check_choices, positive, require
 
+# --data-parallel-sharding-strategy: what data parallelism shards, from nothing to everything
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
 
 @dataclass
 class ParallelConfig:
@@ -33,7 +36,7 @@ class ParallelConfig:
         "gradients between steps), also the parameters (optim_grads_params, ZeRO-3: each "
         "layer's parameters are all-gathered before its forward and its backward and freed "
         "after, the next layer's gather prefetched).",
-        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+        choices=SHARDING_STRATEGIES)
     use_torch_fsdp2: bool = arg(False, "Wrap the model in torch FSDP2 (refused: it does not "
                                 "compose with megalite's gradient buffers; use "
                                 "--data-parallel-sharding-strategy optim_grads_params).")

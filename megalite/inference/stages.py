@@ -2,7 +2,7 @@
 
 With ``ps.pp.size == 1`` :func:`stage_forward` is the model's own forward. With pipeline
 parallelism each rank holds one stage (``loading.load_model`` builds it from
-``pipeline.layout.chunk_layer_ranges``; no virtual chunks) and its layers' part of the
+``config.layout.chunk_layer_ranges``; no virtual chunks) and its layers' part of the
 KV cache; one call runs the whole batch through the stages in turn, with no
 micro-batch pipelining (a decoding step is one token per row, so there is nothing to
 overlap; stages wait for each other):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.config.parallel import SHARDING_STRATEGIES
 from megalite.pipeline.layout import model_chunks
 
 
@@ -81,9 +82,6 @@ def expected_optimizer_bytes(num_params: int, dp: int, distributed: bool,
     return per_param * num_params
 
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-
-
 def expected_bytes_per_param(strategy: str, dp: int, param_bytes: int = 2,
                              grad_bytes: int = 4, optim_bytes: int = 12) -> dict[str, float]:
     """ZeRO's accounting per parameter of this rank's slice, between steps, for a
@@ -92,8 +90,9 @@ def expected_bytes_per_param(strategy: str, dp: int, param_bytes: int = 2,
     optim_grads_params) and ``optimizer`` (divided by ``dp`` under all but no_shard).
     Defaults: bf16 parameters, fp32 gradients, Adam with fp32 masters. Not included: the
     gathered layer's transient copy under optim_grads_params."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown sharding strategy {strategy!r}; one of {STRATEGIES}")
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"unknown sharding strategy {strategy!r}; one of "
+                         f"{SHARDING_STRATEGIES}")
     return {"params": param_bytes / (dp if strategy == "optim_grads_params" else 1),
             "grads": grad_bytes / (dp if strategy in ("optim_grads", "optim_grads_params")
                                    else 1),

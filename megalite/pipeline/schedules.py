@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megalite.config import ConfigError
+from megalite.config.batch_schedule import check_interleaved
 from megalite.pipeline.p2p import Incoming, PipeComm
 from megalite.pipeline.plan import Step, plan_rounds
 
@@ -57,11 +57,7 @@ def _interleaved_index(k: int, pp_size: int, vpp: int, backward: bool) -> tuple[
 def interleaved_one_f_one_b(pp_size: int, pp_rank: int, num_microbatches: int,
                             vpp: int) -> list[Step]:
     """Interleaved 1F1B steps of ``pp_rank`` over ``vpp`` chunks."""
-    if num_microbatches % pp_size:
-        raise ConfigError(f"the interleaved pipeline schedule needs the number of "
-                          f"micro-batches ({num_microbatches}) to be a multiple of "
-                          f"pipeline_model_parallel_size ({pp_size}); change "
-                          "--global-batch-size or --micro-batch-size")
+    check_interleaved(num_microbatches, pp_size)
     total = num_microbatches * vpp
     if num_microbatches == pp_size:
         warmup = total
@@ -106,6 +102,14 @@ def build_schedules(pp_size: int, num_microbatches: int, vpp: int = 1,
                     train: bool = True) -> list[list[Step]]:
     """The steps of every pipeline rank (index: pipeline rank), for :func:`run_schedule`."""
     return [build_schedule(pp_size, r, num_microbatches, vpp, train) for r in range(pp_size)]
+
+
+def layout_schedules(layout, num_microbatches: int | None = None,
+                     train: bool = True) -> list[list[Step]]:
+    """Every pipeline rank's steps for a resolved ``layout`` (``megalite.config.layout``)
+    at ``num_microbatches`` per step (default: the layout's, of the final global batch)."""
+    return build_schedules(layout.pp, num_microbatches or layout.num_microbatches,
+                           layout.vpp, train)
 
 
 @functools.lru_cache(maxsize=16)

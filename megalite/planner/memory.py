@@ -52,6 +52,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megalite.config.layout import resolve_layout
+from megalite.config.shapes import (dense_layer_params, dense_mlp_params, is_moe_layer,
+                                    moe_mlp_params, norm_params)
 from megalite.optim.memory import expected_bytes_per_param
 from megalite.planner.schedule import peak_in_flight, stage_layers
 
@@ -90,52 +93,6 @@ class MemoryEstimate:
                 "reused": self.reused, "total": self.total, "host": self.host}
 
 
-def _dtype_bytes(m) -> int:
-    return 2 if (m.bf16 or m.fp16) else 4
-
-
-def _norm_params(m) -> int:
-    return m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
-
-
-def dense_layer_params(m, tp: int) -> int:
-    """Parameter elements of one transformer layer's attention, norms and dense MLP on one
-    tp rank (the MLP part is left out for MoE layers: :func:`moe_mlp_params`)."""
-    h, nh, ng, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
-    qkv_out = (nh + 2 * ng) * d
-    n = h * qkv_out // tp + (qkv_out // tp if (m.add_bias_linear or m.add_qkv_bias) else 0)
-    n += nh * d * h // tp + (h if m.add_bias_linear else 0)
-    n += 2 * _norm_params(m)
-    return n
-
-
-def dense_mlp_params(m, tp: int, ffn: int | None = None) -> int:
-    h, f = m.hidden_size, ffn or m.ffn_hidden_size
-    fc1 = (2 if m.swiglu else 1) * f
-    n = h * fc1 // tp + f * h // tp
-    if m.add_bias_linear:
-        n += fc1 // tp + h
-    return n
-
-
-def moe_mlp_params(m, tp: int, ep: int, etp: int) -> tuple[int, int]:
-    """(dense, expert) elements of one MoE layer's MLP on one rank: router (and shared
-    expert) are dense; the ``num_experts / ep`` local experts are split over ``etp``."""
-    h, f = m.hidden_size, m.moe_ffn_hidden_size
-    fc1 = (2 if m.swiglu else 1) * f
-    per_expert = h * fc1 // etp + f * h // etp
-    if m.add_bias_linear:
-        per_expert += fc1 // etp + h
-    dense = m.num_experts * h
-    if m.moe_shared_expert_intermediate_size:
-        dense += dense_mlp_params(m, tp, m.moe_shared_expert_intermediate_size)
-    return dense, per_expert * (m.num_experts // ep)
-
-
-def _is_moe(m, layer: int) -> bool:
-    return m.num_experts is not None and layer % m.moe_layer_freq == 0
-
-
 def stage_param_counts(m, p, pp_rank: int) -> tuple[int, int]:
     """(dense, expert) parameter elements held by pipeline rank ``pp_rank`` (any tp rank):
     its layers, the embedding tables on the first stage, the final norm and output layer
@@ -145,7 +102,7 @@ def stage_param_counts(m, p, pp_rank: int) -> tuple[int, int]:
     dense = expert = 0
     for layer in stage_layers(m, p, pp_rank):
         dense += dense_layer_params(m, tp)
-        if _is_moe(m, layer):
+        if is_moe_layer(m, layer):
             d, e = moe_mlp_params(m, tp, ep, etp)
             dense, expert = dense + d, expert + e
         else:
@@ -156,7 +113,7 @@ def stage_param_counts(m, p, pp_rank: int) -> tuple[int, int]:
         if m.learned_positions:
             dense += m.max_position_embeddings * m.hidden_size
     if pp_rank == pp - 1:
-        dense += _norm_params(m)
+        dense += norm_params(m)
         if m.untie_embeddings_and_output_weights or pp > 1:
             dense += vocab * m.hidden_size // tp
     return dense, expert
@@ -171,7 +128,7 @@ def unit_params(m, p, pp_rank: int) -> list[int]:
     units = []
     for layer in stage_layers(m, p, pp_rank):
         n = dense_layer_params(m, tp)
-        if _is_moe(m, layer):
+        if is_moe_layer(m, layer):
             n += sum(moe_mlp_params(m, tp, ep, etp))
         else:
             n += dense_mlp_params(m, tp)
@@ -181,7 +138,7 @@ def unit_params(m, p, pp_rank: int) -> list[int]:
         units.append(vocab + (m.max_position_embeddings * m.hidden_size
                               if m.learned_positions else 0))
     if pp_rank == p.pipeline_model_parallel_size - 1:
-        units.append(vocab + _norm_params(m))
+        units.append(vocab + norm_params(m))
     return units
 
 
@@ -211,7 +168,7 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
     act += tokens * nh * d // tp                              # attention output (proj input)
     fp32 += tokens * nh // tp                                 # softmax log-sum-exp
     if m.hidden_dropout > 0:
-        act += 2 * tokens * h // sp // _dtype_bytes(m)        # bool masks, 1 byte
+        act += 2 * tokens * h // sp // (2 if (m.bf16 or m.fp16) else 4)  # bool masks, 1 byte
     if not moe:
         f = m.ffn_hidden_size // tp
         act += tokens * f * (3 if m.swiglu else 2)            # fc1 out, fc2 in
@@ -235,9 +192,9 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
     return {"act": act, "fp32": fp32}
 
 
-def _layer_bytes(m, p, mb: int, moe: bool) -> float:
+def _layer_bytes(m, p, mb: int, moe: bool, dtype_bytes: int) -> float:
     e = layer_activation_elements(m, p, mb, moe)
-    return e["act"] * _dtype_bytes(m) + e["fp32"] * 4
+    return e["act"] * dtype_bytes + e["fp32"] * 4
 
 
 def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
@@ -250,12 +207,10 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
         stages = [estimate_memory(cfg, world_size, r, device_type)
                   for r in range(p.pipeline_model_parallel_size)]
         return max(stages, key=lambda s: s.total)
-    m, t = cfg.model, cfg.train
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
-        p.context_parallel_size
-    dp = world_size // (tp * pp * cp)
-    eb = _dtype_bytes(m)
-    strategy = p.data_parallel_sharding_strategy
+    m, lay = cfg.model, resolve_layout(cfg, world_size)
+    tp, pp = lay.tp, lay.pp
+    eb = lay.dtype_bytes
+    strategy = lay.strategy
     state = state_bytes(cfg, world_size, pp_rank)
     params, optimizer = state["params"], state["optimizer"]
     grads = state["grads"]
@@ -263,14 +218,12 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
         grads += state["full_grads"]
     notes = []
 
-    mb = t.micro_batch_size
-    num_micro = t.global_batch_size // (mb * dp)
-    vpp = p.virtual_pipeline_model_parallel_size or 1
-    layers = stage_layers(m, p, pp_rank)
-    tokens = m.seq_length // cp * mb
-    sp = tp if p.sequence_parallel else 1
+    mb, vpp = lay.micro_batch_size, lay.vpp
+    layers = lay.stage_layers(pp_rank)
+    tokens = lay.tokens_per_microbatch
+    sp = lay.sp
     h = m.hidden_size
-    layer_bytes = [_layer_bytes(m, p, mb, _is_moe(m, layer)) for layer in layers]
+    layer_bytes = [_layer_bytes(m, p, mb, is_moe_layer(m, layer), eb) for layer in layers]
     full = m.recompute_granularity == "full"
     if full:  # each recompute unit keeps its input only; one unit recomputed at a time
         unit = m.recompute_num_layers or 1
@@ -285,10 +238,10 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     else:
         saved, recompute = sum(layer_bytes), 0
     chunk_bytes = saved / vpp          # one (micro-batch, chunk) pair
-    in_flight = peak_in_flight(pp, pp_rank, num_micro, vpp)
+    in_flight = peak_in_flight(pp, pp_rank, lay.num_microbatches, vpp)
     activations = chunk_bytes * in_flight
     first, last = pp_rank == 0, pp_rank == pp - 1
-    vocab = m.padded_vocab_size(tp)
+    vocab = lay.padded_vocab_size
     if last:  # final norm input and output (the output layer's input)
         activations += 2 * tokens * h // sp * eb
     # working sets on top of the saved activations (the largest one)
@@ -330,10 +283,7 @@ def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
     the shard's elements: fp32 master, gradient copy and Adam's two moments, 16 bytes
     each), ``full_grads`` the unsharded gradient buffer (held during a step)."""
     m, p, o = cfg.model, cfg.parallel, cfg.optim
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
-        p.context_parallel_size
-    dp = world_size // (tp * pp * cp)
-    edp = tp * cp * dp // (p.expert_model_parallel_size * p.expert_tensor_parallel_size)
+    lay = resolve_layout(cfg, world_size)
     half = m.bf16 or m.fp16
     grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
     optim_bytes = (12 if half else 8) if o.optimizer == "adam" else (8 if half else 4)
@@ -342,9 +292,9 @@ def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
         else 0.0
     out = dict.fromkeys(("params", "grads", "optimizer", "host", "full_grads"), 0.0)
     dense, expert = stage_param_counts(m, p, pp_rank)
-    for n, group in ((dense, dp * cp), (expert, edp)):
-        per = expected_bytes_per_param(p.data_parallel_sharding_strategy, group,
-                                       _dtype_bytes(m), grad_bytes, optim_bytes)
+    for n, group in ((dense, lay.dp * lay.cp), (expert, lay.edp)):
+        per = expected_bytes_per_param(lay.strategy, group, lay.dtype_bytes, grad_bytes,
+                                       optim_bytes)
         out["params"] += n * per["params"]
         out["grads"] += n * per["grads"]
         out["optimizer"] += n * per["optimizer"] * (1 - offload)

@@ -1,7 +1,7 @@
 """What a pipeline stage holds and how many micro-batches it keeps in flight.
 
 Both come from megalite's own pipeline code, so the planner cannot drift from it: the
-layers of a stage from :func:`megalite.pipeline.layout.chunk_layer_ranges`, the in-flight
+layers of a stage from :func:`megalite.config.layout.chunk_layer_ranges`, the in-flight
 count by walking the stage's step list of :func:`megalite.pipeline.schedules.build_schedule`.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from megalite.pipeline.layout import chunk_layer_ranges
+from megalite.config.layout import chunk_layer_ranges
 from megalite.pipeline.schedules import build_schedule
 
 

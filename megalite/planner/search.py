@@ -15,9 +15,9 @@ import itertools
 from dataclasses import dataclass, field
 
 from megalite.config import ConfigError
+from megalite.config.parallel import SHARDING_STRATEGIES, ParallelConfig
 from megalite.planner.cluster import GIB, Cluster
 from megalite.planner.memory import MemoryEstimate, estimate_memory
-from megalite.optim.memory import STRATEGIES as _OPTIM_STRATEGIES
 from megalite.planner.time import TimeEstimate, estimate_time
 
 RECOMPUTE = {"none": {"recompute_granularity": None, "recompute_method": None,
@@ -26,10 +26,8 @@ RECOMPUTE = {"none": {"recompute_granularity": None, "recompute_method": None,
                            "recompute_num_layers": None},
              "full": {"recompute_granularity": "full", "recompute_method": "uniform",
                       "recompute_num_layers": 1}}
-# --data-parallel-sharding-strategy values the planner proposes: those megalite's memory
-# accounting knows (optim_grads_params once ZeRO-3 is there)
-STRATEGIES = tuple(s for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")
-                   if s in _OPTIM_STRATEGIES)
+# --data-parallel-sharding-strategy values the planner proposes: all of them
+STRATEGIES = SHARDING_STRATEGIES
 
 
 @dataclass
@@ -161,7 +159,9 @@ def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=No
         if (m.num_layers // p_) % v_:
             continue
         sizes = {"tp": t_, "pp": p_, "vpp": v_, "cp": c_, "ep": e_,
-                 "dp": world // (t_ * p_ * c_)}
+                 "dp": ParallelConfig(tensor_model_parallel_size=t_,
+                                      pipeline_model_parallel_size=p_,
+                                      context_parallel_size=c_).data_parallel_size(world)}
         for strategy, rc, mbs, off in itertools.product(strategies, recomputes,
                                                         micro_batch_sizes, offloads):
             if strategy != "no_shard" and sizes["dp"] * c_ == 1:

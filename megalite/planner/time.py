@@ -3,8 +3,13 @@
 Per step (one global batch), for one rank (all ranks do the same work, up to the
 pipeline's first and last stage):
 
-* **compute** -- the model FLOPs of the step (:func:`step_model_flops`:
-  ``megalite.training.throughput.flops_per_token`` of the active parameters: top-k
+Each term is one function over a :class:`StepContext` (the config, its resolved layout
+and the cluster): :func:`compute_seconds`, one cost function per parallelism in
+:data:`COSTS` (a new parallelism adds a function and a line there) and
+:func:`optimizer_seconds`; :func:`estimate_time` adds them up.
+
+* **compute** -- the model FLOPs of the step (``ResolvedLayout.model_flops_per_step``:
+  :func:`megalite.config.shapes.flops_per_token` of the active parameters: top-k
   experts, not all) divided over the ``world`` ranks, plus what recomputation adds
   (full: the forward again, 2N per token of the layers; selective: the attention core's
   forward, 4 L h s per token), at ``peak_flops x matmul_efficiency``.
@@ -51,12 +56,14 @@ megalite's rank order (tp fastest, then cp, dp, pp; :meth:`Cluster.group_bw`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from megalite.config.layout import ResolvedLayout, resolve_layout
+from megalite.config.shapes import active_layer_params, moe_layer_count
 from megalite.planner.cluster import Cluster
-from megalite.planner.memory import dense_layer_params, dense_mlp_params, moe_mlp_params
+from megalite.planner.memory import layer_activation_elements, stage_param_counts
 from megalite.planner.schedule import bubble_fraction
-from megalite.training.throughput import flops_per_token
 
 
 MEMORY_PASSES = 4   # memory traffic per saved activation byte: write, read (forward),
@@ -83,31 +90,47 @@ class TimeEstimate:
                          # reduction or the stage-to-stage transfers)
 
 
-def active_layer_params(m) -> int:
-    """Transformer-layer parameters a token passes through (tp 1): attention, norms and
-    dense MLPs, the router and ``top-k`` experts of MoE layers, the final norm."""
-    n = 0
-    for layer in range(m.num_layers):
-        n += dense_layer_params(m, 1)
-        if m.num_experts is not None and layer % m.moe_layer_freq == 0:
-            dense, experts = moe_mlp_params(m, 1, 1, 1)
-            n += dense + experts // m.num_experts * m.moe_router_topk
-        else:
-            n += dense_mlp_params(m, 1)
-    return n + m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
+@dataclass
+class StepContext:
+    """What every term of the time model reads: the config, its resolved layout, the
+    cluster, and the per-rank quantities several terms share."""
+
+    cfg: object
+    lay: ResolvedLayout
+    cluster: Cluster
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per rank per micro-batch."""
+        return self.cfg.model.seq_length // self.lay.cp * self.lay.micro_batch_size
+
+    @property
+    def layers(self) -> int:
+        """Transformer layers per pipeline stage."""
+        return self.cfg.model.num_layers // self.lay.pp
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of one ``[s/cp, b, h]`` activation."""
+        return self.tokens * self.cfg.model.hidden_size * self.lay.dtype_bytes
+
+    @property
+    def passes(self) -> int:
+        """Passes over a layer per micro-batch: forward (again under full recompute),
+        backward."""
+        return 3 if self.cfg.model.recompute_granularity == "full" else 2
 
 
-def moe_layer_count(m) -> int:
-    """MoE layers of the model (every ``moe_layer_freq``-th from the first)."""
-    return len(range(0, m.num_layers, m.moe_layer_freq))
+@dataclass
+class Cost:
+    """One parallelism's communication per step on one rank: ``path`` seconds on the
+    per-micro-batch path (stretched by the pipeline bubble), ``once`` seconds once per
+    step after the pipeline drains, ``sent`` bytes, ``calls`` blocking collectives."""
 
-
-def step_model_flops(cfg) -> float:
-    """Model FLOPs of one step (global batch), as megalite's MFU counts them."""
-    m, t = cfg.model, cfg.train
-    per_token = flops_per_token(active_layer_params(m), m.num_layers, m.hidden_size,
-                                m.seq_length, m.padded_vocab_size(1))
-    return per_token * t.global_batch_size * m.seq_length
+    path: float = 0.0
+    once: float = 0.0
+    sent: float = 0.0
+    calls: int = 0
 
 
 def _ring(bytes_: float, size: int, bw: float, latency: float, steps: int = 1) -> float:
@@ -117,149 +140,212 @@ def _ring(bytes_: float, size: int, bw: float, latency: float, steps: int = 1) -
     return steps * (2.0 * (size - 1) / size * bytes_ / bw + 2 * (size - 1) * latency)
 
 
-def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
-    """Estimated step time of ``cfg`` (validated for ``world_size``) on ``cluster``."""
-    m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optim
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
-        p.context_parallel_size
-    dp = world_size // (tp * pp * cp)
-    ep = p.expert_model_parallel_size
-    vpp = p.virtual_pipeline_model_parallel_size or 1
-    eb = 2 if (m.bf16 or m.fp16) else 4
-    mb = t.micro_batch_size
-    num_micro = t.global_batch_size // (mb * dp)
-    layers = m.num_layers // pp
-    tokens = m.seq_length // cp * mb                  # per rank per micro-batch
-    h, lat = m.hidden_size, cluster.latency_s
-
-    flops = step_model_flops(cfg)
+def compute_seconds(ctx: StepContext) -> float:
+    """Matmuls (model FLOPs plus recomputation) at the cluster's rate, the memory-bound
+    work, and the fixed per-layer and per-micro-batch costs (module docstring)."""
+    m, p, lay, cluster = ctx.cfg.model, ctx.cfg.parallel, ctx.lay, ctx.cluster
     extra = 0.0
-    layer_n = active_layer_params(m)
-    all_tokens = t.global_batch_size * m.seq_length
+    all_tokens = lay.global_batch_size * m.seq_length
     if m.recompute_granularity == "full":
-        extra = 2.0 * layer_n * all_tokens
+        extra = 2.0 * active_layer_params(m) * all_tokens
     elif m.recompute_granularity == "selective":
-        extra = 4.0 * m.num_layers * h * m.seq_length * all_tokens
-    compute = (flops + extra) / world_size / (cluster.peak_flops * cluster.matmul_efficiency)
+        extra = 4.0 * m.num_layers * m.hidden_size * m.seq_length * all_tokens
+    compute = (lay.model_flops_per_step + extra) / lay.world_size / (
+        cluster.peak_flops * cluster.matmul_efficiency)
     # memory-bound work (norms, activations, softmax, residual adds, copies): each element
     # the layers keep for backward is written and read in forward and backward
-    from megalite.planner.memory import layer_activation_elements
-
     moe_every = m.moe_layer_freq if m.num_experts is not None else 0
-    per_layer = [layer_activation_elements(m, p, mb, moe=bool(moe_every) and i % moe_every == 0)
+    per_layer = [layer_activation_elements(m, p, lay.micro_batch_size,
+                                           moe=bool(moe_every) and i % moe_every == 0)
                  for i in range(m.num_layers)]
-    act_elems = sum(e["act"] * eb + e["fp32"] * 4 for e in per_layer) / pp
-    memory_bound = MEMORY_PASSES * act_elems * num_micro / cluster.memory_bw
+    act_elems = sum(e["act"] * lay.dtype_bytes + e["fp32"] * 4 for e in per_layer) / lay.pp
+    memory_bound = MEMORY_PASSES * act_elems * lay.num_microbatches / cluster.memory_bw
     # fixed costs per layer and micro-batch (dispatch / launches), the rank's layers
     layer_fixed = cluster.layer_overhead_s + (cluster.layer_forward_overhead_s
                                               if m.recompute_granularity == "full" else 0.0)
-    overhead = num_micro * (layers * layer_fixed + cluster.microbatch_overhead_s)
-    compute += memory_bound + overhead
+    overhead = lay.num_microbatches * (ctx.layers * layer_fixed + cluster.microbatch_overhead_s)
+    return compute + memory_bound + overhead
 
-    comm, sent = {}, {}
-    act_bytes = tokens * h * eb
-    passes = 3 if m.recompute_granularity == "full" else 2   # forward (again), backward
-    tp_bw, call = cluster.group_bw(tp, 1), cluster.collective_overhead_s
-    calls = {"tp": 0, "pp": 0, "dp": 0}   # blocking collectives per step (rank), by group
-    step_comm = {"tp": 0.0, "pp": 0.0, "dp": 0.0}   # once per step, after the pipeline
-    comm["tp"] = sent["tp"] = 0.0
-    if tp > 1:
-        # in all-gather/reduce-scatter units of [s/cp, b, h] per micro-batch: per layer,
-        # forward and backward, two of each (sp), or two all-reduces (each one of both);
-        # full recomputation re-runs a layer's forward only until backward has what it
-        # saved (torch's non-reentrant checkpoint stops early), so not its last reduction:
-        # 3 of the 4 (sp), 1 of the 2 all-reduces; per pass one more around the embedding
-        # (first stage) and the output layer (last stage)
-        edge = 2 if pp == 1 else 1
-        again = (3 if p.sequence_parallel else 2) if passes == 3 else 0
-        hops = ((8 + again) * layers + 2 * edge) * num_micro
-        hop = (tp - 1) / tp * act_bytes
-        calls["tp"] = hops if p.sequence_parallel else hops // 2
-        if p.sequence_parallel:
-            # the column-parallel linears (qkv, fc1 of dense layers; the output layer on
-            # the last stage) keep their [s/tp, b, h] input and gather it again in backward,
-            # overlapped with the input gradient's product: exposed only where longer
-            rate = cluster.peak_flops * cluster.matmul_efficiency
-            gather = hop / tp_bw + (tp - 1) * lat
-            qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
-            fc1_out = (2 if m.swiglu else 1) * m.ffn_hidden_size
-            dense = layers - (moe_layer_count(m) / pp if m.num_experts is not None else 0)
-            outs = [(qkv_out, layers), (fc1_out, dense), (m.padded_vocab_size(tp), 1)]
-            regather = sum(n * (max(0.0, gather - 2 * tokens * h * out / tp / rate) + call)
-                           for out, n in outs)
-            comm["tp"] += num_micro * regather
-            calls["tp"] += num_micro * round(sum(n for _, n in outs))
-            sent["tp"] += num_micro * sum(n for _, n in outs) * hop
-        # vocab-parallel cross entropy, last stage, per micro-batch: the max and the
-        # (target logit, sum of exponentials) all-reduces of fp32 [s/cp, b]
-        ce = _ring(4 * tokens, tp, tp_bw, lat) + _ring(8 * tokens, tp, tp_bw, lat)
-        calls["tp"] += 2 * num_micro
-        comm["tp"] += hops * (hop / tp_bw + (tp - 1) * lat) + num_micro * ce \
-            + (hops if p.sequence_parallel else hops // 2) * call + 2 * num_micro * call
-        sent["tp"] += hops * hop
-        if p.sequence_parallel:   # the replicated (norm, bias, position) gradients, fp32
-            norm = h * (1 if m.normalization == "RMSNorm" else 2)
-            replicated = layers * (2 * norm + (2 * h if m.add_bias_linear else 0)) + norm + (
-                m.max_position_embeddings * h if m.learned_positions else 0)
-            step_comm["tp"] = _ring(4 * replicated, tp, tp_bw, lat) + call
-            calls["tp"] += 1
-    kv = tokens * 2 * m.num_query_groups * m.kv_channels // tp * eb
-    cp_bytes = 3 * (cp - 1) * kv * layers * num_micro if cp > 1 else 0.0
-    comm["cp"] = cp_bytes / cluster.group_bw(cp, tp) + (cp - 1) * layers * num_micro * (
-        lat + call) if cp > 1 else 0.0
-    sent["cp"] = cp_bytes
+
+def tp_cost(ctx: StepContext) -> Cost:
+    """Tensor (and sequence) parallel collectives: per layer and micro-batch, forward and
+    backward, in all-gather/reduce-scatter units of ``[s/cp, b, h]`` (two of each under
+    sp, or two all-reduces, each one of both); full recomputation re-runs a layer's forward
+    only until backward has what it saved (torch's non-reentrant checkpoint stops early),
+    so not its last reduction: 3 of the 4 (sp), 1 of the 2 all-reduces; per pass one more
+    around the embedding (first stage) and the output layer (last stage); the column-
+    parallel linears' gathers again in backward under sp; the vocab-parallel cross
+    entropy; once per step the replicated gradients under sp."""
+    m, p, lay, cluster = ctx.cfg.model, ctx.cfg.parallel, ctx.lay, ctx.cluster
+    tp, num_micro, layers, tokens = lay.tp, lay.num_microbatches, ctx.layers, ctx.tokens
+    if tp == 1:
+        return Cost()
+    h, lat, call = m.hidden_size, cluster.latency_s, cluster.collective_overhead_s
+    tp_bw = cluster.group_bw(tp, 1)
+    cost = Cost()
+    edge = 2 if lay.pp == 1 else 1
+    again = (3 if p.sequence_parallel else 2) if ctx.passes == 3 else 0
+    hops = ((8 + again) * layers + 2 * edge) * num_micro
+    hop = (tp - 1) / tp * ctx.act_bytes
+    cost.calls = hops if p.sequence_parallel else hops // 2
+    if p.sequence_parallel:
+        # the column-parallel linears (qkv, fc1 of dense layers; the output layer on
+        # the last stage) keep their [s/tp, b, h] input and gather it again in backward,
+        # overlapped with the input gradient's product: exposed only where longer
+        rate = cluster.peak_flops * cluster.matmul_efficiency
+        gather = hop / tp_bw + (tp - 1) * lat
+        qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
+        fc1_out = (2 if m.swiglu else 1) * m.ffn_hidden_size
+        dense = layers - (moe_layer_count(m) / lay.pp if m.num_experts is not None else 0)
+        outs = [(qkv_out, layers), (fc1_out, dense), (lay.padded_vocab_size, 1)]
+        regather = sum(n * (max(0.0, gather - 2 * tokens * h * out / tp / rate) + call)
+                       for out, n in outs)
+        cost.path += num_micro * regather
+        cost.calls += num_micro * round(sum(n for _, n in outs))
+        cost.sent += num_micro * sum(n for _, n in outs) * hop
+    # vocab-parallel cross entropy, last stage, per micro-batch: the max and the
+    # (target logit, sum of exponentials) all-reduces of fp32 [s/cp, b]
+    ce = _ring(4 * tokens, tp, tp_bw, lat) + _ring(8 * tokens, tp, tp_bw, lat)
+    cost.calls += 2 * num_micro
+    cost.path += hops * (hop / tp_bw + (tp - 1) * lat) + num_micro * ce \
+        + (hops if p.sequence_parallel else hops // 2) * call + 2 * num_micro * call
+    cost.sent += hops * hop
+    if p.sequence_parallel:   # the replicated (norm, bias, position) gradients, fp32
+        norm = h * (1 if m.normalization == "RMSNorm" else 2)
+        replicated = layers * (2 * norm + (2 * h if m.add_bias_linear else 0)) + norm + (
+            m.max_position_embeddings * h if m.learned_positions else 0)
+        cost.once = _ring(4 * replicated, tp, tp_bw, lat) + call
+        cost.calls += 1
+    return cost
+
+
+def cp_cost(ctx: StepContext) -> Cost:
+    """Ring attention: each layer's keys and values pass ``cp - 1`` hops forward and the
+    same plus their gradients backward."""
+    m, lay, cluster = ctx.cfg.model, ctx.lay, ctx.cluster
+    cp = lay.cp
+    if cp == 1:
+        return Cost()
+    kv = ctx.tokens * 2 * m.num_query_groups * m.kv_channels // lay.tp * lay.dtype_bytes
+    sent = 3 * (cp - 1) * kv * ctx.layers * lay.num_microbatches
+    return Cost(path=sent / cluster.group_bw(cp, lay.tp) + (cp - 1) * ctx.layers
+                * lay.num_microbatches * (cluster.latency_s + cluster.collective_overhead_s),
+                sent=sent)
+
+
+def ep_cost(ctx: StepContext) -> Cost:
+    """The MoE all-to-all: dispatch and combine, forward and backward, of the routed
+    tokens ``top-k x tokens x h`` (the fraction ``(ep-1)/ep`` leaves the rank)."""
+    m, lay = ctx.cfg.model, ctx.lay
+    ep = lay.ep
+    if ep == 1:
+        return Cost()
     moe_layers = 0 if m.num_experts is None else moe_layer_count(m)
-    a2a = 4 * (ep - 1) / ep * m.moe_router_topk * tokens // max(tp, 1) * h * eb \
-        * moe_layers / pp * num_micro if ep > 1 else 0.0
-    comm["ep"] = a2a / cluster.group_bw(ep, p.expert_tensor_parallel_size) if ep > 1 else 0.0
-    sent["ep"] = a2a
-    sp = tp if p.sequence_parallel else 1
-    pp_bytes = 2 * vpp * num_micro * act_bytes / sp if pp > 1 else 0.0
-    comm["pp"] = (pp_bytes / cluster.group_bw(pp, tp * cp * dp)
-                  + 2 * vpp * num_micro * (lat + call) if pp > 1 else 0.0)
-    sent["pp"] = pp_bytes
-    if pp > 1 and not m.untie_embeddings_and_output_weights:
-        # the word embedding's gradient summed between the first and the last stage
-        emb = m.padded_vocab_size(tp) // tp * h * (2 if p.grad_reduce_in_bf16 else 4)
-        step_comm["pp"] = _ring(emb, 2, cluster.group_bw(pp, tp * cp * dp), lat) + call
-        sent["pp"] += emb
-        calls["pp"] = 1
-    if pp > 1:   # the loss, summed over the stages (a scalar)
-        step_comm["pp"] += 2 * math.ceil(math.log2(pp)) * lat + call
-        calls["pp"] += 1
-    from megalite.planner.memory import stage_param_counts
+    a2a = 4 * (ep - 1) / ep * m.moe_router_topk * ctx.tokens // max(lay.tp, 1) \
+        * m.hidden_size * lay.dtype_bytes * moe_layers / lay.pp * lay.num_microbatches
+    return Cost(path=a2a / ctx.cluster.group_bw(ep, lay.etp), sent=a2a)
 
-    local = max(sum(stage_param_counts(m, p, r)) for r in range(pp))
+
+def pp_cost(ctx: StepContext) -> Cost:
+    """Stage-to-stage transfers (``2 vpp m`` of ``[s/cp, b, h]``, ``/tp`` under sp); per
+    step the tied word embedding's gradient between the first and last stage and the loss
+    summed over the stages."""
+    m, p, lay, cluster = ctx.cfg.model, ctx.cfg.parallel, ctx.lay, ctx.cluster
+    pp, lat, call = lay.pp, cluster.latency_s, cluster.collective_overhead_s
+    if pp == 1:
+        return Cost()
+    bw = cluster.group_bw(pp, lay.tp * lay.cp * lay.dp)
+    sent = 2 * lay.vpp * lay.num_microbatches * ctx.act_bytes / lay.sp
+    cost = Cost(path=sent / bw + 2 * lay.vpp * lay.num_microbatches * (lat + call),
+                sent=sent)
+    if not m.untie_embeddings_and_output_weights:
+        emb = lay.padded_vocab_size // lay.tp * m.hidden_size * (
+            2 if p.grad_reduce_in_bf16 else 4)
+        cost.once = _ring(emb, 2, bw, lat) + call
+        cost.sent += emb
+        cost.calls = 1
+    cost.once += 2 * math.ceil(math.log2(pp)) * lat + call   # the loss, a scalar
+    cost.calls += 1
+    return cost
+
+
+def _rank_params(ctx: StepContext) -> int:
+    """Parameter elements of the busiest pipeline stage's rank."""
+    return max(sum(stage_param_counts(ctx.cfg.model, ctx.cfg.parallel, r))
+               for r in range(ctx.lay.pp))
+
+
+def dp_cost(ctx: StepContext) -> Cost:
+    """The gradient reduction over dp x cp (all-reduce, or reduce-scatter + parameter
+    all-gather under the distributed optimizer; ZeRO-3 gathers each unit before every
+    forward and backward), exposed in full unless --overlap-grad-reduce hides all but the
+    last bucket; plus the loss and gradient norm, two scalar all-reduces over the world."""
+    p, lay, cluster = ctx.cfg.parallel, ctx.lay, ctx.cluster
+    lat = cluster.latency_s
+    local = _rank_params(ctx)
     grad_bytes = local * (2 if p.grad_reduce_in_bf16 else 4)
-    d = dp * cp
-    dp_time = _ring(grad_bytes, d, cluster.group_bw(d, tp), lat)
-    strategy = p.data_parallel_sharding_strategy
+    d = lay.dp * lay.cp
+    dp_time = _ring(grad_bytes, d, cluster.group_bw(d, lay.tp), lat)
     if p.use_distributed_optimizer:  # reduce-scatter grads + all-gather params
         gathers = 1
-        if strategy == "optim_grads_params":   # each unit before forward and backward
-            gathers = passes * num_micro
-        dp_time = _ring((grad_bytes + gathers * local * eb) / 2, d, cluster.group_bw(d, tp),
-                        lat)
+        if lay.strategy == "optim_grads_params":   # each unit before forward and backward
+            gathers = ctx.passes * lay.num_microbatches
+        dp_time = _ring((grad_bytes + gathers * local * lay.dtype_bytes) / 2, d,
+                        cluster.group_bw(d, lay.tp), lat)
     if p.overlap_grad_reduce:
         dp_time *= 0.2
-    comm["dp"] = dp_time
-    sent["dp"] = 2 * (d - 1) / d * grad_bytes if d > 1 else 0.0
-    if world_size > 1:   # the loss and the gradient norm: two scalar all-reduces (a tree)
-        step_comm["dp"] = 2 * (2 * math.ceil(math.log2(world_size)) * lat + call)
-        calls["dp"] = 2
+    cost = Cost(sent=2 * (d - 1) / d * grad_bytes if d > 1 else 0.0)
+    scalars = 0.0
+    if lay.world_size > 1:   # the loss and the gradient norm: two scalar all-reduces
+        scalars = 2 * (2 * math.ceil(math.log2(lay.world_size)) * lat
+                       + cluster.collective_overhead_s)
+        cost.calls = 2
+    cost.once = dp_time + scalars
+    return cost
 
-    path = compute + comm["tp"] + comm["cp"] + comm["ep"] + comm["pp"]
-    bubble = bubble_fraction(pp, num_micro, vpp) * path if pp > 1 else 0.0
-    for k, v in step_comm.items():
-        comm[k] += v
-    shard = d if p.use_distributed_optimizer else 1
+
+def optimizer_seconds(ctx: StepContext) -> float:
+    """The step reads and writes the local optimizer state at memory bandwidth; with
+    --optimizer-cpu-offload the offloaded fraction's gradients go to the host and its
+    parameters come back and the host steps Adam."""
+    o, p, lay, cluster = ctx.cfg.optim, ctx.cfg.parallel, ctx.lay, ctx.cluster
+    local = _rank_params(ctx)
+    shard = lay.dp * lay.cp if p.use_distributed_optimizer else 1
     offload = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
-    optimizer = (1 - offload) * local * (16 + 2 * eb) / shard / cluster.memory_bw
+    seconds = (1 - offload) * local * (16 + 2 * lay.dtype_bytes) / shard / cluster.memory_bw
     if offload:  # gradients to the host, parameters back (fp32), Adam on the host
         moved = offload * local / shard
-        optimizer += moved * 8 / cluster.host_bw + moved * 36 / cluster.host_memory_bw
-    step = path + bubble + comm["dp"] + step_comm["tp"] + step_comm["pp"] + optimizer
-    mfu = flops / (step * world_size * cluster.peak_flops)
-    return TimeEstimate(compute=compute, comm=comm, comm_bytes=sent, bubble=bubble,
-                        optimizer=optimizer, step=step, model_flops=flops, mfu=mfu,
-                        calls=calls)
+        seconds += moved * 8 / cluster.host_bw + moved * 36 / cluster.host_memory_bw
+    return seconds
+
+
+# one cost function per parallelism, in the order their path terms are added
+COSTS: dict[str, Callable[[StepContext], Cost]] = {
+    "tp": tp_cost, "cp": cp_cost, "ep": ep_cost, "pp": pp_cost, "dp": dp_cost}
+
+
+def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
+    """Estimated step time of ``cfg`` (validated for ``world_size``; its vocabulary
+    known) on ``cluster``: compute, each parallelism's :data:`COSTS`, the bubble over the
+    per-micro-batch path, the once-per-step terms, the optimizer."""
+    lay = resolve_layout(cfg, world_size)
+    ctx = StepContext(cfg, lay, cluster)
+    compute = compute_seconds(ctx)
+    costs = {name: cost(ctx) for name, cost in COSTS.items()}
+    path = compute
+    for c in costs.values():
+        path += c.path
+    bubble = bubble_fraction(lay.pp, lay.num_microbatches, lay.vpp) * path \
+        if lay.pp > 1 else 0.0
+    optimizer = optimizer_seconds(ctx)
+    step = path + bubble
+    for c in costs.values():
+        step += c.once
+    step += optimizer
+    flops = lay.model_flops_per_step
+    return TimeEstimate(
+        compute=compute, comm={k: c.path + c.once for k, c in costs.items()},
+        comm_bytes={k: c.sent for k, c in costs.items()}, bubble=bubble,
+        optimizer=optimizer, step=step, model_flops=flops,
+        mfu=flops / (step * world_size * cluster.peak_flops),
+        calls={k: costs[k].calls for k in ("tp", "pp", "dp")})

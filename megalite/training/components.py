@@ -11,13 +11,14 @@ from torch.utils.data import Dataset
 
 from megalite.checkpoint.lock import SaveLock
 from megalite.config import ConfigError, MegaliteConfig
+from megalite.config.batch_schedule import BatchSchedule
+from megalite.config.layout import ResolvedLayout
 from megalite.data.tokenizers import Tokenizer
 from megalite.optim.data_parallel import DataParallelGrads
 from megalite.optim.lr_schedule import LRScheduler
 from megalite.optim.optimizer import LossScaledOptimizer
 from megalite.parallel.random import RNGTracker
 from megalite.parallel.state import ParallelState
-from megalite.training.batch_schedule import BatchSchedule
 from megalite.training.metrics import MetricsLogger
 from megalite.training.timers import Timers
 
@@ -46,22 +47,28 @@ class TrainingComponents:
     metrics: MetricsLogger
     train_dataset: Dataset
     valid_dataset: Dataset | None
-    num_microbatches: int              # of a final-size global batch (and of evaluation)
-    flops_per_iteration: float         # of a final-size global batch
+    layout: ResolvedLayout                     # the run's resolved layout, vocabulary known
     peak_flops: float
     state: TrainState = field(default_factory=TrainState)
     rng_tracker: RNGTracker | None = None
     tokenizer: Tokenizer | None = None
     start_time: float = field(default_factory=time.time)  # wall clock when building began
-    batch_schedule: BatchSchedule | None = None  # None: constant --global-batch-size
     save_lock: SaveLock | None = None  # rank 0 of a job with --save holds SAVE/.megalite.lock
 
     @property
     def schedule(self) -> BatchSchedule:
-        """The global batch size per consumed samples (``megalite.training.batch_schedule``)."""
-        if self.batch_schedule is None:
-            return BatchSchedule.constant(self.cfg.train.global_batch_size)
-        return self.batch_schedule
+        """The global batch size per consumed samples (``megalite.config.batch_schedule``)."""
+        return self.layout.batch_schedule
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step of a final-size global batch (and of evaluation)."""
+        return self.layout.num_microbatches
+
+    @property
+    def flops_per_iteration(self) -> float:
+        """Model FLOPs of a final-size global batch."""
+        return self.layout.model_flops_per_step
 
     def _loader(self, dataset, consumed_samples: int):
         from megalite.data.samplers import build_data_loader

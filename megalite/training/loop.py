@@ -9,7 +9,7 @@ global-batch mean loss, whatever the layout. (``--per-microbatch-loss`` selects
 Megatron's default per-micro-batch mean instead: ``forward_backward.loss_divisors``.)
 
 Batch size: the step after ``consumed`` samples has ``schedule.global_batch_size(consumed)``
-samples (``megalite.training.batch_schedule``: constant, ``--rampup-batch-size`` or
+samples (``megalite.config.batch_schedule``: constant, ``--rampup-batch-size`` or
 ``--step-batch-size-schedule``), i.e. that many / (micro x dp) micro-batches per rank, drawn
 from one data stream; the LR schedule advances by the step's samples when it counts
 samples. ``--train-samples`` becomes a number of iterations at build time.

@@ -196,7 +196,7 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
 
 def rejection(layout: Layout) -> str | None:
     """Why megalite refuses this layout (its own validation), or None if it accepts it."""
-    from megalite.pipeline.layout import chunk_layer_ranges
+    from megalite.config.layout import chunk_layer_ranges
 
     try:
         cfg = tiny(layout)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megalite.config import ConfigError
-from megalite.pipeline.layout import chunk_layer_ranges, layers_per_stage
+from megalite.config.layout import chunk_layer_ranges, layers_per_stage
 from megalite.pipeline.p2p import WAIT_SENDS_ENV, PipeComm
 from megalite.pipeline.plan import ScheduleError, plan_rounds
 from megalite.pipeline.schedules import (

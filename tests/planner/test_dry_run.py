@@ -10,7 +10,7 @@ import pytest
 
 from megalite.arguments import parse_args
 from megalite.planner.memory import stage_param_counts
-from megalite.training.dry_run import split_dry_run_flags
+from megalite.planner.dry_run import split_dry_run_flags
 from tests.training.common import ENTRYPOINT, PYTHON, subprocess_env
 
 GPT_175B = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",

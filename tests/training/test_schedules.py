@@ -11,7 +11,7 @@ import pytest
 from megalite.arguments import parse_args
 from megalite.config import ConfigError
 from megalite.optim.lr_schedule import LRScheduler
-from megalite.training.batch_schedule import BatchSchedule, parse_step_schedule
+from megalite.config.batch_schedule import BatchSchedule, parse_step_schedule
 from tests.distributed.harness import run_distributed
 from tests.training.common import read_jsonl, run_training, tiny_config
 
@@ -106,7 +106,8 @@ def test_schedule_sets_the_global_batch_and_checks_the_interleaved_pipeline():
     cfg = parse_args(["--seq-length", "16", "--train-iters", "4", "--micro-batch-size", "1",
                       "--step-batch-size-schedule", "0:4 1K:8"]).validate(2)
     assert cfg.train.global_batch_size == 8
-    with pytest.raises(ConfigError, match="entry 3 .* gives 3 micro-batches; the interleaved"):
+    with pytest.raises(ConfigError, match=r"interleaved .* micro-batches \(3 = batch-size schedule "
+                                          r"entry 3 from"):
         parse_args(["--seq-length", "16", "--train-iters", "4", "--micro-batch-size", "1",
                     "--num-layers", "4", "--pipeline-model-parallel-size", "2",
                     "--num-layers-per-virtual-pipeline-stage", "1",

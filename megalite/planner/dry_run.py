@@ -26,9 +26,10 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megalite.config import ConfigError
+    from megalite.config.layout import resolve_layout
     from megalite.parallel.state import ParallelState
     from megalite.pipeline.plan import plan_rounds
-    from megalite.pipeline.schedules import build_schedules
+    from megalite.pipeline.schedules import layout_schedules
     from megalite.planner.memory import estimate_memory, stage_param_counts
     from megalite.training.build import default_model_provider
 
@@ -40,6 +41,7 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
         from megalite.data.tokenizers import build_tokenizer
 
         cfg.model.vocab_size = build_tokenizer(cfg.data).vocab_size
+    layout = resolve_layout(cfg, world_size)
     if dist.is_initialized():
         raise RuntimeError("--dry-run needs a process without torch.distributed initialized")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -63,12 +65,8 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
         if n_params != dense + expert:
             raise AssertionError(f"rank {rank} built {n_params:,} parameters, the planner "
                                  f"counts {dense + expert:,} from the config")
-        t = cfg.train
-        dp = ps.dp.size
-        num_micro = t.global_batch_size // (t.micro_batch_size * dp)
-        vpp = p.virtual_pipeline_model_parallel_size or 1
-        steps = build_schedules(p.pipeline_model_parallel_size, num_micro, vpp)
-        rounds = plan_rounds(steps, vpp)
+        steps = layout_schedules(layout)
+        rounds = plan_rounds(steps, layout.vpp)
         mem = estimate_memory(cfg, world_size, ps.pp.rank)
         coords = ps.describe()
         ps.destroy()
@@ -79,13 +77,13 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
     parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in mem.as_dict().items() if k != "total")
     return "\n".join([
         f"dry run: rank {rank} of {world_size} | {coords}",
-        f"  config: valid for {world_size} ranks (dp {dp}, {num_micro} micro-batches of "
-        f"{t.micro_batch_size} per step)",
+        f"  config: valid for {world_size} ranks (dp {layout.dp}, "
+        f"{layout.num_microbatches} micro-batches of {layout.micro_batch_size} per step)",
         f"  parameters on this rank: {n_params:,} (dense {dense:,}, experts {expert:,}; "
         f"built on the meta device)",
         f"  pipeline schedule: {len(steps[ps_pp_rank(coords)])} steps on this rank, "
         f"{len(rounds[0]) if rounds else 0} transfer rounds matched over "
-        f"{p.pipeline_model_parallel_size} stages; {mem.in_flight} micro-batch chunks "
+        f"{layout.pp} stages; {mem.in_flight} micro-batch chunks "
         f"in flight at the peak",
         f"  estimated peak memory: {mem.total / gib:.2f} GiB ({parts})",
         f"  took {time.perf_counter() - start:.1f} s",

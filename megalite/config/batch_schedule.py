@@ -155,16 +155,31 @@ class BatchSchedule:
     def check_divisible(self, micro_batch_size: int, data_parallel_size: int,
                         pipeline_size: int | None = None) -> None:
         """Every batch size divides by ``micro x dp`` (and, for the interleaved pipeline
-        schedule, gives a number of micro-batches that divides by ``pipeline_size``)."""
+        schedule -- ``pipeline_size`` given -- gives a number of micro-batches that divides
+        by it: :func:`check_interleaved`)."""
         unit = micro_batch_size * data_parallel_size
         for threshold, batch in self.entries:
+            constant = len(self.entries) == 1
             if batch % unit:
-                raise ConfigError(
-                    f"batch-size schedule entry {batch} (from {threshold} consumed samples) "
-                    f"is not divisible by micro_batch_size ({micro_batch_size}) x data "
-                    f"parallel size ({data_parallel_size})")
-            if pipeline_size and (batch // unit) % pipeline_size:
-                raise ConfigError(
-                    f"batch-size schedule entry {batch} (from {threshold} consumed samples) "
-                    f"gives {batch // unit} micro-batches; the interleaved pipeline schedule "
-                    f"needs a multiple of pipeline_model_parallel_size ({pipeline_size})")
+                name = (f"global_batch_size ({batch}) must be" if constant else f"batch-size "
+                        f"schedule entry {batch} (from {threshold} consumed samples) is not")
+                raise ConfigError(f"{name} divisible by micro_batch_size "
+                                  f"({micro_batch_size}) x data parallel size "
+                                  f"({data_parallel_size})")
+            source = (f"global_batch_size {batch}" if constant else
+                      f"batch-size schedule entry {batch} from {threshold} consumed samples")
+            if pipeline_size:
+                check_interleaved(batch // unit, pipeline_size,
+                                  f" = {source} / (micro_batch_size {micro_batch_size} x "
+                                  f"data parallel {data_parallel_size})")
+
+
+def check_interleaved(num_microbatches: int, pipeline_size: int, how: str = "") -> None:
+    """The interleaved pipeline schedule runs the micro-batches of a step in groups of
+    ``pipeline_size``: their number must be a multiple of it (``how``: how the number was
+    derived, for the message)."""
+    if num_microbatches % pipeline_size:
+        raise ConfigError(f"the interleaved pipeline schedule needs the number of "
+                          f"micro-batches ({num_microbatches}{how}) to be a multiple of "
+                          f"pipeline_model_parallel_size ({pipeline_size}); change "
+                          "--global-batch-size or --micro-batch-size")
