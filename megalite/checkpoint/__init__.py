@@ -15,9 +15,9 @@ from megalite.checkpoint.files import (
     iteration_dir,
     read_latest_iteration,
 )
-from megalite.checkpoint.load import LoadedCheckpoint, load_checkpoint
+from megalite.checkpoint.load import LoadedCheckpoint, LoadOptions, load_checkpoint
 from megalite.checkpoint.save import CheckpointSaver, save_checkpoint
 
-__all__ = ["LATEST", "CheckpointError", "CheckpointSaver", "LoadedCheckpoint",
+__all__ = ["LATEST", "CheckpointError", "CheckpointSaver", "LoadOptions", "LoadedCheckpoint",
            "find_iteration", "iteration_dir", "load_checkpoint", "read_latest_iteration",
            "save_checkpoint"]

@@ -21,7 +21,7 @@ from megalite.checkpoint.files import (
     read_latest_iteration,
     read_metadata,
 )
-from megalite.checkpoint.load import load_checkpoint
+from megalite.checkpoint.load import LoadOptions, load_checkpoint
 from megalite.checkpoint.save import save_checkpoint
 from megalite.config import MegaliteConfig, ParallelConfig
 from megalite.parallel.state import ParallelState
@@ -67,7 +67,8 @@ def load_full_model(root: str, iteration: int | None = None):
     cfg.model.bf16 = cfg.model.fp16 = False
     ps = single_process_state()
     model = GPTModel(cfg.model, ps, seed=cfg.train.seed)
-    load_checkpoint(root, model, None, None, ps, load_rng=False, iteration=iteration)
+    load_checkpoint(root, model, None, None, ps,
+                    LoadOptions(load_rng=False, iteration=iteration))
     return cfg, model
 
 

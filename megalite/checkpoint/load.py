@@ -79,6 +79,51 @@ class _Replaced(Exception):
     """The iteration directory was replaced (re-saved) while this load read it."""
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """How :func:`load_checkpoint` loads: the ``--load`` side of the checkpoint flags.
+
+    load_optim: restore the optimizer moments and loss scaler (``--no-load-optim``: fresh
+                ones; the lr schedule still continues).
+    load_rng:   restore the RNG states (``--no-load-rng``: keep this run's seeds).
+    finetune:   weights only; iteration and consumed samples restart at 0 (``--finetune``).
+    iteration:  load that iteration instead of the latest (``--ckpt-step``).
+    save_dir:   this run's ``--save``: an empty ``--load`` directory starts from scratch
+                only when it is the same one
+                (:func:`megalite.checkpoint.files.find_iteration`).
+    verify:     check the files' fast checksums (``--no-ckpt-verify``: off).
+    sha256:     also check their sha256 (``--ckpt-verify``).
+    """
+
+    load_optim: bool = True
+    load_rng: bool = True
+    finetune: bool = False
+    iteration: int | None = None
+    save_dir: str | None = None
+    verify: bool = True
+    sha256: bool = False
+
+    @classmethod
+    def from_config(cls, ck) -> LoadOptions:
+        """The options ``ck`` (a :class:`megalite.config.CheckpointConfig`) asks for."""
+        return cls(load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng,
+                   finetune=ck.finetune, iteration=ck.ckpt_step, save_dir=ck.save,
+                   verify=not ck.no_ckpt_verify, sha256=ck.ckpt_verify)
+
+
+@dataclass
+class _Load:
+    """One load: the checkpoint directory, the objects it restores into, its options."""
+
+    root: str
+    model: torch.nn.Module
+    optimizer: object
+    scheduler: object
+    ps: ParallelState
+    rng_tracker: object
+    options: LoadOptions
+
+
 @dataclass
 class LoadedCheckpoint:
     """What :func:`load_checkpoint` restored."""
@@ -230,22 +275,22 @@ def reseed(seed: int, iteration: int, ps: ParallelState, tracker=None) -> None:
         tracker.set_states(RNGTracker.from_state(ps, base).get_states())
 
 
-def _read(iter_dir: str, meta: dict, model, optimizer, ps: ParallelState,
-          load_optim: bool, load_rng: bool, finetune: bool, reader: VerifyingReader):
+def _read(load: _Load, iter_dir: str, meta: dict, reader: VerifyingReader):
     """Check the model against the checkpoint and read the blocks (collective)."""
+    ps, opts = load.ps, load.options
     entries = reader.read_metadata().state_dict_metadata
     shapes = {k[len("model/"):]: tuple(v.size) for k, v in entries.items()
               if k.startswith("model/") and isinstance(v, TensorStorageMetadata)}
     dtypes = {k: v.properties.dtype for k, v in entries.items()
               if isinstance(v, TensorStorageMetadata)}
-    layouts = param_layouts(model, ps)
+    layouts = param_layouts(load.model, ps)
     read_fused_whole_where_saved_so(layouts, shapes)
     _check_model(layouts, shapes, iter_dir, ps)
 
     state, pieces = model_load_state(layouts)
     state[COMMON] = None
     names = meta.get("optimizer_state")
-    want_optim = load_optim and not finetune and optimizer is not None
+    want_optim = opts.load_optim and not opts.finetune and load.optimizer is not None
     if want_optim and names is None:
         raise CheckpointError(f"{iter_dir} holds no optimizer state (saved with "
                               "--no-save-optim); load it with --no-load-optim")
@@ -255,7 +300,7 @@ def _read(iter_dir: str, meta: dict, model, optimizer, ps: ParallelState,
         state.update(ostate)
         pieces.update(opieces)
     same_layout = meta["layout"] == layout_of(ps)
-    want_rng = load_rng and not finetune
+    want_rng = opts.load_rng and not opts.finetune
     if want_rng and not meta.get("rng"):
         raise CheckpointError(f"{iter_dir} holds no RNG state (saved with --no-save-rng); "
                               "load it with --no-load-rng")
@@ -266,35 +311,32 @@ def _read(iter_dir: str, meta: dict, model, optimizer, ps: ParallelState,
     return state[COMMON], per_param, want_optim, want_rng, same_layout, state
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, ps: ParallelState, *,
-                    load_optim: bool = True, load_rng: bool = True, finetune: bool = False,
-                    rng_tracker=None, iteration: int | None = None,
-                    save_dir: str | None = None, verify: bool = True,
-                    sha256: bool = False) -> LoadedCheckpoint | None:
-    """Restore the latest (or ``iteration``'s) checkpoint under ``root`` into the objects,
+def load_checkpoint(root: str, model, optimizer, scheduler, ps: ParallelState,
+                    options: LoadOptions | None = None, rng_tracker=None
+                    ) -> LoadedCheckpoint | None:
+    """Restore the latest (or ``options.iteration``'s) checkpoint under ``root`` into the
+    model, optimizer, scheduler and ``rng_tracker`` (each but the model may be None),
     resharding to this layout. Collective over the world.
 
-    Returns None -- start from scratch -- only when ``root`` holds no checkpoint and
-    ``save_dir`` is the same directory (see :func:`megalite.checkpoint.files.find_iteration`
-    for the rules). ``finetune``: weights only; iteration and consumed samples restart at
-    0. ``load_optim`` False: fresh optimizer moments and loss scaler (the lr schedule
-    still continues). ``load_rng`` False: keep this run's seeds. ``iteration``
-    (``--ckpt-step``): that one instead of the latest. ``verify`` (default; off with
-    ``--no-ckpt-verify``): check the files' fast checksums; ``sha256`` (``--ckpt-verify``):
-    also their sha256. Raises :class:`CheckpointError` naming the first missing or damaged
-    file, or the first tensor whose name or shape differs. A directory that a live job
-    replaced while it was read is read again (module docstring).
+    ``options``: :class:`LoadOptions` (default: everything, the latest iteration, fast
+    checksums verified). Returns None -- start from scratch -- only when ``root`` holds no
+    checkpoint and ``options.save_dir`` is the same directory (see
+    :func:`megalite.checkpoint.files.find_iteration` for the rules). Raises
+    :class:`CheckpointError` naming the first missing or damaged file, or the first
+    tensor whose name or shape differs. A directory that a live job replaced while it was
+    read is read again (module docstring).
     """
-    step, replaced = iteration, None
+    opts = options if options is not None else LoadOptions()
+    load = _Load(root, model, optimizer, scheduler, ps, rng_tracker, opts)
+    replaced = None
     for _ in range(READ_ATTEMPTS):
-        iteration, identity = resolve_checkpoint(root, ps, step=step, save_dir=save_dir,
-                                                 finetune=finetune)
+        iteration, identity = resolve_checkpoint(root, ps, step=opts.iteration,
+                                                 save_dir=opts.save_dir,
+                                                 finetune=opts.finetune)
         if iteration is None:
             return None
         try:
-            return _load_iteration(root, iteration, identity, model, optimizer, scheduler,
-                                   ps, load_optim, load_rng, finetune, rng_tracker, verify,
-                                   sha256)
+            return _load_iteration(load, iteration, identity)
         except _Replaced as exc:
             replaced = str(exc)
             if ps.rank == 0:
@@ -304,23 +346,23 @@ def load_checkpoint(root: str, model, optimizer, scheduler, ps: ParallelState, *
                           "that job, or load once it has stopped")
 
 
-def _load_iteration(root: str, iteration: int, identity: str, model, optimizer, scheduler,
-                    ps: ParallelState, load_optim: bool, load_rng: bool, finetune: bool,
-                    rng_tracker, verify: bool, sha256: bool) -> LoadedCheckpoint:
+def _load_iteration(load: _Load, iteration: int, identity: str) -> LoadedCheckpoint:
     """One read of ``iteration`` (rank 0's choice, ``identity`` the sha256 of its
     metadata.json); :class:`_Replaced` on every rank when its directory was replaced."""
+    root, ps, verify = load.root, load.ps, load.options.verify
+    optimizer, scheduler = load.optimizer, load.scheduler
     iter_dir = iteration_dir(root, iteration)
 
     def hint() -> str:
         return (f"; {fallback_hint(root, iteration)} (or pass --no-ckpt-verify to load this "
                 "one as it is)")
 
-    meta, pin = _check_files(iter_dir, identity, ps, sha256, verify, hint)
+    meta, pin = _check_files(iter_dir, identity, ps, load.options.sha256, verify, hint)
     reader = VerifyingReader(iter_dir, meta["files"] if verify else None, ps.rank,
                              ps.world_size)
     try:
         common, per_param, want_optim, want_rng, same_layout, state = _read(
-            iter_dir, meta, model, optimizer, ps, load_optim, load_rng, finetune, reader)
+            load, iter_dir, meta, reader)
     except (Exception, CheckpointException):  # on every rank (the checks and DCP agree)
         # damage that broke the read explains it: named on every rank, else the error
         # (DCP's CheckpointException is a BaseException)
@@ -330,7 +372,7 @@ def _load_iteration(root: str, iteration: int, identity: str, model, optimizer, 
     _agree(reader.outcome(), _replaced(iter_dir, pin), ps, hint)
     if optimizer is not None:
         optimizer.reload_model_params()
-    if finetune:
+    if load.options.finetune:
         return LoadedCheckpoint(iteration=0, consumed_samples=0, path=iter_dir)
     if scheduler is not None and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"])
@@ -340,10 +382,10 @@ def _load_iteration(root: str, iteration: int, identity: str, model, optimizer, 
         if common.get("loss_scaler") is not None:
             optimizer.scaler.load_state_dict(common["loss_scaler"])
     if want_rng and same_layout:
-        restore_rng_state(state[rng_key(ps.rank)], rng_tracker, ps.device)
+        restore_rng_state(state[rng_key(ps.rank)], load.rng_tracker, ps.device)
     elif want_rng:
         seed = (meta.get("config") or {}).get("train", {}).get("seed", 1234)
-        reseed(seed, int(common["iteration"]), ps, rng_tracker)
+        reseed(seed, int(common["iteration"]), ps, load.rng_tracker)
         if ps.rank == 0:
             old = meta["layout"]
             print(f" checkpoint {iter_dir} was saved at tp={old['tp']} pp={old['pp']} "

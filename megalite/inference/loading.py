@@ -101,7 +101,7 @@ def load_model(load: str, iteration: int | None = None, ps=None):
     stage (its layers, the embedding on the first, the output layer on the last).
     Collective over ``ps``'s world."""
     from megalite.checkpoint.consolidated import checkpoint_config, single_process_state
-    from megalite.checkpoint.load import load_checkpoint
+    from megalite.checkpoint.load import LoadOptions, load_checkpoint
     from megalite.models.gpt import GPTModel
 
     ps = ps or single_process_state()
@@ -126,8 +126,8 @@ def load_model(load: str, iteration: int | None = None, ps=None):
                      pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), first_layer=first,
                      num_layers=num_layers)
-    load_checkpoint(load, model, None, None, ps, load_optim=False, load_rng=False,
-                    iteration=iteration)
+    load_checkpoint(load, model, None, None, ps,
+                    LoadOptions(load_optim=False, load_rng=False, iteration=iteration))
     return cfg, model.eval()
 
 

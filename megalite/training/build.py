@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from megalite.checkpoint import load_checkpoint
+from megalite.checkpoint import LoadOptions, load_checkpoint
 from megalite.checkpoint.lock import acquire_save_lock
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.optim.build import build_grads_and_optimizer
@@ -167,11 +167,7 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
     save_lock = acquire_save_lock(ck.save, ps) if ck.save else None  # one job per --save
     if ck.load:
         loaded = load_checkpoint(ck.load, model, optimizer, scheduler, ps,
-                                 load_optim=not ck.no_load_optim,
-                                 load_rng=not ck.no_load_rng, finetune=ck.finetune,
-                                 rng_tracker=rng_tracker, save_dir=ck.save,
-                                 iteration=ck.ckpt_step, verify=not ck.no_ckpt_verify,
-                                 sha256=ck.ckpt_verify)
+                                 LoadOptions.from_config(ck), rng_tracker)
         if loaded is None:
             metrics.print(f" no checkpoint in {ck.load}; starting from scratch")
         else:

@@ -7,7 +7,7 @@ import threading
 import torch
 
 import megalite.checkpoint.save as ckpt_save
-from megalite.checkpoint import CheckpointSaver, load_checkpoint, read_latest_iteration
+from megalite.checkpoint import CheckpointSaver, LoadOptions, load_checkpoint, read_latest_iteration
 from megalite.parallel.state import ParallelState
 from megalite.training.build import default_model_provider
 from tests.distributed.harness import run_distributed
@@ -39,7 +39,7 @@ def test_async_save_publishes_staged_state_at_finalize(tmp_path, monkeypatch):
     assert saver.finalize() == os.path.join(root, "iter_0000007")
     assert read_latest_iteration(root) == 7 and saver.finalize() is None
     saver.close()
-    loaded = load_checkpoint(root, model, None, None, ps, load_rng=False)
+    loaded = load_checkpoint(root, model, None, None, ps, LoadOptions(load_rng=False))
     assert (loaded.iteration, loaded.consumed_samples) == (7, 56)
     for name, full in model.full_state_dict().items():   # the staged copy, not the later
         assert torch.equal(full, snapshot[name]), name  # weights (padding rows unsaved)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import load as ckpt_load
-from megalite.checkpoint import load_checkpoint, save_checkpoint
+from megalite.checkpoint import LoadOptions, load_checkpoint, save_checkpoint
 from megalite.checkpoint.consolidated import single_process_state
 from megalite.checkpoint.files import CheckpointError, iteration_dir
 from megalite.checkpoint.lock import LOCK
@@ -83,11 +83,11 @@ def test_a_directory_resaved_during_the_read_is_read_again(tmp_path, monkeypatch
 
     monkeypatch.setattr(ckpt_load, "_check_files", check_then_resave)
     _, ps, model = filled(0.0)
-    loaded = load_checkpoint(root, model, None, None, ps, load_rng=False)
+    loaded = load_checkpoint(root, model, None, None, ps, LoadOptions(load_rng=False))
     assert (loaded.iteration, loaded.consumed_samples) == (3, 2)
     assert 1.0 not in weight_values(model) and 2.0 in weight_values(model)
     _, _, again = filled(0.0)    # (vocabulary padding rows are not saved: they stay 0)
-    load_checkpoint(root, again, None, None, ps, load_rng=False)
+    load_checkpoint(root, again, None, None, ps, LoadOptions(load_rng=False))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
     assert len(calls) == 3
     assert (f" here: {iteration_dir(root, 3)} was replaced while it was read (a live job "
@@ -110,7 +110,7 @@ def test_a_directory_resaved_on_every_read_is_one_error(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt_load, "_check_files", check_then_resave)
     _, _, model = filled(0.0)
     with pytest.raises(CheckpointError, match=f"keeps re-saving {root}, or the ranks") as e:
-        load_checkpoint(root, model, None, None, ps, load_rng=False)
+        load_checkpoint(root, model, None, None, ps, LoadOptions(load_rng=False))
     assert str(e.value).startswith(f"here: {iteration_dir(root, 3)} was replaced while it was "
                                    "read (a live job re-saved it); 3 reads in a row")
 

@@ -89,7 +89,7 @@ def throughput(args, root: str) -> None:
     integrity check): each repeat runs both settings, in alternating order, so a busy
     machine slows both alike; medians over repeats, and the median of the per-repeat
     ratios."""
-    from megalite.checkpoint import CheckpointSaver, load_checkpoint
+    from megalite.checkpoint import CheckpointSaver, LoadOptions, load_checkpoint
     from megalite.checkpoint.consolidated import single_process_state
     from megalite.checkpoint.files import FAST_CHECKSUM, iteration_dir, manifest_entries
     from megalite.models.gpt import GPTModel
@@ -132,8 +132,8 @@ def throughput(args, root: str) -> None:
                     if from_disk:
                         _drop_from_page_cache(verified_dir)
                     record(names[on], lambda on=on: load_checkpoint(
-                        ckpt, model, None, None, ps, load_rng=False, verify=on,
-                        iteration=verified))
+                        ckpt, model, None, None, ps,
+                        LoadOptions(load_rng=False, verify=on, iteration=verified)))
         record(f"  {FAST_CHECKSUM} of the files alone", lambda: manifest_entries(
             verified_dir, sorted(n for n in os.listdir(verified_dir) if n != "metadata.json")))
         record("torch.save (fsync)", lambda: _torch_save(state, raw))
