@@ -94,13 +94,13 @@ def attempt_store(rank: int, timeout: datetime.timedelta) -> dist.Store:
     ``TCPStore`` with the workers), and ``init_process_group`` writes each attempt's keys
     (gloo's listening addresses, NCCL's unique id) under the same names. A restarted
     worker can read the previous attempt's entry before the new rank 0 overwrote it, then
-    connects to a dead address ("Connection refused") or waits forever (pytorch issue
-    135712; ``TORCHELASTIC_RESTART_COUNT`` cannot tell attempts apart, as every agent
-    counts its own restarts). Here rank 0 serves a new store on a port the OS assigns and
-    publishes ``host:port:nonce`` in the agent's store; the other ranks connect to the
-    address they read and accept it only when the store answers with the same nonce, so
-    an address left by an earlier attempt (its server died with its rank 0) is skipped
-    until the new one appears.
+    connects to a dead address ("Connection refused") or waits forever (PyTorch's GitHub
+    issue pytorch/pytorch#135712; ``TORCHELASTIC_RESTART_COUNT`` cannot tell attempts
+    apart, as every agent counts its own restarts). Here rank 0 serves a new store on a
+    port the OS assigns and publishes ``host:port:nonce`` in the agent's store; the other
+    ranks connect to the address they read and accept it only when the store answers
+    with the same nonce, so an address left by an earlier attempt (its server died with
+    its rank 0) is skipped until the new one appears.
     """
     global _attempt_server
     master = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])

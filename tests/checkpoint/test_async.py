@@ -1,4 +1,4 @@
-"""``--async-save`` (issue 9, item 3): the state is staged, written in a background
+"""``--async-save``: the state is staged, written in a background
 thread while training goes on, and ``latest`` moves only once every rank finished."""
 
 import os

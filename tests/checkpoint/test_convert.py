@@ -1,5 +1,5 @@
-"""Hugging Face <-> megalite conversion against the real ``transformers`` (issue 9,
-items 4 and 5): HF -> megalite -> HF is bit-identical, a trained megalite checkpoint
+"""Hugging Face <-> megalite conversion against the real ``transformers``:
+HF -> megalite -> HF is bit-identical, a trained megalite checkpoint
 converted to HF gives our logits in ``AutoModelForCausalLM``, and a converted HF model
 continues training here."""
 

@@ -1,5 +1,5 @@
 """The device megalite chose, not ``torch.cuda.is_available()``, decides whether the RNG
-checkpointing, the data loader and the profiler touch CUDA (issue 14's leftover): a GPU
+checkpointing, the data loader and the profiler touch CUDA: a GPU
 host run with ``--device cpu`` never creates a CUDA context. These tests fake a host with
 CUDA available on this CPU machine; every CUDA entry point that would create a context
 raises."""

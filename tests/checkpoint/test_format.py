@@ -1,5 +1,5 @@
-"""On-disk format, crash safety, integrity checks and what ``--load`` means (issue 9,
-item 2), in one process."""
+"""On-disk format, crash safety, integrity checks and what ``--load`` means, in one
+process."""
 
 import json
 import os

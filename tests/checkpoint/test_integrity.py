@@ -1,5 +1,5 @@
 """Ranks agree on what they load, checksums are verified by default, ``--ckpt-step``, and
-one job per ``--save`` directory (issue 15, items 1 and 2)."""
+one job per ``--save`` directory."""
 
 import json
 import os
@@ -57,7 +57,7 @@ def test_manifest_records_a_fast_checksum(saved):
         assert entry[algorithm] == ckpt_files.fast_checksum(path) and "sha256" not in entry
 
 
-# -- item 1: one decision for all ranks ------------------------------------------------------
+# -- one decision for all ranks --------------------------------------------------------------
 def _load_on_ranks(rank, world_size, root, patch):
     """Rank 1 gets another view of ``root`` (``patch``); returns the loaded iteration or
     the error."""
@@ -93,7 +93,7 @@ def test_ckpt_step_loads_an_older_iteration(saved):
         _load(load=saved, ckpt_step=3)
 
 
-# -- item 2: checksums verified by default ---------------------------------------------------
+# -- checksums verified by default -----------------------------------------------------------
 def _flip(path: str, count: int = 64) -> None:
     """Invert ``count`` bytes in the middle of ``path`` (same size)."""
     size = os.path.getsize(path)
@@ -267,7 +267,7 @@ def test_a_truncated_shard_is_named_on_both_ranks(saved2, tmp_path):
                 f"{size} (truncated?)") in error, errors
 
 
-# -- item 1: one job per --save directory ----------------------------------------------------
+# -- one job per --save directory ------------------------------------------------------------
 def _write_lock(root: str, pid: int, host: str | None = None, age: float = 0.0) -> str:
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, LOCK)

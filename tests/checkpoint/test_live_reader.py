@@ -1,4 +1,4 @@
-"""Reading a checkpoint directory that a live job saves to (issue 15): readers take no
+"""Reading a checkpoint directory that a live job saves to: readers take no
 lock and read only published iterations. A directory re-saved while it is read is read
 again, never half old and half new; the tools read the last complete iteration beside a
 live job's lock and its half-written save."""

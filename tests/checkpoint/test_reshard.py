@@ -1,4 +1,4 @@
-"""Resuming under another layout continues the loss curve (issue 9, item 1).
+"""Resuming under another layout continues the loss curve.
 
 One world-8 run trains 10 + 3 iterations at (tp2, pp2, dp2) with the distributed optimizer
 and saves at iteration 10; the checkpoint of iteration 10 is then resumed at

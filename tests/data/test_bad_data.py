@@ -1,5 +1,5 @@
 """Token ids beyond the vocabulary and datasets without tokens stop training with an error
-naming the dataset (issue 15, items 3 and 5)."""
+naming the dataset."""
 
 from __future__ import annotations
 

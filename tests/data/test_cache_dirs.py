@@ -1,4 +1,4 @@
-"""Run-time caches stay out of megalite's own tree (item 7 of issue 12).
+"""Run-time caches stay out of megalite's own tree.
 
 The bundled corpus lives in ``data/`` inside the source tree; its other tokenizations and
 the index caches of datasets there go to the user cache directory, never next to the data.

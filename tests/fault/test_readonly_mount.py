@@ -1,4 +1,4 @@
-"""Unwritable outputs under a real read-only mount (issue 15, items 6 and 9).
+"""Unwritable outputs under a real read-only mount: training's outputs and preprocessing's.
 
 These tests run as root here, and root ignores permission bits, so a ``chmod`` test would
 prove nothing (tests/training/test_preflight.py uses a path that cannot be created

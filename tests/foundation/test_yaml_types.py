@@ -1,4 +1,4 @@
-"""YAML values get the command line's types and choices (issue 15, item 4)."""
+"""YAML values get the command line's types and choices."""
 
 from __future__ import annotations
 

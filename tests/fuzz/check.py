@@ -26,8 +26,8 @@ Tolerances (absolute, on losses about 4 and parameters about 0.02-1):
   weight near 1 moves by one ulp (2^-7) when its fp32 master crosses a rounding boundary,
   and AdamW turns tiny gradient differences into steps of up to ``lr`` (3e-3) per
   iteration (observed over 109 draws: loss <= 2.4e-3, grad norm <= 6e-3 relative,
-  parameters <= 7.8e-3). The planted bugs of issue 12 moved bf16 draws by a grad norm off
-  by a factor of 2 to 4 or a loss off by 5e-2 within the 3 steps.
+  parameters <= 7.8e-3). The planted bugs listed in test_layout_fuzz.py moved bf16 draws by a
+  grad norm off by a factor of 2 to 4 or a loss off by 5e-2 within the 3 steps.
 """
 
 from __future__ import annotations

@@ -32,12 +32,11 @@ from tests.fuzz.draw import draw_layout
 #  77  tp2 + sp x pp2 x dp2, MoE ep2 etp2 alltoall, distributed optimizer + overlap, bf16
 #  93  tp4 + sp x pp2 x vpp2, tied embeddings across stages
 # 143  tp2 + sp x cp2 (p2p ring), MoE ep2 etp1, distributed optimizer + overlap, SGD
-# Together they caught each of the planted bugs of the closing note of issue 12 (with seed
-# 28, which drew the uneven stage then and draws another layout since validation grew; a loss
-# normalised by local token counts, expert grads reduced over dp instead of edp, the tied
-# embedding's grad not summed or summed twice across stages, sequence-parallel norm grads
-# not summed over tp). test_default_draws_cover_every_parallelism keeps the coverage when
-# draw.py changes.
+# Together they caught each of these planted bugs: a loss normalised by local token
+# counts, expert grads reduced over dp instead of edp, the tied embedding's grad not summed
+# or summed twice across stages, sequence-parallel norm grads not summed over tp (with
+# seed 28 for the uneven stage then; it draws another layout since validation grew).
+# test_default_draws_cover_every_parallelism keeps the coverage when draw.py changes.
 DEFAULT_SEEDS = (5, 41, 56, 77, 93, 143)
 
 

@@ -34,7 +34,7 @@ def measured():
     return run_by_world(MEMORY_CASES, measure_body)
 
 
-def test_cases_cover_the_issue():
+def test_cases_cover_dense_moe_optimizers_recompute_and_pipelines():
     """At least 12 layouts, dense and MoE, with and without the distributed optimizer,
     recompute and pipeline schedules."""
     assert len({c.name for c in MEMORY_CASES} - TIMING_SENSITIVE) >= 12

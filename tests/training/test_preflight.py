@@ -1,4 +1,4 @@
-"""Start-up checks (issue 15, item 6): unwritable output locations stop the run before any
+"""Start-up checks: unwritable output locations stop the run before any
 work with one error naming the flag and the path; too little disk space is a warning."""
 
 from __future__ import annotations
