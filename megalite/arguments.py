@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from megalite.config import SECTIONS, ConfigError, MegaliteConfig
+from megalite.config.fields import choices_of
 
 
 class ArgumentError(ConfigError):
@@ -68,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["action"] = meta.get("action") or "store_true"
         else:
             kwargs["type"] = str if ftype is list else ftype
-            if meta.get("choices"):
-                kwargs["choices"] = meta["choices"]
+            if choices_of(f):
+                kwargs["choices"] = choices_of(f)
             if meta.get("nargs"):
                 kwargs["nargs"] = meta["nargs"]
         groups[section].add_argument(*names, **kwargs)
@@ -141,7 +142,7 @@ def _field_specs() -> dict[str, tuple]:
             hint = hints[f.name]
             optional = type(None) in typing.get_args(hint) or f.default is None
             specs[f.name] = (_base_type(hint), optional, bool(f.metadata.get("nargs")),
-                             f.metadata.get("choices"))
+                             choices_of(f))
     return specs
 
 

@@ -36,6 +36,8 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from megalite.config.parallel import data_parallel_size
+
 # short names used in the table -> ParallelConfig fields, in the order names list them
 SHORT = {"tp": "tensor_model_parallel_size", "sp": "sequence_parallel",
          "pp": "pipeline_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size",
@@ -76,13 +78,12 @@ class Layout:
     @property
     def dp(self) -> int:
         """Data-parallel size: world / (tp x pp x cp)."""
-        return self.world_size // (self.get("tp") * self.get("pp") * self.get("cp"))
+        return parallel_config(self).data_parallel_size(self.world_size)
 
 
 def slug(world_size: int, parallel: dict) -> str:
     """``tp2-sp-pp2-dp2-distopt``: the sizes above 1 (dp derived), then the flags set."""
     short = {s: parallel[f] for s, f in SHORT.items() if f in parallel}
-    mp = short.get("tp", 1) * short.get("pp", 1) * short.get("cp", 1)
     parts = []
     for s, value in short.items():
         if s in _FLAG_NAMES:
@@ -92,7 +93,7 @@ def slug(world_size: int, parallel: dict) -> str:
         elif s != "bucket" and value is not None and (value > 1 or s in ("etp", "first",
                                                                           "last")):
             parts.append(f"{s}{value}")
-    dp = world_size // mp
+    dp = data_parallel_size(world_size, *(short.get(s, 1) for s in ("tp", "pp", "cp")))
     if dp > 1:  # after the model-parallel sizes, before the expert sizes
         at = next((i for i, p in enumerate(parts) if p.startswith(("ep", "etp", "distopt",
                                                                    "ogr", "opg", "optim",

@@ -3,7 +3,6 @@ row a layout that megalite's own config validation accepts for its world size.""
 
 import pytest
 
-from megalite.config.layout import chunk_layer_ranges
 from tests.layouts import LAYOUTS, SUITES, Layout, layouts, slug, tiny
 
 
@@ -20,14 +19,24 @@ def test_every_suite_has_rows_and_every_row_a_suite():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_row_is_a_valid_layout(layout):
+def test_row_resolves_to_its_layout(layout):
+    """Every row is a layout megalite's config validation accepts for its world size, and
+    its resolved layout has the row's sizes: the world factors into them, the experts
+    regroup the dense ranks, every layer is on exactly one pipeline chunk, and the global
+    batch is micro-batches x micro-batch size x dp."""
     assert 1 <= layout.world_size <= 8
     cfg = tiny(layout)   # ModelConfig / ParallelConfig checks, then validate(world_size)
-    p = cfg.parallel
-    assert layout.dp == p.data_parallel_size(layout.world_size) >= 1
-    chunk_layer_ranges(cfg.model.num_layers, p.pipeline_model_parallel_size,
-                       p.virtual_pipeline_model_parallel_size,
-                       p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    lay = cfg.resolve(layout.world_size)
+    assert [getattr(lay, s) for s in ("tp", "pp", "cp", "ep", "etp")] == \
+        [layout.get(s) for s in ("tp", "pp", "cp", "ep", "etp")]
+    assert lay.vpp == (layout.get("vpp") or 1)
+    assert lay.dp == layout.dp >= 1
+    assert lay.tp * lay.cp * lay.dp * lay.pp == layout.world_size
+    assert lay.etp * lay.ep * lay.edp == lay.tp * lay.cp * lay.dp
+    assert all(len(chunks) == lay.vpp for chunks in lay.stage_chunks)
+    held = sorted(i for r in range(lay.pp) for i in lay.stage_layers(r))
+    assert held == list(range(cfg.model.num_layers))
+    assert lay.num_microbatches * lay.micro_batch_size * lay.dp == lay.global_batch_size
 
 
 def test_a_row_pastes_back():

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 import torch  # noqa: E402
 
+from megalite.config.run import DEFAULT_SEED  # noqa: E402
 from megalite.errors import report_tool_error  # noqa: E402
 
 PROG = "generate"
@@ -42,7 +43,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=0.0, help="0 = off")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:

@@ -35,7 +35,8 @@ from megalite.data.preprocess import (
     format_summary,
     preprocess,
 )
-from megalite.data.tokenizers import TIKTOKEN_PATTERNS, TOKENIZER_TYPES
+from megalite.config.data import TOKENIZER_TYPES
+from megalite.data.tokenizers import TIKTOKEN_PATTERNS
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -11,7 +11,7 @@ from megalite.config.fields import ConfigError, require
 from megalite.config.layout import ResolvedLayout, resolve_layout
 from megalite.config.model import ModelConfig
 from megalite.config.optim import OptimConfig
-from megalite.config.parallel import ParallelConfig
+from megalite.config.parallel import ParallelConfig, expert_data_parallel_size
 from megalite.config.run import CheckpointConfig, LoggingConfig, TrainConfig
 
 SECTIONS = {
@@ -66,7 +66,7 @@ class MegaliteConfig:
                      f"seq_length ({m.seq_length}) must be divisible by 2 x "
                      f"context_parallel_size ({p.context_parallel_size})")
         self._validate_pipeline()
-        self._validate_experts(world_size, dp)
+        self._validate_experts(dp)
         self._validate_training_length()
         self._validate_batches(dp)
         if self.checkpoint.save_interval is not None and self.checkpoint.save is None:
@@ -158,17 +158,15 @@ class MegaliteConfig:
                      f"num_layers ({m.num_layers}) must be divisible by "
                      f"pipeline_model_parallel_size ({pp}) x virtual pipeline size ({vpp})")
 
-    def _validate_experts(self, world_size: int, dp: int) -> None:
+    def _validate_experts(self, dp: int) -> None:
         m, p = self.model, self.parallel
         ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
         if ep > 1 or etp != p.tensor_model_parallel_size:
             require(m.num_experts is not None,
                      "--expert-model-parallel-size / --expert-tensor-parallel-size need "
                      "--num-experts")
-        dense = p.tensor_model_parallel_size * p.context_parallel_size * dp
-        require(dense % (ep * etp) == 0,
-                 f"expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) "
-                 f"must divide tp x cp x dp ({dense}) for world size {world_size}")
+        expert_data_parallel_size(p.tensor_model_parallel_size, p.context_parallel_size, dp,
+                                  ep, etp)
         m.check_layout(p.tensor_model_parallel_size, p.context_parallel_size, ep, etp)
         require(not (m.num_experts is not None and m.moe_token_dispatcher_type == "allgather"
                       and p.variable_seq_lengths),

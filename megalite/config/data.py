@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from megalite.config.fields import ConfigError, arg, check_choices, require
 
+# --tokenizer-type values (megalite.data.tokenizers builds each)
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "NullTokenizer")
+
 
 @dataclass
 class DataConfig:
@@ -17,9 +21,7 @@ class DataConfig:
     split: str = arg("969,30,1", "Train,valid,test split of the documents.")
     data_cache_path: str | None = arg(None, "Where to cache the dataset indices.")
     mock_data: bool = arg(False, "Use synthetic data.")
-    tokenizer_type: str | None = arg(None, "Tokenizer.", choices=(
-        "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-        "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "NullTokenizer"))
+    tokenizer_type: str | None = arg(None, "Tokenizer.", choices=TOKENIZER_TYPES)
     tokenizer_model: str | None = arg(None, "Tokenizer model file or directory "
                                       "(TikTokenizer: a .json or .tiktoken rank file).")
     vocab_file: str | None = arg(None, "Vocabulary file (GPT2BPETokenizer).")

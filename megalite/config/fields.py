@@ -14,6 +14,7 @@ vs the parallel layout) live in :meth:`MegaliteConfig.validate`. Every problem r
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import field
 from typing import Any
 
@@ -27,7 +28,7 @@ class ConfigError(KnownError, ValueError):
 
 
 def arg(default: Any = None, help: str = "", *, flag: str | None = None,
-        action: str | None = None, choices: tuple | None = None,
+        action: str | None = None, choices: tuple | Callable[[], tuple] | None = None,
         nargs: str | None = None, aliases: tuple = (), cli: bool = True,
         no_effect: str | None = None):
     """A dataclass field carrying its command-line description.
@@ -36,6 +37,9 @@ def arg(default: Any = None, help: str = "", *, flag: str | None = None,
                ``--disable-bias-linear`` for ``add_bias_linear``).
     action:    ``store_true`` / ``store_false`` for booleans (defaults: store_true when the
                default is False).
+    choices:   the allowed values, or a function returning them (read when the parser is
+               built or a value is checked): a registry elsewhere -- the attention kernels
+               -- then lists its names once, and a new entry is a flag value at once.
     aliases:   extra flag spellings accepted for the same field.
     cli:       False for derived fields that are not flags.
     no_effect: for a Megatron flag megalite accepts but that changes nothing here (it tunes
@@ -54,10 +58,16 @@ def require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def choices_of(f: dataclasses.Field) -> tuple | None:
+    """The allowed values of field ``f`` (its ``choices``, called when a function)."""
+    choices = f.metadata.get("choices")
+    return choices() if callable(choices) else choices
+
+
 def check_choices(obj: Any) -> None:
     """Every field declared with ``choices`` holds one of them (None allowed when default)."""
     for f in dataclasses.fields(obj):
-        choices = f.metadata.get("choices")
+        choices = choices_of(f)
         value = getattr(obj, f.name)
         if choices and value not in choices and not (value is None and f.default is None):
             raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}; "

@@ -32,6 +32,7 @@ import torch
 from megalite.config import shapes
 from megalite.config.batch_schedule import BatchSchedule
 from megalite.config.fields import ConfigError
+from megalite.config.parallel import expert_data_parallel_size
 
 
 def layers_per_stage(num_layers: int, pp: int, first: int | None = None,
@@ -79,13 +80,6 @@ def chunk_layer_ranges(num_layers: int, pp: int, vpp: int | None = None,
     return ranges
 
 
-def training_dtype(model_cfg) -> torch.dtype:
-    """The parameters' and activations' dtype: bfloat16 (``--bf16``), float16 (``--fp16``)
-    or float32."""
-    return (torch.bfloat16 if model_cfg.bf16 else torch.float16 if model_cfg.fp16
-            else torch.float32)
-
-
 @dataclass(frozen=True)
 class ResolvedLayout:
     """One run's resolved layout (module docstring); build with :meth:`MegaliteConfig.resolve`
@@ -131,7 +125,7 @@ class ResolvedLayout:
 
     @property
     def dtype_bytes(self) -> int:
-        return torch.tensor([], dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -193,11 +187,11 @@ def resolve_layout(cfg, world_size: int) -> ResolvedLayout:
                                 p.decoder_last_pipeline_num_layers)
     layout = ResolvedLayout(
         world_size=world_size, tp=tp, cp=cp, pp=pp, vpp=vpp, dp=dp, ep=ep, etp=etp,
-        edp=tp * cp * dp // (ep * etp), sequence_parallel=p.sequence_parallel,
+        edp=expert_data_parallel_size(tp, cp, dp, ep, etp), sequence_parallel=p.sequence_parallel,
         micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
         num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
         batch_schedule=BatchSchedule.from_config(t, m.seq_length),
         stage_chunks=tuple(tuple(stage) for stage in chunks),
-        strategy=p.data_parallel_sharding_strategy, dtype=training_dtype(m),
+        strategy=p.data_parallel_sharding_strategy, dtype=m.params_dtype,
         seq_length=m.seq_length)
     return layout.with_vocab(m) if m.vocab_size is not None else layout

@@ -5,7 +5,24 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+import torch
+
 from megalite.config.fields import ConfigError, arg, check_choices, positive, require
+
+
+def _kernel_names(field: str) -> tuple[str, ...]:
+    """The values ``--attention-backend`` / ``--cp-comm-type`` accept: the names of the
+    attention kernel registries (``megalite.transformer.attention_kernels``, imported when
+    the values are first needed: the one place config reads a package above it, so that a
+    new kernel is its file and its registry line), plus ``auto`` and Megatron's names
+    (resolved there), and ``a2a+p2p`` (refused below with the reason)."""
+    if field == "attention_backend":
+        from megalite.transformer.attention_kernels import KERNELS, MEGATRON_ALIASES
+
+        return ("auto", *KERNELS, *MEGATRON_ALIASES)
+    from megalite.transformer.attention_kernels.context_parallel import CP_KERNELS
+
+    return (*CP_KERNELS, "a2a+p2p")
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
@@ -53,12 +70,12 @@ class ModelConfig:
                                             "times the tensor parallel size.")
     attention_backend: str = arg("auto", "Attention implementation (Megatron's fused / "
                                  "unfused are sdpa / local here).",
-                                 choices=("auto", "flash", "sdpa", "local", "fused", "unfused"))
+                                 choices=lambda: _kernel_names("attention_backend"))
     cp_comm_type: str = arg("p2p", "How attention exchanges keys/values under "
                             "--context-parallel-size > 1: p2p (ring attention), allgather "
                             "(gather keys/values over cp) or a2a (Ulysses all-to-all from "
                             "sequence to heads); a2a+p2p is not supported.",
-                            choices=("p2p", "allgather", "a2a", "a2a+p2p"))
+                            choices=lambda: _kernel_names("cp_comm_type"))
     masked_softmax_fusion: bool = arg(
         True, "Disable the fused masked-softmax kernel.", flag="--no-masked-softmax-fusion",
         action="store_false",
@@ -226,8 +243,10 @@ class ModelConfig:
         return self.position_embedding_type == "learned_absolute" and self.add_position_embedding
 
     @property
-    def params_dtype_name(self) -> str:
-        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+    def params_dtype(self) -> torch.dtype:
+        """The parameters' and activations' dtype: bfloat16 (``--bf16``), float16
+        (``--fp16``) or float32."""
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
     def check_layout(self, tp: int, cp: int = 1, ep: int = 1, etp: int | None = None) -> None:
         """What the model needs from a layout's sizes; the one place these rules live

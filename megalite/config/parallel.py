@@ -10,6 +10,26 @@ from megalite.config.fields import arg, check_choices, positive, require
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
+    """``world / (tp x pp x cp)``: what is left of the world for data parallelism."""
+    mp = tp * pp * cp
+    require(world_size % mp == 0,
+            f"world size ({world_size}) must be divisible by tensor_model_parallel_size "
+            f"({tp}) x pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) "
+            f"= {mp}")
+    return world_size // mp
+
+
+def expert_data_parallel_size(tp: int, cp: int, dp: int, ep: int, etp: int) -> int:
+    """``tp x cp x dp / (ep x etp)``: the data-parallel size of the experts, whose ranks
+    regroup the dense ranks of a pipeline stage as etp x ep x edp."""
+    dense = tp * cp * dp
+    require(dense % (ep * etp) == 0,
+            f"expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) must "
+            f"divide tp x cp x dp ({dense})")
+    return dense // (ep * etp)
+
+
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = arg(1, "Tensor model parallel size.")
@@ -115,10 +135,5 @@ class ParallelConfig:
                 * self.context_parallel_size)
 
     def data_parallel_size(self, world_size: int) -> int:
-        mp = self.model_parallel_size
-        require(world_size % mp == 0,
-                 f"world size ({world_size}) must be divisible by tensor_model_parallel_size "
-                 f"({self.tensor_model_parallel_size}) x pipeline_model_parallel_size "
-                 f"({self.pipeline_model_parallel_size}) x context_parallel_size "
-                 f"({self.context_parallel_size}) = {mp}")
-        return world_size // mp
+        return data_parallel_size(world_size, self.tensor_model_parallel_size,
+                                  self.pipeline_model_parallel_size, self.context_parallel_size)

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from megalite.config.fields import arg, check_choices, positive, require
 
 
+DEFAULT_SEED = 1234   # --seed (Megatron-LM's default); models, tools and the server use it too
+
+
 @dataclass
 class TrainConfig:
     micro_batch_size: int = arg(1, "Samples per micro-batch per data-parallel rank.")
@@ -40,7 +43,7 @@ class TrainConfig:
                                action="store_false")
     eval_iters: int = arg(100, "Batches per evaluation.")
     eval_interval: int = arg(1000, "Iterations between evaluations.")
-    seed: int = arg(1234, "Random seed.")
+    seed: int = arg(DEFAULT_SEED, "Random seed.")
     exit_interval: int | None = arg(None, "Exit at an iteration that is a multiple of this.")
     exit_duration_in_mins: float | None = arg(None, "Exit after this many minutes.")
     exit_signal_handler: bool = arg(False, "On SIGTERM, save a checkpoint and exit.")

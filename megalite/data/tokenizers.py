@@ -35,10 +35,8 @@ import json
 import os
 import re
 
+from megalite.config.data import TOKENIZER_TYPES
 from megalite.errors import DataError
-
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "NullTokenizer")
 
 
 class TokenizerError(DataError, ValueError):

@@ -83,7 +83,7 @@ def _stage_layers(cfg, ps) -> tuple[int, int]:
     """(first global layer, number of layers) of this rank's pipeline stage: as the
     checkpoint's training split them when it ran the same pipeline size (its
     ``--decoder-first/last-pipeline-num-layers`` included), else equally."""
-    from megalite.pipeline.layout import chunk_layer_ranges
+    from megalite.config.layout import chunk_layer_ranges
 
     pp, num_layers, p = ps.pp.size, cfg.model.num_layers, cfg.parallel
     first = last = None

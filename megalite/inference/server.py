@@ -7,15 +7,15 @@ others run :func:`follow`).
     {"prompts": ["text", ...], "tokens_to_generate": 64, "temperature": 1.0,
      "top_k": 0, "top_p": 0.0, "random_seed": 1234}
 
-answers ``{"text": [detokenized prompt + continuation, ...], "tokens": [[ids], ...]}``;
-the prompts of one request are decoded together in one batch. Bad requests answer a 4xx
-with ``{"error": "<one line>"}`` and the server keeps serving: 400 for malformed JSON,
-wrong types, unknown fields, out-of-range values and prompts that do not fit the model
-(prompt tokens + ``tokens_to_generate`` beyond its sequence length), 411 without a
-``Content-Length``, 413 for a body over ``ServerLimits.max_request_bytes``, 404 for
-another path, 405 for another method. At most ``max_concurrent_requests`` requests are
-in the server at once (the model serves one at a time, the others wait their turn); one
-more gets 503 at once.
+(``random_seed``'s default is ``--seed``'s) answers ``{"text": [detokenized prompt +
+continuation, ...], "tokens": [[ids], ...]}``; the prompts of one request are decoded
+together in one batch. Bad requests answer a 4xx with ``{"error": "<one line>"}`` and
+the server keeps serving: 400 for malformed JSON, wrong types, unknown fields,
+out-of-range values and prompts that do not fit the model (prompt tokens +
+``tokens_to_generate`` beyond its sequence length), 411 without a ``Content-Length``,
+413 for a body over ``ServerLimits.max_request_bytes``, 404 for another path, 405 for
+another method. At most ``max_concurrent_requests`` requests are in the server at once
+(the model serves one at a time, the others wait their turn); one more gets 503 at once.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from megalite.config import ConfigError
+from megalite.config.run import DEFAULT_SEED
 from megalite.inference.generation import check_prompt, generate_batch
 from megalite.inference.sampling import SamplingParams
 from megalite.parallel.collectives import broadcast_object_list
@@ -100,7 +101,7 @@ def parse_request(body, max_tokens: int, limits: ServerLimits | None = None
     params = SamplingParams(_number(body, "temperature", 1.0, float, 0.0, 100.0),
                             _number(body, "top_k", 0, int, 0, 1 << 30),
                             _number(body, "top_p", 0.0, float, 0.0, 1.0))
-    seed = _number(body, "random_seed", 1234, int, 0, 2**63 - 1)
+    seed = _number(body, "random_seed", DEFAULT_SEED, int, 0, 2**63 - 1)
     return prompts, new, params, seed
 
 

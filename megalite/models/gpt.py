@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite.config.run import DEFAULT_SEED
 from megalite.layers.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from megalite.layers.cross_entropy import vocab_parallel_cross_entropy
 from megalite.layers.linear import ColumnParallelLinear
@@ -33,10 +34,6 @@ from megalite.transformer.block import TransformerBlock
 from megalite.transformer.rope import RotaryEmbedding
 
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
-
-
-def params_dtype(cfg) -> torch.dtype:
-    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
 
 
 class GPTModel(torch.nn.Module):
@@ -53,7 +50,7 @@ class GPTModel(torch.nn.Module):
                 share one (default: a new tracker seeded from ``seed`` and the pp rank).
     """
 
-    def __init__(self, model_cfg, ps, sequence_parallel: bool = False, seed: int = 1234,
+    def __init__(self, model_cfg, ps, sequence_parallel: bool = False, seed: int = DEFAULT_SEED,
                  pre_process: bool = True, post_process: bool = True, first_layer: int = 0,
                  num_layers: int | None = None, rng: RNGTracker | None = None):
         super().__init__()
@@ -68,7 +65,7 @@ class GPTModel(torch.nn.Module):
         self.padded_vocab_size = cfg.padded_vocab_size(tp.size)
         self.rng = rng if rng is not None else RNGTracker.from_state(ps, seed)
         self.tied = not cfg.untie_embeddings_and_output_weights
-        kw = {"device": ps.device, "dtype": params_dtype(cfg)}
+        kw = {"device": ps.device, "dtype": cfg.params_dtype}
         common = dict(sequence_parallel=self.sequence_parallel, **kw)
 
         self.embedding = None

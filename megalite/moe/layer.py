@@ -56,9 +56,6 @@ from megalite.moe.router import AttachAuxLoss, TopKRouter
 from megalite.parallel import mappings
 from megalite.parallel.params import update_meta
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class SharedExpertMLP(torch.nn.Module):
     """Dense MLP over every token, tensor parallel over ``ps.tp``.
 
@@ -96,7 +93,7 @@ class MoELayer(torch.nn.Module):
         self.layer_number = layer_number
         self.seed = seed
         self.sequence_parallel = sequence_parallel and ps.tp.size > 1
-        kw = {"device": ps.device, "dtype": _DTYPES[cfg.params_dtype_name]}
+        kw = {"device": ps.device, "dtype": cfg.params_dtype}
         self.router = TopKRouter(cfg, ps, **kw)
         num_local = cfg.num_experts // ps.ep.size
         self.dispatcher = DISPATCHERS[cfg.moe_token_dispatcher_type](

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megalite.config import ConfigError, ParallelConfig
+from megalite.config import ParallelConfig
+from megalite.config.parallel import data_parallel_size, expert_data_parallel_size
 from megalite.parallel.device import select_backend, select_device
 from megalite.parallel.rendezvous import attempt_store, uses_agent_store
 
@@ -63,15 +64,8 @@ def rank_groups(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int 
     pipeline stage of each pipeline group, ``position_embedding`` the first stage only.
     """
     etp = tp if etp is None else etp
-    if world_size % (tp * pp * cp) != 0:
-        raise ConfigError(f"world size ({world_size}) must be divisible by tp ({tp}) x "
-                          f"pp ({pp}) x cp ({cp})")
-    dp = world_size // (tp * pp * cp)
-    dense = tp * cp * dp
-    if dense % (etp * ep) != 0:
-        raise ConfigError(f"expert_tensor_parallel_size ({etp}) x expert_model_parallel_size "
-                          f"({ep}) must divide tp x cp x dp ({dense})")
-    edp = dense // (etp * ep)
+    dp = data_parallel_size(world_size, tp, pp, cp)
+    edp = expert_data_parallel_size(tp, cp, dp, ep, etp)
 
     dense_coords = _cartesian({"tp": tp, "cp": cp, "dp": dp, "pp": pp},
                               ("tp", "cp", "dp", "pp"))

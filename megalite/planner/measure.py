@@ -73,17 +73,15 @@ def measure_training_peak(cfg, iterations: int = 1) -> dict:
 
 def layout_gemms(cfg) -> list[tuple[int, int, int]]:
     """``(tokens, in, out)`` of the linear layers one micro-batch runs on one rank of
-    ``cfg`` (per transformer layer: qkv, attention projection, fc1, fc2; then the output
-    layer): the shapes whose FLOP/s the time model's compute term needs."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
-    tokens = t.micro_batch_size * m.seq_length // cp
-    h, d = m.hidden_size, m.kv_channels
-    fc1 = (2 if m.swiglu else 1) * m.ffn_hidden_size
-    return [(tokens, h, (m.num_attention_heads + 2 * m.num_query_groups) * d // tp),
-            (tokens, m.num_attention_heads * d // tp, h),
-            (tokens, h, fc1 // tp), (tokens, m.ffn_hidden_size // tp, h),
-            (tokens, h, m.padded_vocab_size(tp) // tp)]
+    ``cfg`` (per transformer layer: qkv, attention projection, fc1, fc2,
+    :func:`megalite.config.shapes.layer_gemms`; then the output layer): the shapes whose
+    FLOP/s the time model's compute term needs."""
+    from megalite.config.shapes import layer_gemms
+
+    m, p = cfg.model, cfg.parallel
+    tp = p.tensor_model_parallel_size
+    tokens = cfg.train.micro_batch_size * m.seq_length // p.context_parallel_size
+    return [*layer_gemms(m, tokens, tp), (tokens, m.hidden_size, m.padded_vocab_size(tp) // tp)]
 
 
 def matmul_rate(shapes: list[tuple[int, int, int]], seconds: float = 0.05) -> float:

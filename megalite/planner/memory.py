@@ -168,7 +168,7 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
     act += tokens * nh * d // tp                              # attention output (proj input)
     fp32 += tokens * nh // tp                                 # softmax log-sum-exp
     if m.hidden_dropout > 0:
-        act += 2 * tokens * h // sp // (2 if (m.bf16 or m.fp16) else 4)  # bool masks, 1 byte
+        act += 2 * tokens * h // sp // m.params_dtype.itemsize  # bool masks, 1 byte
     if not moe:
         f = m.ffn_hidden_size // tp
         act += tokens * f * (3 if m.swiglu else 2)            # fc1 out, fc2 in

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from megalite.config import ConfigError
-from megalite.config.parallel import SHARDING_STRATEGIES, ParallelConfig
+from megalite.config.parallel import SHARDING_STRATEGIES, data_parallel_size
 from megalite.planner.cluster import GIB, Cluster
 from megalite.planner.memory import MemoryEstimate, estimate_memory
 from megalite.planner.time import TimeEstimate, estimate_time
@@ -159,9 +159,7 @@ def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=No
         if (m.num_layers // p_) % v_:
             continue
         sizes = {"tp": t_, "pp": p_, "vpp": v_, "cp": c_, "ep": e_,
-                 "dp": ParallelConfig(tensor_model_parallel_size=t_,
-                                      pipeline_model_parallel_size=p_,
-                                      context_parallel_size=c_).data_parallel_size(world)}
+                 "dp": data_parallel_size(world, t_, p_, c_)}
         for strategy, rc, mbs, off in itertools.product(strategies, recomputes,
                                                         micro_batch_sizes, offloads):
             if strategy != "no_shard" and sizes["dp"] * c_ == 1:

@@ -27,18 +27,19 @@ import torch
 from megalite.checkpoint import LoadOptions, load_checkpoint
 from megalite.checkpoint.lock import acquire_save_lock
 from megalite.config import ConfigError, MegaliteConfig
+from megalite.config.layout import resolve_layout
+from megalite.hardware import peak_flops_per_rank
 from megalite.optim.build import build_grads_and_optimizer
 from megalite.optim.lr_schedule import LRScheduler
 from megalite.optim.memory import rank_memory
 from megalite.parallel.random import stage_seed
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.layout import model_chunks
-from megalite.training.batch_schedule import BatchSchedule
 from megalite.training.components import TrainingComponents, TrainState
 from megalite.training.fp8 import check_fp8_available
 from megalite.training.metrics import MetricsLogger
 from megalite.training.preflight import preflight
-from megalite.training.throughput import count_layer_params, flops_per_token, peak_flops_per_rank
+from megalite.training.throughput import count_layer_params
 from megalite.training.timers import Timers
 
 
@@ -58,16 +59,12 @@ def default_model_provider(cfg: MegaliteConfig, ps: ParallelState) -> torch.nn.M
     the first chunk of the first stage, output layer on the last chunk of the last)."""
     from megalite.models.gpt import GPTModel
     from megalite.parallel.random import RNGTracker
-    from megalite.pipeline.layout import chunk_layer_ranges
 
     p = cfg.parallel
     if ps.pp.size == 1:
         return GPTModel(cfg.model, ps, sequence_parallel=p.sequence_parallel,
                         seed=cfg.train.seed)
-    ranges = chunk_layer_ranges(cfg.model.num_layers, ps.pp.size,
-                                p.virtual_pipeline_model_parallel_size,
-                                p.decoder_first_pipeline_num_layers,
-                                p.decoder_last_pipeline_num_layers)[ps.pp.rank]
+    ranges = resolve_layout(cfg, ps.world_size).stage_chunks[ps.pp.rank]
     rng = RNGTracker.from_state(ps, cfg.train.seed)  # one dropout stream for all chunks
     return torch.nn.ModuleList(
         GPTModel(cfg.model, ps, sequence_parallel=p.sequence_parallel, seed=cfg.train.seed,
@@ -78,9 +75,8 @@ def default_model_provider(cfg: MegaliteConfig, ps: ParallelState) -> torch.nn.M
 
 
 def default_datasets_provider(cfg: MegaliteConfig, tokenizer) -> tuple:
+    from megalite.config.batch_schedule import BatchSchedule
     from megalite.data import build_datasets
-
-    from megalite.training.batch_schedule import BatchSchedule
 
     t = cfg.train
     eval_runs = t.train_iters // t.eval_interval + 1
@@ -102,11 +98,6 @@ def _rng_tracker(model: torch.nn.Module):
     return None
 
 
-def _training_dtype(cfg: MegaliteConfig) -> torch.dtype:
-    return torch.bfloat16 if cfg.model.bf16 else torch.float16 if cfg.model.fp16 \
-        else torch.float32
-
-
 def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
                      model_provider: Callable | None = None,
                      datasets_provider: Callable | None = None,
@@ -120,7 +111,8 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
     start_time = time.time()
     cfg = copy.deepcopy(cfg)
     t = cfg.train
-    schedule = BatchSchedule.from_config(t, cfg.model.seq_length)
+    layout = resolve_layout(cfg, ps.world_size)
+    schedule = layout.batch_schedule
     if t.train_samples is not None:  # sample-based: the copy gets the number of iterations
         t.train_iters = schedule.iterations_for(t.train_samples)
         if t.train_iters == 0:
@@ -128,8 +120,6 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
                               f"batch ({schedule.global_batch_size(0)})")
     if t.train_iters is None:
         raise ConfigError("--train-iters or --train-samples is required")
-    dp = ps.dp.size
-    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
 
     tokenizer = None
     if datasets_provider is None:
@@ -137,9 +127,10 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
 
         tokenizer = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
         cfg.model.vocab_size = tokenizer.vocab_size
+    layout = layout.with_vocab(cfg.model)
     set_seeds(t.seed, ps)
     model = (model_provider or default_model_provider)(cfg, ps)
-    dtype = _training_dtype(cfg)
+    dtype = layout.dtype
     if any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)
     model.to(ps.device)
@@ -182,21 +173,15 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
         raise ConfigError("no training data: check --data-path / --split / --mock-data")
 
     num_params = count_layer_params(model, ps)
-    m = cfg.model
-    per_token = flops_per_token(num_params, m.num_layers, m.hidden_size, m.seq_length,
-                                m.padded_vocab_size(ps.tp.size))
     peak, peak_source = peak_flops_per_rank(ps.device, peak_probe_seconds)
-    per_step = (f"{num_micro}" if not schedule.variable else
+    per_step = (f"{layout.num_microbatches}" if not schedule.variable else
                 "by batch-size schedule " + ", ".join(
-                    f"{b // (t.micro_batch_size * dp)} from {th} samples"
-                    for th, b in schedule.entries))
+                    f"{n} from {th} samples" for th, n in layout.microbatch_steps()))
     metrics.print(f" {ps.describe()} | transformer-layer parameters: {num_params:,} | "
                   f"precision: {dtype} | "
                   f"micro-batches per step: {per_step} | MFU peak: {peak_source}")
     return TrainingComponents(
         cfg=cfg, ps=ps, model=model, grads=grads, optimizer=optimizer, scheduler=scheduler,
         timers=timers, metrics=metrics, train_dataset=train_ds, valid_dataset=valid_ds,
-        num_microbatches=num_micro,
-        flops_per_iteration=per_token * t.global_batch_size * cfg.model.seq_length,
-        peak_flops=peak, state=state, rng_tracker=rng_tracker, tokenizer=tokenizer,
-        start_time=start_time, batch_schedule=schedule, save_lock=save_lock)
+        layout=layout, peak_flops=peak, state=state, rng_tracker=rng_tracker,
+        tokenizer=tokenizer, start_time=start_time, save_lock=save_lock)

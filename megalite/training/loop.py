@@ -262,7 +262,6 @@ def train(c: TrainingComponents) -> TrainResult:
     cfg, state, metrics = c.cfg, c.state, c.metrics
     t, ck = cfg.train, cfg.checkpoint
     seq, schedule = cfg.model.seq_length, c.schedule
-    micro_times_dp = t.micro_batch_size * c.ps.dp.size
     result = TrainResult(iteration=state.iteration, exit_reason="finished")
     if state.iteration >= t.train_iters:
         metrics.print(f" already trained for {state.iteration} iterations "
@@ -285,7 +284,8 @@ def train(c: TrainingComponents) -> TrainResult:
             tick = time.perf_counter()
             with profiler.iteration(state.iteration):
                 with c.timers("batch-generator", log_level=1):
-                    batches = [next(train_iter) for _ in range(gbs // micro_times_dp)]
+                    batches = [next(train_iter) for _ in range(
+                        c.layout.microbatches_at(state.consumed_train_samples))]
                 step = train_step(c, batches, state.iteration + 1, validator,
                                   (state.consumed_train_samples,
                                    state.consumed_train_samples + gbs))
