@@ -27,12 +27,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from megalite.layers.activations import activation
 from megalite.layers.sharding import gather_full, initialize_params, shard
 from megalite.parallel.collectives import all_gather_list
 from megalite.parallel.params import mark_param, update_meta
-from megalite.transformer.mlp import swiglu as swiglu_fn
 
 
 def padded_index(tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -68,15 +67,6 @@ def grouped_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Ten
     if fc2_bias is not None:
         out = out + fc2_bias.unsqueeze(1)
     return out.reshape(num_experts * cap, out.shape[-1]).index_select(0, index)
-
-
-def activation(x: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    """SwiGLU ``silu(gate) * up`` over ``x = [gate | up]`` (last dim; the dense MLP's
-    :func:`~megalite.transformer.mlp.swiglu`, which keeps only ``x`` for backward), else
-    GeLU."""
-    if swiglu:
-        return swiglu_fn(x)
-    return F.gelu(x)
 
 
 class GroupedMLP(torch.nn.Module):

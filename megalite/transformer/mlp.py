@@ -1,16 +1,11 @@
-"""The feed-forward block: GeLU or SwiGLU, column-parallel up, row-parallel down.
-
-:func:`swiglu` is ``silu(gate) * up`` on the fused ``[gate; up]`` projection: eagerly one
-autograd function (:class:`_SwiGLU`: one output allocation, the gradient of both halves
-written into one ``[.., 2 ffn]`` tensor instead of concatenated), under ``torch.compile``
-the plain expression that inductor fuses. Both give the plain formula's values bit for bit.
-"""
+"""The feed-forward block: GeLU or SwiGLU (:mod:`megalite.layers.activations`),
+column-parallel up, row-parallel down."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from megalite.layers.activations import activation
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -36,38 +31,5 @@ class MLP(torch.nn.Module):
                                             init_std=output_std, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fc1(x)
-        if self.swiglu:
-            y = swiglu(y)
-        else:
-            y = F.gelu(y)
-        return self.linear_fc2(y)
+        return self.linear_fc2(activation(self.linear_fc1(x), self.swiglu))
 
-
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y):
-        gate, up = y.chunk(2, dim=-1)
-        ctx.save_for_backward(y)          # silu(gate) is computed again in backward
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad):
-        # d up = grad silu(gate); d gate = silu'(gate) (grad up): the same ops autograd
-        # runs for silu(gate) * up, written into the halves of one gradient tensor
-        (y,) = ctx.saved_tensors
-        gate, up = y.chunk(2, dim=-1)
-        act = F.silu(gate)
-        dy = torch.empty(y.shape, dtype=grad.dtype, device=grad.device)
-        d_gate, d_up = dy.chunk(2, dim=-1)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
-        torch.mul(grad, act, out=d_up)
-        return dy
-
-
-def swiglu(y: torch.Tensor) -> torch.Tensor:
-    """``[..., 2 f]`` (``[gate; up]``) -> ``silu(gate) * up`` ``[..., f]``."""
-    if torch.compiler.is_compiling() or not y.requires_grad:
-        gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return _SwiGLU.apply(y)

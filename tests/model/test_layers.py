@@ -192,7 +192,7 @@ def test_rotary_without_copies_equals_rotate_half_formula(dtype, percent):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_swiglu_equals_silu_gate_times_up(dtype):
-    from megalite.transformer.mlp import swiglu
+    from megalite.layers.activations import swiglu
 
     y = [_rand(2, 5, 3, 2 * 12).to(dtype).requires_grad_(True) for _ in range(2)]
     gate, up = y[0].chunk(2, dim=-1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megalite.moe.experts import activation
+from megalite.layers.activations import activation
 
 
 def expert_loop(x, tokens_per_expert, fc1, fc2, *, swiglu, fc1_bias=None, fc2_bias=None):
