@@ -42,7 +42,7 @@ from megalite.moe.layer import moe_layers, set_aux_loss_scale
 from megalite.parallel.collectives import all_reduce
 from megalite.pipeline.layout import model_chunks
 from megalite.pipeline.p2p import PipeComm
-from megalite.pipeline.schedules import ScheduleStats, build_schedules, run_schedule
+from megalite.pipeline.schedules import ScheduleStats, layout_schedules, run_schedule
 
 
 def activation_shape(cfg, ps) -> tuple[int, int, int]:
@@ -145,7 +145,7 @@ def forward_backward(c, batches: list[dict], tokens, *, train: bool = True,
     if ps.pp.size > 1:
         comm = PipeComm(ps, activation_shape(c.cfg, ps), _dtype(chunks[0]),
                         c.cfg.parallel.variable_seq_lengths)
-    steps = build_schedules(ps.pp.size, len(batches), vpp, train=train)
+    steps = layout_schedules(c.layout, len(batches), train)
     run_schedule(steps, forward_step=forward_step, ps=ps, vpp=vpp, comm=comm,
                  train=train, stats=stats)
     if ps.pp.size > 1:  # only the last stage computed the loss
