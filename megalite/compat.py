@@ -8,8 +8,8 @@ a hand-kept list):
 
       accepted, no effect here: --no-mmap-bin-files (...); --use-mcore-models (...)
 
-* :func:`flag_status` - what megalite does with one flag and its values, for the README's
-  compatibility table (``tools/megatron_flags.py``).
+* :func:`flag_status` - what megalite does with one flag and its values, for the
+  compatibility table in ``docs/megatron.md`` (``tools/megatron_flags.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 # Sourced by the launch scripts: run torchrun so that the script exits with the workers'
 # own exit code (0 after a SIGTERM-triggered --exit-signal-handler save, 2-6 for megalite's
-# known errors: see the README's exit codes), not torchrun's.
+# known errors: see docs/training.md for the exit codes), not torchrun's.
 #
 # A SIGTERM that reaches torchrun itself makes it raise SignalException: it terminates the
 # workers (they save) and then exits 1 with a traceback. So the script does not exec

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Which flags of Megatron-LM's example launch scripts megalite implements, accepts without
-effect, or refuses: the README's compatibility table, generated from megalite's parser.
+effect, or refuses: the compatibility table of docs/megatron.md, generated from megalite's parser.
 
     python tools/megatron_flags.py                    # print the table
-    python tools/megatron_flags.py --write README.md  # put it between the README's markers
-    python tools/megatron_flags.py --check README.md  # exit 1 when the README's table is stale
+    python tools/megatron_flags.py --write docs/megatron.md  # put it between the markers
+    python tools/megatron_flags.py --check docs/megatron.md  # exit 1 when the table is stale
 
 The flags below are those the three scripts in Megatron-LM's ``examples/`` pass to
 ``pretrain_gpt.py`` (values as the scripts give them; paths as their variables). Each flag's
@@ -167,9 +167,10 @@ def _split_readme(text: str, path: str) -> tuple[str, str, str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--check", metavar="README", help="Exit 1 when README's table differs "
-                       "from the generated one.")
-    group.add_argument("--write", metavar="README", help="Replace README's table.")
+    group.add_argument("--check", metavar="FILE.md", help="Exit 1 when the table between "
+                       "FILE.md's markers (docs/megatron.md) differs from the generated one.")
+    group.add_argument("--write", metavar="FILE.md", help="Replace the table between "
+                       "FILE.md's markers.")
     args = p.parse_args(argv)
     block = "\n" + render()
     path = args.check or args.write

@@ -5,7 +5,7 @@
 # "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC21,
 # arXiv:2104.04473, Table 1; the same table, model-parallel size 64 without the split, in
 # NVIDIA/Megatron-LM's README of April 2021, images/cases_april2021.png at commit 50a4b5f).
-# Compared in README.md (Planning a layout).
+# Compared in docs/planner.md.
 cd "$(dirname "$0")/../.." && exec .venv/bin/python tools/plan_layout.py --preset a100 --nodes 192 \
     --tp 8 --pp 8 --vpp 1 --micro-batch-sizes 1 --recompute full --strategies no_shard \
     --offload-fractions 0 --top 1 --show-infeasible 1 -- \

@@ -4,7 +4,7 @@
 # Published: 430 TFLOP/s per GPU, 43% BF16 MFU (Llama Team, "The Llama 3 Herd of Models",
 # arXiv:2407.21783, Table 4). Micro-batch 1 and the distributed optimizer are this example's
 # assumptions; without recomputation megalite's layers would not fit (listed as infeasible),
-# so full recomputation is offered too. Compared in README.md (Planning a layout).
+# so full recomputation is offered too. Compared in docs/planner.md.
 cd "$(dirname "$0")/../.." && exec .venv/bin/python tools/plan_layout.py --preset h100 --nodes 1024 \
     --tp 8 --pp 16 --vpp 1 --cp 1 --micro-batch-sizes 1 --recompute none full --strategies optim \
     --offload-fractions 0 --top 1 --show-infeasible 1 -- \

@@ -4,7 +4,7 @@
 # (47% of 989) with Megatron-Core v0.9 (NVIDIA/Megatron-LM,
 # megatron/core/transformer/moe/README.md: the 468 TFLOPS headline and the "Reference Best
 # Parallel Mapping" table; its VP column read as the virtual pipeline size). The
-# distributed optimizer is the README's example script's. Compared in README.md.
+# distributed optimizer is the README's example script's. Compared in docs/planner.md.
 cd "$(dirname "$0")/../.." && exec .venv/bin/python tools/plan_layout.py --preset h100 --nodes 8 \
     --tp 1 --pp 4 --vpp 8 --ep 8 --micro-batch-sizes 1 --recompute none --strategies optim \
     --offload-fractions 0 --top 1 --show-infeasible 1 -- \

@@ -7,7 +7,7 @@ calling thread, sorted by file and offset. Where the rank also reads the file, b
 the same pages in the same order, so it comes from the disk once and the hash mostly
 finds its bytes still in the CPU cache; the hash (xxh3_64 at ~14 GB/s from memory, or
 crc32) releases the GIL and runs on another core. ``tools/benchmark.py checkpoint``
-measures it against a load without checksums (README): about 2% from the page cache.
+measures it against a load without checksums (docs/benchmarks.md): about 2% from the page cache.
 DCP's own order (state-dict order, jumping around the file) made the same thread cost
 18%, and hashing the bytes DCP reads as pieces of its buffers (the design before this
 one) 5-8%.

@@ -6,7 +6,7 @@ writes; every other rank constructs a disabled :class:`MetricsLogger`. TensorBoa
 wandb are imported lazily, only when their flags are set (wandb honours
 ``WANDB_MODE=offline``).
 
-JSONL contract (one object per iteration, see DESIGN.md)::
+JSONL contract (one object per iteration; docs/training.md lists the fields)::
 
     {"iteration": 12, "lm_loss": 7.91, "grad_norm": 1.3, "lr": 0.0003, "loss_scale": 1.0,
      "skipped": false, "tokens_per_sec": 5120.0, "mfu": 0.021}

@@ -1,8 +1,8 @@
 """The planner's estimates for published configurations (``examples/planner/*.sh``), the
-numbers README.md shows beside the published ones (Planning a layout): memory per GPU and
+numbers docs/planner.md shows beside the published ones: memory per GPU and
 MFU of the published layout. A change to the memory or time model that moves them fails
-here, so the README is updated with it; the published figures themselves are in the
-scripts' comments and the README, not asserted (the planner does not reproduce them)."""
+here, so docs/planner.md is updated with it; the published figures themselves are in the
+scripts' comments and docs/planner.md, not asserted (the planner does not reproduce them)."""
 
 from __future__ import annotations
 
