@@ -115,10 +115,6 @@ class ResolvedLayout:
         return self.vpp > 1
 
     @property
-    def model_parallel_size(self) -> int:
-        return self.tp * self.cp * self.pp
-
-    @property
     def sp(self) -> int:
         """The factor sequence parallelism splits the residual stream by (tp or 1)."""
         return self.tp if self.sequence_parallel else 1

@@ -77,8 +77,7 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
     parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in mem.as_dict().items() if k != "total")
     return "\n".join([
         f"dry run: rank {rank} of {world_size} | {coords}",
-        f"  config: valid for {world_size} ranks (dp {layout.dp}, "
-        f"{layout.num_microbatches} micro-batches of {layout.micro_batch_size} per step)",
+        f"  config: valid for {world_size} ranks: {layout.describe()} per step",
         f"  parameters on this rank: {n_params:,} (dense {dense:,}, experts {expert:,}; "
         f"built on the meta device)",
         f"  pipeline schedule: {len(steps[ps_pp_rank(coords)])} steps on this rank, "
