@@ -150,7 +150,7 @@ def test_router_loss_gradient_scale():
 
     model = GPTModel(cfg.model, ps, seed=3)
     router = RouterLosses(ps.device)
-    c = types.SimpleNamespace(cfg=cfg, ps=ps, model=model)
+    c = types.SimpleNamespace(cfg=cfg, ps=ps, model=model, layout=cfg.resolve(1))
     forward_backward(c, batches, tokens, loss_scale=lambda x: x * fp16_scale,
                      router_losses=router)
     assert all(layer.aux_loss_scale == fp16_scale / 3 for layer in moe_layers(model))
