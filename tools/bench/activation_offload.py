@@ -98,7 +98,9 @@ def _planner_layer_bytes(cfg, mb: int) -> float:
     return e["act"] * (2 if cfg.bf16 else 4) + e["fp32"] * 4
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> dict:
+    """Print the table; return its rows, ``{N: {"resident", "offloaded", "step", ...}}``
+    (bytes, seconds; N = 0 also holds ``layer_bytes``)."""
     p = argparse.ArgumentParser(prog="benchmark.py activation-offload")
     p.add_argument("--num-layers", type=int, default=6)
     p.add_argument("--hidden-size", type=int, default=256)
@@ -125,4 +127,4 @@ def main(argv: list[str]) -> None:
         print(f"{n:>3} {r['resident'] / MIB:>13.2f} {formula / MIB:>12.2f} "
               f"{r['resident'] / formula:>17.4f} {r['offloaded'] / MIB:>14.2f} "
               f"{r['step'] * 1e3:>9.1f} {r['step'] / base['step']:>8.2f}")
-
+    return rows

@@ -30,21 +30,24 @@ import time
 
 import torch
 
-from tools.bench._ranks import run_on_ranks
+from tools.bench import _ranks
 
 
 class _Wire:
-    """Bytes passed to the cp collectives for other ranks (wraps collectives' functions)."""
+    """Bytes passed to the cp collectives for other ranks: ``with _Wire() as wire:`` wraps
+    collectives' functions, counting into ``wire.sent``, and puts them back on exit."""
+
+    NAMES = ("_all_gather_single", "_reduce_scatter_single", "all_to_all", "ring_exchange")
 
     def __init__(self):
         self.sent = 0
+        self.originals = ()
 
-    def install(self):
+    def __enter__(self) -> _Wire:
         from megalite.parallel import collectives as C
 
-        originals = (C._all_gather_single, C._reduce_scatter_single, C.all_to_all,
-                     C.ring_exchange)
-        gather, scatter, a2a, ring = originals
+        self.originals = tuple(getattr(C, name) for name in self.NAMES)
+        gather, scatter, a2a, ring = self.originals
 
         def all_gather(out, x, group=None, async_op=False):
             n = out.numel() // x.numel()
@@ -63,8 +66,15 @@ class _Wire:
             self.sent += x.numel() * x.element_size() if group.size > 1 else 0
             return ring(x, group)
 
-        C._all_gather_single, C._reduce_scatter_single = all_gather, reduce_scatter
-        C.all_to_all, C.ring_exchange = all_to_all, ring_exchange
+        for name, fn in zip(self.NAMES, (all_gather, reduce_scatter, all_to_all, ring_exchange)):
+            setattr(C, name, fn)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from megalite.parallel import collectives as C
+
+        for name, fn in zip(self.NAMES, self.originals):
+            setattr(C, name, fn)
 
 
 def _shape(args) -> tuple[int, int, int, int]:
@@ -84,97 +94,97 @@ def _theory(comm: str, cp: int, s_local: int, heads: int, groups: int, d: int) -
     return 2 * (cp - 1) * qkvo // cp
 
 
-def _body(rank, world, args, comm):
-    import torch.distributed as dist
-
-    from megalite.config import ParallelConfig
-    from megalite.parallel.cp_chunks import chunk_positions
+def _kernel(args, ps, comm: str):
+    """The core attention of ``--attention-backend`` with ``comm`` as its cp comm type."""
     from megalite.parallel.random import RNGTracker
-    from megalite.parallel.state import ParallelState
     from megalite.transformer.attention_kernels import build_core_attention
-
-    wire = _Wire()
-    wire.install()
 
     class Cfg:
         attention_backend, cp_comm_type, attention_dropout = args.attention_backend, comm, 0.0
 
-    ps = ParallelState.build(ParallelConfig(context_parallel_size=world))
-    kernel = build_core_attention(Cfg, ps, RNGTracker.from_state(ps, 1))
+    return build_core_attention(Cfg, ps, RNGTracker.from_state(ps, 1))
+
+
+def _inputs(args, idx):
+    """q, k, v (leaves) of the sequence positions ``idx`` and the output's gradient."""
     g = torch.Generator().manual_seed(0)
     s, h, ng, d = _shape(args)
-    idx = chunk_positions(s, world, rank) if world > 1 else torch.arange(s)
     q = torch.randn(s, 1, h, d, generator=g)[idx].requires_grad_()
     k = torch.randn(s, 1, ng, d, generator=g)[idx].requires_grad_()
     v = torch.randn(s, 1, ng, d, generator=g)[idx].requires_grad_()
-    grad = torch.randn(len(idx), 1, h * d, generator=g)
+    return q, k, v, torch.randn(len(idx), 1, h * d, generator=g)
 
-    saved, peak = {}, [0]
+
+def _measure(kernel, inputs, repeat: int, wire=None, sync=lambda: None) -> tuple:
+    """(best seconds, saved bytes, largest saved storage, bytes sent) of ``repeat``
+    forward + backward passes; the bytes are the last pass's."""
+    q, k, v, grad = inputs
+    saved = {}
 
     def pack(t):
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    best, sent = float("inf"), 0
-    for rep in range(args.repeat):
+    best = float("inf")
+    for _ in range(repeat):
         saved.clear()
-        wire.sent = 0
-        dist.barrier()
+        if wire is not None:
+            wire.sent = 0
+        sync()
         t0 = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = kernel(q, k, v)
         out.backward(grad)
-        elapsed = time.perf_counter() - t0
-        best, sent = min(best, elapsed), wire.sent
-    peak[0] = max(saved.values(), default=0)
-    slowest = torch.tensor([best])
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        best = min(best, time.perf_counter() - t0)
+        for t in (q, k, v):
+            t.grad = None
+    return (best, sum(saved.values()), max(saved.values(), default=0),
+            wire.sent if wire is not None else 0)
+
+
+def _body(rank, world, args, comms):
+    """On one rank of a cp world: per comm type, (the slowest rank's seconds, saved bytes,
+    largest saved storage, bytes sent, theory's bytes)."""
+    import torch.distributed as dist
+
+    from megalite.config import ParallelConfig
+    from megalite.parallel.cp_chunks import chunk_positions
+    from megalite.parallel.state import ParallelState
+
+    ps = ParallelState.build(ParallelConfig(context_parallel_size=world))
+    s, h, ng, d = _shape(args)
+    idx = chunk_positions(s, world, rank)
+    out = {}
+    with _Wire() as wire:
+        for comm in comms:
+            best, saved, peak, sent = _measure(_kernel(args, ps, comm), _inputs(args, idx),
+                                               args.repeat, wire, sync=dist.barrier)
+            slowest = torch.tensor([best])
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            out[comm] = (float(slowest), saved, peak, sent,
+                         _theory(comm, world, len(idx), h, ng, d))
     ps.destroy()
-    return (float(slowest), sum(saved.values()), peak[0], sent,
-            _theory(comm, world, len(idx), h, ng, d))
+    return out
 
 
 def _single(args):
     """cp 1: the plain kernel in this process (one thread, like a rank)."""
     from megalite.config import ParallelConfig
-    from megalite.parallel.random import RNGTracker
     from megalite.parallel.state import ParallelState
-    from megalite.transformer.attention_kernels import build_core_attention
-
-    class Cfg:
-        attention_backend, cp_comm_type, attention_dropout = args.attention_backend, "p2p", 0.0
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         ps = ParallelState.build(ParallelConfig())
-        kernel = build_core_attention(Cfg, ps, RNGTracker.from_state(ps, 1))
-        g = torch.Generator().manual_seed(0)
-        s, h, ng, d = _shape(args)
-        q = torch.randn(s, 1, h, d, generator=g, requires_grad=True)
-        k = torch.randn(s, 1, ng, d, generator=g, requires_grad=True)
-        v = torch.randn(s, 1, ng, d, generator=g, requires_grad=True)
-        grad = torch.randn(s, 1, h * d, generator=g)
-        saved = {}
-
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        best = float("inf")
-        for _ in range(args.repeat):
-            saved.clear()
-            t0 = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = kernel(q, k, v)
-            out.backward(grad)
-            best = min(best, time.perf_counter() - t0)
-        return best, sum(saved.values()), max(saved.values(), default=0), 0, 0
+        inputs = _inputs(args, torch.arange(args.seq_length))
+        return (*_measure(_kernel(args, ps, "p2p"), inputs, args.repeat), 0)
     finally:
         torch.set_num_threads(threads)
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> dict:
+    """Print the table; return its rows, ``{(cp, comm): (seconds, saved bytes, largest
+    saved storage, bytes sent, theory's bytes)}``."""
     p = argparse.ArgumentParser(prog="benchmark.py cp")
     p.add_argument("--seq-length", type=int, default=16384)
     p.add_argument("--num-attention-heads", type=int, default=8)
@@ -193,14 +203,18 @@ def main(argv: list[str]) -> None:
           f"{'sent MiB':>9} {'theory':>9} {'ratio':>6}")
     rows = {}
     for cp in args.ranks:
-        for comm in (args.cp_comm_type if cp > 1 else ["(none)"]):
-            if comm == "a2a" and (args.num_attention_heads % cp or args.num_query_groups % cp):
+        comms = args.cp_comm_type if cp > 1 else ["(none)"]
+        skipped = [c for c in comms if c == "a2a" and (h % cp or ng % cp)]
+        runnable = [c for c in comms if c not in skipped]
+        if cp == 1:
+            results = {"(none)": _single(args)}
+        else:
+            results = _ranks.run_on_ranks(_body, cp, args, runnable)[0] if runnable else {}
+        for comm in comms:
+            if comm in skipped:
                 print(f"{cp:>3} {comm:<10} skipped: heads/groups not divisible by cp")
                 continue
-            if cp == 1:
-                res = _single(args)
-            else:
-                res = run_on_ranks(_body, cp, args, comm)[0]
+            res = results[comm]
             ms, saved, peak, sent, theory = res
             rows[(cp, comm)] = res
             ratio = f"{sent / theory:.2f}" if theory else "-"
@@ -213,7 +227,8 @@ def main(argv: list[str]) -> None:
             fastest = min(done, key=lambda c: done[c][0])
             fewest = min(done, key=lambda c: done[c][3])
             print(f"cp {cp}: fastest {fastest}, fewest bytes {fewest}")
-    ratio = args.num_attention_heads / args.num_query_groups
+    ratio = h / ng
     print(f"bytes crossover (theory): a2a sends less than allgather once cp > heads/groups "
           f"+ 1 = {ratio + 1:g}; p2p sends (3 cp - 2)/(2 cp - 2) x allgather's "
           f"(the fp32 key/value gradients travel the ring)")
+    return rows

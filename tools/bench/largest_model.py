@@ -129,7 +129,8 @@ def _train_two_steps(rank: int, world: int, args, layers: int, strategy: str,
     ps = ParallelState.build(cfg.parallel)
     base = _status("VmRSS")
     limit = _status("VmSize") + int(3 * args.cap_gib * GIB)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, before[1]))
     try:
         model = default_model_provider(cfg, ps).to(torch.bfloat16)
         grads, optimizer = build_grads_and_optimizer(model, cfg, ps)
@@ -148,17 +149,18 @@ def _train_two_steps(rank: int, world: int, args, layers: int, strategy: str,
     except (MemoryError, RuntimeError) as e:   # the address-space limit
         params, error = 0, f"{type(e).__name__}: {str(e).splitlines()[0]}"
     finally:
+        resource.setrlimit(resource.RLIMIT_AS, before)
         ps.destroy()
     return {"peak": _status("VmHWM") - base, "params": params, "error": error}
 
 
 def confirm(args, layers: int, strategy: str, offload: str) -> dict:
-    from tools.bench._ranks import run_on_ranks
+    from tools.bench import _ranks
 
     try:
-        out = run_on_ranks(_train_two_steps, args.dp, args, layers, strategy, offload,
-                           timeout=1800)
-    except Exception as e:   # a rank killed (out of memory) or stuck
+        out = _ranks.run_on_ranks(_train_two_steps, args.dp, args, layers, strategy, offload,
+                                  timeout=1800)
+    except _ranks.RankDied as e:   # a rank killed (out of memory) or stuck
         return {"peak": float("inf"), "params": 0, "error": f"{type(e).__name__}: {e}"}
     return {"peak": max(r["peak"] for r in out), "params": out[0]["params"],
             "error": next((r["error"] for r in out if r["error"]), None)}
@@ -187,7 +189,9 @@ def _variants(args) -> tuple[list[tuple[str, str]], list[str]]:
     return out, refused
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> dict:
+    """Print the table; return its rows, ``{(strategy, offload): {"cap", "cpu", "gpu":
+    predicted layers, "confirmed": layers or None, "peak": measured bytes or None}}``."""
     p = argparse.ArgumentParser(prog="benchmark.py largest-model")
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=512)
@@ -217,6 +221,7 @@ def main(argv: list[str]) -> None:
     def show(n, strategy):
         return f"{n} ({_params(args, n, strategy) / 1e6:.0f}M)" if n else "-"
 
+    rows = {}
     for strategy, offload in variants:
         if args.only is not None and f"{strategy}/{offload}" not in args.only:
             continue
@@ -224,6 +229,8 @@ def main(argv: list[str]) -> None:
         on_cpu = largest(args, strategy, offload, lambda d, h: d + h <= machine / args.dp)
         on_gpu = largest(args, strategy, offload, lambda d, h: d <= machine)
         measured, confirmed, calibrated = "-", "-", "-"
+        row = rows[(strategy, offload)] = {"cap": under_cap, "cpu": on_cpu, "gpu": on_gpu,
+                                           "confirmed": None, "peak": None}
         if args.confirm and under_cap:
             layers = under_cap
             for _ in range(5):
@@ -232,6 +239,7 @@ def main(argv: list[str]) -> None:
                             else "killed")
                 if got["error"] is None and got["peak"] <= cap:
                     confirmed = show(layers, strategy)
+                    row.update(confirmed=layers, peak=got["peak"])
                     pred = sum(predict(args, layers, strategy, offload))
                     measured += f" ({pred / GIB:.2f})"
                     ratio = got["peak"] / pred   # what the planner leaves out on a CPU
@@ -246,4 +254,4 @@ def main(argv: list[str]) -> None:
         print(f"{strategy:>18} {offload:>8} | {show(under_cap, strategy):>16} "
               f"{measured:>20} {confirmed:>16} | {show(on_cpu, strategy):>16} "
               f"{calibrated:>16} {show(on_gpu, strategy):>16}", flush=True)
-
+    return rows

@@ -42,7 +42,7 @@ import os
 
 import torch
 
-from tools.bench._ranks import run_on_ranks
+from tools.bench import _ranks
 
 MIB = 2.0 ** 20
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -142,7 +142,7 @@ def _measure_on_rank(rank: int, world: int, args, run: tuple) -> tuple:
 
 def run_world(args, world: int) -> list[tuple]:
     """Rank 0's measurements of every run, each on a fresh world of ``world`` ranks."""
-    return [run_on_ranks(_measure_on_rank, world, args, run)[0] for run in _runs(args)]
+    return [_ranks.run_on_ranks(_measure_on_rank, world, args, run)[0] for run in _runs(args)]
 
 
 def main(argv=None) -> None:

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tools.bench._ranks import run_on_ranks
+from tools.bench import _ranks
 
 
 def _model_cfg(args, dispatcher="alltoall"):
@@ -50,7 +50,9 @@ def _timed_interleaved(fns, reps):
     return best
 
 
-def bench_experts(args) -> None:
+def bench_experts(args) -> dict:
+    """Print the expert-compute table; return the seconds per path and pass,
+    ``{(path, "forward" | "forward+backward"): seconds}``."""
     from megalite.config import ParallelConfig
     from megalite.moe.dispatcher import permute
     from megalite.moe.experts import grouped_mlp
@@ -93,6 +95,8 @@ def bench_experts(args) -> None:
               f"{f * 1e3:>9.1f} {fb * 1e3:>9.1f}")
     print(f"grouped / loop speed-up: forward {t_f[0] / t_f[1]:.2f}x, forward+backward "
           f"{t_fb[0] / t_fb[1]:.2f}x (best of {args.repeat}, interleaved)")
+    return {**{(name, "forward"): f for (name, _), f in zip(paths, t_f)},
+            **{(name, "forward+backward"): fb for (name, _), fb in zip(paths, t_fb)}}
 
 
 def _dispatch_on_rank(rank, world, args):
@@ -118,14 +122,17 @@ def _dispatch_on_rank(rank, world, args):
     return results
 
 
-def bench_dispatchers(args) -> None:
+def bench_dispatchers(args) -> dict:
+    """Print the dispatcher table; return ``{(ranks, dispatcher): {"dispatch", "combine",
+    "metadata", "theory"}}``, mean bytes sent per rank."""
     T, h, k, E = args.dispatch_tokens, args.hidden_size, args.moe_router_topk, args.num_experts
     print(f"\ndispatcher bytes per MoE layer forward (sent to other ranks, mean per rank), "
           f"T={T} tokens/rank, h={h}, k={k}, E={E}, fp32")
     print(f"{'ranks':>5} {'dispatcher':>10} {'dispatch':>11} {'combine':>11} {'metadata':>9} "
           f"{'theory T*k*h*4':>15} {'x (ep-1)/ep':>12} {'dispatch/theory':>16} {'fwd ms':>8}")
+    rows = {}
     for world in args.ranks:
-        by_rank = run_on_ranks(_dispatch_on_rank, world, args)
+        by_rank = _ranks.run_on_ranks(_dispatch_on_rank, world, args)
         full = T * k * h * 4
         leaving = full * (world - 1) / world
         for dispatcher in ("alltoall", "allgather"):
@@ -135,15 +142,20 @@ def bench_dispatchers(args) -> None:
                     for key in {key for s in sent for key in s}}
             meta = sum(v for key, v in mean.items() if key not in ("dispatch", "combine"))
             theory = leaving if dispatcher == "alltoall" else T * h * 4 * (world - 1)
+            rows[(world, dispatcher)] = {"dispatch": mean["dispatch"],
+                                         "combine": mean["combine"], "metadata": meta,
+                                         "theory": theory}
             print(f"{world:>5} {dispatcher:>10} {mean['dispatch']:>11.0f} "
                   f"{mean['combine']:>11.0f} {meta:>9.0f} {full:>15} {leaving:>12.0f} "
                   f"{mean['dispatch'] / theory:>16.3f} {ms:>8.1f}")
     print("dispatch/theory: alltoall against T*k*h*4*(ep-1)/ep (uniform routing), allgather "
           "against T*h*4*(ep-1); metadata = counts (alltoall) or probs + routing map "
           "(allgather)")
+    return rows
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
+    """Print both tables; return their rows, ``{"experts": ..., "dispatchers": ...}``."""
     parser = argparse.ArgumentParser(prog="benchmark.py moe")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden-size", type=int, default=512)
@@ -156,8 +168,6 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-compute", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if not args.skip_compute:
-        bench_experts(args)
-    if args.ranks:
-        bench_dispatchers(args)
+    return {"experts": bench_experts(args) if not args.skip_compute else {},
+            "dispatchers": bench_dispatchers(args) if args.ranks else {}}
 

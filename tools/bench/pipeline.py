@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tools.bench._ranks import run_on_ranks
+from tools.bench import _ranks
 
 
 def _schedules_on_rank(rank, world, cases, args):
@@ -101,7 +101,9 @@ def _schedules_on_rank(rank, world, cases, args):
     return results
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
+    """Print the table; return its rows, ``{(m, v): {"bubble", "theory", "step": seconds,
+    "live": peak live micro-batches per rank, "gpipe_live": the same under GPipe}}``."""
     parser = argparse.ArgumentParser(prog="benchmark.py pipeline")
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="*", default=[4, 8, 16])
@@ -116,7 +118,7 @@ def main(argv=None) -> None:
     p = args.pipeline_model_parallel_size
     cases = [(m, v) for v in args.virtual_pipeline_model_parallel_size
              for m in args.microbatches if m % p == 0 or v == 1]
-    by_rank = run_on_ranks(_schedules_on_rank, p, cases, args)
+    by_rank = _ranks.run_on_ranks(_schedules_on_rank, p, cases, args)
     act_bytes = args.seq_length * args.micro_batch_size * args.hidden_size * 4
     print(f"pipeline bubble, p={p}, forward {args.forward_ms} ms + backward "
           f"{2 * args.forward_ms} ms per micro-batch per stage, compute={args.compute}")
@@ -125,6 +127,7 @@ def main(argv=None) -> None:
     print(f"{'m':>4} {'v':>3} {'bubble meas':>12} {'theory':>8} {'step ms':>9} "
           f"{'ideal ms':>9} {'peak live mb (rank0..)':>24} {'GPipe meas':>14} "
           f"{'act MB r0':>10} {'GPipe MB r0':>12}")
+    out = {}
     for n, (m, v) in enumerate(cases):
         rows = [by_rank[r][n] for r in range(p)]
         total = max(r[2] for r in rows)  # the step's wall time: the slowest rank's
@@ -136,4 +139,6 @@ def main(argv=None) -> None:
               f"{ideal:>9.1f} {live!s:>24} {gpipe_live[m]!s:>14} "
               f"{live[0] * act_bytes / 2**20 / v:>10.2f} "
               f"{gpipe_live[m][0] * act_bytes / 2**20:>12.2f}")
-
+        out[(m, v)] = {"bubble": bubble, "theory": theory, "step": total, "live": live,
+                       "gpipe_live": gpipe_live[m]}
+    return out

@@ -179,9 +179,9 @@ def _body(rank: int, world: int, rows: list, repeats: int) -> list[dict]:
 
 def _run_world(world: int, rows: list, repeats: int) -> list[list[dict]]:
     """Per row, the per-rank results."""
-    from tools.bench._ranks import run_on_ranks
+    from tools.bench import _ranks
 
-    per_rank = run_on_ranks(_body, world, rows, repeats, timeout=1800)
+    per_rank = _ranks.run_on_ranks(_body, world, rows, repeats, timeout=1800)
     return [[r[i] for r in per_rank] for i in range(len(rows))]
 
 
