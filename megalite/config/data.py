@@ -50,6 +50,15 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        paths = {f"--{name.replace('_', '-')}": getattr(self, name) for name in
+                 ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+                 if getattr(self, name)}
+        if self.mock_data and paths:
+            given = ", ".join(f"{flag} {' '.join(map(str, v))}" for flag, v in paths.items())
+            flags = " / ".join(paths)
+            raise ConfigError(f"--mock-data with {given}: mock data is synthetic and would "
+                              f"never read {flags}; drop --mock-data to train on the data, or "
+                              f"drop {flags} to train on mock data")
         require(self.num_workers >= 0, "num_workers must be >= 0")
         require(self.tiktoken_num_special_tokens >= 0,
                 f"--tiktoken-num-special-tokens must be >= 0, got "

@@ -84,6 +84,11 @@ class OptimConfig:
         require(0.0 <= self.optimizer_offload_fraction <= 1.0,
                 "optimizer_offload_fraction must be in [0, 1], got "
                 f"{self.optimizer_offload_fraction}")
+        require(self.optimizer_cpu_offload or self.optimizer_offload_fraction == 1.0,
+                f"--optimizer-offload-fraction {self.optimizer_offload_fraction} has no effect "
+                "without --optimizer-cpu-offload (the fraction says how much of the optimizer "
+                "state the offload moves to the host); add --optimizer-cpu-offload, or drop "
+                "--optimizer-offload-fraction")
         positive(self, "loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis",
                   "lr_decay_iters", "lr_wsd_decay_iters", "lr_decay_samples",
                   "lr_wsd_decay_samples")

@@ -49,13 +49,14 @@ class ParallelConfig:
     use_distributed_optimizer: bool = arg(False, "Shard optimizer state over data parallel "
                                           "(the same as --data-parallel-sharding-strategy "
                                           "optim).")
-    data_parallel_sharding_strategy: str = arg(
-        "no_shard", "What data parallelism shards: nothing (no_shard), the fp32 main "
+    data_parallel_sharding_strategy: str | None = arg(
+        None, "What data parallelism shards: nothing (no_shard), the fp32 main "
         "parameters and optimizer state (optim, ZeRO-1: --use-distributed-optimizer), also "
         "the reduced gradients (optim_grads, ZeRO-2: each rank keeps only its shard of the "
         "gradients between steps), also the parameters (optim_grads_params, ZeRO-3: each "
         "layer's parameters are all-gathered before its forward and its backward and freed "
-        "after, the next layer's gather prefetched).",
+        "after, the next layer's gather prefetched). Unset: optim with "
+        "--use-distributed-optimizer, else no_shard.",
         choices=SHARDING_STRATEGIES)
     use_torch_fsdp2: bool = arg(False, "Wrap the model in torch FSDP2 (refused: it does not "
                                 "compose with megalite's gradient buffers; use "
@@ -107,8 +108,15 @@ class ParallelConfig:
                 "(building the buffers over a fully_shard-ed GPTModel fails with 'aten.copy_ "
                 "got mixed torch.Tensor and DTensor'); use --data-parallel-sharding-strategy "
                 "optim_grads_params, megalite's own ZeRO-3")
-        if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
-            self.data_parallel_sharding_strategy = "optim"
+        if self.data_parallel_sharding_strategy is None:   # not given: the switch decides
+            self.data_parallel_sharding_strategy = (
+                "optim" if self.use_distributed_optimizer else "no_shard")
+        require(not (self.use_distributed_optimizer
+                     and self.data_parallel_sharding_strategy == "no_shard"),
+                "--use-distributed-optimizer shards the optimizer state over data parallel "
+                "ranks (--data-parallel-sharding-strategy optim), which contradicts "
+                "--data-parallel-sharding-strategy no_shard; drop one of the two (or give "
+                "optim, optim_grads or optim_grads_params)")
         # optim, optim_grads and optim_grads_params run the distributed optimizer
         self.use_distributed_optimizer = self.data_parallel_sharding_strategy != "no_shard"
         if self.overlap_param_gather:

@@ -53,8 +53,8 @@ def test_wrong_types_name_key_value_and_type(tmp_path, text, pattern):
 
 
 def test_lists_take_a_yaml_list_or_a_string(tmp_path):
-    a = _cfg(tmp_path, "data_path: [0.3, a, 0.7, b]\nmock_data: true\n")
-    b = _cfg(tmp_path, "data_path: '0.3 a 0.7 b'\nmock_data: true\n")
+    a = _cfg(tmp_path, "data_path: [0.3, a, 0.7, b]\n")
+    b = _cfg(tmp_path, "data_path: '0.3 a 0.7 b'\n")
     assert a.data.data_path == b.data.data_path == ["0.3", "a", "0.7", "b"]
     c = _cfg(tmp_path, "profile_ranks: '0 1'\n")
     assert c.logging.profile_ranks == [0, 1]
