@@ -1,9 +1,11 @@
-"""tools/benchmark.py model on a tiny shape: the whole code path runs, and the kernel
-bound's GEMM shapes are exactly the model's linear layers (their FLOPs equal
-``6 N tokens`` for the model's N linear-layer weights)."""
+"""tools/benchmark.py model on a tiny shape: the whole code path runs, the kernel bound's
+GEMM shapes are exactly the model's linear layers (their FLOPs equal ``6 N tokens`` for
+the model's N linear-layer weights), and the model FLOPs it reads from the resolved layout
+are PaLM's ``6 N + 12 L h s`` with N the model's parameters but the input embedding."""
 
 import argparse
 
+import pytest
 import torch
 
 from tools.bench import model as bench
@@ -16,11 +18,13 @@ def _args(**kw):
     return argparse.Namespace(**{**base, **kw})
 
 
-def test_kernel_bound_shapes_are_the_models_linears():
-    args = _args()
-    cfg = bench.build_config(args)
+@pytest.mark.parametrize("vocab", [256, 200])   # 200: the output layer is padded to 256
+def test_kernel_bound_and_flops_are_the_models(vocab):
+    args = _args(vocab_size=vocab)
+    run = bench.build_config(args)
+    layout, cfg = run.resolve(1), run.model
     model = bench.make_ours(cfg, False)
-    bound = bench.KernelBound(cfg, args.micro_batch_size)
+    bound = bench.KernelBound(layout, cfg)
     bound.probe()
     seconds, flops = bound.gemm_seconds()
     tokens = args.micro_batch_size * args.seq_length
@@ -28,6 +32,9 @@ def test_kernel_bound_shapes_are_the_models_linears():
                  if p.dim() == 2 and "word_embeddings" not in n)
     assert flops == 6.0 * linear * tokens
     assert 0 < seconds < bound.seconds()
+    n = bench.matmul_params(model, hf=False)
+    assert layout.flops_per_token == 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size \
+        * cfg.seq_length
 
 
 def test_benchmark_runs_and_reports_the_bound(capsys):

@@ -43,7 +43,7 @@ def _model(args, n: int):
                       attention_backend="sdpa", bf16=args.bf16, **extra)
     ps = ParallelState.build(ParallelConfig())
     model = GPTModel(cfg, ps, seed=1)
-    return cfg, (model.to(torch.bfloat16) if args.bf16 else model)
+    return cfg, model.to(cfg.params_dtype)
 
 
 def _batch(cfg, mb: int):
@@ -95,7 +95,7 @@ def _planner_layer_bytes(cfg, mb: int) -> float:
     from megalite.planner.memory import layer_activation_elements
 
     e = layer_activation_elements(cfg, ParallelConfig(), mb)
-    return e["act"] * (2 if cfg.bf16 else 4) + e["fp32"] * 4
+    return e["act"] * cfg.params_dtype.itemsize + e["fp32"] * 4
 
 
 def main(argv: list[str]) -> dict:

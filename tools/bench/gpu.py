@@ -15,11 +15,12 @@ shape for smoke runs. In one run, on the same weights and inputs:
   ``torch.optim.AdamW(fused=True)``.
 
 Printed: tokens/s (median step), MFU against the device's table peak
-(``megalite.training.throughput.GPU_PEAK_FLOPS``) and against the bf16 ``torch.mm`` peak
-measured here, the peak memory of each, and megalite's top kernels (torch.profiler).
-Model FLOPs per token are ``6 N + 12 L h s`` (N: matmul parameters, the input embedding
-excluded), as in ``tools/bench/model.py``. Without CUDA (and no ``--device cpu``) it
-prints one line and exits 0.
+(:data:`megalite.hardware.GPU_PEAK_FLOPS`) and against the ``torch.mm`` peak of the
+model's dtype (bf16) measured here (:class:`megalite.hardware.MatmulPeak`), the peak memory
+of each, and megalite's top kernels (torch.profiler). Model FLOPs per token are the
+training loop's ``6 N + 6 h V + 12 L h s`` (:func:`megalite.config.shapes.flops_per_token`,
+read from the resolved layout), as in ``tools/bench/model.py``. Without CUDA (and no
+``--device cpu``) it prints one line and exits 0.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import statistics
 import time
 
 import torch
+
+from megalite import hardware
 
 SHAPES = {  # name: the values of FIELDS
     "default": (16, 2048, 32, 8, 8192, 32000, 2048, 4),
@@ -61,22 +64,27 @@ def parse(argv):
 
 
 def build_config(args):
-    from megalite.config import ModelConfig
+    """The benchmarked run's config: the bf16 model, AdamW, one micro-batch per step on one
+    rank."""
+    from megalite.config import MegaliteConfig, ModelConfig, OptimConfig, TrainConfig
 
-    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                       num_attention_heads=args.num_attention_heads,
-                       group_query_attention=True, num_query_groups=args.num_query_groups,
-                       ffn_hidden_size=args.ffn_hidden_size,
-                       seq_length=args.seq_length, max_position_embeddings=args.seq_length,
-                       vocab_size=args.vocab_size, normalization="RMSNorm", swiglu=True,
-                       position_embedding_type="rope", add_bias_linear=False,
-                       untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
-                       attention_dropout=0.0, attention_backend="auto", bf16=True,
-                       cross_entropy_loss_fusion=True)
+    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                        num_attention_heads=args.num_attention_heads,
+                        group_query_attention=True, num_query_groups=args.num_query_groups,
+                        ffn_hidden_size=args.ffn_hidden_size,
+                        seq_length=args.seq_length, max_position_embeddings=args.seq_length,
+                        vocab_size=args.vocab_size, normalization="RMSNorm", swiglu=True,
+                        position_embedding_type="rope", add_bias_linear=False,
+                        untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                        attention_dropout=0.0, attention_backend="auto", bf16=True,
+                        cross_entropy_loss_fusion=True)
+    batch = args.micro_batch_size
+    return MegaliteConfig(model=model, optim=OptimConfig(lr=1e-4, weight_decay=0.01),
+                          train=TrainConfig(micro_batch_size=batch, global_batch_size=batch))
 
 
 class Device:
-    """Synchronisation, peak memory and the bf16 matmul peak of the benchmark's device."""
+    """Synchronisation and peak memory of the benchmark's device."""
 
     def __init__(self, name: str):
         self.device = torch.device(name)
@@ -97,46 +105,20 @@ class Device:
             return "n/a on cpu"
         return f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB"
 
-    def table_peak(self) -> tuple[float | None, str]:
-        from megalite.training.throughput import GPU_PEAK_FLOPS
 
-        if not self.cuda:
-            return None, "cpu (no table peak)"
-        name = torch.cuda.get_device_name(self.device)
-        for key, peak in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return peak, name
-        return None, f"{name} (not in the peak table)"
-
-    def matmul_peak(self, n: int, seconds: float) -> float:
-        """Best bf16 ``torch.mm`` FLOP/s on ``n x n`` matrices over about ``seconds``."""
-        a = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
-        torch.mm(a, b)
-        best, end = 0.0, time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            self.sync()
-            start = time.perf_counter()
-            for _ in range(10):
-                torch.mm(a, b)
-            self.sync()
-            best = max(best, 20.0 * n ** 3 / (time.perf_counter() - start))
-        return best
-
-
-def make_megalite(cfg, dev: Device, compiled: bool, mode: str | None):
+def make_megalite(run, dev: Device, compiled: bool, mode: str | None):
     """(model, step function) of megalite's own training step: bf16 model, fp32 master
     weights and main grads, the optimizer of ``megalite.optim.build``."""
-    from megalite.config import MegaliteConfig, OptimConfig, ParallelConfig
+    from megalite.config import ParallelConfig
+    from megalite.config.run import DEFAULT_SEED
     from megalite.models.compile import maybe_compile
     from megalite.models.gpt import GPTModel
     from megalite.optim.build import build_grads_and_optimizer
     from megalite.parallel.state import ParallelState
 
     ps = ParallelState.build(ParallelConfig(), device=dev.device)
-    model = GPTModel(cfg, ps, seed=1234)
-    mcfg = MegaliteConfig(model=cfg, optim=OptimConfig(lr=1e-4, weight_decay=0.01))
-    grads, optimizer = build_grads_and_optimizer(model, mcfg, ps)
+    model = GPTModel(run.model, ps, seed=DEFAULT_SEED)
+    grads, optimizer = build_grads_and_optimizer(model, run, ps)
     maybe_compile(model, compiled, mode=mode)
 
     def step(ids, labels):
@@ -223,19 +205,21 @@ def main(argv=None) -> None:
         return
     dev = Device(args.device)
     torch.manual_seed(0)
-    table_peak, device_name = dev.table_peak()
-    measured_peak = dev.matmul_peak(8192 if dev.cuda else 256, 2.0 if dev.cuda else 0.2)
-    cfg = build_config(args)
+    run = build_config(args)
+    layout, cfg = run.resolve(1), run.model
+    table_peak, device_name = hardware.table_peak(dev.device)
+    measured_peak = hardware.MatmulPeak(8192 if dev.cuda else 256, layout.dtype, dev.device,
+                                        burst=10).probe(2.0 if dev.cuda else 0.2)
     mbs, seq = args.micro_batch_size, args.seq_length
     ids = torch.randint(0, cfg.vocab_size, (mbs, seq + 1), device=dev.device)
     ids, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     tokens = mbs * seq
 
     compiled = not args.no_compile
-    model, step = make_megalite(cfg, dev, compiled, args.compile_mode)
+    model, step = make_megalite(run, dev, compiled, args.compile_mode)
     state = None if args.no_hf else {k: v.cpu() for k, v in model.full_state_dict().items()}
     n = matmul_params(model, "word_embeddings")
-    flops = (6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length) * tokens
+    flops = layout.flops_per_token * tokens
     results = {}
     name = "megalite" + ("+compile" if compiled else "")
     results[name] = time_steps(step, ids, labels, dev, args.warmup, args.steps)

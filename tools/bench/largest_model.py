@@ -6,8 +6,8 @@ planner's memory model, confirmed by training it under a per-rank memory cap.
 [--vocab-size 8192] [--cap-gib 2] [--machine-gib 24] [--no-confirm]
 [--only optim/none optim/opt ...]``
 
-Variants: each ``--data-parallel-sharding-strategy`` megalite accepts (no_shard, optim,
-optim_grads, and optim_grads_params once it is implemented) x offload: none,
+Variants: each ``--data-parallel-sharding-strategy`` megalite accepts
+(:data:`megalite.config.parallel.SHARDING_STRATEGIES`) x offload: none,
 ``opt`` (``--optimizer-cpu-offload --optimizer-offload-fraction 1``, sharded strategies only),
 ``act`` (``--cpu-offloading --cpu-offloading-num-layers L-1``), ``opt+act``. bf16, Adam,
 micro-batch 1, global batch ``dp``.
@@ -48,9 +48,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from megalite.config.parallel import SHARDING_STRATEGIES
+
 GIB = 2.0 ** 30
 OFFLOADS = ("none", "opt", "act", "opt+act")
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def _config(args, layers: int, strategy: str, offload: str):
@@ -86,7 +87,8 @@ def predict(args, layers: int, strategy: str, offload: str) -> tuple[float, floa
         host += est.optimizer + 4 * shard
     if "act" in offload.split("+") and layers > 1:
         e = layer_activation_elements(cfg.model, cfg.parallel, 1)
-        moved = (layers - 1) * (e["act"] * 2 + e["fp32"] * 4) * est.in_flight
+        moved = (layers - 1) * (e["act"] * cfg.model.params_dtype.itemsize
+                                + e["fp32"] * 4) * est.in_flight
         device -= moved
         host += moved
     return device, host
@@ -132,7 +134,7 @@ def _train_two_steps(rank: int, world: int, args, layers: int, strategy: str,
     before = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (limit, before[1]))
     try:
-        model = default_model_provider(cfg, ps).to(torch.bfloat16)
+        model = default_model_provider(cfg, ps).to(cfg.model.params_dtype)
         grads, optimizer = build_grads_and_optimizer(model, cfg, ps)
         model.train()
         gen = torch.Generator().manual_seed(1234 + rank)
@@ -178,7 +180,7 @@ def _variants(args) -> tuple[list[tuple[str, str]], list[str]]:
     from megalite.config import ConfigError
 
     out, refused = [], []
-    for strategy in STRATEGIES:
+    for strategy in SHARDING_STRATEGIES:
         for offload in OFFLOADS:
             try:
                 _config(args, 2, strategy, offload)

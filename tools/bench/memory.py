@@ -6,7 +6,7 @@ strategy: measured vs ZeRO's accounting.
 [--optimizer-offload-fraction F]``
 
 For each data-parallel size ``D`` it starts ``D x tp`` gloo ranks and, for each
-``--data-parallel-sharding-strategy`` (no_shard, optim, optim_grads, optim_grads_params),
+``--data-parallel-sharding-strategy`` (:data:`megalite.config.parallel.SHARDING_STRATEGIES`),
 builds the GPT model
 in bf16 with the gradient buffers and the optimizer exactly as training does
 (``megalite.optim.build``), runs one training step (forward, backward, data-parallel
@@ -42,10 +42,10 @@ import os
 
 import torch
 
+from megalite.config.parallel import SHARDING_STRATEGIES
 from tools.bench import _ranks
 
 MIB = 2.0 ** 20
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def _config(args, world: int, strategy: str, offload: float | None):
@@ -66,10 +66,10 @@ def _config(args, world: int, strategy: str, offload: float | None):
 
 
 def _runs(args) -> list[tuple[str, str, float | None]]:
-    runs = [(s, s, None) for s in STRATEGIES]
-    if args.optimizer_offload_fraction is not None:
+    runs = [(s, s, None) for s in SHARDING_STRATEGIES]
+    if args.optimizer_offload_fraction is not None:   # the sharded strategies
         runs += [(f"{s}+off{args.optimizer_offload_fraction:g}", s, args.optimizer_offload_fraction)
-                 for s in ("optim", "optim_grads", "optim_grads_params")]
+                 for s in SHARDING_STRATEGIES if s != "no_shard"]
     return runs
 
 
@@ -108,7 +108,7 @@ def measure(args, world: int, run: tuple) -> tuple:
     cfg = _config(args, world, strategy, offload)
     ps = ParallelState.build(cfg.parallel)
     rss0 = _rss_kib()
-    model = default_model_provider(cfg, ps).to(torch.bfloat16)
+    model = default_model_provider(cfg, ps).to(cfg.model.params_dtype)
     grads, optimizer = build_grads_and_optimizer(model, cfg, ps)
     gen = torch.Generator().manual_seed(1234)   # the same batch on every tp rank
     ids = torch.randint(0, args.vocab_size, (1, 128), generator=gen)

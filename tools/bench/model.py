@@ -10,13 +10,15 @@ hidden 512, 8 heads / 4 query groups, SwiGLU ffn 1408, RoPE, RMSNorm, untied, vo
 inputs and threads. Steps of the variants are interleaved so background load hits them alike; the
 median step time is reported.
 
-MFU = model FLOP/s / the fp32 ``torch.mm`` peak measured in the same run. The *kernel
-bound* (:class:`KernelBound`) is the time of the model's GEMMs and attention kernel alone
-at the step's shapes, measured in the same run: the MFU no implementation built on these
-kernels exceeds here, and each variant's share of it. Model FLOPs per
-token are ``6 N + 12 L h s`` (PaLM / Megatron convention, as the training loop's MFU) with
-N the matmul parameters (the layers and the output layer; the input embedding table is a
-lookup and not counted) -- the same count as the training loop's ``6 N + 6 h V + 12 L h s``.
+MFU = model FLOP/s / the fp32 ``torch.mm`` peak measured in the same run
+(:class:`megalite.hardware.MatmulPeak`, 2048 x 2048). The *kernel bound*
+(:class:`KernelBound`) is the time of the model's GEMMs and attention kernel alone at the
+step's shapes, measured in the same run: the MFU no implementation built on these kernels
+exceeds here, and each variant's share of it. Model FLOPs per token are the training loop's
+``6 N + 6 h V + 12 L h s`` (:func:`megalite.config.shapes.flops_per_token`, read from the
+resolved layout; N the transformer layers' parameters, ``h V`` the output layer): PaLM's /
+Megatron's ``6 N + 12 L h s`` with N all the matmul parameters, the layers and the output
+layer (the input embedding table is a lookup and not counted).
 On a shared machine other processes' load makes step times noisy: the fastest step is the
 best estimate of this machine's speed, and process CPU time per step is reported too.
 
@@ -37,24 +39,7 @@ import time
 
 import torch
 
-
-class MatmulPeak:
-    """Best fp32 ``torch.mm`` FLOP/s on n x n matrices over short bursts. Bursts are also
-    taken between timed steps, so the peak sees the same background load as the steps."""
-
-    def __init__(self, n: int = 2048):
-        self.a, self.b = torch.randn(n, n), torch.randn(n, n)
-        self.n, self.best = n, 0.0
-        torch.mm(self.a, self.b)
-
-    def probe(self, seconds: float = 0.5) -> float:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            start = time.perf_counter()
-            for _ in range(2):
-                torch.mm(self.a, self.b)
-            self.best = max(self.best, 4.0 * self.n ** 3 / (time.perf_counter() - start))
-        return self.best
+from megalite.hardware import MatmulPeak
 
 
 class KernelBound:
@@ -63,19 +48,18 @@ class KernelBound:
     ``x.T @ g``) and the causal attention kernel's forward and backward, per layer, plus
     the output layer. Each is the best of bursts taken between timed steps (the same
     background load as the steps). ``flops / seconds / peak`` is the highest MFU any
-    implementation of this model reaches on this machine without faster kernels."""
+    implementation of this model reaches on this machine without faster kernels.
 
-    def __init__(self, cfg, batch: int):
-        n, h, heads = batch * cfg.seq_length, cfg.hidden_size, cfg.num_attention_heads
-        d, groups = h // heads, cfg.num_query_groups
-        layer = [(n, h, (heads + 2 * groups) * d), (n, heads * d, h),
-                 (n, h, 2 * cfg.ffn_hidden_size), (n, cfg.ffn_hidden_size, h)]
-        self.linears = [(shape, cfg.num_layers) for shape in layer] + [((n, h, cfg.vocab_size), 1)]
+    The linear layers' shapes and counts are the resolved ``layout``'s ``gemms`` (one
+    micro-batch on one rank, the output layer included) of the model ``m``."""
+
+    def __init__(self, layout, m):
+        self.linears = [((t, i, o), count) for t, i, o, count in layout.gemms]
         self.mats = {s: (torch.randn(s[0], s[1]), torch.randn(s[1], s[2]), torch.randn(s[0], s[2]))
                      for s, _ in self.linears}
         self.best = dict.fromkeys(self.mats, float("inf"))
-        self.layers, self.attention = cfg.num_layers, float("inf")
-        shape = (batch, heads, cfg.seq_length, d)
+        self.layers, self.attention = m.num_layers, float("inf")
+        shape = (layout.micro_batch_size, m.num_attention_heads, m.seq_length, m.kv_channels)
         self.qkv = [torch.randn(shape, requires_grad=True) for _ in range(3)]
         self.grad = torch.randn(shape)
 
@@ -103,26 +87,31 @@ class KernelBound:
 
 
 def build_config(args):
-    from megalite.config import ModelConfig
+    """The benchmarked run's config: the model, one micro-batch per step on one rank."""
+    from megalite.config import MegaliteConfig, ModelConfig, TrainConfig
 
-    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                       num_attention_heads=args.num_attention_heads,
-                       group_query_attention=True, num_query_groups=args.num_query_groups,
-                       ffn_hidden_size=args.ffn_hidden_size,
-                       seq_length=args.seq_length, vocab_size=args.vocab_size,
-                       normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-                       add_bias_linear=False, untie_embeddings_and_output_weights=True,
-                       hidden_dropout=0.0, attention_dropout=0.0, attention_backend="sdpa",
-                       cross_entropy_loss_fusion=not args.default_cross_entropy)
+    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                        num_attention_heads=args.num_attention_heads,
+                        group_query_attention=True, num_query_groups=args.num_query_groups,
+                        ffn_hidden_size=args.ffn_hidden_size,
+                        seq_length=args.seq_length, vocab_size=args.vocab_size,
+                        normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                        add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                        hidden_dropout=0.0, attention_dropout=0.0, attention_backend="sdpa",
+                        cross_entropy_loss_fusion=not args.default_cross_entropy)
+    batch = args.micro_batch_size
+    return MegaliteConfig(model=model,
+                          train=TrainConfig(micro_batch_size=batch, global_batch_size=batch))
 
 
 def make_ours(cfg, compiled: bool):
     from megalite.config import ParallelConfig
+    from megalite.config.run import DEFAULT_SEED
     from megalite.models.compile import maybe_compile
     from megalite.models.gpt import GPTModel
     from megalite.parallel.state import ParallelState
 
-    model = GPTModel(cfg, ParallelState.build(ParallelConfig()), seed=1234)
+    model = GPTModel(cfg, ParallelState.build(ParallelConfig()), seed=DEFAULT_SEED)
     return maybe_compile(model, compiled)
 
 
@@ -173,9 +162,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    peak = MatmulPeak()
+    run = build_config(args)
+    layout, cfg = run.resolve(1), run.model
+    peak = MatmulPeak(n=2048, dtype=layout.dtype)
     peak.probe(2.0)
-    cfg = build_config(args)
     variants = {"megalite": make_ours(cfg, False)}
     state = variants["megalite"].full_state_dict()
     if args.compile:
@@ -184,7 +174,7 @@ def main(argv=None) -> None:
         variants["transformers"] = make_hf(cfg, state)
     ids = torch.randint(0, cfg.vocab_size, (args.micro_batch_size, args.seq_length + 1))
     ids, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    bound = KernelBound(cfg, args.micro_batch_size)
+    bound = KernelBound(layout, cfg)
     for _ in range(3):
         bound.probe()
     steps = {}
@@ -216,7 +206,7 @@ def main(argv=None) -> None:
 
     tokens = args.micro_batch_size * args.seq_length
     n = matmul_params(variants["megalite"], hf=False)
-    flops = (6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length) * tokens
+    flops = layout.flops_per_token * tokens
     print(f"config: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
           f"{cfg.num_attention_heads}/{cfg.num_query_groups} groups, ffn {cfg.ffn_hidden_size}, "
           f"vocab {cfg.vocab_size}, seq {args.seq_length} x batch {args.micro_batch_size}, fp32, "

@@ -124,7 +124,8 @@ def _probe(cfg, world: int, overhead, ps) -> dict:
     out["call"], _ = tp_collective_cost(planner_config(cfg), group)
     m = cfg.model
     out["call_group"] = group.size
-    out["call_bytes"] = 4 * cfg.train.micro_batch_size * m.seq_length * m.hidden_size
+    out["call_bytes"] = (m.params_dtype.itemsize * cfg.train.micro_batch_size
+                         * m.seq_length * m.hidden_size)
     return out
 
 
@@ -142,7 +143,7 @@ def _time_layout(cfg, world: int, repeats: int, overhead) -> dict:
     c = build_components(cfg, ps, peak_probe_seconds=0.0)
     try:
         it = c.train_iterator(0)
-        num_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * ps.dp.size)
+        num_micro = c.layout.num_microbatches
         steps, probes, comm, calls = [], [], [], []
         for i in range(repeats + 1):
             batches = [next(it) for _ in range(num_micro)]
