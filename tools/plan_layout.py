@@ -23,17 +23,22 @@ each breaks.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 from megalite.arguments import build_parser, parse_args  # noqa: E402
 from megalite.config.fields import ConfigError  # noqa: E402
+from megalite.errors import EXIT_CONFIG, report_tool_error  # noqa: E402
 from megalite.planner.cluster import GIB, PRESETS, Cluster, preset  # noqa: E402
-from megalite.planner.search import RECOMPUTE, STRATEGIES, search  # noqa: E402
+from megalite.planner.search import RECOMPUTE, STRATEGIES, make_config, search  # noqa: E402
+
+PROG = "plan_layout.py"
 
 LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                 "--virtual-pipeline-model-parallel-size",
@@ -185,7 +190,9 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int) -> str:
                   f"{best.memory.in_flight}",
                   "  launch flags: " + " ".join(best.launch_flags())]
     else:
-        lines += ["", "no feasible layout"]
+        first = next((c for c in candidates if c.error), None)
+        lines += ["", "no feasible layout" + (f"; the first refused, {first.name().strip()}: "
+                                              f"{first.error}" if first else "")]
     bad = [c for c in candidates if not c.feasible][:show_infeasible]
     if bad:
         lines += ["", f"infeasible (first {len(bad)}):"]
@@ -193,26 +200,51 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int) -> str:
     return "\n".join(lines)
 
 
+# the cluster flags: (Cluster field, scale to the field's unit, what the value must be)
+CLUSTER_FLAGS = {"gpus_per_node": ("gpus_per_node", 1, "an integer >= 1"),
+                 "gpu_memory_gib": ("gpu_memory", GIB, "a positive number"),
+                 "peak_tflops": ("peak_flops", 1e12, "a positive number"),
+                 "intra_node_gbps": ("intra_node_bw", 1e9, "a positive number"),
+                 "inter_node_gbps": ("inter_node_bw", 1e9, "a positive number"),
+                 "matmul_efficiency": ("matmul_efficiency", 1, "in (0, 1]")}
+
+
+def check_args(args) -> None:
+    """Refuse this tool's numbers that cannot describe a cluster or a search (sizes below
+    one, NaN, negative or zero rates, an efficiency above one), naming the flag and value."""
+    def bad(flag: str, value, must: str):
+        raise ConfigError(f"--{flag.replace('_', '-')} must be {must}, got {value}")
+
+    if args.nodes < 1:
+        bad("nodes", args.nodes, "an integer >= 1")
+    for flag, (_, _, must) in CLUSTER_FLAGS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if not value > 0 or (flag == "matmul_efficiency" and value > 1) or value == math.inf:
+            bad(flag, value, must)
+        if flag == "gpus_per_node" and value < 1:
+            bad(flag, value, must)
+    for flag in ("top", "show_infeasible"):
+        if getattr(args, flag) < 0:
+            bad(flag, getattr(args, flag), "an integer >= 0")
+    for flag in ("micro_batch_sizes", "tp", "pp", "vpp", "cp", "ep"):
+        for value in getattr(args, flag) or ():
+            if value < 1:
+                bad(flag, value, "a list of integers >= 1")
+    for value in args.offload_fractions:
+        if not 0 <= value <= 1:
+            bad("offload_fractions", value, "a list of numbers in [0, 1]")
+
+
 def build_cluster(args) -> Cluster:
     if args.preset:
         base = preset(args.preset, args.nodes)
     else:
         base = Cluster(8, args.nodes, 80 * GIB, 989e12, 450e9, 50e9)
-    over = {}
-    if args.gpus_per_node:
-        over["gpus_per_node"] = args.gpus_per_node
-    if args.gpu_memory_gib:
-        over["gpu_memory"] = args.gpu_memory_gib * GIB
-    if args.peak_tflops:
-        over["peak_flops"] = args.peak_tflops * 1e12
-    if args.intra_node_gbps:
-        over["intra_node_bw"] = args.intra_node_gbps * 1e9
-    if args.inter_node_gbps:
-        over["inter_node_bw"] = args.inter_node_gbps * 1e9
-    if args.matmul_efficiency:
-        over["matmul_efficiency"] = args.matmul_efficiency
-    from dataclasses import replace
-
+    over = {field: getattr(args, flag) * scale
+            for flag, (field, scale, _) in CLUSTER_FLAGS.items()
+            if getattr(args, flag) is not None}
     return replace(base, **over)
 
 
@@ -251,8 +283,14 @@ def plan(argv: list[str]):
         argv, model_flags = argv[:k], argv[k + 1:]
     parser = _parser()
     args = parser.parse_args(argv)
+    check_args(args)
     if args.megatron_script:
-        flags, skipped = script_flags(Path(args.megatron_script).read_text())
+        try:
+            text = Path(args.megatron_script).read_text()
+        except OSError as exc:
+            raise ConfigError(f"--megatron-script {args.megatron_script}: cannot read it "
+                              f"({exc.strerror or exc})") from None
+        flags, skipped = script_flags(text)
         if skipped:
             print(f"note: skipped flags megalite does not know: {' '.join(skipped)}")
         model_flags = flags + model_flags
@@ -265,12 +303,16 @@ def plan(argv: list[str]):
         print(f"note: no --vocab-size given; {tokenizers[-1]} has {vocab} tokens" if vocab
               else "note: no --vocab-size given; assuming GPT-2's 50257 (give --vocab-size "
                    "after --)")
-    try:
-        base = parse_args(model_flags + ["--tokenizer-type", "NullTokenizer", "--mock-data"])
+    try:   # the model alone: mock data and the NullTokenizer (a --config file's data
+        # settings set aside too)
+        base = parse_args(model_flags + ["--tokenizer-type", "NullTokenizer"])
+        base.data = replace(base.data, mock_data=True, data_path=None, train_data_path=None,
+                            valid_data_path=None, test_data_path=None)
     except ConfigError as exc:
         parser.error(f"the model's flags: {exc}")
     if base.train.global_batch_size is None:
         parser.error("give --global-batch-size after --")
+    args.base = base   # the model and batch the search lays out
     cluster = build_cluster(args)
     candidates = search(base, cluster, strategies=tuple(args.strategies),
                         recomputes=tuple(args.recompute),
@@ -286,8 +328,48 @@ def script_argv(path) -> list[str]:
     return tokens[tokens.index("tools/plan_layout.py") + 1:]
 
 
+DIMS = ("tp", "pp", "vpp", "cp", "ep")
+
+
+def left_out(candidates, base, cluster: Cluster, args) -> list[str]:
+    """Why each size given with ``--tp/--pp/--vpp/--cp/--ep`` that no candidate has was
+    left out: megalite's own validation of a layout with it (the other sizes at their first
+    given value, else 1; a pipeline of 2 or more under ``--vpp``), one line each."""
+    world = cluster.world_size
+    out = []
+    for dim in DIMS:
+        for value in getattr(args, dim) or ():
+            if any(c.sizes[dim] == value for c in candidates):
+                continue
+            sizes = {d: (getattr(args, d) or [1])[0] for d in DIMS}
+            sizes[dim] = value
+            if dim == "vpp" and value > 1 and not args.pp:
+                sizes["pp"] = next((d for d in range(2, base.model.num_layers + 1)
+                                    if base.model.num_layers % d == 0 and world % d == 0), 1)
+            try:
+                make_config(base, world, sizes, "no_shard", "none",
+                            args.micro_batch_sizes[0] if args.micro_batch_sizes else 1)
+            except (ConfigError, ValueError) as exc:
+                out.append(f"--{dim} {value} on {world} GPUs: {str(exc).splitlines()[0]}")
+            else:
+                out.append(f"--{dim} {value} on {world} GPUs: no layout with it passes the "
+                           f"other choices (--strategies, --offload-fractions, sizes)")
+    return out
+
+
 def main(argv=None) -> int:
-    candidates, cluster, args = plan(sys.argv[1:] if argv is None else argv)
+    try:
+        candidates, cluster, args = plan(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        return report_tool_error(PROG, exc)
+    reasons = left_out(candidates, args.base, cluster, args)
+    if not candidates:
+        why = "; ".join(reasons) or ("the search has no layout to evaluate; widen "
+                                     "--strategies / --micro-batch-sizes / sizes")
+        print(f"{PROG}: error: no layout to evaluate: {why}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    for line in reasons:
+        print(f"note: left out {line}")
     print(report(candidates, cluster, args.top, args.show_infeasible))
     return 0 if any(c.feasible for c in candidates) else 1
 

@@ -26,9 +26,18 @@ gradients go to the host and the parameters come back, and the host steps Adam.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
+from megalite.config.fields import ConfigError
+
 GIB = 2 ** 30
+
+# fields that must be positive numbers (bandwidths may be inf: no limit); the fractions
+# must also be at most 1
+_POSITIVE = ("gpu_memory", "peak_flops", "intra_node_bw", "inter_node_bw", "memory_bw",
+             "host_bw", "host_memory_bw", "matmul_efficiency", "memory_margin")
+_FRACTIONS = ("matmul_efficiency", "memory_margin")
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,23 @@ class Cluster:
     memory_margin: float = 0.9  # fraction of gpu_memory a layout may plan for (the CUDA
                                 # context, allocator fragmentation and NCCL take the rest)
     name: str = "custom"
+
+    def __post_init__(self) -> None:
+        """Refuse sizes below one and non-positive or NaN rates (a step time from them
+        would be negative or NaN, and the ranking meaningless)."""
+        for name in ("gpus_per_node", "nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"cluster {name} must be an integer >= 1, got {value!r}")
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if not (value > 0) or (name in _FRACTIONS and value > 1):
+                limit = "in (0, 1]" if name in _FRACTIONS else "a positive number"
+                raise ConfigError(f"cluster {name} must be {limit}, got {value!r}")
+        for name in ("latency_s", "layer_overhead_s", "layer_forward_overhead_s",
+                     "microbatch_overhead_s", "collective_overhead_s"):
+            if math.isnan(getattr(self, name)):
+                raise ConfigError(f"cluster {name} must be a number, got nan")
 
     @property
     def world_size(self) -> int:

@@ -109,3 +109,74 @@ def test_plan_layout_reads_the_bundled_megatron_scripts(script, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "best layout: " in out, out
     assert "launch flags: --tensor-model-parallel-size" in out
+
+
+MODEL = SMALL[:-4]   # the model and batch, without the tokenizer and data flags
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nodes", "0"], "--nodes must be an integer >= 1, got 0"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be an integer >= 1, got 0"),
+    (["--gpu-memory-gib", "-5"], "--gpu-memory-gib must be a positive number, got -5.0"),
+    (["--gpu-memory-gib", "0"], "--gpu-memory-gib must be a positive number, got 0.0"),
+    (["--matmul-efficiency", "nan"], "--matmul-efficiency must be in (0, 1], got nan"),
+    (["--matmul-efficiency", "1.5"], "--matmul-efficiency must be in (0, 1], got 1.5"),
+    (["--peak-tflops", "-100"], "--peak-tflops must be a positive number, got -100.0"),
+    (["--inter-node-gbps", "nan"], "--inter-node-gbps must be a positive number, got nan"),
+    (["--megatron-script", "/nonexistent.sh"],
+     "--megatron-script /nonexistent.sh: cannot read it (No such file or directory)"),
+    (["--tp", "3"], "no layout to evaluate: --tp 3 on 8 GPUs: world size (8) must be "
+                    "divisible by tensor_model_parallel_size (3) x pipeline_model_parallel_size "
+                    "(1) x context_parallel_size (1) = 3"),
+    (["--vpp", "3"], "no layout to evaluate: --vpp 3 on 8 GPUs: num_layers (8) must be "
+                     "divisible by pipeline_model_parallel_size (2) x virtual pipeline size (3)"),
+])
+def test_bad_cluster_and_search_flags_exit_2_with_one_line(flags, message, capsys):
+    """Numbers that cannot describe a cluster (a NaN or negative step time would be
+    ranked), an unreadable script, and forced sizes megalite refuses: one line naming the
+    flag, the value and the rule, exit 2, no ranking."""
+    code = load_tool("plan_layout").main([*flags, "--micro-batch-sizes", "1", "--", *MODEL])
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert code == 2, out
+    assert len(lines) == 1 and lines[0].startswith("plan_layout.py: error: "), out.err
+    assert message in lines[0] and "best layout" not in out.out
+
+
+def test_a_forced_size_left_out_is_named_beside_the_others(capsys):
+    code = load_tool("plan_layout").main(["--tp", "3", "4", "--micro-batch-sizes", "1", "--",
+                                          *MODEL])
+    out = capsys.readouterr().out
+    assert code == 0 and "best layout: tp4" in out
+    assert "note: left out --tp 3 on 8 GPUs: world size (8) must be divisible" in out
+
+
+def test_no_feasible_layout_names_the_first_refusal(capsys):
+    """12 heads over tp 8: every layout with the forced size is refused, and the summary
+    says why even with the list of refusals turned off."""
+    code = load_tool("plan_layout").main(["--tp", "8", "--show-infeasible", "0",
+                                          "--micro-batch-sizes", "1", "--", *MODEL])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert ("no feasible layout; the first refused, tp8 pp1 dp1 no_shard rc-none mbs1: "
+            "config: num_attention_heads (12) must be divisible by "
+            "tensor_model_parallel_size (8)") in out
+
+
+def test_a_config_file_with_data_paths_plans_on_mock_data(tmp_path, capsys):
+    """The planner sets the data aside: a run's YAML with its data path plans as it is."""
+    f = tmp_path / "run.yaml"
+    f.write_text("data_path: [0.5, a, 0.5, b]\nsplit: 99,1,0\n")
+    code = load_tool("plan_layout").main(["--micro-batch-sizes", "1", "--top", "1", "--",
+                                          *MODEL, "--config", str(f)])
+    assert code == 0 and "best layout:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("field, value", [("nodes", 0), ("gpu_memory", -5 * GIB),
+                                          ("peak_flops", float("nan")),
+                                          ("matmul_efficiency", 0.0), ("inter_node_bw", -1.0)])
+def test_cluster_refuses_what_no_machine_has(field, value):
+    from megalite.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"cluster {field} must be"):
+        Cluster(**{**vars(preset("h100", 1)), field: value})
