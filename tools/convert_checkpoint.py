@@ -223,12 +223,32 @@ def megalite_to_hf(args) -> None:
     state = {k: v.to(dtype) for k, v in state.items()}
     os.makedirs(args.save_dir, exist_ok=True)
     files = write_hf_weights(state, args.save_dir, parse_size(args.max_shard_size))
-    hf_cfg = spec.hf_config(cfg.model)
+    hf_cfg = spec.hf_config(cfg.model, export_token_ids(cfg, args.load_dir))
     hf_cfg.architectures = [spec.hf_architecture]
     hf_cfg.dtype = str(dtype).removeprefix("torch.")
     hf_cfg.save_pretrained(args.save_dir)
     print(f"wrote {args.save_dir}: config.json + {len(files)} safetensors file(s) "
           f"({spec.name}, {args.dtype})")
+
+
+def export_token_ids(cfg, load_dir: str) -> tuple[int, int] | None:
+    """(bos, eos) ids of the tokenizer the checkpoint records, for config.json; None when
+    it records none (converted from Hugging Face) and, with a warning, when that tokenizer
+    cannot be read here: the architecture's defaults are then kept where they are ids of
+    the vocabulary."""
+    from megalite.data.tokenizers import TokenizerError
+    from megalite.inference.loading import checkpoint_tokenizer
+    from megalite.models.families.spec import trained_token_ids
+
+    if cfg.data.tokenizer_type is None and not cfg.data.mock_data:
+        return None
+    try:
+        return trained_token_ids(checkpoint_tokenizer(cfg))
+    except TokenizerError as exc:
+        print(f"warning: {load_dir}: config.json gets no bos/eos ids of the tokenizer the "
+              f"model was trained with, which cannot be read here ({exc}); set "
+              f"bos_token_id / eos_token_id in it by hand")
+        return None
 
 
 def megalite_to_consolidated(args) -> None:

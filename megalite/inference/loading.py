@@ -139,6 +139,13 @@ def load_for_inference(load: str, iteration: int | None = None, args=None, ps=No
     cfg, model = load_model(load, iteration, ps)
     if args is not None:
         apply_tokenizer_flags(cfg.data, args)
+    return cfg, model, checkpoint_tokenizer(cfg)
+
+
+def checkpoint_tokenizer(cfg):
+    """The tokenizer a checkpoint's config records (``cfg.data``: its type and files) for
+    its model's vocabulary; :class:`TokenizerError` when it cannot be built or its
+    vocabulary is not the model's."""
     vocab = cfg.model.vocab_size
     if cfg.data.tokenizer_type == "NullTokenizer" or (
             cfg.data.tokenizer_type is None and cfg.data.mock_data):
@@ -149,4 +156,4 @@ def load_for_inference(load: str, iteration: int | None = None, args=None, ps=No
             f"the tokenizer {tokenizer!r} has {tokenizer.vocab_size} tokens but the "
             f"checkpoint's model has a vocabulary of {cfg.model.vocab_size}; pass the "
             f"tokenizer the model was trained with")
-    return cfg, model, tokenizer
+    return tokenizer

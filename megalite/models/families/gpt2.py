@@ -54,17 +54,18 @@ class GPT2Spec(FamilySpec):
                    *weight_and_bias("mlp.linear_fc2", "mlp.c_proj", transpose=True)),
             tied=not model_cfg.untie_embeddings_and_output_weights)
 
-    def hf_config(self, model_cfg):
+    def hf_config(self, model_cfg, token_ids: tuple[int, int] | None = None):
         from transformers import GPT2Config
 
         self.check(model_cfg)
         c = model_cfg
-        return GPT2Config(vocab_size=c.vocab_size, n_positions=c.max_position_embeddings,
-                          n_embd=c.hidden_size, n_layer=c.num_layers,
-                          n_head=c.num_attention_heads, n_inner=c.ffn_hidden_size,
-                          activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
-                          attn_pdrop=0.0, layer_norm_epsilon=c.norm_epsilon,
-                          tie_word_embeddings=not c.untie_embeddings_and_output_weights)
+        hf_cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=c.max_position_embeddings,
+                            n_embd=c.hidden_size, n_layer=c.num_layers,
+                            n_head=c.num_attention_heads, n_inner=c.ffn_hidden_size,
+                            activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, layer_norm_epsilon=c.norm_epsilon,
+                            tie_word_embeddings=not c.untie_embeddings_and_output_weights)
+        return self.with_token_ids(hf_cfg, c, token_ids)
 
     def config_from_hf(self, hf_cfg) -> dict:
         """GPT-2's tanh-approximated GeLU (``gelu_new``) becomes megalite's exact GeLU (see

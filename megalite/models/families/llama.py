@@ -87,14 +87,15 @@ class LlamaSpec(FamilySpec):
                     rope_parameters={"rope_type": "default", "rope_theta": c.rotary_base},
                     tie_word_embeddings=not c.untie_embeddings_and_output_weights)
 
-    def hf_config(self, model_cfg):
+    def hf_config(self, model_cfg, token_ids: tuple[int, int] | None = None):
         from transformers import LlamaConfig
 
         self.check(model_cfg)
         c = model_cfg
-        return LlamaConfig(**self.backbone_hf_kwargs(c), intermediate_size=c.ffn_hidden_size,
-                           attention_bias=c.add_qkv_bias or c.add_bias_linear,
-                           mlp_bias=c.add_bias_linear)
+        hf_cfg = LlamaConfig(**self.backbone_hf_kwargs(c), intermediate_size=c.ffn_hidden_size,
+                             attention_bias=c.add_qkv_bias or c.add_bias_linear,
+                             mlp_bias=c.add_bias_linear)
+        return self.with_token_ids(hf_cfg, c, token_ids)
 
     def backbone_from_hf(self, hf_cfg) -> dict:
         """``ModelConfig`` kwargs of the shared part (:meth:`defaults` first, sizes after);

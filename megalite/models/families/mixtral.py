@@ -117,15 +117,17 @@ class MixtralSpec(LlamaSpec):
         return out
 
     # -- configs -------------------------------------------------------------------------
-    def hf_config(self, model_cfg):
+    def hf_config(self, model_cfg, token_ids: tuple[int, int] | None = None):
         from transformers import MixtralConfig
 
         self.check(model_cfg)
         c = model_cfg
-        return MixtralConfig(**self.backbone_hf_kwargs(c), intermediate_size=c.moe_ffn_hidden_size,
-                             sliding_window=None, num_local_experts=c.num_experts,
-                             num_experts_per_tok=c.moe_router_topk,
-                             router_aux_loss_coef=c.moe_aux_loss_coeff)
+        hf_cfg = MixtralConfig(**self.backbone_hf_kwargs(c),
+                               intermediate_size=c.moe_ffn_hidden_size, sliding_window=None,
+                               num_local_experts=c.num_experts,
+                               num_experts_per_tok=c.moe_router_topk,
+                               router_aux_loss_coef=c.moe_aux_loss_coeff)
+        return self.with_token_ids(hf_cfg, c, token_ids)
 
     def config_from_hf(self, hf_cfg) -> dict:
         """``ValueError`` for rope scaling and sliding-window attention."""

@@ -31,6 +31,18 @@ def shift_norm_weights(state: dict[str, torch.Tensor], delta: float
     return {k: v + delta if k.endswith(NORM_WEIGHT_SUFFIX) else v for k, v in state.items()}
 
 
+def trained_token_ids(tokenizer) -> tuple[int, int]:
+    """(bos, eos) ids of the tokenizer a model was trained with, as a Hugging Face config
+    writes them: eos is the end-of-document id training appended (``tokenizer.eod``); bos
+    is the tokenizer's own begin-of-text id where it has one (SentencePiece, Llama-2,
+    TikToken), else also the end-of-document id (GPT-2's convention: ``<|endoftext|>`` is
+    both)."""
+    eod = int(tokenizer.eod)
+    bos = getattr(tokenizer, "bos", None)
+    return (int(bos) if isinstance(bos, int) and 0 <= bos < tokenizer.vocab_size else eod,
+            eod)
+
+
 class FamilySpec:
     """One model family. Subclasses set the class attributes and implement ``problems``,
     ``name_table``, ``hf_config`` and ``config_from_hf``; the rest has working defaults.
@@ -87,9 +99,25 @@ class FamilySpec:
         return hf_state
 
     # -- configs -------------------------------------------------------------------------
-    def hf_config(self, model_cfg):
-        """A ``transformers`` config equivalent to ``model_cfg`` (imported lazily)."""
+    def hf_config(self, model_cfg, token_ids: tuple[int, int] | None = None):
+        """A ``transformers`` config equivalent to ``model_cfg`` (imported lazily), with
+        ``token_ids`` as its (bos, eos) ids (:meth:`with_token_ids`)."""
         raise NotImplementedError
+
+    @staticmethod
+    def with_token_ids(hf_cfg, model_cfg, token_ids: tuple[int, int] | None = None):
+        """``hf_cfg`` with its ``bos_token_id`` / ``eos_token_id``: ``token_ids`` (bos,
+        eos), the ids the model was trained with (:func:`trained_token_ids`); without them
+        the architecture's defaults where they are ids of this vocabulary, else unset
+        (GPT-2's 50256 in an 8000-token model is no token at all)."""
+        if token_ids is not None:
+            hf_cfg.bos_token_id, hf_cfg.eos_token_id = (int(i) for i in token_ids)
+            return hf_cfg
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(hf_cfg, name, None)
+            if isinstance(value, int) and not 0 <= value < model_cfg.vocab_size:
+                setattr(hf_cfg, name, None)
+        return hf_cfg
 
     def config_from_hf(self, hf_cfg) -> dict[str, Any]:
         """``ModelConfig`` keyword arguments for a ``transformers`` config. Raises
