@@ -1,0 +1,87 @@
+"""Megatron-LM / Megatron-Core checkpoints: read into megalite (and written back).
+
+:func:`read_megatron` reads one iteration of a Megatron-Core ``torch_dist`` checkpoint,
+saved at any tp / pp / ep, in this process (no torch.distributed): the model
+configuration from the saved ``args`` (:mod:`.arguments`) and every weight as one full
+(tp = pp = 1) tensor in megalite's names (:mod:`.mapping`). The converter
+(``tools/convert_checkpoint.py --source megatron``) writes the result as a megalite
+checkpoint with :func:`megalite.checkpoint.consolidated.save_full_model`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megalite.checkpoint.files import CheckpointError
+from megalite.checkpoint.megatron import arguments, mapping
+from megalite.checkpoint.megatron.files import (
+    MegatronCheckpoint,
+    find_checkpoint,
+    read_common,
+    read_tensors,
+    tensor_shapes,
+)
+
+SUPPORTED = ("Megatron-Core torch_dist checkpoints of GPT-2-, Llama- and Mixtral-style "
+             "models")
+
+
+@dataclass
+class MegatronImport:
+    """A Megatron checkpoint read whole: megalite's config, the full state dict (fp32,
+    names as ``GPTModel.full_state_dict()``), the source iteration and remarks."""
+
+    cfg: object
+    state: dict[str, torch.Tensor]
+    source: MegatronCheckpoint
+    notes: list[str] = field(default_factory=list)
+
+
+def read_megatron(root: str, step: int | None = None) -> MegatronImport:
+    """Read iteration ``step`` (default the latest) of the Megatron checkpoint ``root``;
+    ``CheckpointError`` in one line for what megalite cannot import."""
+    from megalite.config import ConfigError, DataConfig, MegaliteConfig, ModelConfig
+
+    ckpt = find_checkpoint(root, step)
+    if ckpt.format == "legacy":
+        raise CheckpointError(
+            f"{ckpt.directory} is a legacy per-rank Megatron checkpoint (mp_rank_*/"
+            f"{'model_optim_rng.pt'}), which megalite does not read yet; it imports "
+            f"{SUPPORTED} (save with --ckpt-format torch_dist, or convert with Megatron's "
+            f"tools/checkpoint/convert.py first)")
+    common = read_common(ckpt)
+    args = common["args"]
+    problems = arguments.unsupported(args)
+    shapes = tensor_shapes(ckpt)
+    unknown = mapping.unknown_keys(shapes)
+    if unknown:
+        problems.append(f"{len(unknown)} tensors with no megalite counterpart, e.g. "
+                        f"{', '.join(unknown[:3])}")
+    if problems:
+        raise CheckpointError(f"cannot import {ckpt.directory}: {'; '.join(problems)}; "
+                              f"megalite imports {SUPPORTED}")
+    try:
+        model = ModelConfig(**arguments.model_kwargs(args))
+        cfg = MegaliteConfig(model=model, data=DataConfig(**arguments.data_kwargs(args)))
+        cfg.validate(1)
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"cannot import {ckpt.directory}: its args give no valid "
+                              f"megalite model: {exc}") from None
+    padded = getattr(args, "padded_vocab_size", None)
+    if padded is not None and model.vocab_size > padded:
+        raise CheckpointError(f"{ckpt.directory}: vocabulary {model.vocab_size} exceeds the "
+                              f"saved padded vocabulary {padded}")
+    keys = [k for k in shapes if mapping.is_model_key(k)]
+    tensors = read_tensors(ckpt, keys)
+    state = mapping.to_megalite(tensors, {k: shapes[k][1] for k in keys}, model)
+    notes = []
+    if any(k.startswith("optimizer.") for k in shapes):
+        notes.append("the optimizer state is not imported: continue with --finetune")
+    if getattr(args, "tokenizer_type", None) != arguments.NULL_TOKENIZER:
+        notes.append(f"the vocabulary keeps Megatron's {model.vocab_size} padded rows")
+    return MegatronImport(cfg, state, ckpt, notes)
+
+
+__all__ = ["MegatronImport", "SUPPORTED", "read_megatron"]

@@ -1,0 +1,122 @@
+"""Megatron-LM's saved ``args`` (the ``argparse.Namespace`` in a checkpoint's common
+state) <-> megalite's configuration.
+
+Most architecture flags have the same name on both sides (megalite kept Megatron's); the
+rest are renamed (``layernorm_epsilon`` -> ``norm_epsilon``, ``layernorm_zero_centered_gamma``
+-> ``apply_layernorm_1p``) or are features megalite does not have, which
+:func:`unsupported` lists so an import refuses in one line instead of giving other logits.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+SAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+        "group_query_attention", "seq_length", "max_position_embeddings",
+        "position_embedding_type", "rotary_base", "rotary_percent", "normalization", "swiglu",
+        "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+        "add_position_embedding", "make_vocab_size_divisible_by", "init_method_std",
+        "hidden_dropout", "attention_dropout")
+MOE_SAME = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
+            "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
+            "moe_aux_loss_coeff", "moe_z_loss_coeff")
+TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+NULL_TOKENIZER = "NullTokenizer"
+
+
+def _get(args: Namespace, name: str, default=None):
+    return getattr(args, name, default)
+
+
+def unsupported(args: Namespace) -> list[str]:
+    """What in Megatron's ``args`` megalite's model cannot reproduce (empty: nothing)."""
+    a = args
+    freq = _get(a, "moe_layer_freq", 1)
+    checks = [
+        (_get(a, "use_legacy_models", False), "a legacy (non-Megatron-Core) model"),
+        (_get(a, "rotary_interleaved", False), "--rotary-interleaved"),
+        (_get(a, "use_rope_scaling", False), "--use-rope-scaling"),
+        (_get(a, "openai_gelu", False), "--openai-gelu (tanh GeLU)"),
+        (_get(a, "squared_relu", False), "--squared-relu"),
+        (_get(a, "qk_layernorm", False), "--qk-layernorm"),
+        (_get(a, "multi_latent_attention", False), "multi-latent attention"),
+        (_get(a, "mtp_num_layers", None), "multi-token prediction layers"),
+        (_get(a, "heterogeneous_layers_config_path", None), "heterogeneous layers"),
+        (_get(a, "position_embedding_type", "learned_absolute") not in
+         ("learned_absolute", "rope", "none"),
+         f"--position-embedding-type {_get(a, 'position_embedding_type')}"),
+        (_get(a, "normalization", "LayerNorm") not in ("LayerNorm", "RMSNorm"),
+         f"--normalization {_get(a, 'normalization')}"),
+    ]
+    if _get(a, "num_experts"):
+        checks += [
+            (freq not in (1, None) and not (isinstance(freq, list) and set(freq) == {1}),
+             f"--moe-layer-freq {freq} (megalite imports MoE in every layer)"),
+            (_get(a, "moe_shared_expert_intermediate_size"), "shared experts"),
+            (_get(a, "moe_router_pre_softmax", False), "--moe-router-pre-softmax"),
+            (_get(a, "moe_router_enable_expert_bias", False), "router expert bias"),
+            (_get(a, "moe_router_score_function", "softmax") not in ("softmax", "sigmoid"),
+             f"--moe-router-score-function {_get(a, 'moe_router_score_function')}"),
+        ]
+    return [text for bad, text in checks if bad]
+
+
+def vocab_size_of(args: Namespace) -> int:
+    """The model's vocabulary without Megatron's padding: the NullTokenizer's
+    ``--vocab-size`` plus its end-of-document token; otherwise the padded size (the
+    tokenizer's own size is not in the checkpoint, and the padding rows are kept)."""
+    padded = _get(args, "padded_vocab_size")
+    if _get(args, "tokenizer_type") == NULL_TOKENIZER and _get(args, "vocab_size"):
+        return int(args.vocab_size) + 1
+    if padded is None:
+        raise ValueError("the args record no padded_vocab_size")
+    return int(padded)
+
+
+def model_kwargs(args: Namespace) -> dict:
+    """``ModelConfig`` keyword arguments of Megatron's ``args`` (fp32 weights)."""
+    kw = {n: getattr(args, n) for n in SAME if _get(args, n) is not None}
+    if _get(args, "group_query_attention", False):
+        kw["num_query_groups"] = args.num_query_groups
+    eps = _get(args, "norm_epsilon", _get(args, "layernorm_epsilon"))
+    if eps is not None:
+        kw["norm_epsilon"] = eps
+    kw["apply_layernorm_1p"] = bool(_get(args, "apply_layernorm_1p", False)
+                                    or _get(args, "layernorm_zero_centered_gamma", False))
+    if _get(args, "num_experts"):
+        kw.update({n: getattr(args, n) for n in MOE_SAME if _get(args, n) is not None})
+        if kw.get("moe_router_load_balancing_type") not in ("aux_loss", "seq_aux_loss", "none"):
+            kw["moe_router_load_balancing_type"] = "aux_loss"
+    kw["vocab_size"] = vocab_size_of(args)
+    return kw
+
+
+def data_kwargs(args: Namespace) -> dict:
+    """``DataConfig`` tokenizer settings recorded in ``args``."""
+    return {n: getattr(args, n) for n in TOKENIZER if _get(args, n) is not None}
+
+
+def megatron_args(cfg, tp: int = 1, pp: int = 1) -> Namespace:
+    """A Megatron-LM ``args`` namespace for megalite's ``cfg`` (what an exported
+    checkpoint's common state carries: the architecture, tokenizer and layout flags
+    Megatron checks and reads back with ``--use-checkpoint-args``)."""
+    m = cfg.model
+    kw = {n: getattr(m, n) for n in SAME}
+    kw.update(num_query_groups=m.num_query_groups if m.group_query_attention
+              else m.num_attention_heads,
+              layernorm_epsilon=m.norm_epsilon, norm_epsilon=m.norm_epsilon,
+              apply_layernorm_1p=m.apply_layernorm_1p,
+              layernorm_zero_centered_gamma=m.apply_layernorm_1p,
+              padded_vocab_size=m.padded_vocab_size(tp),
+              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+              rotary_interleaved=False, openai_gelu=False, squared_relu=False,
+              qk_layernorm=False, use_legacy_models=False, bf16=False, fp16=False,
+              num_experts=m.num_experts)
+    if m.num_experts:
+        kw.update({n: getattr(m, n) for n in MOE_SAME})
+        kw.update(moe_layer_freq=m.moe_layer_freq, moe_router_pre_softmax=False,
+                  moe_grouped_gemm=False, expert_model_parallel_size=1)
+    d = cfg.data
+    kw.update({n: getattr(d, n) for n in TOKENIZER})
+    kw["vocab_size"] = (m.vocab_size - 1 if d.tokenizer_type == NULL_TOKENIZER else None)
+    return Namespace(**kw)

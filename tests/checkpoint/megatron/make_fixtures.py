@@ -1,0 +1,228 @@
+#!/usr/bin/env python
+"""Write the Megatron-Core checkpoints under ``fixtures/`` with Megatron-Core itself.
+
+The fixtures are real ``torch_dist`` checkpoints saved by Megatron-LM's own
+``megatron.training.checkpointing.save_checkpoint`` (with the ``args`` namespace of
+``megatron.training.arguments``) from Megatron-Core ``GPTModel``s built with the local
+(non-Transformer-Engine) layer spec on CPU over gloo. Next to each checkpoint,
+``logits.pt`` holds ``{"tokens": [b, s] int64, "logits": [b, s, padded_vocab] fp32}``: the
+Megatron model's own forward on a fixed token batch, which the import tests compare with.
+CI reads the committed files and needs no Megatron-Core; run this only to regenerate them.
+
+Megatron-Core lives in its own virtual environment, outside the repository (it wants
+Python >= 3.12; 0.19.2 runs on 3.11 with the ``typing.override`` shim below)::
+
+    python3 -m venv /work/mcore-venv
+    /work/mcore-venv/bin/pip install torch==2.13.0          # the CPU build, as megalite's
+    /work/mcore-venv/bin/pip install megatron-core==0.19.2 --no-deps --ignore-requires-python
+    /work/mcore-venv/bin/pip install einops psutil numpy packaging
+    /work/mcore-venv/bin/pip install triton --no-deps
+    /work/mcore-venv/bin/python tests/checkpoint/megatron/make_fixtures.py [NAME ...]
+
+Each fixture is one ``torchrun`` of this file in worker mode (tp x pp gloo ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import typing
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "fixtures")
+ITERATION = 1
+TOKENS_SHAPE = (2, 12)   # [b, s] of the logits batch
+COMMON = ["--seq-length", "16", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+          "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+          "--make-vocab-size-divisible-by", "16", "--init-method-std", "0.1",
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
+          "--transformer-impl", "local", "--use-cpu-initialization",
+          "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+          "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion",
+          "--no-rope-fusion", "--no-persist-layer-norm", "--ckpt-format", "torch_dist",
+          "--no-save-optim", "--no-save-rng", "--lr", "1e-4", "--train-iters", "1",
+          "--save-interval", "1"]
+GPT2 = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--ffn-hidden-size", "64", "--normalization", "LayerNorm",
+        "--position-embedding-type", "learned_absolute"]
+LLAMA = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "64",
+         "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+         "--rotary-base", "10000", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-6"]
+MIXTRAL = [*LLAMA, "--num-layers", "2", "--ffn-hidden-size", "48", "--num-experts", "4",
+           "--moe-router-topk", "2",
+           "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.0",
+           "--moe-token-dispatcher-type", "allgather"]
+# name -> (model flags, tp, pp)
+FIXTURES = {
+    "gpt2_tp1_pp1": (GPT2, 1, 1),
+    "gpt2_tp2_pp2": (GPT2, 2, 2),
+    "llama_tp1_pp1": (LLAMA, 1, 1),
+    "llama_tp2_pp2": (LLAMA, 2, 2),
+    "mixtral_tp1_pp1": (MIXTRAL, 1, 1),
+}
+
+
+# -- driver ------------------------------------------------------------------------------------
+def main(names: list[str]) -> int:
+    for name in names or list(FIXTURES):
+        _, tp, pp = FIXTURES[name]
+        dest = os.path.join(OUT, name)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.makedirs(dest)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp),
+               "--master-port", str(29500 + zlib.crc32(name.encode()) % 1000),
+               os.path.abspath(__file__), "--worker", name, dest]
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dest) for f in fs)
+        print(f"wrote {dest} ({size / 1024:.0f} KiB)")
+    return 0
+
+
+# -- worker (one rank of torchrun, inside the Megatron-Core venv) -------------------------------
+def _shims():
+    """What Megatron asks of CUDA or of Python 3.12 on a CPU-only Python 3.11."""
+    import torch
+
+    if not hasattr(typing, "override"):
+        typing.override = lambda f: f
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda *a, **k: None
+    torch.cuda.manual_seed = lambda *a, **k: None
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+    torch.Tensor.cuda = lambda self, *a, **k: self   # tied embeddings' all-reduce at init
+    from megatron.training import arguments
+
+    arguments.get_device_arch_version = lambda: 10   # no CUDA_DEVICE_MAX_CONNECTIONS rule
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda *a, **k: None
+
+
+def _perturb(model, tp_rank: int) -> None:
+    """Norm weights and biases, which Megatron initializes to constants, get seeded noise
+    (by name, and by tp rank where tensor-parallel) so a mapping slip shows in the logits;
+    replicated tensors stay equal across tp ranks."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not (name.endswith("bias") or "norm" in name):
+                continue
+            seed = zlib.crc32(name.encode())
+            if getattr(p, "tensor_model_parallel", False):
+                seed += 7919 * tp_rank
+            g = torch.Generator().manual_seed(seed)
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def _build(args):
+    import torch
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    config = core_transformer_config_from_args(args)
+    tied = not args.untie_embeddings_and_output_weights
+    spec = get_gpt_layer_local_spec(args.num_experts, False, normalization=args.normalization)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
+                     vocab_size=args.padded_vocab_size,
+                     max_sequence_length=args.max_position_embeddings,
+                     pre_process=mpu.is_pipeline_first_stage(),
+                     post_process=mpu.is_pipeline_last_stage(), parallel_output=True,
+                     share_embeddings_and_output_weights=tied,
+                     position_embedding_type=args.position_embedding_type,
+                     rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+    return model.to(torch.float32)
+
+
+def _logits(model, args, tokens):
+    """Full ``[b, s, padded_vocab]`` logits on the last stage (None elsewhere): the stages
+    run in turn, hidden states ``[s, b, h]`` sent over the pipeline group; vocabulary
+    shards gathered over the tensor group."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    ranks = dist.get_process_group_ranks(pp_group)
+    if not mpu.is_pipeline_first_stage():
+        hidden = torch.empty(s, b, args.hidden_size)
+        dist.recv(hidden, src=ranks[pp_rank - 1], group=pp_group)
+        model.set_input_tensor(hidden)
+    with torch.no_grad():
+        out = model(tokens, positions, mask)
+    if not mpu.is_pipeline_last_stage():
+        dist.send(out.contiguous(), dst=ranks[pp_rank + 1], group=pp_group)
+        return None
+    tp_group = mpu.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, out.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+def worker(name: str, dest: str) -> None:
+    _shims()
+    import torch
+    import torch.distributed as dist
+
+    flags, tp, pp = FIXTURES[name]
+    sys.argv = [sys.argv[0], *COMMON, *flags, "--tensor-model-parallel-size", str(tp),
+                "--pipeline-model-parallel-size", str(pp), "--save", dest, "--load", dest]
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.global_vars import set_global_variables
+
+    args = parse_args()
+    validate_args(args)
+    set_global_variables(args, build_tokenizer=True)
+    dist.init_process_group("gloo")
+    mpu.initialize_model_parallel(tp, pp)
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    model = _build(args)
+    _perturb(model, mpu.get_tensor_model_parallel_rank())
+    model.eval()
+    tokens = torch.randint(0, 100, TOKENS_SHAPE, generator=torch.Generator().manual_seed(5))
+    logits = _logits(model, args, tokens)
+    save_checkpoint(ITERATION, [model], None, None, 0)
+    dist.barrier()
+    if logits is not None and mpu.get_tensor_model_parallel_rank() == 0:
+        torch.save({"tokens": tokens, "logits": logits}, os.path.join(dest, "logits.pt"))
+        with open(os.path.join(dest, "fixture.json"), "w") as f:
+            json.dump({"made_by": "megatron-core " + _version(), "tp": tp, "pp": pp,
+                       "flags": [*COMMON, *flags],
+                       "padded_vocab_size": args.padded_vocab_size}, f, indent=1)
+    dist.destroy_process_group()
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3])
+    else:
+        tempfile.tempdir = None
+        sys.exit(main(sys.argv[1:]))
