@@ -37,6 +37,7 @@ from megalite.config.fields import ConfigError  # noqa: E402
 from megalite.errors import EXIT_CONFIG, report_tool_error  # noqa: E402
 from megalite.planner.cluster import GIB, PRESETS, Cluster, preset  # noqa: E402
 from megalite.planner.search import RECOMPUTE, STRATEGIES, make_config, search  # noqa: E402
+from megalite.planner.time import OVERLAP_EXPOSED  # noqa: E402
 
 PROG = "plan_layout.py"
 
@@ -47,9 +48,10 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size"
                 "--micro-batch-size", "--recompute-granularity", "--recompute-method",
                 "--recompute-num-layers", "--data-parallel-sharding-strategy",
                 "--optimizer-offload-fraction"}
-# (--overlap-param-gather needs the distributed optimizer, which the search chooses)
+# (the overlap flags are searched with the sharding strategy: --overlap-param-gather needs
+# the distributed optimizer, which the search chooses)
 LAYOUT_SWITCHES = {"--sequence-parallel", "--use-distributed-optimizer", "--optimizer-cpu-offload",
-                   "--overlap-param-gather"}
+                   "--overlap-grad-reduce", "--overlap-param-gather"}
 
 
 _SHELL = {")", "(", "[[", "]]", "[", "]", ";", "then", "else", "fi", "do", "done", "&&", "||",
@@ -165,15 +167,20 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int) -> str:
              f"({cluster.gpu_memory / GIB:.0f} GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s "
              f"peak, {cluster.intra_node_bw / 1e9:.0f} / {cluster.inter_node_bw / 1e9:.0f} "
              f"GB/s intra / inter node); {len(candidates)} layouts, {len(feasible)} feasible",
+             f"assumed: GEMMs at {cluster.matmul_efficiency:.0%} of the peak; an overlapped "
+             f"data-parallel collective {OVERLAP_EXPOSED:.0%} exposed; searched with the "
+             "layout: tp/pp/vpp/cp/ep, sharding strategy, --overlap-grad-reduce and "
+             "--overlap-param-gather, recomputation, micro-batch size, optimizer offload "
+             "(the model's own values of these are set aside)",
              "",
-             f"{'#':>3} {'layout':<48} {'step s':>8} {'MFU':>6} {'mem GiB':>8} "
+             f"{'#':>3} {'layout':<54} {'step s':>8} {'MFU':>6} {'mem GiB':>8} "
              f"{'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'trans':>6} {'comm':>5} "
              f"{'compute':>8} {'tp s':>6} {'cp s':>6} {'ep s':>6} {'pp s':>6} {'dp s':>6} "
              f"{'bubble':>7}"]
     for i, c in enumerate(feasible[:top], 1):
         mem, t = c.memory, c.time
         lines.append(
-            f"{i:>3} {c.name():<48} {t.step:>8.3f} {t.mfu:>6.1%} {_fmt_bytes(mem.total):>8} "
+            f"{i:>3} {c.name():<54} {t.step:>8.3f} {t.mfu:>6.1%} {_fmt_bytes(mem.total):>8} "
             f"{_fmt_bytes(mem.params):>7} {_fmt_bytes(mem.grads):>6} "
             f"{_fmt_bytes(mem.optimizer):>6} {_fmt_bytes(mem.activations):>6} "
             f"{_fmt_bytes(mem.transient):>6} "
@@ -196,7 +203,7 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int) -> str:
     bad = [c for c in candidates if not c.feasible][:show_infeasible]
     if bad:
         lines += ["", f"infeasible (first {len(bad)}):"]
-        lines += [f"  {c.name():<48} {c.error}" for c in bad]
+        lines += [f"  {c.name():<54} {c.error}" for c in bad]
     return "\n".join(lines)
 
 

@@ -39,6 +39,8 @@ class Candidate:
     recompute: str
     micro_batch_size: int
     offload: float = 0.0               # --optimizer-offload-fraction (0: no offload)
+    overlap: bool = False              # --overlap-grad-reduce (and --overlap-param-gather
+                                       # under a sharded strategy)
     cfg: object = None
     memory: MemoryEstimate | None = None
     time: TimeEstimate | None = None
@@ -59,7 +61,7 @@ class Candidate:
         parts += [f"dp{s['dp']}", self.strategy + (f"+off{self.offload:g}" if self.offload
                                                    else ""),
                   f"rc-{self.recompute}", f"mbs{self.micro_batch_size}"]
-        return " ".join(parts)
+        return " ".join(parts + (["overlap"] if self.overlap else []))
 
     def launch_flags(self) -> list[str]:
         """Megatron-style flags of this layout (to add to the model's own flags)."""
@@ -81,6 +83,10 @@ class Candidate:
         if self.offload:
             flags += ["--optimizer-cpu-offload", "--optimizer-offload-fraction",
                       f"{self.offload:g}"]
+        if self.overlap:
+            flags.append("--overlap-grad-reduce")
+            if self.strategy != "no_shard":
+                flags.append("--overlap-param-gather")
         if self.recompute != "none":
             flags += ["--recompute-granularity", self.recompute]
             if self.recompute == "full":
@@ -94,10 +100,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def make_config(base, world: int, sizes: dict, strategy: str, recompute: str, mbs: int,
-                offload: float = 0.0):
+                offload: float = 0.0, overlap: bool = False):
     """A validated copy of ``base`` with the layout applied (raises ConfigError)."""
     cfg = copy.deepcopy(base)
     p, m, t = cfg.parallel, cfg.model, cfg.train
+    p.overlap_grad_reduce = overlap
+    p.overlap_param_gather = overlap and strategy != "no_shard"
     cfg.optim.optimizer_cpu_offload = offload > 0
     cfg.optim.optimizer_offload_fraction = offload if offload > 0 else 1.0
     p.tensor_model_parallel_size = sizes["tp"]
@@ -119,11 +127,12 @@ def make_config(base, world: int, sizes: dict, strategy: str, recompute: str, mb
 
 
 def evaluate(base, world: int, cluster: Cluster, sizes: dict, strategy: str,
-             recompute: str, mbs: int, offload: float = 0.0) -> Candidate:
+             recompute: str, mbs: int, offload: float = 0.0,
+             overlap: bool = False) -> Candidate:
     """One candidate: validated, its memory and time estimated, feasibility decided."""
-    c = Candidate(dict(sizes), strategy, recompute, mbs, offload)
+    c = Candidate(dict(sizes), strategy, recompute, mbs, offload, overlap)
     try:
-        c.cfg = make_config(base, world, sizes, strategy, recompute, mbs, offload)
+        c.cfg = make_config(base, world, sizes, strategy, recompute, mbs, offload, overlap)
     except (ConfigError, ValueError) as e:
         c.error = f"config: {e}"
         return c
@@ -138,12 +147,14 @@ def evaluate(base, world: int, cluster: Cluster, sizes: dict, strategy: str,
 
 def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=None,
            strategies=STRATEGIES, recomputes=tuple(RECOMPUTE), micro_batch_sizes=(1, 2, 4, 8),
-           offloads=(0.0, 1.0)) -> list[Candidate]:
+           offloads=(0.0, 1.0), overlaps=(False, True)) -> list[Candidate]:
     """Every candidate for ``base`` (a MegaliteConfig: model, global batch, precision) on
     ``cluster``: feasible ones first, by estimated step time, then the infeasible ones.
     Size lists default to the divisors that can work (tp within a node); ``offloads``:
     ``--optimizer-offload-fraction`` values to try (0: none; offload needs a sharded
-    strategy)."""
+    strategy); ``overlaps``: with and without ``--overlap-grad-reduce`` (and
+    ``--overlap-param-gather`` under a sharded strategy), the user's own overlap flags set
+    aside (tried only where there is data parallelism to overlap)."""
     m = base.model
     world = cluster.world_size
     tps = tp or [d for d in _divisors(world) if d <= cluster.gpus_per_node and d & (d - 1) == 0]
@@ -160,13 +171,15 @@ def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=No
             continue
         sizes = {"tp": t_, "pp": p_, "vpp": v_, "cp": c_, "ep": e_,
                  "dp": data_parallel_size(world, t_, p_, c_)}
-        for strategy, rc, mbs, off in itertools.product(strategies, recomputes,
-                                                        micro_batch_sizes, offloads):
+        for strategy, rc, mbs, off, ov in itertools.product(
+                strategies, recomputes, micro_batch_sizes, offloads, overlaps):
             if strategy != "no_shard" and sizes["dp"] * c_ == 1:
                 continue  # nothing to shard
             if off and strategy == "no_shard":
                 continue  # offload moves the distributed optimizer's shard
-            out.append(evaluate(base, world, cluster, sizes, strategy, rc, mbs, off))
+            if ov and sizes["dp"] * c_ == 1 and len(overlaps) > 1:
+                continue  # nothing to overlap: the same candidate as without
+            out.append(evaluate(base, world, cluster, sizes, strategy, rc, mbs, off, ov))
     out.sort(key=lambda c: (not c.feasible, c.time.step if c.time else float("inf"),
                             c.memory.total if c.memory else float("inf")))  # ties: less memory
     return out

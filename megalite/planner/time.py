@@ -38,7 +38,8 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   embeddings).
 * **dp** -- the gradient reduction over dp x cp (``2 (d-1)/d`` of the gradient bytes,
   all-reduce or reduce-scatter + parameter all-gather), exposed in full unless
-  ``--overlap-grad-reduce`` hides all but the last bucket. Plus the step's two scalar
+  ``--overlap-grad-reduce`` (the reduction) and ``--overlap-param-gather`` (the gather)
+  hide all but the last bucket (``OVERLAP_EXPOSED`` of it left). Plus the step's two scalar
   all-reduces over the world (the loss and the gradient norm; latency only, a tree).
 * **bubble** -- ``(pp - 1) / (vpp m)`` of the per-micro-batch path (compute, tp, cp, ep,
   pp transfers; not the once-per-step reductions).
@@ -68,6 +69,8 @@ from megalite.planner.schedule import bubble_fraction
 
 MEMORY_PASSES = 4   # memory traffic per saved activation byte: write, read (forward),
                     # read, gradient write (backward)
+OVERLAP_EXPOSED = 0.2   # share of an overlapped data-parallel collective left exposed (the
+                        # last bucket's, which nothing follows)
 
 
 @dataclass
@@ -278,22 +281,27 @@ def _rank_params(ctx: StepContext) -> int:
 def dp_cost(ctx: StepContext) -> Cost:
     """The gradient reduction over dp x cp (all-reduce, or reduce-scatter + parameter
     all-gather under the distributed optimizer; ZeRO-3 gathers each unit before every
-    forward and backward), exposed in full unless --overlap-grad-reduce hides all but the
-    last bucket; plus the loss and gradient norm, two scalar all-reduces over the world."""
+    forward and backward), exposed in full unless --overlap-grad-reduce /
+    --overlap-param-gather hide all but the last bucket; plus the loss and gradient norm,
+    two scalar all-reduces over the world."""
     p, lay, cluster = ctx.cfg.parallel, ctx.lay, ctx.cluster
     lat = cluster.latency_s
     local = _rank_params(ctx)
     grad_bytes = local * (2 if p.grad_reduce_in_bf16 else 4)
     d = lay.dp * lay.cp
-    dp_time = _ring(grad_bytes, d, cluster.group_bw(d, lay.tp), lat)
-    if p.use_distributed_optimizer:  # reduce-scatter grads + all-gather params
+    bw = cluster.group_bw(d, lay.tp)
+    hidden = OVERLAP_EXPOSED   # the exposed share of an overlapped reduction or gather
+    if not p.use_distributed_optimizer:   # one all-reduce of the gradients
+        dp_time = _ring(grad_bytes, d, bw, lat) * (hidden if p.overlap_grad_reduce else 1)
+    else:  # reduce-scatter the gradients, all-gather the parameters (a ring each: half
+        # an all-reduce's traffic), each overlapped by its own flag
         gathers = 1
         if lay.strategy == "optim_grads_params":   # each unit before forward and backward
             gathers = ctx.passes * lay.num_microbatches
-        dp_time = _ring((grad_bytes + gathers * local * lay.dtype_bytes) / 2, d,
-                        cluster.group_bw(d, lay.tp), lat)
-    if p.overlap_grad_reduce:
-        dp_time *= 0.2
+        dp_time = (_ring(grad_bytes / 2, d, bw, lat) * (hidden if p.overlap_grad_reduce
+                                                         else 1)
+                   + _ring(gathers * local * lay.dtype_bytes / 2, d, bw, lat)
+                   * (hidden if p.overlap_param_gather else 1))
     cost = Cost(sent=2 * (d - 1) / d * grad_bytes if d > 1 else 0.0)
     scalars = 0.0
     if lay.world_size > 1:   # the loss and the gradient norm: two scalar all-reduces

@@ -16,9 +16,9 @@ from tests.tools import load_tool
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "planner"
 # script -> {recompute: (estimated GiB per GPU on the busiest stage, estimated MFU %)}
 ESTIMATES = {
-    "gpt_145b_a100": {"full": (40.6, 41.2)},
-    "llama31_405b_h100": {"none": (83.5, 39.6), "full": (24.2, 30.5)},
-    "mixtral_8x7b_h100": {"none": (65.6, 51.1)},
+    "gpt_145b_a100": {"full": (40.6, 42.3)},
+    "llama31_405b_h100": {"none": (83.5, 40.5), "full": (24.2, 31.1)},
+    "mixtral_8x7b_h100": {"none": (65.6, 54.5)},
 }
 
 
@@ -30,6 +30,7 @@ def test_every_example_is_checked():
 def test_published_configuration_estimates(name):
     tool = load_tool("plan_layout")
     candidates, cluster, _ = tool.plan(tool.script_argv(EXAMPLES / f"{name}.sh"))
-    got = {c.recompute: (round(c.memory.total / GIB, 1), round(100 * c.time.mfu, 1))
-           for c in candidates}
+    got = {}   # the best candidate of each recomputation (the search ranks them first)
+    for c in candidates:
+        got.setdefault(c.recompute, (round(c.memory.total / GIB, 1), round(100 * c.time.mfu, 1)))
     assert got == ESTIMATES[name]
