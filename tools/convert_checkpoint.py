@@ -1,20 +1,25 @@
 #!/usr/bin/env python
-"""Convert checkpoints between Hugging Face ``transformers`` and megalite.
+"""Convert checkpoints between Hugging Face ``transformers``, Megatron-LM and megalite.
 
     # HF (config.json + *.safetensors) -> a megalite checkpoint; prints the flags to train on
     python tools/convert_checkpoint.py --source hf --target megalite \\
         --load-dir llama-hf --save-dir llama-megalite --target-tensor-parallel-size 2
-    # megalite (latest or --iteration) -> HF, loadable with AutoModelForCausalLM
+    # megalite (latest or --ckpt-step N) -> HF, loadable with AutoModelForCausalLM
     python tools/convert_checkpoint.py --source megalite --target hf \\
         --load-dir runs/ckpt --save-dir llama-hf-out --dtype bf16
     # megalite -> one full state dict for inspection (torch.save, or --format safetensors)
     python tools/convert_checkpoint.py --source megalite --target megalite-consolidated \\
         --load-dir runs/ckpt --save-dir full/
+    # Megatron-LM / Megatron-Core torch_dist (latest or --ckpt-step N, any tp/pp) -> megalite
+    python tools/convert_checkpoint.py --source megatron --target megalite \\
+        --load-dir megatron-ckpt --save-dir llama-megalite
 
 Families: GPT-2, Llama (GQA, tied or untied embeddings; megalite rotates in HF's
 rotate-half layout, so q/k need no permutation) and Mixtral (experts stacked ``[E, ...]``;
 hub ``w1/w2/w3`` files or transformers' fused names): one spec each in
 megalite.models.families, which the converter asks for names, configs and architectures.
+Megatron-LM checkpoints map through megalite.checkpoint.megatron (Megatron-Core's sharded
+keys, its per-group q/k/v interleave, the config from the saved ``args``).
 
 A megalite checkpoint is layout-free (it reshards on load), so the converter writes one
 weights-only checkpoint (iteration 0) and records the config; the target tensor /
@@ -28,7 +33,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -166,11 +170,9 @@ def training_flags(cfg: MegaliteConfig) -> list[str]:
 
 # -- conversions -------------------------------------------------------------------------------
 def hf_to_megalite(args) -> None:
-    from transformers import AutoConfig
-
     from megalite.checkpoint.consolidated import save_full_model
 
-    hf_cfg = AutoConfig.from_pretrained(args.load_dir)
+    hf_cfg = read_hf_config(args.load_dir)
     try:
         spec = family_for_hf(getattr(hf_cfg, "model_type", None))
         kwargs = spec.config_from_hf(hf_cfg)
@@ -203,12 +205,84 @@ def hf_to_megalite(args) -> None:
           + f" --load {args.save_dir} --finetune --save <dir> ...")
 
 
+def read_hf_config(directory: str):
+    """The ``transformers`` config of ``directory``; one-line ``ConversionError`` when it is
+    not a Hugging Face checkpoint."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(directory):
+        what = "is a file" if os.path.exists(directory) else "does not exist"
+        raise ConversionError(f"{directory}: the directory {what}")
+    if not os.path.exists(os.path.join(directory, "config.json")):
+        from megalite.checkpoint.megatron.files import TRACKER
+
+        hint = ""
+        if os.path.exists(os.path.join(directory, TRACKER)):
+            hint = " (it looks like a Megatron-LM or megalite checkpoint: use --source " \
+                   "megatron or --source megalite)"
+        raise ConversionError(f"{directory} is not a Hugging Face checkpoint: it has no "
+                              f"config.json{hint}")
+    try:
+        return AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConversionError(f"{directory}/config.json is not a usable Hugging Face config: "
+                              f"{first}") from None
+
+
+def megatron_to_megalite(args) -> None:
+    from megalite.checkpoint.consolidated import save_full_model
+    from megalite.checkpoint.megatron import read_megatron
+
+    with progress(2, "convert", " step") as bar:
+        bar.set_postfix_str("reading the Megatron checkpoint")
+        imported = read_megatron(args.load_dir, args.ckpt_step)
+        bar.update(1)
+        cfg = imported.cfg
+        cfg.parallel = ParallelConfig(
+            tensor_model_parallel_size=args.target_tensor_parallel_size,
+            pipeline_model_parallel_size=args.target_pipeline_parallel_size)
+        try:
+            cfg.validate(args.target_tensor_parallel_size * args.target_pipeline_parallel_size)
+        except ConfigError as exc:
+            raise ConfigError(f"the target layout does not fit the model: {exc}") from None
+        bar.set_postfix_str("saving the checkpoint")
+        try:
+            path = save_full_model(cfg, imported.state, args.save_dir)
+        except (KeyError, ValueError) as exc:
+            raise ConversionError(f"cannot convert {imported.source.directory}: "
+                                  f"{str(exc).strip(chr(34))}") from None
+        bar.update(1)
+    for note in imported.notes:
+        print(f"note: {note}")
+    src = imported.source
+    step = "release" if src.iteration is None else f"iteration {src.iteration}"
+    print(f"wrote {path} (Megatron {src.format} {step}, "
+          f"{sum(t.numel() for t in imported.state.values()):,} parameters)")
+    flags = training_flags(cfg) + tokenizer_flags(cfg)
+    print("continue training with:\n  pretrain/pretrain_gpt.py " + " ".join(flags)
+          + f" --load {args.save_dir} --finetune --save <dir> ...")
+
+
+def tokenizer_flags(cfg: MegaliteConfig) -> list[str]:
+    """The tokenizer flags the source recorded (NullTokenizer: its --vocab-size)."""
+    d, argv = cfg.data, []
+    if d.tokenizer_type:
+        argv += ["--tokenizer-type", d.tokenizer_type]
+    if d.tokenizer_type == "NullTokenizer":
+        argv += ["--vocab-size", str(cfg.model.vocab_size - 1)]
+    for name in ("tokenizer_model", "vocab_file", "merge_file"):
+        if getattr(d, name):
+            argv += ["--" + name.replace("_", "-"), getattr(d, name)]
+    return argv
+
+
 def megalite_to_hf(args) -> None:
     from megalite.checkpoint.consolidated import load_full_model
 
     with progress(2, "convert", " step") as bar:
         bar.set_postfix_str("loading the checkpoint")
-        cfg, model = load_full_model(args.load_dir, args.iteration)
+        cfg, model = load_full_model(args.load_dir, args.ckpt_step)
         bar.update(1)
         try:
             spec = family_of(cfg.model)
@@ -255,7 +329,7 @@ def megalite_to_consolidated(args) -> None:
     from megalite.checkpoint.consolidated import load_full_model
 
     with progress(1, "load", " step") as bar:
-        cfg, model = load_full_model(args.load_dir, args.iteration)
+        cfg, model = load_full_model(args.load_dir, args.ckpt_step)
         bar.update(1)
     full = {k: v.to(DTYPES[args.dtype]).contiguous() for k, v in model.full_state_dict().items()}
     os.makedirs(args.save_dir, exist_ok=True)
@@ -273,14 +347,17 @@ def megalite_to_consolidated(args) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """This tool's flags; a pair of --source and --target that is no conversion is a usage
+    error (exit 2)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--source", choices=("hf", "megalite"), required=True)
+    p.add_argument("--source", choices=("hf", "megalite", "megatron"), required=True)
     p.add_argument("--target", choices=("megalite", "hf", "megalite-consolidated"),
                    required=True)
     p.add_argument("--load-dir", required=True, help="Source directory.")
     p.add_argument("--save-dir", required=True, help="Output directory.")
-    p.add_argument("--iteration", type=int, help="megalite source: this iteration instead "
-                   "of the latest.")
+    p.add_argument("--ckpt-step", type=int, help="megalite or Megatron source: this "
+                   "iteration instead of the latest.")
+    p.add_argument("--iteration", type=int, dest="ckpt_step", help=argparse.SUPPRESS)
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
@@ -290,16 +367,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--format", choices=("torch", "safetensors"), default="torch",
                    help="megalite-consolidated output file format.")
     args = p.parse_args(argv)
-    if (args.source, args.target) not in {("hf", "megalite"), ("megalite", "hf"),
-                                          ("megalite", "megalite-consolidated")}:
+    if (args.source, args.target) not in CONVERSIONS:
         p.error(f"--source {args.source} --target {args.target} is not a conversion")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    convert = {"megalite": hf_to_megalite, "hf": megalite_to_hf,
-               "megalite-consolidated": megalite_to_consolidated}[args.target]
+    convert = CONVERSIONS[(args.source, args.target)]
     try:
         convert(args)
     except Exception as exc:
@@ -310,14 +385,14 @@ def main(argv=None) -> int:
             import traceback
 
             traceback.print_exc()
-        print(f"convert_checkpoint: error: {own_flags(str(exc))}", file=sys.stderr)
+        print(f"convert_checkpoint: error: {exc}", file=sys.stderr)
         return code
     return 0
 
 
-def own_flags(message: str) -> str:
-    """``message`` with pretrain_gpt.py's checkpoint flags as this tool's."""
-    return re.sub(r"--ckpt-step\b", "--iteration", message)
+CONVERSIONS = {("hf", "megalite"): hf_to_megalite, ("megalite", "hf"): megalite_to_hf,
+               ("megalite", "megalite-consolidated"): megalite_to_consolidated,
+               ("megatron", "megalite"): megatron_to_megalite}
 
 
 if __name__ == "__main__":

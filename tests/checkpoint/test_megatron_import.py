@@ -1,0 +1,187 @@
+"""Megatron-Core torch_dist checkpoints -> megalite, against checkpoints Megatron-Core
+itself saved (``tests/checkpoint/megatron/fixtures``, written by ``make_fixtures.py``
+with megatron-core 0.19.2; CI needs no Megatron): the imported model's logits equal the
+Megatron model's, at one process and resharded; training continues from the import;
+what cannot be imported is refused in one line with exit code 4."""
+
+import argparse
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from megalite.checkpoint.consolidated import load_full_model
+from megalite.checkpoint.megatron.files import _Opaque, find_checkpoint, read_common
+from megalite.checkpoint.megatron.mapping import qkv_from_megatron, qkv_to_megatron
+from megalite.models.families import family_of
+from tests.distributed.harness import run_distributed
+from tests.tools import load_tool
+from tests.training.common import ENTRYPOINT, PYTHON, read_jsonl, subprocess_env
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "megatron", "fixtures")
+NAMES = sorted(os.listdir(FIXTURES))
+FAMILY = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral"}
+TOLERANCE = 1e-5
+
+
+def convert(*argv) -> int:
+    return load_tool("convert_checkpoint").main(list(argv))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """{fixture name: the megalite checkpoint converted from it}."""
+    out = {}
+    for name in NAMES:
+        save = str(tmp_path_factory.mktemp(name))
+        assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
+                       os.path.join(FIXTURES, name), "--save-dir", save) == 0
+        out[name] = save
+    return out
+
+
+def _reference(name):
+    """(tokens [b, s], Megatron's logits [b, s, V]) saved with the fixture."""
+    ref = torch.load(os.path.join(FIXTURES, name, "logits.pt"))
+    return ref["tokens"], ref["logits"]
+
+
+def test_fixtures_are_megatron_core_torch_dist():
+    assert {"gpt2_tp1_pp1", "gpt2_tp2_pp2", "llama_tp1_pp1", "llama_tp2_pp2",
+            "mixtral_tp1_pp1"} <= set(NAMES)
+    for name in NAMES:
+        ckpt = find_checkpoint(os.path.join(FIXTURES, name))
+        assert ckpt.format == "torch_dist" and ckpt.iteration == 1
+        assert os.path.exists(os.path.join(ckpt.directory, ".metadata"))
+        args = read_common(ckpt)["args"]
+        assert f"tp{args.tensor_model_parallel_size}_pp{args.pipeline_model_parallel_size}" \
+            in name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_imported_logits_equal_megatrons(converted, name):
+    cfg, model = load_full_model(converted[name])
+    assert family_of(cfg.model).name == FAMILY[name.split("_")[0]]
+    tokens, want = _reference(name)
+    with torch.no_grad():
+        got = model.eval()(tokens)
+    vocab = cfg.model.vocab_size   # NullTokenizer 100 + eod; Megatron pads to 112 or 128
+    assert vocab == 101 and want.shape[-1] >= vocab
+    assert (got[..., :vocab] - want[..., :vocab]).abs().max().item() <= TOLERANCE
+
+
+def test_qkv_interleave_round_trips():
+    w = torch.randn((8 + 2 * 2) * 3, 5)      # 8 heads, 2 groups, head dim 3
+    ours = qkv_from_megatron(w, 8, 2, 3)
+    assert torch.equal(qkv_to_megatron(ours, 8, 2, 3), w)
+    # group 1's first q head (Megatron rows 18..20) is our head 4
+    assert torch.equal(ours[12:15], w[18:21])
+
+
+def _layout_logits(rank, world_size, root, tp, pp, tokens):
+    from megalite.inference.loading import inference_state, load_model
+    from tests.inference.common import sequence_logits
+
+    _, model = load_model(root, None, inference_state(tp, pp))
+    return torch.stack([sequence_logits(model, row.tolist(), use_cache=False)
+                        for row in tokens])
+
+
+@pytest.mark.parametrize("name,tp,pp", [("llama_tp2_pp2", 2, 1), ("gpt2_tp2_pp2", 1, 2)])
+def test_imported_checkpoint_loads_resharded(converted, name, tp, pp):
+    """Saved by Megatron at tp2 x pp2, imported, loaded at tp2 (or pp2): the same logits."""
+    tokens, want = _reference(name)
+    for got in run_distributed(tp * pp, _layout_logits, converted[name], tp, pp, tokens):
+        assert (got - want[..., :got.shape[-1]]).abs().max().item() <= TOLERANCE
+
+
+def test_pretrain_finetunes_from_an_import(tmp_path, capsys):
+    """The flags the converter prints train on from the import (--finetune)."""
+    save = str(tmp_path / "imported")
+    assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
+                   os.path.join(FIXTURES, "llama_tp1_pp1"), "--save-dir", save) == 0
+    printed = capsys.readouterr().out
+    flags = printed.split("pretrain/pretrain_gpt.py ", 1)[1].split(" --load ")[0].split()
+    assert "--swiglu" in flags and "--num-query-groups" in flags
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [PYTHON, ENTRYPOINT, *flags, "--load", save, "--finetune", "--save", str(run / "ck"),
+         "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
+         "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1",
+         "--attention-backend", "sdpa", "--metrics-jsonl", str(run / "m.jsonl")],
+        env=subprocess_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_jsonl(str(run / "m.jsonl"))
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert all(0 < r["lm_loss"] < 10 for r in rows), rows   # ln(101) = 4.6 from scratch
+    assert os.path.exists(run / "ck" / "iter_0000002")
+
+
+# -- errors --------------------------------------------------------------------------------------
+def _one_line_error(capsys, *argv) -> str:
+    assert convert(*argv) == 4
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("convert_checkpoint: error: "), lines
+    return lines[0]
+
+
+def _from_megatron(load, save, *extra):
+    return ("--source", "megatron", "--target", "megalite", "--load-dir", str(load),
+            "--save-dir", str(save), *extra)
+
+
+def test_megatron_source_errors_are_one_line(tmp_path, capsys):
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not a checkpoint")
+    line = _one_line_error(capsys, *_from_megatron(foreign, tmp_path / "o"))
+    assert "is not a Megatron-LM checkpoint" in line
+    line = _one_line_error(capsys, *_from_megatron(tmp_path / "absent", tmp_path / "o"))
+    assert "does not exist" in line
+
+    legacy = tmp_path / "legacy"
+    (legacy / "iter_0000005" / "mp_rank_00_000").mkdir(parents=True)
+    (legacy / "iter_0000005" / "mp_rank_00_000" / "model_optim_rng.pt").write_bytes(b"")
+    (legacy / "latest_checkpointed_iteration.txt").write_text("5")
+    line = _one_line_error(capsys, *_from_megatron(legacy, tmp_path / "o"))
+    assert "legacy per-rank Megatron checkpoint" in line and "torch_dist" in line
+
+    fixture = os.path.join(FIXTURES, "llama_tp1_pp1")
+    line = _one_line_error(capsys, *_from_megatron(fixture, tmp_path / "o", "--ckpt-step", "7"))
+    assert "has no Megatron iteration 7; available: iter_0000001" in line
+
+
+def test_unmapped_model_is_refused(tmp_path, capsys):
+    """A feature megalite's model lacks (here --qk-layernorm, read from common.pt as
+    older Megatron-Core versions write it) is named, not imported with other logits."""
+    root = tmp_path / "qk"
+    shutil.copytree(os.path.join(FIXTURES, "llama_tp1_pp1"), root)
+    ckpt = find_checkpoint(str(root))
+    args = read_common(ckpt)["args"]
+    plain = argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                  if not isinstance(v, _Opaque)})
+    plain.qk_layernorm = True
+    torch.save({"args": plain, "iteration": 1, "checkpoint_version": 3.0},
+               os.path.join(ckpt.directory, "common.pt"))
+    line = _one_line_error(capsys, *_from_megatron(root, tmp_path / "o"))
+    assert "--qk-layernorm" in line and "megalite imports" in line
+
+
+def test_hf_source_that_is_not_hf_is_one_line(tmp_path, capsys):
+    def from_hf(load):
+        return ("--source", "hf", "--target", "megalite", "--load-dir", str(load),
+                "--save-dir", str(tmp_path / "o"))
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _one_line_error(capsys, *from_hf(empty))
+    assert f"{empty} is not a Hugging Face checkpoint: it has no config.json" in line
+    line = _one_line_error(capsys, *from_hf(os.path.join(FIXTURES, "gpt2_tp1_pp1")))
+    assert "use --source megatron" in line
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"hidden_size": 8}')
+    line = _one_line_error(capsys, *from_hf(bad))
+    assert "config.json is not a usable Hugging Face config" in line
