@@ -15,18 +15,27 @@ sends each accepted request to the other ranks, which generate with it; SIGINT o
 SIGTERM to rank 0 (Ctrl-C) stops them all. Limits: ``--max-request-bytes``
 (413 beyond), ``--max-prompts`` per request, ``--max-tokens-to-generate`` (and prompt +
 tokens_to_generate within the model's sequence length; 400 beyond),
-``--max-concurrent-requests`` (one more gets 503).
+``--max-concurrent-requests`` (one more gets 503). On SIGTERM / SIGINT the requests in
+progress finish and every new one is answered 503 until the server stops.
+
+The server listens on 127.0.0.1 unless ``--host`` says otherwise; on any other address it
+warns unless ``--auth-token-file FILE`` is given, whose stripped content is then the token
+every request must carry (``Authorization: Bearer <token>``; 401 otherwise). A port already
+in use is one line (exit code 2), before the checkpoint is loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
+from megalite.config import ConfigError  # noqa: E402
 from megalite.errors import report_tool_error  # noqa: E402
 
 PROG = "run_text_generation_server"
@@ -49,6 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens-to-generate", type=int, default=None,
                    help="default: the model's sequence length")
     p.add_argument("--max-concurrent-requests", type=int, default=4)
+    p.add_argument("--auth-token-file", metavar="FILE", default=None,
+                   help="a file whose content (stripped) is the token every request must "
+                        "send as 'Authorization: Bearer <token>' (401 otherwise)")
     args = p.parse_args(argv)
     try:
         from megalite.inference.generation import max_sequence_length
@@ -57,11 +69,20 @@ def main(argv=None) -> int:
             GenerationService,
             ServerLimits,
             build_server,
+            check_address,
             follow,
+            is_loopback,
         )
 
         limits = ServerLimits(args.max_request_bytes, args.max_prompts,
                               args.max_tokens_to_generate, args.max_concurrent_requests).check()
+        token = read_token(args.auth_token_file)
+        if os.environ.get("RANK", "0") == "0":   # the rank that will listen
+            if token is None and not is_loopback(args.host):
+                print(f"{PROG}: warning: --host {args.host} serves every machine that can "
+                      f"reach it, with no authentication; give --auth-token-file FILE, or "
+                      f"--host 127.0.0.1", file=sys.stderr, flush=True)
+            check_address(args.host, args.port)
         ps = state_for_args(args, timeout_minutes=_IDLE_TIMEOUT_MINUTES)
         cfg, model, tokenizer = load_for_inference(args.load, args.ckpt_step, args, ps)
         if ps.rank != 0:
@@ -69,8 +90,8 @@ def main(argv=None) -> int:
         service = GenerationService(model, tokenizer, max_sequence_length(cfg.model), limits,
                                     ranks=ps.world_size)
         try:
-            server = build_server(service, args.host, args.port)
-        except OSError:
+            server = build_server(service, args.host, args.port, token)
+        except (OSError, ConfigError):
             service.stop()  # the other ranks return too
             raise
     except Exception as exc:
@@ -79,6 +100,22 @@ def main(argv=None) -> int:
             raise
         return code
     return _serve(server, service)
+
+
+def read_token(path: str | None) -> str | None:
+    """The token of ``--auth-token-file`` (its stripped content); None without the flag."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--auth-token-file {path}: cannot read it "
+                          f"({getattr(exc, 'strerror', None) or exc})") from None
+    if not token or any(c.isspace() for c in token):
+        raise ConfigError(f"--auth-token-file {path}: the token must be one word (the file "
+                          f"holds {'nothing' if not token else 'whitespace inside it'})")
+    return token
 
 
 def _follow(follow, model) -> int:
@@ -92,22 +129,26 @@ def _follow(follow, model) -> int:
     return 0
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def _serve(server, service) -> int:
-    """Rank 0: serve until SIGINT / SIGTERM (or Ctrl-C), then stop the other ranks."""
+    """Rank 0: serve (in a thread) until SIGINT / SIGTERM (or Ctrl-C); then drain -- the
+    requests in progress finish, new ones are answered 503 -- and stop the other ranks."""
+    from megalite.inference.server import drain
+
     host, port = server.server_address[:2]
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
     print(f"serving PUT http://{host}:{port}/api", flush=True)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(0.5):
+            pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        server.server_close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        drain(server, service)
+        thread.join()
     try:
         service.stop()
     except Exception as exc:  # the other ranks are gone already (torchrun stopped them)

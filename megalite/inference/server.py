@@ -15,13 +15,22 @@ out-of-range values and prompts that do not fit the model (prompt tokens +
 ``tokens_to_generate`` beyond its sequence length), 411 without a ``Content-Length``,
 413 for a body over ``ServerLimits.max_request_bytes``, 404 for another path, 405 for
 another method. At most ``max_concurrent_requests`` requests are in the server at once
-(the model serves one at a time, the others wait their turn); one more gets 503 at once.
+(the model serves one at a time, the others wait their turn); one more gets 503 at once,
+and so does every request while the server shuts down (:func:`drain`). Connections are
+queued up to :data:`LISTEN_BACKLOG` deep, so that a burst is answered rather than reset.
+With an ``auth_token`` every request must carry ``Authorization: Bearer <token>``, else
+401.
 """
 
 from __future__ import annotations
 
+import errno
+import hmac
+import ipaddress
 import json
+import socket
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -35,6 +44,7 @@ from megalite.parallel.collectives import broadcast_object_list
 
 FIELDS = ("prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "random_seed")
 _DRAIN_LIMIT = 64 << 20  # an oversized body is read and dropped up to this many bytes
+LISTEN_BACKLOG = 1024    # connections the kernel queues before the server accepts them
 
 
 @dataclass
@@ -124,6 +134,9 @@ class GenerationService:
         self.slots = threading.BoundedSemaphore(self.limits.max_concurrent_requests)
         self.ranks = ranks
         self.stopped = False
+        self.draining = False    # shutting down: every new request is answered 503
+        self._busy = threading.Condition()
+        self._connections = 0    # connections a handler is answering
 
     def handle(self, body) -> dict:
         prompts, new, params, seed = parse_request(body, self.max_tokens, self.limits)
@@ -146,6 +159,20 @@ class GenerationService:
         texts = [tok.detokenize(p + (o[:-1] if o[-1:] == [tok.eod] else o))
                  for p, o in zip(ids, outs)]
         return {"text": texts, "tokens": [p + o for p, o in zip(ids, outs)]}
+
+    def _enter(self) -> None:
+        with self._busy:
+            self._connections += 1
+
+    def _leave(self) -> None:
+        with self._busy:
+            self._connections -= 1
+            self._busy.notify_all()
+
+    def wait_quiet(self, timeout_s: float) -> bool:
+        """Wait until no connection is being answered (at most ``timeout_s``)."""
+        with self._busy:
+            return self._busy.wait_for(lambda: self._connections == 0, timeout_s)
 
     def stop(self) -> None:
         """No more requests; the other ranks' :func:`follow` returns (after the request
@@ -174,14 +201,49 @@ def follow(model) -> int:
         served += 1
 
 
-def make_handler(service: GenerationService):
+def make_handler(service: GenerationService, auth_token: str | None = None):
     limit = service.limits.max_request_bytes
+    expected = None if auth_token is None else f"Bearer {auth_token}".encode()
 
     class Handler(BaseHTTPRequestHandler):
-        def _reply(self, code: int, payload: dict) -> None:
+        def handle(self):
+            service._enter()
+            try:
+                super().handle()
+            finally:
+                service._leave()
+
+        def _refused(self) -> bool:
+            """Answer (and return True) a request without the token, or one that arrives
+            while the server shuts down."""
+            if expected is not None:
+                given = (self.headers.get("Authorization") or "").strip().encode()
+                if not hmac.compare_digest(given, expected):
+                    self._drain_length()
+                    self._reply(401, {"error": "missing or wrong Authorization header; send "
+                                               "'Authorization: Bearer <token>' with the "
+                                               "token of --auth-token-file"},
+                                {"WWW-Authenticate": "Bearer"})
+                    return True
+            if service.draining:
+                self._drain_length()
+                self._reply(503, {"error": "the server is shutting down; retry on another "
+                                           "server"})
+                return True
+            return False
+
+        def _drain_length(self) -> None:
+            try:
+                self._drain(int(self.headers.get("Content-Length") or 0))
+            except ValueError:
+                pass
+
+        def _reply(self, code: int, payload: dict, headers: dict | None = None) -> None:
             data = json.dumps(payload).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
+            for key, value in (headers or {}).items():
+                self.send_header(key, value)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -197,6 +259,8 @@ def make_handler(service: GenerationService):
                 left -= len(chunk)
 
         def do_PUT(self):  # noqa: N802 (http.server's naming)
+            if self._refused():
+                return None
             raw = self.headers.get("Content-Length")
             try:
                 length = int(raw) if raw is not None else None
@@ -241,10 +305,9 @@ def make_handler(service: GenerationService):
                 return 400, {"error": str(exc).splitlines()[0]}
 
         def _not_allowed(self):
-            try:
-                self._drain(int(self.headers.get("Content-Length") or 0))
-            except ValueError:
-                pass
+            if self._refused():
+                return
+            self._drain_length()
             self._reply(405, {"error": f"{self.command} is not served; use PUT /api"})
 
         do_GET = do_POST = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
@@ -255,7 +318,87 @@ def make_handler(service: GenerationService):
     return Handler
 
 
-def build_server(service: GenerationService, host: str, port: int) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer((host, port), make_handler(service))
-    server.daemon_threads = True
-    return server
+class _Server(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a deep listen queue (its default, 5, resets a burst of
+    connections before they are accepted)."""
+
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+
+def _listen_error(exc: OSError, host: str, port: int) -> ConfigError:
+    """A one-line ConfigError for a socket that cannot listen on ``host:port``."""
+    if exc.errno == errno.EADDRINUSE:
+        return ConfigError(f"port {port} on {host} is already in use (another server?); stop "
+                           f"it or choose another --port (0: one the OS picks)")
+    if exc.errno == errno.EACCES:
+        return ConfigError(f"port {port} on {host}: permission denied (ports below 1024 need "
+                           f"privileges); choose another --port")
+    reason = exc.strerror or str(exc)
+    return ConfigError(f"cannot listen on {host}:{port} ({reason}); check --host and --port")
+
+
+def check_address(host: str, port: int) -> None:
+    """Raise :class:`ConfigError` (one line naming the port) if the server could not listen
+    on ``host:port``; run before loading a model, so a taken port costs no load."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the server
+            sock.bind((host, port))
+    except OSError as exc:
+        raise _listen_error(exc, host, port) from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable only from this machine (127.0.0.0/8, ::1,
+    localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_server(service: GenerationService, host: str, port: int,
+                 auth_token: str | None = None) -> ThreadingHTTPServer:
+    """The HTTP server of ``service`` listening on ``host:port`` (not yet serving:
+    ``serve_forever``); ``auth_token``: the bearer token every request must carry.
+    :class:`ConfigError` when it cannot listen there (a port in use, ...)."""
+    if auth_token is not None and not auth_token:
+        raise ConfigError("the authentication token is empty")
+    try:
+        return _Server((host, port), make_handler(service, auth_token))
+    except OSError as exc:
+        raise _listen_error(exc, host, port) from None
+
+
+def drain(server: ThreadingHTTPServer, service: GenerationService,
+          grace_s: float = 10.0) -> None:
+    """Shut the server down without resetting a connection: every new request is
+    answered 503 while the requests in progress finish; then the serving loop (running in
+    another thread) stops, the connections still queued are answered 503 here (each
+    within ``grace_s``), and the listening socket closes."""
+    service.draining = True
+    for _ in range(service.limits.max_concurrent_requests):   # the requests in progress
+        service.slots.acquire()
+    server.shutdown()
+    server.socket.settimeout(0)
+    while True:
+        try:
+            request, address = server.get_request()
+        except OSError:   # none left
+            break
+        request.settimeout(grace_s)
+        try:
+            server.finish_request(request, address)
+        except OSError:
+            pass
+        finally:
+            server.shutdown_request(request)
+    deadline = time.monotonic() + grace_s
+    service.wait_quiet(max(0.0, deadline - time.monotonic()))
+    server.server_close()
+    for _ in range(service.limits.max_concurrent_requests):
+        service.slots.release()
