@@ -46,17 +46,32 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 
 def read_latest_iteration(root: str) -> int | None:
-    """The iteration named by ``latest_checkpointed_iteration.txt``, None without one."""
+    """The iteration named by ``latest_checkpointed_iteration.txt``, None without one; a
+    pointer that holds anything but a number (bytes that are not text included) is a
+    :class:`CheckpointError` naming what it holds and the newest complete checkpoint to
+    load instead."""
     path = os.path.join(root, LATEST)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
+    with open(path, "rb") as f:
+        raw = f.read()
     try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and text.isascii() and text.isdigit():
         return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") \
-            from None
+    if text == "release":
+        what = ("'release', Megatron-LM's marker of a released checkpoint (a release/ "
+                "directory), which megalite does not read")
+    elif text == "":
+        what = "nothing (it is empty)"
+    elif text is None:
+        what = f"bytes that are not text ({raw[:24]!r}{'...' if len(raw) > 24 else ''})"
+    else:
+        what = f"{text[:40]!r}{'...' if len(text) > 40 else ''}"
+    raise CheckpointError(f"{path} should hold an iteration number, found {what}; "
+                          f"{newest_complete_hint(root)}")
 
 
 def fsync_path(path: str) -> None:
@@ -264,9 +279,22 @@ def fallback_hint(root: str, iteration: int) -> str:
     older = complete_iterations(root, below=iteration)
     if not older:
         return f"no older complete checkpoint exists under {root}"
-    more = f" (also: {', '.join(map(str, older[1:6]))})" if len(older) > 1 else ""
-    return (f"the newest older complete checkpoint is iteration {older[0]}{more}: load it "
-            f"with --ckpt-step {older[0]}")
+    return (f"the newest older complete checkpoint is iteration {older[0]}{_also(older)}: "
+            f"load it with --ckpt-step {older[0]}")
+
+
+def newest_complete_hint(root: str, exclude: int | None = None) -> str:
+    """One sentence naming the newest complete checkpoint under ``root`` (other than
+    ``exclude``) to load with ``--ckpt-step``, or saying that there is none."""
+    good = [it for it in complete_iterations(root) if it != exclude]
+    if not good:
+        return f"no complete checkpoint exists under {root}"
+    return (f"the newest complete checkpoint there is iteration {good[0]}{_also(good)}: "
+            f"load it with --ckpt-step {good[0]}")
+
+
+def _also(iterations: list[int]) -> str:
+    return f" (also: {', '.join(map(str, iterations[1:6]))})" if len(iterations) > 1 else ""
 
 
 # -- what --load means ----------------------------------------------------------------------

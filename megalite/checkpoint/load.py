@@ -43,12 +43,14 @@ from torch.distributed.checkpoint import TensorStorageMetadata
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite.checkpoint.files import (
+    LATEST,
     CheckpointError,
     check_checksums,
     check_sizes,
     choose_iteration,
     fallback_hint,
     iteration_dir,
+    newest_complete_hint,
     parse_metadata,
     read_metadata_bytes,
 )
@@ -154,11 +156,16 @@ def resolve_checkpoint(root: str, ps: ParallelState, *, step: int | None = None,
                     identity = hashlib.sha256(raw).hexdigest()
                 decision = [(iteration, identity, None)]
             except CheckpointError as exc:
-                decision = [(None, None, str(exc))]
+                error = str(exc)
                 if (iteration is not None and attempt + 1 < READ_ATTEMPTS
                         and not os.path.isdir(iteration_dir(root, iteration))):
                     time.sleep(0.1)   # between the renames of a live job's re-save
                     continue
+                if iteration is not None:   # the iteration chosen is missing or unreadable
+                    named = (f"--ckpt-step {step}" if step is not None else
+                             f"{LATEST} names iteration {iteration}")
+                    error += f" ({named}); {newest_complete_hint(root, exclude=iteration)}"
+                decision = [(None, None, error)]
             break
         holder = live_holder(root) if decision[0][0] is not None else None
         if holder is not None:
@@ -188,12 +195,16 @@ def _agree(error: str | None, replaced: str | None, ps: ParallelState, hint=str)
     outcomes = gather_objects((error, replaced), ps)
     moved = next(((r, m) for r, (_, m) in enumerate(outcomes) if m is not None), None)
     if moved is not None:
-        where = "here" if moved[0] == ps.rank else f"on rank {moved[0]}"
-        raise _Replaced(f"{where}: {moved[1]}")
+        raise _Replaced(_where(moved[0], ps) + moved[1])
     first = next(((r, e) for r, (e, _) in enumerate(outcomes) if e is not None), None)
     if first is not None:
-        where = "here" if first[0] == ps.rank else f"on rank {first[0]}"
-        raise CheckpointError(f"{where}: {first[1]}{hint()}")
+        raise CheckpointError(f"{_where(first[0], ps)}{first[1]}{hint()}")
+
+
+def _where(rank: int, ps: ParallelState) -> str:
+    """The prefix naming the rank an error happened on: none on that rank itself (its
+    report already names it)."""
+    return "" if rank == ps.rank else f"on rank {rank}: "
 
 
 def _replaced(iter_dir: str, pin) -> str | None:
@@ -208,8 +219,9 @@ def _check_files(iter_dir: str, identity: str, ps: ParallelState, sha256: bool,
     with ``verify`` the fast checksum of DCP's ``.metadata`` (all ranks: each reads it
     before any plan exists) and, with ``sha256``, those checksums (files split over
     ranks). Collective; returns the metadata and this rank's pin of the directory
-    (:func:`_pin`, taken first). A damaged file's error ends with ``hint()``."""
-    meta, error, moved, damaged = None, None, None, False
+    (:func:`_pin`, taken first). An error ends with ``hint(checksum)`` (the fix),
+    ``checksum`` telling whether a checksum found it."""
+    meta, error, moved, checksum = None, None, None, False
     pin = _pin(iter_dir)
     try:
         raw = read_metadata_bytes(iter_dir)
@@ -220,17 +232,16 @@ def _check_files(iter_dir: str, identity: str, ps: ParallelState, sha256: bool,
             meta = parse_metadata(iter_dir, raw)
             names = sorted(meta["files"])
             check_sizes(iter_dir, meta["files"], names)
-            damaged = True
+            checksum = True
             if verify and METADATA_FILE in meta["files"]:
                 check_checksums(iter_dir, meta["files"], [METADATA_FILE], fast=True)
             if sha256:
                 check_checksums(iter_dir, meta["files"], names[ps.rank::ps.world_size],
                                 fast=False, sha256=True)
-            damaged = False
     except CheckpointError as exc:
-        error = str(exc)
+        error = str(exc) + hint(checksum)
         moved = _replaced(iter_dir, pin)
-    _agree(error, moved, ps, hint if damaged else str)
+    _agree(error, moved, ps)
     return meta, pin
 
 
@@ -353,9 +364,11 @@ def _load_iteration(load: _Load, iteration: int, identity: str) -> LoadedCheckpo
     optimizer, scheduler = load.optimizer, load.scheduler
     iter_dir = iteration_dir(root, iteration)
 
-    def hint() -> str:
-        return (f"; {fallback_hint(root, iteration)} (or pass --no-ckpt-verify to load this "
-                "one as it is)")
+    def hint(checksum: bool = True) -> str:
+        """The fix: the older complete checkpoint; for a checksum mismatch also
+        --no-ckpt-verify (sizes and metadata are checked with or without it)."""
+        skip = " (or pass --no-ckpt-verify to load this one as it is)" if checksum else ""
+        return f"; {fallback_hint(root, iteration)}{skip}"
 
     meta, pin = _check_files(iter_dir, identity, ps, load.options.sha256, verify, hint)
     reader = VerifyingReader(iter_dir, meta["files"] if verify else None, ps.rank,

@@ -10,8 +10,12 @@ A save, collective over the world:
    ``verify``, ``--ckpt-verify``) of the files it wrote;
 3. *publish*: when every rank succeeded, rank 0 writes ``metadata.json`` (format,
    iteration, layout, config, manifest), renames the directory to ``iter_XXXXXXX`` and
-   replaces ``latest_checkpointed_iteration.txt``. A failure anywhere raises
-   :class:`CheckpointError` on every rank and leaves the previous checkpoint as latest.
+   replaces ``latest_checkpointed_iteration.txt``. A failure anywhere raises one
+   :class:`CheckpointError` on every rank, after rank 0 removed the partial
+   ``iter_XXXXXXX.tmp``; the previous checkpoint stays latest, and the error says which
+   it is. A full disk is named as such, with the free space and the size of the
+   checkpoint (what it needs), whatever form the failure took (an ``OSError`` ENOSPC,
+   or torch's zip writer failing with ``unexpected pos``).
 
 With ``async_save`` step 2 runs on a copy of the state (staged: copied to CPU buffers the
 saver keeps for the next save, one extra copy of the state in host memory) in a
@@ -23,6 +27,7 @@ training), so ``latest`` only ever names a checkpoint every rank finished writin
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import shutil
@@ -31,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite.checkpoint.files import (
     FAST_CHECKSUM,
@@ -41,6 +47,8 @@ from megalite.checkpoint.files import (
     fsync_tree,
     iteration_dir,
     manifest_entries,
+    read_latest_iteration,
+    read_metadata,
     write_text_atomic,
 )
 from megalite.checkpoint.layout import param_layouts
@@ -75,8 +83,8 @@ def raise_if_any(error: str | None, ps: ParallelState, template: str) -> None:
     errors = gather_objects(error, ps)
     first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
     if first is not None:
-        where = "here" if first[0] == ps.rank else f"on rank {first[0]}"
-        raise CheckpointError(template.format(error=f"{where}: {first[1]}"))
+        where = "" if first[0] == ps.rank else f"on rank {first[0]}: "
+        raise CheckpointError(template.format(error=f"{where}{first[1]}"))
 
 
 def write_blocks(state: dict, pieces: dict, directory: str, group, no_dist: bool) -> None:
@@ -93,19 +101,70 @@ def _my_files(directory: str, rank: int) -> list[str]:
     return sorted(mine)
 
 
+def _state_bytes(state: dict) -> int:
+    """Bytes of the tensors in a flat state dict: what this rank writes, about."""
+    return sum(v.numel() * v.element_size() for v in state.values()
+               if isinstance(v, torch.Tensor))
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc``, the exceptions it was raised from, and those a DCP
+    ``CheckpointException`` carries per rank."""
+    out, todo = [], [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is seen for seen in out):
+            continue
+        out.append(e)
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [failure[0] for failure in e.failures.values()]
+    return out
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a failed write: the first rank's own exception for DCP's
+    ``CheckpointException`` (whose text is every rank's traceback)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def out_of_space(exc: BaseException, directory: str, need: int) -> bool:
+    """Whether a write into ``directory`` failed because its disk is full: ENOSPC
+    anywhere in the exception, or less free space left there than ``need`` bytes
+    (torch's zip writer reports a short write as ``unexpected pos``, without errno)."""
+    if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _causes(exc)):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < need
+    except OSError:
+        return False
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1024:.0f} KiB"
+
+
 @dataclass
 class _Job:
-    """One save between its start and its publication."""
+    """One save between its start and its publication. ``nbytes``: the tensor bytes
+    this rank writes; ``no_space``: its write failed on a full disk."""
 
     root: str
     iteration: int
     tmp: str
     final: str
     meta: dict
+    nbytes: int = 0
     started: float = field(default_factory=time.perf_counter)
     thread: threading.Thread | None = None
     files: dict | None = None
     error: str | None = None
+    no_space: bool = False
 
     def write(self, state: dict, pieces: dict, group, no_dist: bool, rank: int,
               sha256: bool, fast: bool = True) -> None:
@@ -113,8 +172,9 @@ class _Job:
             write_blocks(state, pieces, self.tmp, group, no_dist)
             self.files = manifest_entries(self.tmp, _my_files(self.tmp, rank), fast=fast,
                                           sha256=sha256, fsync=True)
-        except Exception as exc:  # noqa: BLE001 - reported collectively at publication
-            self.error = repr(exc)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported
+            self.error = _describe(exc)                   # collectively at publication
+            self.no_space = out_of_space(exc, self.tmp, self.nbytes)
 
 
 class CheckpointSaver:
@@ -176,7 +236,7 @@ class CheckpointSaver:
                 "checksums": ([FAST_CHECKSUM] if self.checksums else [])
                 + (["sha256"] if self.verify else []),
                 "config": config}
-        job = _Job(root, iteration, tmp, final, meta)
+        job = _Job(root, iteration, tmp, final, meta, nbytes=_state_bytes(state))
         no_dist = not distributed(ps)
         if self.async_save:
             staged = self._stage(state)
@@ -232,10 +292,11 @@ class CheckpointSaver:
 
     def _publish(self, job: _Job) -> None:
         ps = self.ps
-        raise_if_any(job.error, ps, f"saving iteration {job.iteration} to {job.root} failed "
-                                    "({error}); the previous checkpoint is unchanged")
+        outcomes = gather_objects((job.error, job.no_space, job.nbytes), ps)
+        self._raise_if_failed(job, [(e, full) for e, full, _ in outcomes],
+                              sum(n for _, _, n in outcomes))
         manifests = gather_objects(job.files, ps)
-        error = None
+        outcome = (None, False)
         if ps.rank == 0:
             try:
                 files = {}
@@ -243,8 +304,54 @@ class CheckpointSaver:
                     files.update(entries)
                 _publish_dir(job, files)
             except OSError as exc:
-                error = repr(exc)
-        raise_if_any(error, ps, f"publishing {job.final} failed ({{error}})")
+                need = sum(n for _, _, n in outcomes)
+                outcome = (f"publishing {job.final}: {_describe(exc)}",
+                           out_of_space(exc, job.root, need))
+        self._raise_if_failed(job, gather_objects(outcome, ps),
+                              sum(n for _, _, n in outcomes))
+
+    def _raise_if_failed(self, job: _Job, outcomes: list[tuple], need: int) -> None:
+        """Collective: when a rank's ``(error, out of space)`` outcome is an error, rank 0
+        removes the partial directory and every rank raises one :class:`CheckpointError`
+        saying what happened (a full disk: the free space and what a checkpoint needs, the
+        size of the previous one, else ``need``, the bytes of the state) and which
+        checkpoint is still the latest."""
+        first = next(((r, e) for r, (e, _) in enumerate(outcomes) if e is not None), None)
+        if first is None:
+            return
+        no_space = any(full for _, full in outcomes)
+        facts = None
+        if self.ps.rank == 0:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+            try:
+                previous = read_latest_iteration(job.root)
+            except CheckpointError:
+                previous = None
+            try:
+                free = shutil.disk_usage(job.root).free
+            except OSError:
+                free = None
+            if previous is not None:
+                try:
+                    files = read_metadata(iteration_dir(job.root, previous))["files"]
+                    need = sum(entry["bytes"] for entry in files.values())
+                except (CheckpointError, OSError, KeyError, TypeError):
+                    pass
+            facts = (previous, free, need)
+        previous, free, need = gather_objects(facts, self.ps)[0]
+        where = "" if first[0] == self.ps.rank else f"on rank {first[0]}: "
+        if no_space:
+            room = "" if free is None else f"{_size(free)} free there, "
+            cause = (f": no space left on device ({room}a checkpoint needs about "
+                     f"{_size(need)})")
+        else:
+            cause = f" ({where}{first[1]})"
+        kept = (f"the previous checkpoint, iteration {previous}, is intact ({LATEST} still "
+                "names it)" if previous is not None else "no earlier checkpoint exists there")
+        fix = "; free space there or choose another --save" if no_space else ""
+        raise CheckpointError(f"saving iteration {job.iteration} to {job.root} failed"
+                              f"{cause}; the partial {os.path.basename(job.tmp)} was "
+                              f"removed; {kept}{fix}")
 
 
 def _publish_dir(job: _Job, files: dict) -> None:

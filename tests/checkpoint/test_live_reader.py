@@ -90,7 +90,7 @@ def test_a_directory_resaved_during_the_read_is_read_again(tmp_path, monkeypatch
     load_checkpoint(root, again, None, None, ps, LoadOptions(load_rng=False))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
     assert len(calls) == 3
-    assert (f" here: {iteration_dir(root, 3)} was replaced while it was read (a live job "
+    assert (f" {iteration_dir(root, 3)} was replaced while it was read (a live job "
             "re-saved it): reading it again") in capsys.readouterr().out
 
 
@@ -111,7 +111,7 @@ def test_a_directory_resaved_on_every_read_is_one_error(tmp_path, monkeypatch):
     _, _, model = filled(0.0)
     with pytest.raises(CheckpointError, match=f"keeps re-saving {root}, or the ranks") as e:
         load_checkpoint(root, model, None, None, ps, LoadOptions(load_rng=False))
-    assert str(e.value).startswith(f"here: {iteration_dir(root, 3)} was replaced while it was "
+    assert str(e.value).startswith(f"{iteration_dir(root, 3)} was replaced while it was "
                                    "read (a live job re-saved it); 3 reads in a row")
 
 

@@ -76,7 +76,9 @@ def test_checkpoint_error_exit_4_and_traceback_on_request(tmp_path):
     assert proc.returncode == 4, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"megalite: error (rank 0): {load}/iter_0000002/metadata.json is missing: "
-        f"{load}/iter_0000002 is not a megalite checkpoint (or was damaged). Found: []"]
+        f"{load}/iter_0000002 is not a megalite checkpoint (or was damaged). Found: [] "
+        f"(latest_checkpointed_iteration.txt names iteration 2); no complete checkpoint "
+        f"exists under {load}"]
     proc = subprocess.run([PYTHON, ENTRYPOINT, *flags],
                           env=subprocess_env(MEGALITE_TRACEBACK="1"),
                           capture_output=True, text=True, timeout=120, check=False)
