@@ -6,8 +6,16 @@ host, pid, start time and a heartbeat, which a daemon thread rewrites every
 can outlast any interval, and the heartbeat only says the process is alive). A second
 job finds the lock and stops with one sentence naming the holder, unless the lock is
 stale -- its heartbeat older than ``STALE_SECONDS``, or its pid gone on this host -- in
-which case it is taken over with a log line. :meth:`SaveLock.release` (at a clean exit)
-removes it; a killed job leaves it behind, stale.
+which case it is taken over with a log line. :meth:`SaveLock.release` removes it at
+every exit the process sees: a clean one, an error (``build_components`` and the
+entrypoint release it on their way out), SIGTERM (the lock's handler, installed while the
+default one is in place, releases it and then dies of the signal as before); only a job
+killed outright (SIGKILL, a lost node) leaves it behind, stale.
+
+The same step refuses a fresh run in a directory that holds another run's checkpoints
+(:func:`acquire_save_lock` with ``load`` elsewhere or unset): it would overwrite them, and
+its later iterations would stay mixed in. The check runs under the lock, so two jobs cannot
+both pass it; ``--overwrite-checkpoints`` deletes that run's checkpoints instead.
 
 Readers take no lock. A job that only loads from a directory (``--load`` without ``--save``
 there, ``tools/evaluate.py``, ``generate.py``, ``convert_checkpoint.py``) relies on how a
@@ -26,11 +34,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import threading
 import time
 
-from megalite.checkpoint.files import CheckpointError
+from megalite.checkpoint.files import (
+    ITER_RE,
+    LATEST,
+    CheckpointError,
+    published_iterations,
+    read_latest_iteration,
+)
 
 LOCK = ".megalite.lock"
 HEARTBEAT_SECONDS = 60.0
@@ -96,6 +112,7 @@ class SaveLock:
         self._stop = threading.Event()
         self._interval = heartbeat_seconds
         self._thread: threading.Thread | None = None
+        self._sigterm_installed = False
 
     @classmethod
     def acquire(cls, directory: str, *, stale_after: float = STALE_SECONDS,
@@ -125,6 +142,7 @@ class SaveLock:
             lock._thread = threading.Thread(target=lock._beat, name="save-lock-heartbeat",
                                             daemon=True)
             lock._thread.start()
+            lock._install_sigterm()
             return lock
         raise CheckpointError(f"could not take {lock.path}: other jobs keep taking it")
 
@@ -168,8 +186,27 @@ class SaveLock:
             json.dump(self.info, f)
         os.replace(tmp, self.path)
 
+    def _install_sigterm(self) -> None:
+        """Release the lock on SIGTERM when nothing else handles it (the default action,
+        in the main thread); the process then dies of the signal as it would have."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._sigterm_installed = True
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.release()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if it is still ours."""
+        if self._sigterm_installed:
+            self._sigterm_installed = False
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -182,16 +219,82 @@ class SaveLock:
                 pass
 
 
-def acquire_save_lock(directory: str, ps, log=print) -> SaveLock | None:
+def _same_dir(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def other_run(directory: str) -> str | None:
+    """What ``directory`` holds of a run's checkpoints, in a few words (the iteration its
+    pointer names, its iteration directories), or None when it holds none (unpublished
+    ``.tmp`` saves of a run that never finished one do not count)."""
+    iterations = published_iterations(directory)
+    has_pointer = os.path.exists(os.path.join(directory, LATEST))
+    if not iterations and not has_pointer:
+        return None
+    try:
+        latest = read_latest_iteration(directory)
+    except CheckpointError:
+        latest = None
+    said = (f"up to iteration {latest}" if latest is not None else
+            f"its {LATEST} unreadable")
+    held = (f"{len(iterations)} iteration directories, {iterations[0]} to {iterations[-1]}"
+            if len(iterations) > 1 else
+            f"iteration directory {iterations[0]}" if iterations else "no iteration directory")
+    return f"{said}: {held}"
+
+
+def clear_checkpoints(directory: str) -> None:
+    """Delete the checkpoints in ``directory``: the pointer first, then the iteration
+    directories and unpublished saves."""
+    pointer = os.path.join(directory, LATEST)
+    if os.path.exists(pointer):
+        os.remove(pointer)
+    for entry in sorted(os.listdir(directory)):
+        name = entry.split(".", 1)[0]
+        if ITER_RE.fullmatch(name) and os.path.isdir(os.path.join(directory, entry)):
+            shutil.rmtree(os.path.join(directory, entry))
+
+
+def _check_fresh_run(directory: str, load: str | None, overwrite: bool, log) -> None:
+    """Refuse (or, with ``overwrite``, clear) a ``--save`` directory that holds another
+    run's checkpoints when this run does not load from it."""
+    if _same_dir(directory, load):
+        return
+    found = other_run(directory)
+    if found is None:
+        return
+    if overwrite:
+        clear_checkpoints(directory)
+        log(f" --overwrite-checkpoints: deleted the checkpoints of the run found in "
+            f"{directory} ({found})")
+        return
+    loads = f"--load {load}" if load else "no --load"
+    raise CheckpointError(
+        f"--save {directory} already holds the checkpoints of a run ({found}) that this run "
+        f"does not resume ({loads}): its saves would overwrite them. To continue that run "
+        f"pass --load {directory}; to keep it, choose another --save; to delete it and "
+        "start afresh, pass --overwrite-checkpoints")
+
+
+def acquire_save_lock(directory: str, ps, log=print, *, load: str | None = None,
+                      overwrite: bool = False) -> SaveLock | None:
     """:meth:`SaveLock.acquire` on rank 0, the outcome shared (collective): the lock on
-    rank 0, None on the others, or the same :class:`CheckpointError` on every rank."""
+    rank 0, None on the others, or the same :class:`CheckpointError` on every rank.
+
+    Under the lock, a directory holding another run's checkpoints is refused unless
+    ``load`` (``--load``) is the same directory; ``overwrite``
+    (``--overwrite-checkpoints``) deletes them instead."""
     from megalite.checkpoint.save import raise_if_any
 
     lock, error = None, None
     if ps.rank == 0:
         try:
             lock = SaveLock.acquire(directory, log=log)
+            _check_fresh_run(directory, load, overwrite, log)
         except (CheckpointError, OSError) as exc:
             error = str(exc)
+            if lock is not None:
+                lock.release()
+                lock = None
     raise_if_any(error, ps, "{error}")
     return lock

@@ -119,6 +119,10 @@ class CheckpointConfig:
     no_load_rng: bool = arg(False, "Do not load the RNG states.")
     finetune: bool = arg(False, "Load weights only and start at iteration 0.")
     async_save: bool = arg(False, "Write checkpoints in a background thread.")
+    overwrite_checkpoints: bool = arg(
+        False, "megalite-specific: a run that does not --load its --save directory may start "
+        "there although it holds another run's checkpoints, which are deleted first "
+        "(without this flag such a run stops before any work, naming them).")
     ckpt_verify: bool = arg(False, "Also record (at save) and check (at load) each file's "
                             "sha256, on top of the fast checksum always recorded.")
     no_ckpt_verify: bool = arg(False, "Do not check the files' fast checksums (xxh3_64 or "

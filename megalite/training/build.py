@@ -38,7 +38,7 @@ from megalite.pipeline.layout import model_chunks
 from megalite.training.components import TrainingComponents, TrainState
 from megalite.training.fp8 import check_fp8_available
 from megalite.training.metrics import MetricsLogger
-from megalite.training.preflight import preflight
+from megalite.training.preflight import check_output_dirs, preflight
 from megalite.training.throughput import count_layer_params
 from megalite.training.timers import Timers
 
@@ -105,9 +105,30 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
     """Everything for :func:`megalite.training.loop.train`; loads ``--load`` if set.
 
     ``cfg`` must be validated for this world (``cfg.validate(world_size)``); it is copied,
-    and the copy gets ``model.vocab_size`` from the tokenizer.
+    and the copy gets ``model.vocab_size`` from the tokenizer. With ``--save``, rank 0
+    takes the directory's lock before any work (refusing a directory that holds another
+    run's checkpoints this run does not load) and releases it if anything here fails.
     """
     check_fp8_available(cfg.model, ps.device)  # before any work: one clear sentence
+    ck = cfg.checkpoint
+    save_lock = None
+    if ck.save:   # one job per --save, and no other run's checkpoints overwritten
+        check_output_dirs(cfg, ps, ps.world_size - 1)
+        save_lock = acquire_save_lock(ck.save, ps, load=ck.load,
+                                      overwrite=ck.overwrite_checkpoints)
+    try:
+        return _build(cfg, ps, model_provider, datasets_provider, peak_probe_seconds,
+                      save_lock)
+    except BaseException:
+        if save_lock is not None:
+            save_lock.release()
+        raise
+
+
+def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | None,
+           datasets_provider: Callable | None, peak_probe_seconds: float,
+           save_lock) -> TrainingComponents:
+    """:func:`build_components` once the ``--save`` lock (``save_lock``) is held."""
     start_time = time.time()
     cfg = copy.deepcopy(cfg)
     t = cfg.train
@@ -155,7 +176,6 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
 
     state = TrainState()
     ck = cfg.checkpoint
-    save_lock = acquire_save_lock(ck.save, ps) if ck.save else None  # one job per --save
     if ck.load:
         loaded = load_checkpoint(ck.load, model, optimizer, scheduler, ps,
                                  LoadOptions.from_config(ck), rng_tracker)
