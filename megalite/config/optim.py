@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megalite.config.fields import arg, check_choices, positive, require
+from megalite.config.fields import ConfigError, arg, check_choices, positive, require
+
+FP32_MAX = 3.4028234663852886e38   # the largest finite fp32 number (torch.finfo)
 
 
 @dataclass
@@ -89,6 +91,13 @@ class OptimConfig:
                 "without --optimizer-cpu-offload (the fraction says how much of the optimizer "
                 "state the offload moves to the host); add --optimizer-cpu-offload, or drop "
                 "--optimizer-offload-fraction")
+        for name in ("loss_scale", "initial_loss_scale"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= FP32_MAX:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {value:g} is not a usable loss scale: it "
+                    f"must be above 0 and a finite fp32 number (at most {FP32_MAX:.4g}); "
+                    "loss scales are powers of two such as 65536 (2^16)")
         positive(self, "loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis",
                   "lr_decay_iters", "lr_wsd_decay_iters", "lr_decay_samples",
                   "lr_wsd_decay_samples")

@@ -9,6 +9,10 @@ consecutive steps:
 (c) every step's gradients were exactly zero (grad norm 0.0) while the loss was finite and
     non-zero: the scaled loss underflowed fp16.
 
+A run that ends before ``WINDOW`` such steps, all of its steps skipped so (a static
+scale that overflowed every time, a dynamic one stuck at its minimum), raises the same
+error from :meth:`LossScaleWatchdog.at_end` instead of exiting 0 with an untrained model.
+
 ``WINDOW`` is fixed at 10 steps (no Megatron flag fits): ``--loss-scale-window`` (1000 by
 default) would let a broken run write many checkpoints first, ``--hysteresis`` (2) is too
 short to tell a transient overflow from a persistent one. While a dynamic scale is still
@@ -46,6 +50,7 @@ class LossScaleWatchdog:
         self.window = window
         self.skipped = 0        # consecutive skipped steps (static) / at the minimum scale
         self.zero = 0           # consecutive updated steps with grad norm exactly 0
+        self.steps = 0          # steps of this run
 
     @classmethod
     def from_config(cls, cfg) -> LossScaleWatchdog:
@@ -58,6 +63,7 @@ class LossScaleWatchdog:
         if not self.enabled:
             return
         n = self.window
+        self.steps += 1
         if updated:
             self.skipped = 0
             if grad_norm == 0.0 and math.isfinite(lm_loss) and lm_loss != 0.0:
@@ -69,16 +75,7 @@ class LossScaleWatchdog:
             stuck = self.static_scale is not None or loss_scale <= self.min_scale
             self.skipped = self.skipped + 1 if stuck else 0
         if self.skipped >= n:
-            if self.static_scale is not None:
-                raise LossScaleError(
-                    f"--loss-scale {self.static_scale:g} is too large: the gradients "
-                    f"overflowed on every one of the last {n} steps (iterations "
-                    f"{iteration - n + 1}-{iteration}), so none updated the model; drop "
-                    "--loss-scale for dynamic loss scaling, lower it, or use --bf16")
-            raise LossScaleError(
-                f"the dynamic loss scale is at --min-loss-scale {self.min_scale:g} and the "
-                f"gradients still overflowed on every one of the last {n} steps (iterations "
-                f"{iteration - n + 1}-{iteration}); lower --min-loss-scale or use --bf16")
+            raise self._overflow_error(iteration, f"the last {n} steps")
         if self.zero >= n:
             if self.static_scale is not None:
                 cause = (f"--loss-scale {self.static_scale:g} underflows every gradient to "
@@ -91,3 +88,22 @@ class LossScaleWatchdog:
             raise LossScaleError(
                 f"the gradient norm was exactly 0 on every one of the last {n} steps "
                 f"(iterations {iteration - n + 1}-{iteration}, loss {lm_loss:.6g}): {cause}")
+
+    def at_end(self, iteration: int) -> None:
+        """At the end of a run: :class:`LossScaleError` when every one of its steps was
+        skipped on overflow (fewer than the window: :meth:`after_step` did not fire)."""
+        if self.enabled and 0 < self.steps == self.skipped:
+            raise self._overflow_error(iteration, f"this run's {self.steps} steps")
+
+    def _overflow_error(self, iteration: int, steps: str) -> LossScaleError:
+        """The error for ``self.skipped`` overflowing steps up to ``iteration``."""
+        span = f"iterations {iteration - self.skipped + 1}-{iteration}"
+        if self.static_scale is not None:
+            return LossScaleError(
+                f"--loss-scale {self.static_scale:g} is too large: the gradients overflowed "
+                f"on every one of {steps} ({span}), so none updated the model; drop "
+                "--loss-scale for dynamic loss scaling, lower it, or use --bf16")
+        return LossScaleError(
+            f"the dynamic loss scale is at --min-loss-scale {self.min_scale:g} and the "
+            f"gradients still overflowed on every one of {steps} ({span}); lower "
+            "--min-loss-scale or use --bf16")

@@ -21,8 +21,9 @@ A NaN/inf loss (``--check-for-nan-in-loss-and-grad``, on by default) raises
 :class:`NonFiniteLossError` naming the iteration before the optimizer or a checkpoint sees
 it. Non-finite gradients skip the step under fp16 (loss scaling backs off); otherwise they
 raise too. fp16 loss scaling that cannot learn (every step skipped, or every gradient
-zero, for a window) raises :class:`~megalite.training.health.LossScaleError` before that
-iteration's checkpoint (``megalite.training.health``).
+zero, for a window; or every step of a shorter run skipped) raises
+:class:`~megalite.training.health.LossScaleError` before that iteration's checkpoint
+(``megalite.training.health``). A run without a validation set says so once at start.
 """
 
 from __future__ import annotations
@@ -269,6 +270,10 @@ def train(c: TrainingComponents) -> TrainResult:
         return result
     train_iter = c.train_iterator(state.consumed_train_samples)
     valid_iter = c.valid_iterator(state.iteration)
+    if valid_iter is None and t.eval_iters > 0:
+        metrics.print(" no validation set (--split or --valid-data-path gives it no data): "
+                      "no validation loss will be computed; --eval-interval and "
+                      "--eval-iters have no effect")
     last_saved = state.iteration if ck.load else None
     watchdog = LossScaleWatchdog.from_config(cfg)
     validator = ResultValidator.from_config(t)   # --rerun-mode validate_results
@@ -345,6 +350,7 @@ def train(c: TrainingComponents) -> TrainResult:
                 metrics.print(f" exiting at iteration {state.iteration}: {reason}")
                 break
         result.gc_collected_at = list(manual_gc.collected_at)
+        watchdog.at_end(state.iteration)   # every step of a short run skipped: exit 5
         # inside the handler: a second SIGTERM (a scheduler and torchrun both send one)
         # must not kill a rank in the middle of its exit save
         if ck.save and last_saved != state.iteration and state.iteration > 0:
