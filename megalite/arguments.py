@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text}
         if ftype is bool:
             kwargs["action"] = meta.get("action") or "store_true"
+            if kwargs["action"] == "store_false":   # the flag turns the described thing off
+                kwargs["help"] = f"Turns off (on without this flag): {meta.get('help', '')}"
         else:
             kwargs["type"] = str if ftype is list else ftype
             if choices_of(f):
@@ -212,10 +214,17 @@ def config_from_values(values: dict[str, Any]) -> MegaliteConfig:
     return MegaliteConfig(**{name: SECTIONS[name](**kw) for name, kw in per_section.items()})
 
 
-def parse_args(argv: Sequence[str] | None = None) -> MegaliteConfig:
+# the model's size: Megatron's training entrypoints refuse to run without them
+MODEL_SIZE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads")
+
+
+def parse_args(argv: Sequence[str] | None = None,
+               required: Sequence[str] = ()) -> MegaliteConfig:
     """Parse Megatron-style flags (and ``--config``) into a section-validated config.
 
-    Cross-section checks need the world size: call ``cfg.validate(world_size)`` after.
+    ``required``: fields that must be given (a flag or a ``--config`` key), not left at
+    their defaults. Cross-section checks need the world size: call
+    ``cfg.validate(world_size)`` after.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -230,13 +239,24 @@ def parse_args(argv: Sequence[str] | None = None) -> MegaliteConfig:
     values = load_yaml(cli.pop("config")) if cli.get("config") else {}
     cli.pop("config", None)
     values.update(cli)
-    return config_from_values(values)
+    cfg = config_from_values(values)   # the flags' own errors first
+    missing = [name for name in required if values.get(name) is None]
+    if missing:
+        raise ConfigError(f"the model's size is not given: {', '.join(_flag(n) for n in missing)} "
+                          "(Megatron-LM requires them too; megalite would otherwise train "
+                          "its small default model)")
+    return cfg
+
+
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
 
 
 def main_parse(argv: Sequence[str] | None = None) -> MegaliteConfig:
-    """``parse_args`` for entrypoints: a bad flag prints one line and exits with code 2."""
+    """``parse_args`` for the training entrypoint (the model's size required): a bad flag
+    prints one line and exits with code 2."""
     try:
-        return parse_args(argv)
+        return parse_args(argv, required=MODEL_SIZE_FIELDS)
     except ConfigError as e:
         print(f"megalite: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

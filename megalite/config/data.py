@@ -34,12 +34,12 @@ class DataConfig:
         None, "TikTokenizer: special tokens, ids 0, 1, ...; must include <unk> <s> </s> "
         "(default: <unk> <s> </s> <mask> <pad> <cls> <sep>).", nargs="+")
     mmap_bin_files: bool = arg(
-        True, "Memory-map the .bin files (off: plain file reads).", action="store_false",
+        True, "memory-mapping the .bin files (off: plain file reads).", action="store_false",
         flag="--no-mmap-bin-files",
         no_effect="the .bin is read with plain file reads instead of mmap; the samples are "
                   "the same")
     create_attention_mask_in_dataloader: bool = arg(
-        True, "Build the attention mask in the data loader.", action="store_false",
+        True, "building the attention mask in the data loader.", action="store_false",
         flag="--no-create-attention-mask-in-dataloader",
         no_effect="megalite never builds a mask in the data loader; causal (and document) "
                   "masking happens in the attention kernel")

@@ -42,9 +42,10 @@ class ModelConfig:
                                                  "(default seq_length).")
     position_embedding_type: str = arg("learned_absolute", "Position embedding kind.",
                                        choices=("learned_absolute", "rope", "none"))
-    add_position_embedding: bool = arg(True, "No learned absolute position table: with "
-                                       "--position-embedding-type rope a no-op, with "
-                                       "learned_absolute no positions at all.",
+    add_position_embedding: bool = arg(True, "the learned absolute position table of "
+                                       "--position-embedding-type learned_absolute (off: "
+                                       "no positions at all; with rope there is none "
+                                       "either way).",
                                        flag="--no-position-embedding", action="store_false")
     rotary_base: float = arg(10000.0, "RoPE base frequency.")
     rotary_percent: float = arg(1.0, "Fraction of the head dimension that RoPE rotates.")
@@ -55,7 +56,7 @@ class ModelConfig:
                                    "stored and initialised at 0 and the norm scales by "
                                    "1 + w (LayerNorm and RMSNorm).")
     swiglu: bool = arg(False, "Use SwiGLU in the MLP (Llama).")
-    add_bias_linear: bool = arg(True, "Disable biases in the linear layers.",
+    add_bias_linear: bool = arg(True, "biases in the linear layers.",
                                 flag="--disable-bias-linear", action="store_false")
     add_qkv_bias: bool = arg(False, "Add a bias to the QKV projection even when "
                              "--disable-bias-linear is set.")
@@ -77,7 +78,7 @@ class ModelConfig:
                             "sequence to heads); a2a+p2p is not supported.",
                             choices=lambda: _kernel_names("cp_comm_type"))
     masked_softmax_fusion: bool = arg(
-        True, "Disable the fused masked-softmax kernel.", flag="--no-masked-softmax-fusion",
+        True, "the fused masked-softmax kernel.", flag="--no-masked-softmax-fusion",
         action="store_false",
         no_effect="the attention kernel (--attention-backend) computes its own softmax; "
                   "megalite has no separate masked-softmax kernel to turn off")

@@ -38,7 +38,7 @@ class TrainConfig:
                           "every --manual-gc-interval iterations on all ranks together.")
     manual_gc_interval: int = arg(0, "Iterations between gc.collect() under --manual-gc "
                                   "(0: only around evaluations).")
-    manual_gc_eval: bool = arg(True, "Under --manual-gc, collect before and after each "
+    manual_gc_eval: bool = arg(True, "under --manual-gc, collecting before and after each "
                                "evaluation.", flag="--no-manual-gc-eval",
                                action="store_false")
     eval_iters: int = arg(100, "Batches per evaluation.")
@@ -47,7 +47,8 @@ class TrainConfig:
     exit_interval: int | None = arg(None, "Exit at an iteration that is a multiple of this.")
     exit_duration_in_mins: float | None = arg(None, "Exit after this many minutes.")
     exit_signal_handler: bool = arg(False, "On SIGTERM, save a checkpoint and exit.")
-    check_for_nan_in_loss_and_grad: bool = arg(True, "Stop on a NaN/inf loss or gradient.",
+    check_for_nan_in_loss_and_grad: bool = arg(True, "stopping on a NaN/inf loss or "
+                                               "gradient.",
                                                flag="--no-check-for-nan-in-loss-and-grad",
                                                action="store_false")
     rerun_mode: str = arg("validate_results", "validate_results: re-run a step whose loss or "

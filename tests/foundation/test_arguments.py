@@ -85,3 +85,33 @@ def test_help_runs():
     out = subprocess.run([sys.executable, "-c", "from megalite.arguments import build_parser;"
                           "build_parser().print_help()"], capture_output=True, text=True)
     assert out.returncode == 0 and "--tensor-model-parallel-size" in out.stdout
+
+
+def test_the_training_entrypoint_needs_the_models_size(tmp_path):
+    """Megatron refuses to train without the model's size; so does pretrain_gpt.py (one
+    line, exit 2) instead of training megalite's small default model. A --config file may
+    give the sizes."""
+    from megalite.arguments import MODEL_SIZE_FIELDS
+    from megalite.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"not given: --hidden-size, --num-attention-heads"):
+        parse_args(["--num-layers", "2"], required=MODEL_SIZE_FIELDS)
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("num_layers: 2\nhidden_size: 32\nnum_attention_heads: 4\n")
+    assert parse_args(["--config", str(yaml)], required=MODEL_SIZE_FIELDS).model.num_layers == 2
+    assert parse_args([]).model.num_layers   # library callers keep the defaults
+    out = subprocess.run([sys.executable, "pretrain/pretrain_gpt.py", "--mock-data",
+                          "--train-iters", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "megalite: error: the model's size is not given: --num-layers, --hidden-size, "
+        "--num-attention-heads (Megatron-LM requires them too; megalite would otherwise "
+        "train its small default model)"]
+
+
+def test_negated_flags_say_what_they_turn_off():
+    helps = {a.option_strings[0]: a.help for a in build_parser()._actions if a.option_strings}
+    assert helps["--no-mmap-bin-files"].startswith("Turns off (on without this flag): "
+                                                   "memory-mapping the .bin files")
+    assert helps["--disable-bias-linear"] == ("Turns off (on without this flag): biases in "
+                                              "the linear layers.")
