@@ -277,6 +277,34 @@ def tokenizer_flags(cfg: MegaliteConfig) -> list[str]:
     return argv
 
 
+def megalite_to_megatron(args) -> None:
+    from megalite.checkpoint.consolidated import checkpoint_config, load_full_model
+    from megalite.checkpoint.megatron import SUPPORTED, arguments
+    from megalite.checkpoint.megatron.writer import write_megatron
+
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    with progress(2, "convert", " step") as bar:
+        bar.set_postfix_str("loading the checkpoint")
+        _, iteration = checkpoint_config(args.load_dir, args.ckpt_step)
+        cfg, model = load_full_model(args.load_dir, iteration)
+        bar.update(1)
+        problems = arguments.unsupported(arguments.megatron_args(cfg, tp, pp))
+        try:
+            family_of(cfg.model)
+        except ValueError as exc:
+            problems.append(str(exc))
+        if problems:
+            raise ConversionError(f"cannot convert {args.load_dir} to Megatron: "
+                                  f"{'; '.join(problems)}; megalite writes {SUPPORTED}")
+        bar.set_postfix_str("writing torch_dist")
+        directory = write_megatron(cfg, model.full_state_dict(), args.save_dir, iteration,
+                                   tp, pp)
+        bar.update(1)
+    print(f"wrote {directory} (Megatron-Core torch_dist, iteration {iteration}, vocabulary "
+          f"padded to {cfg.model.padded_vocab_size(tp)}); load it in Megatron-LM with "
+          f"--ckpt-format torch_dist --load {args.save_dir} --finetune and the model's flags")
+
+
 def megalite_to_hf(args) -> None:
     from megalite.checkpoint.consolidated import load_full_model
 
@@ -351,8 +379,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     error (exit 2)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--source", choices=("hf", "megalite", "megatron"), required=True)
-    p.add_argument("--target", choices=("megalite", "hf", "megalite-consolidated"),
-                   required=True)
+    p.add_argument("--target", choices=("megalite", "hf", "megalite-consolidated",
+                                        "megatron"), required=True)
     p.add_argument("--load-dir", required=True, help="Source directory.")
     p.add_argument("--save-dir", required=True, help="Output directory.")
     p.add_argument("--ckpt-step", type=int, help="megalite or Megatron source: this "
@@ -392,7 +420,8 @@ def main(argv=None) -> int:
 
 CONVERSIONS = {("hf", "megalite"): hf_to_megalite, ("megalite", "hf"): megalite_to_hf,
                ("megalite", "megalite-consolidated"): megalite_to_consolidated,
-               ("megatron", "megalite"): megatron_to_megalite}
+               ("megatron", "megalite"): megatron_to_megalite,
+               ("megalite", "megatron"): megalite_to_megatron}
 
 
 if __name__ == "__main__":

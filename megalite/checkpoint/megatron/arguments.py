@@ -78,6 +78,8 @@ def model_kwargs(args: Namespace) -> dict:
     kw = {n: getattr(args, n) for n in SAME if _get(args, n) is not None}
     if _get(args, "group_query_attention", False):
         kw["num_query_groups"] = args.num_query_groups
+    if kw.get("add_bias_linear", True):
+        kw.pop("add_qkv_bias", None)  # Megatron sets it with linear biases: no extra meaning
     eps = _get(args, "norm_epsilon", _get(args, "layernorm_epsilon"))
     if eps is not None:
         kw["norm_epsilon"] = eps
@@ -102,8 +104,8 @@ def megatron_args(cfg, tp: int = 1, pp: int = 1) -> Namespace:
     Megatron checks and reads back with ``--use-checkpoint-args``)."""
     m = cfg.model
     kw = {n: getattr(m, n) for n in SAME}
-    kw.update(num_query_groups=m.num_query_groups if m.group_query_attention
-              else m.num_attention_heads,
+    kw.update(num_query_groups=m.num_query_groups if m.group_query_attention else 1,
+              add_qkv_bias=m.add_qkv_bias or m.add_bias_linear,  # as Megatron's parser sets
               layernorm_epsilon=m.norm_epsilon, norm_epsilon=m.norm_epsilon,
               apply_layernorm_1p=m.apply_layernorm_1p,
               layernorm_zero_centered_gamma=m.apply_layernorm_1p,

@@ -20,6 +20,15 @@ Python >= 3.12; 0.19.2 runs on 3.11 with the ``typing.override`` shim below)::
     /work/mcore-venv/bin/python tests/checkpoint/megatron/make_fixtures.py [NAME ...]
 
 Each fixture is one ``torchrun`` of this file in worker mode (tp x pp gloo ranks).
+
+It also checks an export: after ``convert_checkpoint.py --source megatron`` of fixture
+NAME and ``--source megalite --target megatron`` of the result into DIR,
+
+    /work/mcore-venv/bin/python tests/checkpoint/megatron/make_fixtures.py --check-export NAME DIR
+
+loads DIR with Megatron-LM's ``load_checkpoint`` (``--finetune``) into NAME's model at
+NAME's tp x pp and prints the largest logit difference from the fixture's (exit 1 above
+1e-5).
 """
 
 from __future__ import annotations
@@ -70,17 +79,37 @@ FIXTURES = {
 
 
 # -- driver ------------------------------------------------------------------------------------
+def _torchrun(name: str, *worker_args: str) -> None:
+    _, tp, pp = FIXTURES[name]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp),
+           "--master-port", str(29500 + zlib.crc32(name.encode()) % 1000),
+           os.path.abspath(__file__), *worker_args]
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def check_export(name: str, directory: str) -> int:
+    """Load ``directory`` (``convert_checkpoint.py --target megatron`` output) in
+    Megatron-Core at fixture ``name``'s model and layout; writes
+    ``directory/megatron_logits.pt`` and prints the largest difference from the fixture's
+    logits (the export of an import of that fixture gives them back)."""
+    import torch
+
+    _torchrun(name, "--check-export", name, os.path.abspath(directory))
+    got = torch.load(os.path.join(directory, "megatron_logits.pt"))["logits"]
+    want = torch.load(os.path.join(OUT, name, "logits.pt"))["logits"]
+    vocab = min(got.shape[-1], want.shape[-1], 101)
+    diff = (got[..., :vocab] - want[..., :vocab]).abs().max().item()
+    print(f"{name}: Megatron-Core loaded {directory}; max |logit difference| {diff:.3g}")
+    return 0 if diff <= 1e-5 else 1
+
+
 def main(names: list[str]) -> int:
     for name in names or list(FIXTURES):
-        _, tp, pp = FIXTURES[name]
         dest = os.path.join(OUT, name)
         shutil.rmtree(dest, ignore_errors=True)
         os.makedirs(dest)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp),
-               "--master-port", str(29500 + zlib.crc32(name.encode()) % 1000),
-               os.path.abspath(__file__), "--worker", name, dest]
-        print(" ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        _torchrun(name, "--worker", name, dest)
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dest) for f in fs)
         print(f"wrote {dest} ({size / 1024:.0f} KiB)")
     return 0
@@ -104,6 +133,13 @@ def _shims():
     from megatron.training import arguments
 
     arguments.get_device_arch_version = lambda: 10   # no CUDA_DEVICE_MAX_CONNECTIONS rule
+    from megatron.training import checkpointing
+
+    def read_tracker(path):   # Megatron's all-reduces the iteration in a CUDA tensor
+        text = open(path).read().strip()
+        return (0, True) if text == "release" else (int(text), False)
+
+    checkpointing.read_metadata = read_tracker
     from megatron.core.tensor_parallel import random as mcore_random
 
     mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
@@ -177,7 +213,9 @@ def _logits(model, args, tokens):
     return torch.cat(parts, dim=-1)
 
 
-def worker(name: str, dest: str) -> None:
+def worker(name: str, dest: str, check: bool = False) -> None:
+    """Save fixture ``name`` into ``dest``; with ``check``, load ``dest`` instead (a
+    checkpoint megalite exported) into the same model and write its logits there."""
     _shims()
     import torch
     import torch.distributed as dist
@@ -185,10 +223,12 @@ def worker(name: str, dest: str) -> None:
     flags, tp, pp = FIXTURES[name]
     sys.argv = [sys.argv[0], *COMMON, *flags, "--tensor-model-parallel-size", str(tp),
                 "--pipeline-model-parallel-size", str(pp), "--save", dest, "--load", dest]
+    if check:
+        sys.argv += ["--finetune", "--no-load-optim", "--no-load-rng"]
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
     from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
     from megatron.training.global_vars import set_global_variables
 
     args = parse_args()
@@ -199,9 +239,17 @@ def worker(name: str, dest: str) -> None:
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     model = _build(args)
+    tokens = torch.randint(0, 100, TOKENS_SHAPE, generator=torch.Generator().manual_seed(5))
+    if check:
+        load_checkpoint([model], None, None)
+        logits = _logits(model.eval(), args, tokens)
+        if logits is not None and mpu.get_tensor_model_parallel_rank() == 0:
+            torch.save({"tokens": tokens, "logits": logits},
+                       os.path.join(dest, "megatron_logits.pt"))
+        dist.destroy_process_group()
+        return
     _perturb(model, mpu.get_tensor_model_parallel_rank())
     model.eval()
-    tokens = torch.randint(0, 100, TOKENS_SHAPE, generator=torch.Generator().manual_seed(5))
     logits = _logits(model, args, tokens)
     save_checkpoint(ITERATION, [model], None, None, 0)
     dist.barrier()
@@ -221,8 +269,11 @@ def _version() -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3])
+    if len(sys.argv) > 1 and sys.argv[1] in ("--worker", "--check-export"):
+        if "RANK" in os.environ:
+            worker(sys.argv[2], sys.argv[3], check=sys.argv[1] == "--check-export")
+        else:
+            sys.exit(check_export(sys.argv[2], sys.argv[3]))
     else:
         tempfile.tempdir = None
         sys.exit(main(sys.argv[1:]))

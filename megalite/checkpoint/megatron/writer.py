@@ -1,0 +1,89 @@
+"""megalite's full state dict -> a Megatron-Core ``torch_dist`` checkpoint, in one process.
+
+The checkpoint is what Megatron-LM's ``save_checkpoint`` writes for a model without
+optimizer or RNG state: one ``torch.distributed.checkpoint`` directory whose tensors
+carry their global shapes (Megatron-Core reshards on load, so any tp / pp reads it), the
+layers stacked ``[L, ...]`` under Megatron's sharded keys (:mod:`.mapping`), the empty
+``_extra_state`` entries its linear layers declare, and the common state (``args``,
+``iteration``, ``checkpoint_version``) as the DCP entry ``common_state``::
+
+    SAVE/latest_checkpointed_iteration.txt
+    SAVE/iter_NNNNNNN/{metadata.json, .metadata, __0_0.distcp}
+
+Megatron-LM loads it with ``--load SAVE --ckpt-format torch_dist`` and the model flags,
+plus ``--finetune`` (or ``--no-load-optim --no-load-rng``) since it holds no optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import torch
+
+from megalite.checkpoint.megatron import mapping
+from megalite.checkpoint.megatron.arguments import megatron_args
+from megalite.checkpoint.megatron.files import METADATA, TRACKER
+
+CHECKPOINT_VERSION = 3.0
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+           "mlp.linear_fc2")
+EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+
+
+def _extra_states(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, list]:
+    """The ``_extra_state`` objects (``[None]`` outside fp8) Megatron's linear layers save,
+    one per layer (and expert), keyed as its ShardedObjects are."""
+    out = {}
+    for name in LINEARS:
+        if f"{mapping.LAYERS}{name}.weight" in tensors:
+            for i in range(num_layers):
+                out[f"{mapping.LAYERS}{name}._extra_state/shard_{i}_{num_layers}"] = [None]
+    for name in EXPERT_LINEARS:
+        weight = tensors.get(f"{mapping.LAYERS}{name}.weight")
+        if weight is not None:
+            experts = weight.shape[1]
+            for i in range(num_layers):
+                for e in range(experts):
+                    key = f"{mapping.LAYERS}{name}._extra_state/shard_{i}.{e}_{num_layers}." \
+                          f"{experts}"
+                    out[key] = [None]
+    return out
+
+
+def write_megatron(cfg, full: dict[str, torch.Tensor], root: str, iteration: int,
+                   tp: int = 1, pp: int = 1) -> str:
+    """Write ``full`` (names as ``GPTModel.full_state_dict()``) of the model ``cfg.model``
+    as iteration ``iteration`` of a Megatron torch_dist checkpoint under ``root``
+    (vocabulary padded as Megatron pads it at ``tp``; ``tp`` / ``pp`` are recorded in the
+    args). Returns the iteration directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    m = cfg.model
+    tensors = mapping.to_megatron(full, m, m.padded_vocab_size(tp))
+    state: dict = dict(tensors)
+    state.update(_extra_states(tensors, m.num_layers))
+    common = {"args": megatron_args(cfg, tp, pp), "checkpoint_version": CHECKPOINT_VERSION,
+              "iteration": iteration, "num_floating_point_operations_so_far": 0,
+              "content_metadata": {"singleton_local_shards": False,
+                                   "chained_optim_avoid_prefix": True}}
+    state["common_state/shard_0_1"] = [common]
+    directory = os.path.join(root, f"iter_{iteration:07d}")
+    if os.path.exists(directory):
+        shutil.rmtree(directory)
+    os.makedirs(directory)
+    with warnings.catch_warnings():  # "assuming ... a single process": it is one
+        warnings.simplefilter("ignore", UserWarning)
+        # not flattened: each object (the common state, an extra state) is one pickled entry
+        dcp.save(state, storage_writer=FileSystemWriter(directory), no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False))
+    with open(os.path.join(directory, METADATA), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+    tracker = os.path.join(root, TRACKER)
+    with open(tracker + ".tmp", "w") as f:
+        f.write(str(iteration))
+    os.replace(tracker + ".tmp", tracker)
+    return directory

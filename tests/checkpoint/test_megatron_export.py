@@ -1,0 +1,86 @@
+"""megalite -> Megatron-Core torch_dist (``convert_checkpoint.py --target megatron``).
+
+Megatron-Core itself is not in CI: its loading of these files was checked with
+``tests/checkpoint/megatron/make_fixtures.py --check-export`` (the export of each imported
+fixture, loaded by Megatron-LM's ``load_checkpoint`` at the fixture's tp x pp and at
+another, gives the fixture's logits). Here the written files are held against the ones
+Megatron-Core wrote: the same entries (tensors, extra states, common state), shapes and
+dtypes, the same tensors, and the common state's args rebuild the same model."""
+
+import os
+
+import pytest
+import torch
+
+from megalite.checkpoint.consolidated import load_full_model
+from megalite.checkpoint.megatron import read_megatron
+from megalite.checkpoint.megatron.files import (
+    dcp_metadata,
+    find_checkpoint,
+    read_common,
+    read_tensors,
+    tensor_shapes,
+)
+from tests.checkpoint.test_megatron_import import FIXTURES, NAMES, convert
+from tests.training.common import run_training, tiny_config
+
+VOCAB = 101
+
+
+def _export(tmp_path, name):
+    ml, mt = str(tmp_path / "megalite"), str(tmp_path / "megatron")
+    assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
+                   os.path.join(FIXTURES, name), "--save-dir", ml) == 0
+    tp = int(name.split("_tp")[1][0])
+    assert convert("--source", "megalite", "--target", "megatron", "--load-dir", ml,
+                   "--save-dir", mt, "--target-tensor-parallel-size", str(tp)) == 0
+    return find_checkpoint(os.path.join(FIXTURES, name)), find_checkpoint(mt)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_writes_what_megatron_core_writes(tmp_path, name):
+    theirs, ours = _export(tmp_path, name)
+    assert ours.format == "torch_dist" and ours.iteration == 0
+    want, got = dcp_metadata(theirs.directory), dcp_metadata(ours.directory)
+    assert sorted(got.state_dict_metadata) == sorted(want.state_dict_metadata)
+    shapes_want, shapes_got = tensor_shapes(theirs), tensor_shapes(ours)
+    for key, (shape, _) in shapes_want.items():
+        assert shapes_got[key][0] == shape, key
+        assert got.state_dict_metadata[key].properties.dtype == torch.float32
+    a, b = read_tensors(theirs, list(shapes_want)), read_tensors(ours, list(shapes_want))
+    for key in shapes_want:
+        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            assert torch.equal(a[key][:VOCAB], b[key][:VOCAB]), key
+            assert not b[key][VOCAB:].any(), key            # padding rows: zero
+        else:
+            assert torch.equal(a[key], b[key]), key
+    args_want, args_got = read_common(theirs)["args"], read_common(ours)["args"]
+    for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                  "num_query_groups", "kv_channels", "normalization", "swiglu",
+                  "position_embedding_type", "add_bias_linear",
+                  "untie_embeddings_and_output_weights", "padded_vocab_size", "vocab_size",
+                  "tokenizer_type", "num_experts", "max_position_embeddings"):
+        assert getattr(args_got, field) == getattr(args_want, field), field
+    with open(os.path.join(os.path.dirname(ours.directory),
+                           "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == "0"
+
+
+def test_trained_megalite_checkpoint_round_trips_through_megatron(tmp_path):
+    """A megalite run's checkpoint -> Megatron torch_dist -> megalite: the same weights."""
+    save, mt = str(tmp_path / "run"), str(tmp_path / "megatron")
+    model = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+             "group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 48,
+             "position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+             "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
+    run_training(tiny_config(model=model, train={"train_iters": 2},
+                             checkpoint={"save": save}))
+    assert convert("--source", "megalite", "--target", "megatron", "--load-dir", save,
+                   "--save-dir", mt, "--target-pipeline-parallel-size", "2") == 0
+    assert find_checkpoint(mt).iteration == 2
+    back = read_megatron(mt)
+    _, trained = load_full_model(save)
+    want = trained.full_state_dict()
+    assert back.state.keys() == want.keys()
+    for key, tensor in want.items():
+        assert torch.equal(back.state[key], tensor), key
