@@ -1,4 +1,5 @@
-"""How megalite treats Megatron-LM flags: implemented, accepted without effect, or refused.
+"""How megalite treats Megatron-LM flags: implemented, implemented differently, accepted
+without effect, or refused.
 
 Two users of the same facts, both read from the parser and the fields' metadata (never from
 a hand-kept list):
@@ -10,6 +11,9 @@ a hand-kept list):
 
 * :func:`flag_status` - what megalite does with one flag and its values, for the
   compatibility table in ``docs/megatron.md`` (``tools/megatron_flags.py``).
+
+The one hand-kept list is :data:`DIFFERENCES`: flag values the parser takes and acts on
+but whose result is not Megatron-LM's (the same name for another file format).
 """
 
 from __future__ import annotations
@@ -25,6 +29,16 @@ from megalite.config.fields import no_effect_settings
 IMPLEMENTED = "implemented"
 NO_EFFECT = "accepted, no effect here"
 REFUSED = "refused"
+DIFFERENT = "implemented differently"
+
+# (flag, values) -> what megalite does instead of what Megatron-LM does.
+DIFFERENCES = {
+    ("--ckpt-format", ("torch_dist",)): (
+        "megalite saves its own layout-free torch.distributed.checkpoint format under this "
+        "name, which Megatron-LM cannot --load; tools/convert_checkpoint.py converts "
+        "Megatron-Core torch_dist checkpoints in (--source megatron) and out "
+        "(--target megatron)"),
+}
 
 
 def _field(name: str) -> dataclasses.Field:
@@ -58,9 +72,11 @@ def flag_status(flag: str, values: Sequence[str] = (),
                 parser: argparse.ArgumentParser | None = None) -> tuple[str, str]:
     """(status, reason) of ``flag`` given with ``values``, as megalite's parser sees it.
 
-    IMPLEMENTED: a known flag that acts. NO_EFFECT: a known flag whose field is declared
-    ``no_effect``; the reason is that declaration. REFUSED: an unknown flag, or values the
-    parser rejects (a choice it does not offer); the reason is the parser's message.
+    IMPLEMENTED: a known flag that acts. DIFFERENT: one that acts with another result than
+    Megatron-LM's (:data:`DIFFERENCES`, the reason says what). NO_EFFECT: a known flag whose
+    field is declared ``no_effect``; the reason is that declaration. REFUSED: an unknown
+    flag, or values the parser rejects (a choice it does not offer); the reason is the
+    parser's message.
     Checks that relate several flags run later, at start-up, and are not judged here.
     """
     parser = parser or build_parser()
@@ -73,6 +89,9 @@ def flag_status(flag: str, values: Sequence[str] = (),
     dests = [d for d in vars(ns) if d != "config"]
     if len(dests) != 1:
         return IMPLEMENTED, ""
+    differs = DIFFERENCES.get((flag, tuple(values)))
+    if differs:
+        return DIFFERENT, differs
     reason = _field(dests[0]).metadata.get("no_effect")
     return (NO_EFFECT, reason) if reason else (IMPLEMENTED, "")
 

@@ -84,3 +84,11 @@ def test_trained_megalite_checkpoint_round_trips_through_megatron(tmp_path):
     assert back.state.keys() == want.keys()
     for key, tensor in want.items():
         assert torch.equal(back.state[key], tensor), key
+
+
+def test_flag_table_says_torch_dist_is_megalites_own_format():
+    from megalite.compat import DIFFERENT, flag_status
+
+    status, reason = flag_status("--ckpt-format", ["torch_dist"])
+    assert status == DIFFERENT
+    assert "--source megatron" in reason and "--target megatron" in reason
