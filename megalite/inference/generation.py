@@ -24,6 +24,7 @@ import torch
 from megalite.config import ConfigError
 from megalite.inference.kv_cache import InferenceCache
 from megalite.inference.sampling import SamplingParams, sample
+from megalite.inference.scoring import DecodeRules, TokenScores
 from megalite.inference.stages import share_tokens, stage_forward
 from megalite.parallel.mappings import gather_from_tensor_model_parallel_region
 
@@ -62,12 +63,17 @@ def _last_logits(model, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _choose(model, logits: torch.Tensor | None, params: SamplingParams,
-            generator: torch.Generator | None) -> torch.Tensor:
+            generator: torch.Generator | None, rules: DecodeRules | None = None,
+            last: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[b]``: the next tokens, sampled on the last pipeline stage (``logits``
-    None elsewhere) and the same on every rank (:func:`stages.share_tokens`)."""
+    None elsewhere) and the same on every rank (:func:`stages.share_tokens`); ``rules``
+    ban tokens after each row's ``last`` token (int64 ``[b]``)."""
     tokens = None
     if logits is not None:
-        tokens = sample(_last_logits(model, logits), params, generator)
+        full = _last_logits(model, logits)
+        if rules is not None:
+            full = rules.ban(full, last)
+        tokens = sample(full, params, generator)
     return share_tokens(model, tokens)
 
 
@@ -86,12 +92,18 @@ def generate(model, prompt: list[int], max_new_tokens: int,
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
                    params: SamplingParams | None = None, *, eod: int | None = None,
                    generator: torch.Generator | None = None, pad_id: int = 0,
-                   use_cache: bool = True) -> list[list[int]]:
+                   use_cache: bool = True, rules: DecodeRules | None = None,
+                   scores: TokenScores | None = None) -> list[list[int]]:
     """The new token ids after each of ``prompts``, decoded together in one batch (the
     rows of :func:`generate`, each stopping on its own at ``eod``, ``max_new_tokens`` or
     :func:`max_sequence_length`). Rows are left-padded with ``pad_id`` to the longest
     prompt; greedy output equals generating each prompt alone. A finished row keeps
-    feeding its last token until every row is done; what it draws is dropped."""
+    feeding its last token until every row is done; what it draws is dropped.
+
+    ``rules``: more stop tokens and banned tokens (:class:`DecodeRules`); the token that
+    ends a row is kept, as ``eod`` is. ``scores``: filled with the log-probability of
+    every token of each row after its first -- the prompt's, then the new ones
+    (``len(prompt) - 1 + len(new)`` entries) -- on every rank."""
     params = (params or SamplingParams(temperature=0.0)).check()
     cfg = model.config
     if not prompts:
@@ -115,6 +127,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
     model.eval()
     cache = InferenceCache(total, pads if len(prompts) > 1 else None)
     step_input = ids
+    step = 0
     try:
         while not all(done):
             # a finished row's positions may run past the limit: clamped, never used
@@ -127,17 +140,40 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
                 logits = stage_forward(model, ids, pos.clamp_max(limit - 1), fresh)
             else:
                 logits = stage_forward(model, ids)
-            tokens = _choose(model, logits, params, generator)
+            tokens = _choose(model, logits, params, generator, rules, step_input[:, -1])
+            if scores is not None and logits is not None:
+                _record(model, scores, logits, step, ids, tokens, pads, done)
             for r, token in enumerate(tokens.tolist()):
                 if done[r]:
                     continue
+                previous = out[r][-1] if out[r] else prompts[r][-1]
                 out[r].append(token)
-                done[r] = len(out[r]) >= budget[r] or (eod is not None and token == eod)
+                done[r] = (len(out[r]) >= budget[r] or (eod is not None and token == eod)
+                           or (rules is not None and rules.ends(previous, token)))
             keep = torch.tensor([[o[-1] if o else p[-1]] for o, p in zip(out, prompts)],
                                 dtype=torch.int64, device=device)  # [b, 1]
             step_input = torch.where(torch.tensor(done, device=device).view(-1, 1), keep,
                                      tokens.view(-1, 1))
             ids = torch.cat([ids, step_input], dim=1)
+            step += 1
     finally:
         model.train(was_training)
+    if scores is not None:
+        scores.share(model)
     return out
+
+
+def _record(model, scores: TokenScores, logits: torch.Tensor, step: int, ids: torch.Tensor,
+            tokens: torch.Tensor, pads: torch.Tensor, done: list[bool]) -> None:
+    """Score a step's positions: at the first step every real prompt position of each row
+    (each scores the next prompt token, the last one the drawn token), later the last
+    position of each row still generating (the drawn token). ``ids`` ``[b, width]``: the
+    tokens fed so far; ``tokens`` ``[b]``: those just drawn."""
+    drawn = tokens.view(-1, 1).to(ids.device)
+    if step == 0:
+        targets = torch.cat([ids[:, 1:], drawn], dim=1)
+        width = ids.shape[1]
+        spans = [None if d else (int(p), width) for p, d in zip(pads.tolist(), done)]
+        scores.add(model, logits, targets, spans)
+    else:
+        scores.add(model, logits[:, -1:], drawn, [None if d else (0, 1) for d in done])

@@ -5,21 +5,26 @@ others run :func:`follow`).
 ``PUT /api`` with a JSON body::
 
     {"prompts": ["text", ...], "tokens_to_generate": 64, "temperature": 1.0,
-     "top_k": 0, "top_p": 0.0, "random_seed": 1234}
+     "top_k": 0, "top_p": 0.0, "random_seed": 1234, "logprobs": true, ...}
 
-(``random_seed``'s default is ``--seed``'s) answers ``{"text": [detokenized prompt +
-continuation, ...], "tokens": [[ids], ...]}``; the prompts of one request are decoded
-together in one batch. Bad requests answer a 4xx with ``{"error": "<one line>"}`` and
-the server keeps serving: 400 for malformed JSON, wrong types, unknown fields,
-out-of-range values and prompts that do not fit the model (prompt tokens +
-``tokens_to_generate`` beyond its sequence length), 411 without a ``Content-Length``,
-413 for a body over ``ServerLimits.max_request_bytes``, 404 for another path, 405 for
-another method. At most ``max_concurrent_requests`` requests are in the server at once
-(the model serves one at a time, the others wait their turn); one more gets 503 at once,
-and so does every request while the server shuts down (:func:`drain`). Connections are
-queued up to :data:`LISTEN_BACKLOG` deep, so that a burst is answered rather than reset.
-With an ``auth_token`` every request must carry ``Authorization: Bearer <token>``, else
-401.
+(the fields: :mod:`megalite.inference.api_request`; ``random_seed``'s default is
+``--seed``'s) answers ``{"text": [...], "segments": [...], "tokens": [...]}`` and, when
+asked, ``"logprobs"`` and ``"top_n_logprobs"`` in Megatron-LM's shapes
+(:mod:`megalite.inference.serving`); the prompts of one request are decoded together in
+one batch. Each request to ``/api`` is one line of :attr:`GenerationService.log` (stdout
+by default: time, method, status, client, prompts and tokens generated or the error,
+seconds), unless the request says ``no_log``.
+
+Bad requests answer a 4xx with ``{"error": "<one line>"}`` and the server keeps serving:
+400 for malformed JSON, wrong types, unknown fields, out-of-range values and prompts
+that do not fit the model (prompt tokens + ``tokens_to_generate`` beyond its sequence
+length), 411 without a ``Content-Length``, 413 for a body over
+``ServerLimits.max_request_bytes``, 404 for another path, 405 for another method. At
+most ``max_concurrent_requests`` requests are in the server at once (the model serves
+one at a time, the others wait their turn); one more gets 503 at once, and so does every
+request while the server shuts down (:func:`drain`). Connections are queued up to
+:data:`LISTEN_BACKLOG` deep, so that a burst is answered rather than reset. With an
+``auth_token`` every request must carry ``Authorization: Bearer <token>``, else 401.
 """
 
 from __future__ import annotations
@@ -29,90 +34,44 @@ import hmac
 import ipaddress
 import json
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import torch
-
 from megalite.config import ConfigError
-from megalite.config.run import DEFAULT_SEED
-from megalite.inference.generation import check_prompt, generate_batch
-from megalite.inference.sampling import SamplingParams
+from megalite.inference.api_request import (  # noqa: F401 (re-exported)
+    FIELDS,
+    RequestError,
+    ServerLimits,
+    parse_request,
+)
+from megalite.inference.generation import check_prompt
+from megalite.inference.serving import GenerationJob, answer, bos_id, make_rules, run_job
 from megalite.parallel.collectives import broadcast_object_list
 
-FIELDS = ("prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "random_seed")
 _DRAIN_LIMIT = 64 << 20  # an oversized body is read and dropped up to this many bytes
 LISTEN_BACKLOG = 1024    # connections the kernel queues before the server accepts them
 
 
 @dataclass
-class ServerLimits:
-    """What one request may ask for (the tool's flags of the same names)."""
+class Served:
+    """What the log line of one answered request says."""
 
-    max_request_bytes: int = 4 << 20   # --max-request-bytes
-    max_prompts: int = 32              # --max-prompts (per request)
-    max_tokens_to_generate: int | None = None  # --max-tokens-to-generate (None: seq length)
-    max_concurrent_requests: int = 4   # --max-concurrent-requests (more: 503)
-
-    def check(self) -> ServerLimits:
-        for name in ("max_request_bytes", "max_prompts", "max_concurrent_requests"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got "
-                                  f"{getattr(self, name)}")
-        if self.max_tokens_to_generate is not None and self.max_tokens_to_generate < 0:
-            raise ConfigError(f"--max-tokens-to-generate must be >= 0, got "
-                              f"{self.max_tokens_to_generate}")
-        return self
+    prompts: int
+    generated: int     # new tokens over all prompts
+    no_log: bool = False
 
 
-class RequestError(ConfigError):
-    """A request the server refuses; ``status`` is its HTTP code."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
-def _number(body: dict, key: str, default, kind, lo, hi):
-    value = body.get(key, default)
-    ok = (isinstance(value, int) if kind is int else isinstance(value, (int, float)))
-    if not ok or isinstance(value, bool):
-        raise RequestError(f"{key} must be {'an integer' if kind is int else 'a number'}, "
-                           f"got {json.dumps(value)[:40]}")
-    if not lo <= value <= hi:
-        raise RequestError(f"{key} must be in [{lo}, {hi}], got {value}")
-    return kind(value)
-
-
-def parse_request(body, max_tokens: int, limits: ServerLimits | None = None
-                  ) -> tuple[list[str], int, SamplingParams, int]:
-    """(prompts, tokens_to_generate, sampling params, seed) of a request body (parsed
-    JSON); raises :class:`RequestError` naming the bad field. ``max_tokens``: the model's
-    sequence length."""
-    limits = limits or ServerLimits()
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    unknown = set(body) - set(FIELDS)
-    if unknown:
-        raise RequestError(f"unknown fields: {', '.join(sorted(unknown))[:200]} "
-                           f"(known: {', '.join(FIELDS)})")
-    prompts = body.get("prompts")
-    if not isinstance(prompts, list) or not prompts or not all(
-            isinstance(p, str) for p in prompts):
-        raise RequestError("prompts must be a non-empty list of strings")
-    if len(prompts) > limits.max_prompts:
-        raise RequestError(f"at most {limits.max_prompts} prompts per request, got "
-                           f"{len(prompts)}")
-    cap = max_tokens if limits.max_tokens_to_generate is None else min(
-        max_tokens, limits.max_tokens_to_generate)
-    new = _number(body, "tokens_to_generate", min(64, cap), int, 0, cap)
-    params = SamplingParams(_number(body, "temperature", 1.0, float, 0.0, 100.0),
-                            _number(body, "top_k", 0, int, 0, 1 << 30),
-                            _number(body, "top_p", 0.0, float, 0.0, 1.0))
-    seed = _number(body, "random_seed", DEFAULT_SEED, int, 0, 2**63 - 1)
-    return prompts, new, params, seed
+def log_line(method: str, path: str, client: str, status: int, seconds: float,
+             served: Served | None = None, error: str | None = None) -> str:
+    """One request's log line: time, method, path, client, status, then the prompts and
+    tokens generated (or the error) and the seconds it took."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    what = (f"{served.prompts} prompts, {served.generated} tokens generated"
+            if served is not None else f"error: {error}")
+    return f"[{stamp}] {method} {path} {status} from {client}: {what}, {seconds:.3f} s"
 
 
 class GenerationService:
@@ -127,38 +86,57 @@ class GenerationService:
     generate with rank 0; :meth:`stop` broadcasts the end."""
 
     def __init__(self, model, tokenizer, max_tokens: int, limits: ServerLimits | None = None,
-                 ranks: int = 1):
+                 ranks: int = 1, log=None):
         self.model, self.tokenizer, self.max_tokens = model, tokenizer, max_tokens
         self.limits = (limits or ServerLimits()).check()
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(self.limits.max_concurrent_requests)
         self.ranks = ranks
+        self.log = log or (lambda line: print(line, file=sys.stdout, flush=True))
         self.stopped = False
         self.draining = False    # shutting down: every new request is answered 503
         self._busy = threading.Condition()
         self._connections = 0    # connections a handler is answering
 
     def handle(self, body) -> dict:
-        prompts, new, params, seed = parse_request(body, self.max_tokens, self.limits)
-        params.check()
-        tok = self.tokenizer
-        ids = [tok.tokenize(p) for p in prompts]
-        for i, prompt in enumerate(ids):
-            if len(prompt) + new > self.max_tokens:
-                raise RequestError(
-                    f"prompts[{i}] has {len(prompt)} tokens; with tokens_to_generate {new} "
-                    f"that is beyond the model's sequence length of {self.max_tokens}")
-            check_prompt(prompt, self.model.config)
-        request = (ids, new, params, seed, tok.eod)
+        """The JSON answer of a request body (:mod:`megalite.inference.serving`)."""
+        return self.serve(body)[0]
+
+    def serve(self, body) -> tuple[dict, Served]:
+        """(JSON answer, what the log line says) of a request body; raises
+        :class:`RequestError` (or another ConfigError: a 400) for a bad one."""
+        request = parse_request(body, self.max_tokens, self.limits)
+        request.params.check()
+        job = self._job(request)
         with self.lock:
             if self.stopped:
                 raise RequestError("the server is shutting down", 503)
             if self.ranks > 1:
-                broadcast_object_list([request], src=0)
-            outs = _generate(self.model, request)
-        texts = [tok.detokenize(p + (o[:-1] if o[-1:] == [tok.eod] else o))
-                 for p, o in zip(ids, outs)]
-        return {"text": texts, "tokens": [p + o for p, o in zip(ids, outs)]}
+                broadcast_object_list([job], src=0)
+            result = run_job(self.model, job)
+        served = Served(len(job.prompts), sum(len(o) for o in result.new), request.no_log)
+        return answer(self.tokenizer, request, job, result), served
+
+    def _job(self, request) -> GenerationJob:
+        """The request in token ids, checked against the model (400s naming the prompt)."""
+        tok, new = self.tokenizer, request.tokens_to_generate
+        ids = [tok.tokenize(p) for p in request.prompts]
+        if request.add_BOS:
+            bos = bos_id(tok)
+            ids = [p if p[:1] == [bos] else [bos, *p] for p in ids]
+        for i, prompt in enumerate(ids):
+            if not prompt:
+                raise RequestError(f"prompts[{i}] has no tokens; an empty prompt needs "
+                                   f"add_BOS true")
+            if len(prompt) + new > self.max_tokens:
+                raise RequestError(
+                    f"prompts[{i}] has {len(prompt)} tokens; with tokens_to_generate {new} "
+                    f"that is beyond the model's sequence length of {self.max_tokens}")
+            if new:
+                check_prompt(prompt, self.model.config)
+        return GenerationJob(ids, new, request.params, request.seed, tok.eod,
+                             make_rules(tok, request), request.logprobs,
+                             request.top_n_logprobs)
 
     def _enter(self) -> None:
         with self._busy:
@@ -183,21 +161,15 @@ class GenerationService:
             self.stopped = True
 
 
-def _generate(model, request) -> list[list[int]]:
-    ids, new, params, seed, eod = request
-    return generate_batch(model, ids, new, params, eod=eod,
-                          generator=torch.Generator().manual_seed(seed))
-
-
 def follow(model) -> int:
-    """A server rank other than 0: generate each request rank 0 broadcasts over the world,
-    until it broadcasts the end (None). Returns the requests served."""
+    """A server rank other than 0: run each job rank 0 broadcasts over the world, until it
+    broadcasts the end (None). Returns the requests served."""
     served = 0
     while True:
-        request = broadcast_object_list([None], src=0)[0]
-        if request is None:
+        job = broadcast_object_list([None], src=0)[0]
+        if job is None:
             return served
-        _generate(model, request)
+        run_job(model, job)
         served += 1
 
 
@@ -283,26 +255,31 @@ def make_handler(service: GenerationService, auth_token: str | None = None):
                 busy = service.limits.max_concurrent_requests
                 return self._reply(503, {"error": f"busy: {busy} requests in progress "
                                                   f"(--max-concurrent-requests); retry"})
+            start = time.monotonic()
             try:   # the slot is free again before the client reads its answer
-                status, answer = self._answer(length)
+                status, answer, served = self._answer(length)
             finally:
                 service.slots.release()
+            if served is None or not served.no_log:
+                service.log(log_line(self.command, self.path, self.client_address[0], status,
+                                     time.monotonic() - start, served, answer.get("error")))
             return self._reply(status, answer)
 
-        def _answer(self, length: int) -> tuple[int, dict]:
-            """(HTTP status, JSON answer) for a request body of ``length`` bytes."""
+        def _answer(self, length: int) -> tuple[int, dict, Served | None]:
+            """(HTTP status, JSON answer, what the log says of an answered one) for a
+            request body of ``length`` bytes."""
             try:
                 body = json.loads(self.rfile.read(length))
             except (json.JSONDecodeError, UnicodeDecodeError):
-                return 400, {"error": "the body is not valid JSON"}
+                return 400, {"error": "the body is not valid JSON"}, None
             except RecursionError:
-                return 400, {"error": "the JSON body is nested too deeply"}
+                return 400, {"error": "the JSON body is nested too deeply"}, None
             try:
-                return 200, service.handle(body)
+                return 200, *service.serve(body)
             except RequestError as exc:
-                return exc.status, {"error": str(exc).splitlines()[0]}
+                return exc.status, {"error": str(exc).splitlines()[0]}, None
             except (ConfigError, ValueError) as exc:  # bad requests; the server lives on
-                return 400, {"error": str(exc).splitlines()[0]}
+                return 400, {"error": str(exc).splitlines()[0]}, None
 
         def _not_allowed(self):
             if self._refused():
@@ -312,7 +289,7 @@ def make_handler(service: GenerationService, auth_token: str | None = None):
 
         do_GET = do_POST = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
 
-        def log_message(self, fmt, *args):  # quiet: one line per request on stderr
+        def log_message(self, fmt, *args):  # http.server's own lines: service.log's instead
             pass
 
     return Handler

@@ -85,8 +85,9 @@ def test_greedy_request(server):
     ({"prompts": ["1"] * 5}, 400, "at most 4 prompts per request, got 5"),
     ({"prompts": ["1"], "foo": 1}, 400, "unknown fields: foo"),
     ([1, 2], 400, "the request body must be a JSON object"),
-    ({"prompts": [" ".join(["1"] * 16)], "tokens_to_generate": 0}, 400,
-     "sequence length is 16"),
+    ({"prompts": [" ".join(["1"] * 17)], "tokens_to_generate": 0}, 400,
+     "prompts[0] has 17 tokens; with tokens_to_generate 0 that is beyond the model's "
+     "sequence length of 16"),
     ({"prompts": ["1", " ".join(["1"] * 12)], "tokens_to_generate": 5}, 400,
      "prompts[1] has 12 tokens; with tokens_to_generate 5 that is beyond the model's "
      "sequence length of 16"),
