@@ -6,8 +6,12 @@
     curl -X PUT localhost:5000/api -H 'Content-Type: application/json' \
         -d '{"prompts": ["And God said"], "tokens_to_generate": 30, "temperature": 0.8}'
 
-Fields: prompts, tokens_to_generate, temperature (0 = greedy), top_k, top_p,
-random_seed; the prompts of a request are decoded together in one batch. The checkpoint
+Fields (Megatron-LM's): prompts, tokens_to_generate (0: score the prompts), temperature
+(0 = greedy), top_k, top_p, random_seed, logprobs, top_n_logprobs, add_BOS, stop_token,
+stop_on_eol, stop_on_double_eol, prevent_newline_after_colon, no_log (beam_width /
+length_penalty: 400, no beam search); answers text, segments, tokens and, when asked,
+logprobs and top_n_logprobs in Megatron's shapes. The prompts of a request are decoded
+together in one batch; rank 0 prints one line per request (unless no_log). The checkpoint
 (any saved layout) is loaded at the layout the flags give: one process, or under
 ``torchrun --nproc-per-node T*P`` tensor (``--tensor-model-parallel-size T``) and/or
 pipeline (``--pipeline-model-parallel-size P``) parallel, where rank 0 serves HTTP and
