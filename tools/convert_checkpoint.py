@@ -10,7 +10,7 @@
     # megalite -> one full state dict for inspection (torch.save, or --format safetensors)
     python tools/convert_checkpoint.py --source megalite --target megalite-consolidated \\
         --load-dir runs/ckpt --save-dir full/
-    # Megatron-LM / Megatron-Core torch_dist (latest or --ckpt-step N, any tp/pp) -> megalite
+    # Megatron-LM torch_dist or legacy mp_rank_* (latest or --ckpt-step N, any tp/pp) -> megalite
     python tools/convert_checkpoint.py --source megatron --target megalite \\
         --load-dir megatron-ckpt --save-dir llama-megalite
 

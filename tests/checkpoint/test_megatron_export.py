@@ -21,7 +21,7 @@ from megalite.checkpoint.megatron.files import (
     read_tensors,
     tensor_shapes,
 )
-from tests.checkpoint.test_megatron_import import FIXTURES, NAMES, convert
+from tests.checkpoint.test_megatron_import import DIST_NAMES, FIXTURES, convert
 from tests.training.common import run_training, tiny_config
 
 VOCAB = 101
@@ -37,7 +37,7 @@ def _export(tmp_path, name):
     return find_checkpoint(os.path.join(FIXTURES, name)), find_checkpoint(mt)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", DIST_NAMES)
 def test_export_writes_what_megatron_core_writes(tmp_path, name):
     theirs, ours = _export(tmp_path, name)
     assert ours.format == "torch_dist" and ours.iteration == 0

@@ -22,6 +22,7 @@ from tests.training.common import ENTRYPOINT, PYTHON, read_jsonl, subprocess_env
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "megatron", "fixtures")
 NAMES = sorted(os.listdir(FIXTURES))
+DIST_NAMES = [n for n in NAMES if not n.endswith("_legacy")]   # torch_dist
 FAMILY = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral"}
 TOLERANCE = 1e-5
 
@@ -48,16 +49,22 @@ def _reference(name):
     return ref["tokens"], ref["logits"]
 
 
-def test_fixtures_are_megatron_core_torch_dist():
+def test_fixtures_are_megatron_core_checkpoints():
     assert {"gpt2_tp1_pp1", "gpt2_tp2_pp2", "llama_tp1_pp1", "llama_tp2_pp2",
-            "mixtral_tp1_pp1"} <= set(NAMES)
+            "mixtral_tp1_pp1", "gpt2_tp2_pp2_legacy", "llama_tp2_pp2_legacy"} <= set(NAMES)
     for name in NAMES:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
-        assert ckpt.format == "torch_dist" and ckpt.iteration == 1
-        assert os.path.exists(os.path.join(ckpt.directory, ".metadata"))
-        args = read_common(ckpt)["args"]
-        assert f"tp{args.tensor_model_parallel_size}_pp{args.pipeline_model_parallel_size}" \
-            in name
+        assert ckpt.iteration == 1
+        if name in DIST_NAMES:
+            assert ckpt.format == "torch_dist"
+            assert os.path.exists(os.path.join(ckpt.directory, ".metadata"))
+            args = read_common(ckpt)["args"]
+            assert f"tp{args.tensor_model_parallel_size}_pp" \
+                f"{args.pipeline_model_parallel_size}" in name
+        else:
+            assert ckpt.format == "legacy"
+            assert sorted(os.listdir(ckpt.directory)) == [
+                "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -146,7 +153,12 @@ def test_megatron_source_errors_are_one_line(tmp_path, capsys):
     (legacy / "iter_0000005" / "mp_rank_00_000" / "model_optim_rng.pt").write_bytes(b"")
     (legacy / "latest_checkpointed_iteration.txt").write_text("5")
     line = _one_line_error(capsys, *_from_megatron(legacy, tmp_path / "o"))
-    assert "legacy per-rank Megatron checkpoint" in line and "torch_dist" in line
+    assert "mp_rank_00_000/model_optim_rng.pt cannot be read" in line
+    (legacy / "iter_0000005" / "mp_rank_01_001").mkdir()
+    torch.save({"args": argparse.Namespace()},
+               legacy / "iter_0000005" / "mp_rank_01_001" / "model_optim_rng.pt")
+    line = _one_line_error(capsys, *_from_megatron(legacy, tmp_path / "o"))
+    assert "rank files missing for (tp, pp, ep)" in line
 
     fixture = os.path.join(FIXTURES, "llama_tp1_pp1")
     line = _one_line_error(capsys, *_from_megatron(fixture, tmp_path / "o", "--ckpt-step", "7"))

@@ -1,11 +1,13 @@
-"""Megatron-LM / Megatron-Core checkpoints: read into megalite (and written back).
+"""Megatron-LM / Megatron-Core checkpoints: read into megalite and written back.
 
-:func:`read_megatron` reads one iteration of a Megatron-Core ``torch_dist`` checkpoint,
-saved at any tp / pp / ep, in this process (no torch.distributed): the model
-configuration from the saved ``args`` (:mod:`.arguments`) and every weight as one full
-(tp = pp = 1) tensor in megalite's names (:mod:`.mapping`). The converter
-(``tools/convert_checkpoint.py --source megatron``) writes the result as a megalite
-checkpoint with :func:`megalite.checkpoint.consolidated.save_full_model`.
+:func:`read_megatron` reads one iteration of a Megatron-Core ``torch_dist`` checkpoint
+(:mod:`.files`) or of a legacy per-rank one (:mod:`.legacy`), saved at any tp / pp / ep,
+in this process (no torch.distributed): the model configuration from the saved ``args``
+(:mod:`.arguments`) and every weight as one full (tp = pp = 1) tensor in megalite's
+names (:mod:`.mapping`). The converter (``tools/convert_checkpoint.py --source megatron``)
+writes the result as a megalite checkpoint with
+:func:`megalite.checkpoint.consolidated.save_full_model`; :mod:`.writer` writes the other
+way (``--target megatron``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from megalite.checkpoint.megatron.files import (
     tensor_shapes,
 )
 
-SUPPORTED = ("Megatron-Core torch_dist checkpoints of GPT-2-, Llama- and Mixtral-style "
-             "models")
+SUPPORTED = ("Megatron-Core torch_dist and legacy per-rank checkpoints of GPT-2-, Llama- "
+             "and Mixtral-style models")
 
 
 @dataclass
@@ -46,16 +48,18 @@ def read_megatron(root: str, step: int | None = None) -> MegatronImport:
 
     ckpt = find_checkpoint(root, step)
     if ckpt.format == "legacy":
-        raise CheckpointError(
-            f"{ckpt.directory} is a legacy per-rank Megatron checkpoint (mp_rank_*/"
-            f"{'model_optim_rng.pt'}), which megalite does not read yet; it imports "
-            f"{SUPPORTED} (save with --ckpt-format torch_dist, or convert with Megatron's "
-            f"tools/checkpoint/convert.py first)")
-    common = read_common(ckpt)
+        from megalite.checkpoint.megatron.legacy import read_legacy
+
+        common, tensors, chunks = read_legacy(ckpt)
+        keys = list(tensors)
+    else:
+        common = read_common(ckpt)
+        shapes = tensor_shapes(ckpt)
+        keys = list(shapes)
+        chunks = {k: v[1] for k, v in shapes.items()}
     args = common["args"]
     problems = arguments.unsupported(args)
-    shapes = tensor_shapes(ckpt)
-    unknown = mapping.unknown_keys(shapes)
+    unknown = mapping.unknown_keys(keys)
     if unknown:
         problems.append(f"{len(unknown)} tensors with no megalite counterpart, e.g. "
                         f"{', '.join(unknown[:3])}")
@@ -73,11 +77,12 @@ def read_megatron(root: str, step: int | None = None) -> MegatronImport:
     if padded is not None and model.vocab_size > padded:
         raise CheckpointError(f"{ckpt.directory}: vocabulary {model.vocab_size} exceeds the "
                               f"saved padded vocabulary {padded}")
-    keys = [k for k in shapes if mapping.is_model_key(k)]
-    tensors = read_tensors(ckpt, keys)
-    state = mapping.to_megalite(tensors, {k: shapes[k][1] for k in keys}, model)
+    keys = [k for k in keys if mapping.is_model_key(k)]
+    if ckpt.format != "legacy":
+        tensors = read_tensors(ckpt, keys)
+    state = mapping.to_megalite({k: tensors[k] for k in keys}, chunks, model)
     notes = []
-    if any(k.startswith("optimizer.") for k in shapes):
+    if common.get("optimizer_saved") or any(k.startswith("optimizer.") for k in chunks):
         notes.append("the optimizer state is not imported: continue with --finetune")
     if getattr(args, "tokenizer_type", None) != arguments.NULL_TOKENIZER:
         notes.append(f"the vocabulary keeps Megatron's {model.vocab_size} padded rows")

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Write the Megatron-Core checkpoints under ``fixtures/`` with Megatron-Core itself.
 
-The fixtures are real ``torch_dist`` checkpoints saved by Megatron-LM's own
+The fixtures are real ``torch_dist`` (and ``*_legacy``: ``--ckpt-format torch``, one
+``mp_rank_TT_PPP/model_optim_rng.pt`` per rank) checkpoints saved by Megatron-LM's own
 ``megatron.training.checkpointing.save_checkpoint`` (with the ``args`` namespace of
 ``megatron.training.arguments``) from Megatron-Core ``GPTModel``s built with the local
 (non-Transformer-Engine) layer spec on CPU over gloo. Next to each checkpoint,
@@ -75,6 +76,9 @@ FIXTURES = {
     "llama_tp1_pp1": (LLAMA, 1, 1),
     "llama_tp2_pp2": (LLAMA, 2, 2),
     "mixtral_tp1_pp1": (MIXTRAL, 1, 1),
+    # the legacy per-rank format (iter_N/mp_rank_XX_YYY/model_optim_rng.pt)
+    "gpt2_tp2_pp2_legacy": ([*GPT2, "--ckpt-format", "torch"], 2, 2),
+    "llama_tp2_pp2_legacy": ([*LLAMA, "--ckpt-format", "torch"], 2, 2),
 }
 
 

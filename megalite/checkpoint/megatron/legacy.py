@@ -1,0 +1,170 @@
+"""Megatron-LM's legacy per-rank checkpoints (``--ckpt-format torch``), merged in one
+process into the global, layer-stacked tensors a ``torch_dist`` checkpoint holds, so the
+same key mapping (:mod:`.mapping`) applies::
+
+    iter_0001000/mp_rank_TT[_PPP[_EEE]]/model_optim_rng.pt    tp rank, pp rank, ep rank
+
+Each file holds its rank's ``model`` state dict (``model0``, ``model1``, ... under virtual
+pipelining) with stage-local layer numbers and its tensor-parallel shards, next to
+``args``, ``iteration`` and ``checkpoint_version``. Merging:
+
+* layers: a stage's local layers follow the earlier stages' (for each virtual chunk in
+  turn, then each stage: Megatron's interleaved order), so uneven splits need no args;
+* tensor parallel: column-parallel weights (``linear_qkv``, ``linear_fc1``, the embedding
+  and output layer, ``[out/tp, in]``) concatenate along dim 0, SwiGLU's ``linear_fc1``
+  as gate and up halves separately; row-parallel ones (``linear_proj``, ``linear_fc2``,
+  ``[out, in/tp]``) along dim 1; everything else (norms, row biases, the router) is
+  replicated and taken from tp rank 0;
+* experts: ``local_experts.{j}`` (or Transformer Engine's ``weight{j}``) of ep rank ``e``
+  is global expert ``e * E/ep + j``, stacked ``[E, ...]``.
+
+Every rank's file is read into memory at once: a converter for checkpoints that fit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from megalite.checkpoint.files import CheckpointError
+from megalite.checkpoint.megatron.files import LEGACY_FILE, MegatronCheckpoint, load_pickled
+from megalite.checkpoint.megatron.mapping import LAYERS
+
+RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
+EXPERT_KEY = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|"
+                        r"(linear_fc[12])\.weight(\d+))$")
+COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+          "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "embedding.word_embeddings.weight",
+          "output_layer.weight", "linear_fc1")
+ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "linear_fc2")
+GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "linear_fc1")
+
+
+def _rank_files(directory: str) -> dict[tuple[int, int, int], str]:
+    """(tp, pp, ep) rank -> its model_optim_rng.pt."""
+    out = {}
+    for name in os.listdir(directory):
+        m = RANK_DIR.match(name)
+        path = os.path.join(directory, name, LEGACY_FILE)
+        if m and os.path.exists(path):
+            out[(int(m[1]), int(m[2] or 0), int(m[3] or 0))] = path
+    if not out:
+        raise CheckpointError(f"{directory}: no mp_rank_*/{LEGACY_FILE} files")
+    return out
+
+
+def _load(path: str) -> dict:
+    try:
+        state = load_pickled(path)
+    except Exception as exc:  # truncated or foreign: one line, not an unpickling traceback
+        raise CheckpointError(f"{path} cannot be read: {type(exc).__name__}: {exc}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a Megatron "
+                              f"checkpoint dict")
+    return state
+
+
+def _merge_tp(name: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
+    """One tensor from its tp shards (``name``: the key, or an expert's ``linear_fc1/2``)."""
+    if len(shards) == 1 or name not in COLUMN + ROW:
+        return shards[0]
+    if name in ROW:
+        return torch.cat(shards, dim=1)
+    if gated and name in GATED:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+    return torch.cat(shards, dim=0)
+
+
+def _chunks(state: dict) -> list[dict]:
+    """The model chunks of one rank's file (one, or one per virtual stage)."""
+    if "model" in state:
+        return [state["model"]]
+    keys = sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    if not keys:
+        raise CheckpointError("a legacy Megatron file without a model state dict")
+    return [state[k] for k in keys]
+
+
+def read_legacy(ckpt: MegatronCheckpoint) -> tuple[dict, dict, dict]:
+    """(common state, global tensors by torch_dist sharded key, their chunks) of a legacy
+    checkpoint; layer-stacked keys ``[L, ...]`` with chunks naming the layers held."""
+    files = _rank_files(ckpt.directory)
+    tps, pps, eps = (1 + max(r[i] for r in files) for i in range(3))
+    missing = [(t, p, e) for t in range(tps) for p in range(pps) for e in range(eps)
+               if (t, p, e) not in files]
+    if missing:
+        raise CheckpointError(f"{ckpt.directory}: rank files missing for (tp, pp, ep) "
+                              f"{missing[:3]}")
+    states = {r: _load(path) for r, path in files.items()}
+    common = {k: v for k, v in states[(0, 0, 0)].items()
+              if k not in ("rng_state", "optimizer", "opt_param_scheduler")
+              and not re.fullmatch(r"model\d*", k)}
+    common["optimizer_saved"] = "optimizer" in states[(0, 0, 0)]
+    if "args" not in common:
+        raise CheckpointError(f"{ckpt.directory}: the rank files hold no Megatron args")
+    gated = bool(getattr(common["args"], "swiglu", False))
+    num_chunks = len(_chunks(states[(0, 0, 0)]))
+    # global layer number of (stage, chunk, local layer): chunk-major, then stage
+    offsets, start = {}, 0
+    for v in range(num_chunks):
+        for p in range(pps):
+            local = {int(m[1]) for k in _chunks(states[(0, p, 0)])[v]
+                     if (m := LAYER_KEY.match(k))}
+            offsets[(p, v)] = start
+            start += len(local)
+    num_layers = start
+    merged: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for p in range(pps):
+        for v in range(num_chunks):
+            names = [k for k in _chunks(states[(0, p, 0)])[v] if "_extra_state" not in k]
+            for e in range(eps):
+                per_tp = [_chunks(states[(t, p, e)])[v] for t in range(tps)]
+                for key in names:
+                    m = LAYER_KEY.match(key)
+                    suffix = m[2] if m else key
+                    x = EXPERT_KEY.match(suffix)
+                    if x is None and e > 0:
+                        continue   # non-expert tensors: ep rank 0's
+                    shards = [s[key] for s in per_tp]
+                    if x is None:
+                        name = key if m is None else \
+                            f"decoder.layers.{offsets[(p, v)] + int(m[1])}.{suffix}"
+                        merged[name] = _merge_tp(suffix, shards, gated)
+                        continue
+                    j, which = (int(x[1]), x[2]) if x[1] is not None else (int(x[4]), x[3])
+                    layer = offsets[(p, v)] + int(m[1])
+                    experts.setdefault((layer, which), {})[(e, j)] = \
+                        _merge_tp(which, shards, gated)
+    for (layer, which), by_rank in experts.items():
+        per_rank = 1 + max(j for _, j in by_rank)
+        stacked = [by_rank[(e, j)] for e in range(eps) for j in range(per_rank)]
+        merged[f"decoder.layers.{layer}.mlp.experts.experts.{which}.weight"] = \
+            torch.stack(stacked)
+    return common, *_stack_layers(merged, num_layers)
+
+
+def _stack_layers(merged: dict[str, torch.Tensor], num_layers: int) -> tuple[dict, dict]:
+    """Per-layer keys -> ``decoder.layers.<suffix>`` ``[L, ...]`` (zeros where a layer lacks
+    the tensor) with chunks naming the layers that hold it; other keys as they are."""
+    tensors, chunks, by_suffix = {}, {}, {}
+    for key, t in merged.items():
+        m = LAYER_KEY.match(key)
+        if m is None:
+            tensors[key] = t
+            chunks[key] = [((0,) * t.dim(), tuple(t.shape))]
+        else:
+            by_suffix.setdefault(m[2], {})[int(m[1])] = t
+    for suffix, layers in by_suffix.items():
+        first = next(iter(layers.values()))
+        stacked = first.new_zeros(num_layers, *first.shape)
+        for i, t in layers.items():
+            stacked[i] = t
+        key = LAYERS + suffix
+        tensors[key] = stacked
+        chunks[key] = [((i,) + (0,) * first.dim(), (1, *first.shape)) for i in sorted(layers)]
+    return tensors, chunks
