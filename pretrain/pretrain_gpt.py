@@ -11,7 +11,8 @@ Flags are Megatron-LM's (``megalite.arguments``). Exit status: 0 when training f
 stopped on ``--exit-interval`` / ``--exit-duration-in-mins`` / SIGTERM with
 ``--exit-signal-handler`` (a checkpoint is saved first when ``--save`` is set); 2 on a bad
 flag or configuration; 3 on a data error; 4 on a checkpoint error; 5 on a numerical error
-(NaN loss); 1 on any other error (see ``megalite.errors``). A known error prints one line
+(NaN loss); 130 after Ctrl-C without ``--exit-signal-handler`` (one line per rank); 1 on
+any other error (see ``megalite.errors``). A known error prints one line
 per rank, ``megalite: error (rank R): ...`` (its traceback too with ``MEGALITE_TRACEBACK=1``);
 any other keeps its traceback.
 """
@@ -81,6 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f" training stopped at iteration {result.iteration} "
                   f"({result.exit_reason})", flush=True)
         return 0
+    except KeyboardInterrupt:   # Ctrl-C without --exit-signal-handler (or before the loop)
+        print(f"megalite: interrupted (rank {rank}): stopped by SIGINT (Ctrl-C) without "
+              "saving; --exit-signal-handler saves a checkpoint on it", file=sys.stderr,
+              flush=True)
+        return 130
     except Exception as e:
         code = report_error(e, rank)
         if code is None:

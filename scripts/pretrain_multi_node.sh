@@ -60,7 +60,7 @@ OUTPUT=(
   --tensorboard-dir "$RUN_DIR/tensorboard" --exit-signal-handler
 )
 
-run_forwarding_sigterm "$PYTHON" -m torch.distributed.run \
+run_forwarding_sigterm "$PYTHON" -m megalite.launch \
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id megalite \
   pretrain/pretrain_gpt.py "${MODEL[@]}" "${DATA[@]}" "${TRAINING[@]}" "${OUTPUT[@]}" "$@"

@@ -53,6 +53,6 @@ OUTPUT=(
   --tensorboard-dir "$RUN_DIR/tensorboard" --exit-signal-handler
 )
 
-run_forwarding_sigterm "$PYTHON" -m torch.distributed.run \
+run_forwarding_sigterm "$PYTHON" -m megalite.launch \
   --standalone --nproc_per_node "$GPUS_PER_NODE" \
   pretrain/pretrain_gpt.py "${MODEL[@]}" "${DATA[@]}" "${TRAINING[@]}" "${OUTPUT[@]}" "$@"

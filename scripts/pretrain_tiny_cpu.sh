@@ -50,6 +50,6 @@ OUTPUT=(
 )
 
 # OMP_NUM_THREADS=1: one core per rank; more threads per rank only fight over 2 cores.
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} run_forwarding_sigterm "$PYTHON" -m torch.distributed.run \
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} run_forwarding_sigterm "$PYTHON" -m megalite.launch \
   --standalone --nproc_per_node "$NPROC" \
   pretrain/pretrain_gpt.py "${MODEL[@]}" "${DATA[@]}" "${TRAINING[@]}" "${OUTPUT[@]}" "$@"

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from megalite.config.fields import arg, check_choices, positive, require
 
 
+# --exit-signal values: the signals a scheduler or a user sends before stopping a job
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 DEFAULT_SEED = 1234   # --seed (Megatron-LM's default); models, tools and the server use it too
 
 
@@ -46,7 +48,10 @@ class TrainConfig:
     seed: int = arg(DEFAULT_SEED, "Random seed.")
     exit_interval: int | None = arg(None, "Exit at an iteration that is a multiple of this.")
     exit_duration_in_mins: float | None = arg(None, "Exit after this many minutes.")
-    exit_signal_handler: bool = arg(False, "On SIGTERM, save a checkpoint and exit.")
+    exit_signal_handler: bool = arg(False, "On --exit-signal (and on Ctrl-C's SIGINT), save a "
+                                    "checkpoint and exit with 0.")
+    exit_signal: str = arg("SIGTERM", "The signal --exit-signal-handler saves and exits on.",
+                           choices=EXIT_SIGNALS)
     check_for_nan_in_loss_and_grad: bool = arg(True, "stopping on a NaN/inf loss or "
                                                "gradient.",
                                                flag="--no-check-for-nan-in-loss-and-grad",

@@ -48,7 +48,7 @@ from megalite.training.memory_log import MemoryReporter
 from megalite.training.metrics import IterationMetrics
 from megalite.training.profiling import StepProfiler
 from megalite.training.rerun import ResultValidator
-from megalite.training.signals import SignalHandler
+from megalite.training.signals import SignalHandler, exit_signals
 from megalite.training.straggler import StragglerDetector
 from megalite.training.straggler import line as straggler_line
 
@@ -281,7 +281,8 @@ def train(c: TrainingComponents) -> TrainResult:
     stragglers = StragglerDetector.from_config(cfg, c.timers)  # --log-straggler
     saver = CheckpointSaver(c.ps, async_save=bool(ck.save) and ck.async_save,
                             verify=ck.ckpt_verify)
-    with SignalHandler(enabled=t.exit_signal_handler) as signals, \
+    with SignalHandler(enabled=t.exit_signal_handler,
+                       sigs=exit_signals(t.exit_signal)) as signals, \
             ManualGC.from_config(t) as manual_gc, \
             StepProfiler.from_config(cfg, c.ps.rank, c.ps.device) as profiler:
         while state.iteration < t.train_iters:
