@@ -254,13 +254,15 @@ def test_server_on_two_ranks(trained, flag):
     root, _ = trained
     (code0, answers), (code1, _) = run_distributed(2, _serve_on_rank, root, flag)
     assert code0 == code1 == 0
-    assert answers[0] == (400, {"error": "the prompt is empty (no tokens)"})
+    assert answers[0] == (400, {"error": "prompts[1] has no tokens; an empty prompt needs "
+                                         "add_BOS true"})
     _, model, tok = load_for_inference(root)
     assert answers[1][0] == 200
     assert answers[1][1]["tokens"] == [[5, 9, 12] + generate(model, [5, 9, 12], 4, eod=tok.eod),
                                        [7] + generate(model, [7], 4, eod=tok.eod)]
     sampled = generate(model, [3, 4], 5, SamplingParams(1.0, 5), eod=tok.eod,
                        generator=torch.Generator().manual_seed(11))
-    assert answers[2] == (200, {"text": [tok.detokenize([3, 4] + [t for t in sampled
-                                                                   if t != tok.eod])],
-                                "tokens": [[3, 4] + sampled]})
+    text = tok.detokenize([3, 4] + [t for t in sampled if t != tok.eod])
+    assert answers[2][0] == 200 and answers[2][1]["text"] == [text]
+    assert answers[2][1]["tokens"] == [[3, 4] + sampled]
+    assert "".join(answers[2][1]["segments"][0]) == text
