@@ -15,6 +15,11 @@ pipeline parallelism every rank of the world runs this with the same prompts; ea
 runs its layers and caches their keys/values, the hidden state goes from stage to stage
 (:mod:`megalite.inference.stages`: the whole batch at once, no micro-batch pipelining),
 the last stage samples, and its tokens are broadcast over ``ps.pp`` to every stage.
+
+:func:`generate_batch` also takes a request's :class:`~megalite.inference.scoring.DecodeRules`
+(more stop tokens, a banned newline after a colon) and a
+:class:`~megalite.inference.scoring.TokenScores` to fill with the log-probability of each
+token (the server's ``logprobs`` / ``top_n_logprobs``).
 """
 
 from __future__ import annotations

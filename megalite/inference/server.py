@@ -82,8 +82,11 @@ class GenerationService:
     ``ranks`` > 1: the model is split over that many processes (the whole world; tensor
     and/or pipeline parallel), this one world rank 0. Each accepted request -- checked
     here first, so a bad one never leaves rank 0 -- is broadcast over the world
-    (``broadcast_object_list``) to the other ranks, which wait in :func:`follow` and
-    generate with rank 0; :meth:`stop` broadcasts the end."""
+    (``broadcast_object_list``) to the other ranks as a
+    :class:`~megalite.inference.serving.GenerationJob` (token ids, sampling, stop rules,
+    what to score), and they wait in :func:`follow` and generate with rank 0;
+    :meth:`stop` broadcasts the end. ``log``: called with each request's log line
+    (default: printed to stdout)."""
 
     def __init__(self, model, tokenizer, max_tokens: int, limits: ServerLimits | None = None,
                  ranks: int = 1, log=None):
