@@ -7,6 +7,7 @@ another, gives the fixture's logits). Here the written files are held against th
 Megatron-Core wrote: the same entries (tensors, extra states, common state), shapes and
 dtypes, the same tensors, and the common state's args rebuild the same model."""
 
+import json
 import os
 
 import pytest
@@ -31,7 +32,8 @@ def _export(tmp_path, name):
     ml, mt = str(tmp_path / "megalite"), str(tmp_path / "megatron")
     assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
                    os.path.join(FIXTURES, name), "--save-dir", ml) == 0
-    tp = int(name.split("_tp")[1][0])
+    with open(os.path.join(FIXTURES, name, "fixture.json")) as f:
+        tp = json.load(f)["tp"]
     assert convert("--source", "megalite", "--target", "megatron", "--load-dir", ml,
                    "--save-dir", mt, "--target-tensor-parallel-size", str(tp)) == 0
     return find_checkpoint(os.path.join(FIXTURES, name)), find_checkpoint(mt)

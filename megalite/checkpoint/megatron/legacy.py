@@ -44,16 +44,26 @@ GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "linear_fc1")
 
 
 def _rank_files(directory: str) -> dict[tuple[int, int, int], str]:
-    """(tp, pp, ep) rank -> its model_optim_rng.pt."""
-    out = {}
+    """(tp, pp, ep) rank -> its model_optim_rng.pt. Megatron names a rank
+    ``mp_rank_TT``, then ``_PPP`` when pipeline-parallel, then ``_EEE`` when
+    expert-parallel: with one 3-digit group, the saved args tell which it is."""
+    found = {}
     for name in os.listdir(directory):
         m = RANK_DIR.match(name)
         path = os.path.join(directory, name, LEGACY_FILE)
         if m and os.path.exists(path):
-            out[(int(m[1]), int(m[2] or 0), int(m[3] or 0))] = path
-    if not out:
+            found[(int(m[1]),) + tuple(int(g) for g in m.groups()[1:] if g is not None)] = path
+    if not found:
         raise CheckpointError(f"{directory}: no mp_rank_*/{LEGACY_FILE} files")
-    return out
+    if all(len(r) == 3 for r in found):
+        return found
+    if any(len(r) == 3 for r in found):
+        raise CheckpointError(f"{directory}: rank directories of two naming schemes")
+    first = found[min(found)]
+    if all(len(r) == 1 for r in found):
+        return {(t, 0, 0): p for (t,), p in found.items()}
+    pipelined = getattr(_load(first).get("args"), "pipeline_model_parallel_size", 1) > 1
+    return {((t, g, 0) if pipelined else (t, 0, g)): p for (t, g), p in found.items()}
 
 
 def _load(path: str) -> dict:

@@ -20,7 +20,7 @@ Python >= 3.12; 0.19.2 runs on 3.11 with the ``typing.override`` shim below)::
     /work/mcore-venv/bin/pip install triton --no-deps
     /work/mcore-venv/bin/python tests/checkpoint/megatron/make_fixtures.py [NAME ...]
 
-Each fixture is one ``torchrun`` of this file in worker mode (tp x pp gloo ranks).
+Each fixture is one ``torchrun`` of this file in worker mode (tp x pp x ep gloo ranks).
 
 It also checks an export: after ``convert_checkpoint.py --source megatron`` of fixture
 NAME and ``--source megalite --target megatron`` of the result into DIR,
@@ -79,13 +79,23 @@ FIXTURES = {
     # the legacy per-rank format (iter_N/mp_rank_XX_YYY/model_optim_rng.pt)
     "gpt2_tp2_pp2_legacy": ([*GPT2, "--ckpt-format", "torch"], 2, 2),
     "llama_tp2_pp2_legacy": ([*LLAMA, "--ckpt-format", "torch"], 2, 2),
+    # experts over 2 ranks (data parallel 2 = expert parallel 2)
+    "mixtral_ep2": ([*MIXTRAL, "--expert-model-parallel-size", "2"], 1, 1),
+    "mixtral_ep2_legacy": ([*MIXTRAL, "--expert-model-parallel-size", "2", "--ckpt-format",
+                            "torch"], 1, 1),
 }
+
+
+def _ep(flags: list[str]) -> int:
+    key = "--expert-model-parallel-size"
+    return int(flags[flags.index(key) + 1]) if key in flags else 1
 
 
 # -- driver ------------------------------------------------------------------------------------
 def _torchrun(name: str, *worker_args: str) -> None:
-    _, tp, pp = FIXTURES[name]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp),
+    flags, tp, pp = FIXTURES[name]
+    world = tp * pp * _ep(flags)   # the experts' ranks are data-parallel ones
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
            "--master-port", str(29500 + zlib.crc32(name.encode()) % 1000),
            os.path.abspath(__file__), *worker_args]
     print(" ".join(cmd), flush=True)
@@ -239,7 +249,7 @@ def worker(name: str, dest: str, check: bool = False) -> None:
     validate_args(args)
     set_global_variables(args, build_tokenizer=True)
     dist.init_process_group("gloo")
-    mpu.initialize_model_parallel(tp, pp)
+    mpu.initialize_model_parallel(tp, pp, expert_model_parallel_size=_ep(flags))
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     model = _build(args)
