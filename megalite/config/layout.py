@@ -145,8 +145,8 @@ class ResolvedLayout:
 
     def microbatch_steps(self) -> list[tuple[int, int]]:
         """``[(from consumed samples, micro-batches per step), ...]`` of the schedule."""
-        return [(threshold, batch // (self.micro_batch_size * self.dp))
-                for threshold, batch in self.batch_schedule.entries]
+        return [(threshold, self.microbatches_at(threshold))
+                for threshold, _ in self.batch_schedule.entries]
 
     def with_vocab(self, model_cfg) -> ResolvedLayout:
         """This layout with the vocabulary of ``model_cfg`` (its ``vocab_size`` set): the
@@ -181,12 +181,14 @@ def resolve_layout(cfg, world_size: int) -> ResolvedLayout:
     vpp = p.virtual_pipeline_model_parallel_size or 1
     chunks = chunk_layer_ranges(m.num_layers, pp, vpp, p.decoder_first_pipeline_num_layers,
                                 p.decoder_last_pipeline_num_layers)
+    schedule = BatchSchedule.from_config(t, m.seq_length)
+    final = schedule.entries[-1][0]   # consumed samples from which the batch is final
     layout = ResolvedLayout(
         world_size=world_size, tp=tp, cp=cp, pp=pp, vpp=vpp, dp=dp, ep=ep, etp=etp,
         edp=expert_data_parallel_size(tp, cp, dp, ep, etp), sequence_parallel=p.sequence_parallel,
         micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
-        num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
-        batch_schedule=BatchSchedule.from_config(t, m.seq_length),
+        num_microbatches=schedule.num_microbatches(final, t.micro_batch_size, dp),
+        batch_schedule=schedule,
         stage_chunks=tuple(tuple(stage) for stage in chunks),
         strategy=p.data_parallel_sharding_strategy, dtype=m.params_dtype,
         seq_length=m.seq_length)
