@@ -172,15 +172,7 @@ def test_megatron_source_errors_are_one_line(tmp_path, capsys):
 def test_unmapped_model_is_refused(tmp_path, capsys):
     """A feature megalite's model lacks (here --qk-layernorm, read from common.pt as
     older Megatron-Core versions write it) is named, not imported with other logits."""
-    root = tmp_path / "qk"
-    shutil.copytree(os.path.join(FIXTURES, "llama_tp1_pp1"), root)
-    ckpt = find_checkpoint(str(root))
-    args = read_common(ckpt)["args"]
-    plain = argparse.Namespace(**{k: v for k, v in vars(args).items()
-                                  if not isinstance(v, _Opaque)})
-    plain.qk_layernorm = True
-    torch.save({"args": plain, "iteration": 1, "checkpoint_version": 3.0},
-               os.path.join(ckpt.directory, "common.pt"))
+    root = _with_args(tmp_path, "llama_tp1_pp1", qk_layernorm=True)
     line = _one_line_error(capsys, *_from_megatron(root, tmp_path / "o"))
     assert "--qk-layernorm" in line and "megalite imports" in line
 
@@ -201,3 +193,60 @@ def test_hf_source_that_is_not_hf_is_one_line(tmp_path, capsys):
     (bad / "config.json").write_text('{"hidden_size": 8}')
     line = _one_line_error(capsys, *from_hf(bad))
     assert "config.json is not a usable Hugging Face config" in line
+
+
+def _with_args(tmp_path, name, **changes):
+    """A copy of fixture ``name`` whose args (in a common.pt, as older Megatron-Core
+    writes them) have ``changes``."""
+    root = tmp_path / name
+    shutil.copytree(os.path.join(FIXTURES, name), root)
+    ckpt = find_checkpoint(str(root))
+    args = read_common(ckpt)["args"]
+    plain = argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                  if not isinstance(v, _Opaque)})
+    vars(plain).update(changes)
+    torch.save({"args": plain, "iteration": 1, "checkpoint_version": 3.0},
+               os.path.join(ckpt.directory, "common.pt"))
+    return root
+
+
+def test_vocabulary_comes_from_the_recorded_tokenizer(tmp_path, capsys):
+    """A Hugging Face tokenizer the args name: its size is the model's vocabulary (the
+    rows past it are Megatron's padding); without its files, the padded rows stay."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from tests.data.test_tokenizers import TEXT
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([TEXT] * 20, trainers.BpeTrainer(vocab_size=90,
+                                                             special_tokens=["<unk>", "</s>"]))
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+    root = _with_args(tmp_path, "llama_tp1_pp1", tokenizer_type="HuggingFaceTokenizer",
+                      tokenizer_model=path, vocab_size=None)
+    save = str(tmp_path / "imported")
+    assert convert(*_from_megatron(root, save)) == 0
+    assert f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {path}" in \
+        capsys.readouterr().out
+    cfg, model = load_full_model(save)
+    assert cfg.model.vocab_size == tok.get_vocab_size() <= 90
+    tokens, want = _reference("llama_tp1_pp1")
+    tokens = tokens % cfg.model.vocab_size
+    with torch.no_grad():
+        got = model.eval()(tokens)[..., :cfg.model.vocab_size]
+    ref = _imported_logits(tmp_path, "llama_tp1_pp1", tokens)[..., :cfg.model.vocab_size]
+    assert (got - ref).abs().max().item() <= TOLERANCE
+
+    os.remove(path)
+    assert convert(*_from_megatron(root, str(tmp_path / "again"))) == 0
+    out = capsys.readouterr().out
+    assert "note: the tokenizer cannot be built here" in out and "112 padded rows" in out
+    assert load_full_model(str(tmp_path / "again"))[0].model.vocab_size == 112
+
+
+def _imported_logits(tmp_path, name, tokens):
+    save = str(tmp_path / f"plain_{name}")
+    assert convert(*_from_megatron(os.path.join(FIXTURES, name), save)) == 0
+    with torch.no_grad():
+        return load_full_model(save)[1].eval()(tokens)

@@ -77,16 +77,35 @@ def read_megatron(root: str, step: int | None = None) -> MegatronImport:
     if padded is not None and model.vocab_size > padded:
         raise CheckpointError(f"{ckpt.directory}: vocabulary {model.vocab_size} exceeds the "
                               f"saved padded vocabulary {padded}")
+    notes = []
+    if getattr(args, "tokenizer_type", None) != arguments.NULL_TOKENIZER:
+        notes += _tokenizer_vocab(cfg, padded)
     keys = [k for k in keys if mapping.is_model_key(k)]
     if ckpt.format != "legacy":
         tensors = read_tensors(ckpt, keys)
     state = mapping.to_megalite({k: tensors[k] for k in keys}, chunks, model)
-    notes = []
     if common.get("optimizer_saved") or any(k.startswith("optimizer.") for k in chunks):
         notes.append("the optimizer state is not imported: continue with --finetune")
-    if getattr(args, "tokenizer_type", None) != arguments.NULL_TOKENIZER:
-        notes.append(f"the vocabulary keeps Megatron's {model.vocab_size} padded rows")
     return MegatronImport(cfg, state, ckpt, notes)
+
+
+def _tokenizer_vocab(cfg, padded: int | None) -> list[str]:
+    """Set ``cfg.model.vocab_size`` to the size of the tokenizer the args name, when its
+    files can be read here (the rows past it are Megatron's padding); otherwise keep the
+    padded size and say so."""
+    from megalite.data.tokenizers import build_tokenizer
+
+    try:
+        size = build_tokenizer(cfg.data).vocab_size
+    except Exception as exc:  # files absent on this machine, a type megalite lacks, ...
+        return [f"the tokenizer cannot be built here ({str(exc).splitlines()[0]}), so the "
+                f"vocabulary keeps Megatron's {cfg.model.vocab_size} padded rows; convert "
+                f"where the tokenizer files are, or train with a tokenizer of that size"]
+    if padded is not None and size > padded:
+        raise CheckpointError(f"the tokenizer has {size} tokens, more than the "
+                              f"checkpoint's {padded} embedding rows")
+    cfg.model.vocab_size = size
+    return []
 
 
 __all__ = ["MegatronImport", "SUPPORTED", "read_megatron"]

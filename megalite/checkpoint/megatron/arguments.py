@@ -20,7 +20,8 @@ SAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "
 MOE_SAME = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
             "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
             "moe_aux_loss_coeff", "moe_z_loss_coeff")
-TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "tiktoken_pattern",
+             "tiktoken_num_special_tokens", "tiktoken_special_tokens")
 NULL_TOKENIZER = "NullTokenizer"
 
 
@@ -62,9 +63,10 @@ def unsupported(args: Namespace) -> list[str]:
 
 
 def vocab_size_of(args: Namespace) -> int:
-    """The model's vocabulary without Megatron's padding: the NullTokenizer's
-    ``--vocab-size`` plus its end-of-document token; otherwise the padded size (the
-    tokenizer's own size is not in the checkpoint, and the padding rows are kept)."""
+    """The model's vocabulary without Megatron's padding when the args tell it: the
+    NullTokenizer's ``--vocab-size`` plus its end-of-document token; otherwise the padded
+    size (the tokenizer's own size is not in the args: :func:`megalite.checkpoint.
+    megatron.read_megatron` asks the tokenizer files)."""
     padded = _get(args, "padded_vocab_size")
     if _get(args, "tokenizer_type") == NULL_TOKENIZER and _get(args, "vocab_size"):
         return int(args.vocab_size) + 1
@@ -120,6 +122,6 @@ def megatron_args(cfg, tp: int = 1, pp: int = 1) -> Namespace:
         kw.update(moe_layer_freq=m.moe_layer_freq, moe_router_pre_softmax=False,
                   moe_grouped_gemm=False, expert_model_parallel_size=1)
     d = cfg.data
-    kw.update({n: getattr(d, n) for n in TOKENIZER})
+    kw.update({n: getattr(d, n, None) for n in TOKENIZER})
     kw["vocab_size"] = (m.vocab_size - 1 if d.tokenizer_type == NULL_TOKENIZER else None)
     return Namespace(**kw)
