@@ -202,9 +202,10 @@ class CheckpointSaver:
 
     def save(self, root: str, iteration: int, model, optimizer, scheduler, config: dict,
              consumed_samples: int, *, save_optim: bool = True, save_rng: bool = True,
-             rng_tracker=None) -> str:
+             rng_tracker=None, extra_meta: dict | None = None) -> str:
         """Write (or, async, start writing) the checkpoint of ``iteration`` under
-        ``root``; returns the directory it is published as. Collective."""
+        ``root``; returns the directory it is published as. Collective. ``extra_meta``
+        (rank 0's are written): more keys for ``metadata.json``, e.g. the wandb run id."""
         self.finalize()
         ps = self.ps
         final = iteration_dir(root, iteration)
@@ -235,7 +236,7 @@ class CheckpointSaver:
                 "rng": save_rng,
                 "checksums": ([FAST_CHECKSUM] if self.checksums else [])
                 + (["sha256"] if self.verify else []),
-                "config": config}
+                "config": config, **(extra_meta or {})}
         job = _Job(root, iteration, tmp, final, meta, nbytes=_state_bytes(state))
         no_dist = not distributed(ps)
         if self.async_save:
@@ -377,7 +378,8 @@ def _publish_dir(job: _Job, files: dict) -> None:
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
                     ps: ParallelState, config: dict, consumed_samples: int, *,
                     save_optim: bool = True, save_rng: bool = True, rng_tracker=None,
-                    verify: bool = False, saver: CheckpointSaver | None = None) -> str:
+                    verify: bool = False, saver: CheckpointSaver | None = None,
+                    extra_meta: dict | None = None) -> str:
     """Checkpoint ``iteration`` under ``root`` (collective over the world).
 
     ``model`` is a module or a list of pipeline chunks; ``optimizer`` a
@@ -385,10 +387,12 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     ``state_dict_per_param``) whose loss scaler is saved with it; ``scheduler`` an
     :class:`megalite.optim.lr_schedule.LRScheduler`; ``config`` the run's
     ``MegaliteConfig.to_dict()``. ``saver``: a :class:`CheckpointSaver` (async saves go
-    through one); without it the save is synchronous. Returns the iteration directory.
-    Raises :class:`CheckpointError` on every rank if any rank failed.
+    through one); without it the save is synchronous. ``extra_meta``: more keys for
+    ``metadata.json``. Returns the iteration directory. Raises :class:`CheckpointError`
+    on every rank if any rank failed.
     """
     if saver is None:
         saver = CheckpointSaver(ps, verify=verify)
     return saver.save(root, iteration, model, optimizer, scheduler, config, consumed_samples,
-                      save_optim=save_optim, save_rng=save_rng, rng_tracker=rng_tracker)
+                      save_optim=save_optim, save_rng=save_rng, rng_tracker=rng_tracker,
+                      extra_meta=extra_meta)

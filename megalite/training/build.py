@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import random
+import secrets
 import time
 from collections.abc import Callable
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from megalite.checkpoint import LoadOptions, load_checkpoint
+from megalite.checkpoint.files import read_metadata
 from megalite.checkpoint.lock import acquire_save_lock
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.config.layout import resolve_layout
@@ -32,10 +34,11 @@ from megalite.hardware import peak_flops_per_rank
 from megalite.optim.build import build_grads_and_optimizer
 from megalite.optim.lr_schedule import LRScheduler
 from megalite.optim.memory import rank_memory
+from megalite.parallel.collectives import broadcast_object_list
 from megalite.parallel.random import stage_seed
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.layout import model_chunks
-from megalite.training.components import TrainingComponents, TrainState
+from megalite.training.components import WANDB_RUN_ID, TrainingComponents, TrainState
 from megalite.training.fp8 import check_fp8_available
 from megalite.training.metrics import MetricsLogger
 from megalite.training.preflight import check_output_dirs, preflight
@@ -186,6 +189,9 @@ def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | No
                                consumed_train_samples=loaded.consumed_samples)
             metrics.print(f" loaded {loaded.path} (iteration {loaded.iteration}, "
                           f"{loaded.consumed_samples} samples consumed)")
+            if not ck.finetune:   # no duplicate rows of the iterations that follow
+                metrics.resume_at(loaded.iteration)
+    wandb_id = _wandb_run_id(cfg, ps, metrics, loaded if ck.load else None)
 
     datasets = (datasets_provider or default_datasets_provider)(cfg, tokenizer)
     train_ds, valid_ds = datasets[0], datasets[1]
@@ -204,4 +210,23 @@ def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | No
         cfg=cfg, ps=ps, model=model, grads=grads, optimizer=optimizer, scheduler=scheduler,
         timers=timers, metrics=metrics, train_dataset=train_ds, valid_dataset=valid_ds,
         layout=layout, peak_flops=peak, state=state, rng_tracker=rng_tracker,
-        tokenizer=tokenizer, start_time=start_time, save_lock=save_lock)
+        tokenizer=tokenizer, start_time=start_time, save_lock=save_lock, wandb_id=wandb_id)
+
+
+def _wandb_run_id(cfg: MegaliteConfig, ps: ParallelState, metrics: MetricsLogger,
+                  loaded) -> str | None:
+    """With ``--wandb-project``: the wandb run id, the same on every rank (rank 0 writes it
+    into each checkpoint's metadata.json, the logging rank logs to it). A run resumed from
+    a checkpoint that holds one continues that run (``resume="allow"``); otherwise
+    (a new run, ``--finetune``) rank 0 draws a new id. Collective when wandb is on."""
+    if not cfg.logging.wandb_project:
+        return None
+    run_id = None
+    if ps.rank == 0 and loaded is not None and not cfg.checkpoint.finetune:
+        run_id = read_metadata(loaded.path).get(WANDB_RUN_ID)
+    resume = run_id is not None
+    if ps.rank == 0 and run_id is None:
+        run_id = secrets.token_hex(8)
+    run_id, resume = broadcast_object_list([run_id, resume])
+    metrics.set_wandb_run(run_id, resume=resume)
+    return run_id

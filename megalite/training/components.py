@@ -23,6 +23,9 @@ from megalite.training.metrics import MetricsLogger
 from megalite.training.timers import Timers
 
 
+WANDB_RUN_ID = "wandb_run_id"   # the metadata.json key of the run's wandb id
+
+
 @dataclass
 class TrainState:
     """Progress that a checkpoint restores."""
@@ -54,6 +57,11 @@ class TrainingComponents:
     tokenizer: Tokenizer | None = None
     start_time: float = field(default_factory=time.time)  # wall clock when building began
     save_lock: SaveLock | None = None  # rank 0 of a job with --save holds SAVE/.megalite.lock
+    wandb_id: str | None = None   # with --wandb-project: the run id the checkpoints carry
+
+    def checkpoint_meta(self) -> dict:
+        """Keys this run adds to each checkpoint's metadata.json (the wandb run id)."""
+        return {WANDB_RUN_ID: self.wandb_id} if self.wandb_id else {}
 
     @property
     def schedule(self) -> BatchSchedule:

@@ -235,7 +235,8 @@ def save(c: TrainingComponents, state: TrainState, saver: CheckpointSaver) -> No
         path = save_checkpoint(ck.save, state.iteration, c.model, c.optimizer, c.scheduler,
                                c.ps, c.cfg.to_dict(), state.consumed_train_samples,
                                save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng,
-                               rng_tracker=c.rng_tracker, saver=saver)
+                               rng_tracker=c.rng_tracker, saver=saver,
+                               extra_meta=c.checkpoint_meta())
     if c.ps.rank == 0:
         how = "started saving (async)" if ck.async_save else "saved"
         print(f" {how} checkpoint at iteration {state.iteration} to {path}", flush=True)

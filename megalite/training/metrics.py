@@ -92,24 +92,83 @@ class MetricsLogger:
         self._wandb = None
         self._total_elapsed = 0.0
         self._total_iters = 0
+        self._config = config
+        self.wandb_id: str | None = None   # the wandb run's id, once known (set_wandb_run)
+        self._wandb_resume = False
         if not enabled:
             return
         if lcfg.metrics_jsonl:
             os.makedirs(os.path.dirname(os.path.abspath(lcfg.metrics_jsonl)), exist_ok=True)
             self._jsonl = open(lcfg.metrics_jsonl, "a", buffering=1)  # noqa: SIM115 (closed in close())
         if lcfg.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=lcfg.tensorboard_dir, max_queue=1000)
+            self._tb = self._tensorboard()
             if config is not None:
                 self._tb.add_text("config", f"```\n{json.dumps(config, indent=1)}\n```")
         if lcfg.wandb_project:
+            import wandb  # noqa: F401 (a missing wandb fails here, before any work)
+
+    def _tensorboard(self, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=self.lcfg.tensorboard_dir, max_queue=1000,
+                             purge_step=purge_step)
+
+    def set_wandb_run(self, run_id: str | None, resume: bool = False) -> None:
+        """The wandb run to log to, before the first record: ``run_id`` (stored in the
+        checkpoints, so a resumed job continues the same run with ``resume=True``)."""
+        self.wandb_id, self._wandb_resume = run_id, resume
+
+    def _wandb_run(self):
+        """The wandb run, started at the first use (after :meth:`set_wandb_run`)."""
+        if self._wandb is None and self.enabled and self.lcfg.wandb_project:
             import wandb
 
+            lcfg = self.lcfg
             save_dir = lcfg.wandb_save_dir or os.path.join(os.getcwd(), "wandb")
             os.makedirs(save_dir, exist_ok=True)
+            kwargs = {"id": self.wandb_id} if self.wandb_id else {}
+            if self._wandb_resume:
+                kwargs["resume"] = "allow"
             self._wandb = wandb.init(project=lcfg.wandb_project, name=lcfg.wandb_exp_name,
-                                     dir=save_dir, config=config)
+                                     dir=save_dir, config=self._config, **kwargs)
+            self.wandb_id = self._wandb.id
+        return self._wandb
+
+    def resume_at(self, iteration: int) -> None:
+        """The run resumes after ``iteration`` (a loaded checkpoint): the JSONL keeps only
+        its rows up to ``iteration`` (rewritten atomically: a temporary file, then
+        ``os.replace``) and TensorBoard purges its events after it, so the iterations that
+        follow are not there twice."""
+        if not self.enabled:
+            return
+        if self._jsonl is not None:
+            path = self.lcfg.metrics_jsonl
+            self._jsonl.close()
+            kept, dropped = [], 0
+            with open(path) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:   # a torn last line of a killed run
+                        dropped += 1
+                        continue
+                    if isinstance(row, dict) and row.get("iteration", 0) > iteration:
+                        dropped += 1
+                    else:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+            if dropped:
+                tmp = f"{path}.tmp{os.getpid()}"
+                with open(tmp, "w") as f:
+                    f.writelines(kept)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+                self.print(f" resuming after iteration {iteration}: dropped {dropped} later "
+                           f"row(s) from {path}")
+            self._jsonl = open(path, "a", buffering=1)  # noqa: SIM115 (closed in close())
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = self._tensorboard(purge_step=iteration + 1)
 
     def print(self, message: str) -> None:
         """A line on stdout from the logging rank."""
@@ -134,7 +193,7 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, m.iteration)
-        if self._wandb is not None:
+        if self._wandb_run() is not None:
             self._wandb.log({f"train/{k}": v for k, v in scalars.items()}, step=m.iteration)
 
         w = self._window
@@ -191,7 +250,7 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.add_scalar(f"lm loss {label}", loss, iteration)
             self._tb.add_scalar(f"lm loss {label} ppl", ppl, iteration)
-        if self._wandb is not None:
+        if self._wandb_run() is not None:
             self._wandb.log({f"{label}/lm loss": loss, f"{label}/ppl": ppl}, step=iteration)
 
     def close(self) -> None:

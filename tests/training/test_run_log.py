@@ -1,0 +1,85 @@
+"""What a run's logs look like to a Megatron user, and after a resume: the JSONL, TensorBoard
+and wandb keep each iteration once; the wandb run continues under its id."""
+
+import io
+import json
+import os
+
+from megalite.checkpoint.files import read_metadata
+from megalite.config import LoggingConfig
+from megalite.training.components import WANDB_RUN_ID
+from megalite.training.metrics import MetricsLogger
+from tests.training.common import only_iteration, read_jsonl, run_training, tiny_config
+from tests.training.test_metrics import _metrics
+
+
+def test_resume_at_truncates_jsonl_rows_after_the_iteration(tmp_path):
+    path = tmp_path / "m.jsonl"
+    lcfg = LoggingConfig(log_interval=100, metrics_jsonl=str(path))
+    log = MetricsLogger(lcfg, train_iters=8, enabled=True, stream=io.StringIO())
+    for i in range(1, 7):
+        log.record(_metrics(i, 1.0 / i))
+    log.close()
+    with open(path, "a") as f:
+        f.write('{"iteration": 7, "lm_lo')   # torn by a kill
+    out = io.StringIO()
+    log = MetricsLogger(lcfg, train_iters=8, enabled=True, stream=out)
+    log.resume_at(4)
+    log.record(_metrics(5, 0.5))
+    log.close()
+    assert [r["iteration"] for r in read_jsonl(str(path))] == [1, 2, 3, 4, 5]
+    assert "dropped 3 later row(s)" in out.getvalue()
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+
+
+def _scalars(tb_dir: str, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tb_dir)
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_resume_keeps_each_iteration_once_and_the_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    jsonl, tb, wb = str(tmp_path / "m.jsonl"), str(tmp_path / "tb"), str(tmp_path / "wandb")
+    logging = {"log_interval": 100, "metrics_jsonl": jsonl, "tensorboard_dir": tb,
+               "wandb_project": "megalite-test", "wandb_save_dir": wb}
+    save = str(tmp_path / "ckpt")
+    full, c1 = run_training(tiny_config(checkpoint={"save": save, "save_interval": 4},
+                                        logging=logging))
+    run_id = read_metadata(os.path.join(save, "iter_0000004"))[WANDB_RUN_ID]
+    assert run_id == c1.wandb_id == c1.metrics.wandb_id
+    assert read_metadata(os.path.join(save, "iter_0000008"))[WANDB_RUN_ID] == run_id
+
+    older = only_iteration(save, str(tmp_path / "older"), 4)   # resume from iteration 4
+    resumed, c2 = run_training(tiny_config(checkpoint={"load": older, "save": older,
+                                                       "save_interval": 4},
+                                           logging=logging))
+    assert resumed.losses == {i: full.losses[i] for i in range(5, 9)}
+    rows = read_jsonl(jsonl)
+    assert [r["iteration"] for r in rows] == list(range(1, 9))
+    assert [r["lm_loss"] for r in rows] == [full.losses[i] for i in range(1, 9)]
+    steps = [s for s, _ in _scalars(tb, "lm loss")]
+    assert sorted(steps) == list(range(1, 9)), steps
+    assert c2.wandb_id == run_id and c2.metrics.wandb_id == run_id
+    assert read_metadata(os.path.join(older, "iter_0000008"))[WANDB_RUN_ID] == run_id
+    runs = [r for r in os.listdir(os.path.join(wb, "wandb")) if r.startswith("offline-run-")]
+    assert runs and all(r.endswith(run_id) for r in runs), runs
+
+
+def test_finetune_starts_a_new_wandb_run_and_keeps_the_jsonl(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    jsonl = str(tmp_path / "m.jsonl")
+    logging = {"log_interval": 100, "metrics_jsonl": jsonl, "wandb_project": "megalite-test",
+               "wandb_save_dir": str(tmp_path / "wandb")}
+    save = str(tmp_path / "ckpt")
+    _, c1 = run_training(tiny_config(train={"train_iters": 4}, logging=logging,
+                                     checkpoint={"save": save, "save_interval": 4}))
+    _, c2 = run_training(tiny_config(train={"train_iters": 2}, logging=logging,
+                                     checkpoint={"load": save, "finetune": True}))
+    assert c2.wandb_id != c1.wandb_id
+    assert [r["iteration"] for r in read_jsonl(jsonl)] == [1, 2, 3, 4, 1, 2]
+    assert json.dumps(c1.checkpoint_meta()) == json.dumps({WANDB_RUN_ID: c1.wandb_id})
