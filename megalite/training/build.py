@@ -40,7 +40,7 @@ from megalite.parallel.state import ParallelState
 from megalite.pipeline.layout import model_chunks
 from megalite.training.components import WANDB_RUN_ID, TrainingComponents, TrainState
 from megalite.training.fp8 import check_fp8_available
-from megalite.training.metrics import MetricsLogger
+from megalite.training.metrics import MetricsLogger, arguments_block
 from megalite.training.preflight import check_output_dirs, preflight
 from megalite.training.throughput import count_layer_params
 from megalite.training.timers import Timers
@@ -175,6 +175,7 @@ def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | No
     preflight(cfg, model, ps, log_rank)  # outputs writable, disk space: before any work
     metrics = MetricsLogger(cfg.logging, t.train_iters, enabled=ps.rank == log_rank,
                             config=cfg.to_dict())
+    metrics.print(arguments_block(cfg.to_dict()))
     metrics.print(f" rank {ps.rank}: {rank_memory(model, grads, optimizer).describe()}")
 
     state = TrainState()

@@ -68,6 +68,17 @@ class _Window:
     moe_sums: dict = field(default_factory=dict)  # moe_* key -> sum over the window
 
 
+def arguments_block(config: dict, title: str = "arguments") -> str:
+    """Megatron's start-up dump of its arguments: a ``---- arguments ----`` rule, one
+    ``  name ..... value`` line per setting of every section of ``config`` (a
+    ``MegaliteConfig.to_dict()``), sorted by name, and an ``end of arguments`` rule."""
+    settings = {name: value for section in config.values() for name, value in section.items()}
+    lines = [f"  {name} {'.' * max(48 - len(name), 3)} {settings[name]}"
+             for name in sorted(settings, key=str.lower)]
+    return "\n".join([f"------------------------ {title} ------------------------", *lines,
+                      f"-------------------- end of {title} ---------------------"])
+
+
 def _moe_values(extra: dict | None) -> dict:
     """The MoE router losses (``moe_*`` keys) among the extra JSONL fields."""
     return {k: v for k, v in (extra or {}).items() if k.startswith("moe_")}

@@ -83,3 +83,17 @@ def test_finetune_starts_a_new_wandb_run_and_keeps_the_jsonl(tmp_path, monkeypat
     assert c2.wandb_id != c1.wandb_id
     assert [r["iteration"] for r in read_jsonl(jsonl)] == [1, 2, 3, 4, 1, 2]
     assert json.dumps(c1.checkpoint_meta()) == json.dumps({WANDB_RUN_ID: c1.wandb_id})
+
+
+def test_arguments_dump_at_start_up(capsys):
+    cfg = tiny_config()
+    run_training(cfg)
+    out = capsys.readouterr().out.splitlines()
+    start = out.index("------------------------ arguments ------------------------")
+    end = out.index("-------------------- end of arguments ---------------------")
+    body = out[start + 1:end]
+    names = [line.split()[0] for line in body]
+    every = [n for section in cfg.to_dict().values() for n in section]
+    assert names == sorted(every, key=str.lower) and len(names) == len(set(every))
+    assert "  hidden_size ..................................... 32" in body
+    assert "  metrics_jsonl ................................... None" in body
