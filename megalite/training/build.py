@@ -177,6 +177,10 @@ def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | No
                             config=cfg.to_dict())
     metrics.print(arguments_block(cfg.to_dict()))
     metrics.print(f" rank {ps.rank}: {rank_memory(model, grads, optimizer).describe()}")
+    if ps.dp.rank == 0 and ps.cp.rank == 0:   # one line per (tp, pp) pair, as Megatron
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+              f"({ps.tp.rank}, {ps.pp.rank}): {sum(p.numel() for p in model.parameters())}",
+              flush=True)
 
     state = TrainState()
     ck = cfg.checkpoint

@@ -1,14 +1,17 @@
 """What a run's logs look like to a Megatron user, and after a resume: the JSONL, TensorBoard
 and wandb keep each iteration once; the wandb run continues under its id."""
 
+import contextlib
 import io
 import json
 import os
+import re
 
 from megalite.checkpoint.files import read_metadata
 from megalite.config import LoggingConfig
 from megalite.training.components import WANDB_RUN_ID
 from megalite.training.metrics import MetricsLogger
+from tests.distributed.harness import run_distributed
 from tests.training.common import only_iteration, read_jsonl, run_training, tiny_config
 from tests.training.test_metrics import _metrics
 
@@ -97,3 +100,20 @@ def test_arguments_dump_at_start_up(capsys):
     assert names == sorted(every, key=str.lower) and len(names) == len(set(every))
     assert "  hidden_size ..................................... 32" in body
     assert "  metrics_jsonl ................................... None" in body
+
+
+def _count_lines_body(rank, world_size):
+    cfg = tiny_config(world_size, parallel={"tensor_model_parallel_size": 2},
+                      train={"train_iters": 1})
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run_training(cfg)
+    return re.findall(r" > number of parameters on \(tensor, pipeline\) model parallel rank "
+                      r"\((\d), (\d)\): (\d+)\n", out.getvalue())
+
+
+def test_parameter_counts_once_per_tensor_pipeline_rank():
+    per_rank = run_distributed(4, _count_lines_body)   # tp2 x dp2: dp rank 0 prints
+    assert [len(lines) for lines in per_rank] == [1, 1, 0, 0]
+    assert [lines[0][:2] for lines in per_rank[:2]] == [("0", "0"), ("1", "0")]
+    assert per_rank[0][0][2] == per_rank[1][0][2] and int(per_rank[0][0][2]) > 0
