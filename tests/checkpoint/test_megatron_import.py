@@ -52,8 +52,8 @@ def _reference(name):
 
 def test_fixtures_are_megatron_core_checkpoints():
     assert {"gpt2_tp1_pp1", "gpt2_tp2_pp2", "llama_tp1_pp1", "llama_tp2_pp2",
-            "mixtral_tp1_pp1", "mixtral_ep2", "gpt2_tp2_pp2_legacy", "llama_tp2_pp2_legacy",
-            "mixtral_ep2_legacy"} <= set(NAMES)
+            "mixtral_tp1_pp1", "mixtral_ep2", "llama_pp2_vpp2", "gpt2_tp2_pp2_legacy",
+            "llama_tp2_pp2_legacy", "mixtral_ep2_legacy", "llama_pp2_vpp2_legacy"} <= set(NAMES)
     for name in NAMES:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
         assert ckpt.iteration == 1

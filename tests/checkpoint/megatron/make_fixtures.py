@@ -81,6 +81,10 @@ FIXTURES = {
     "llama_tp2_pp2_legacy": ([*LLAMA, "--ckpt-format", "torch"], 2, 2),
     # experts over 2 ranks (data parallel 2 = expert parallel 2)
     "mixtral_ep2": ([*MIXTRAL, "--expert-model-parallel-size", "2"], 1, 1),
+    # virtual pipelining: 2 stages x 2 chunks of one layer
+    "llama_pp2_vpp2": ([*LLAMA, "--num-layers-per-virtual-pipeline-stage", "1"], 1, 2),
+    "llama_pp2_vpp2_legacy": ([*LLAMA, "--num-layers-per-virtual-pipeline-stage", "1",
+                               "--ckpt-format", "torch"], 1, 2),
     "mixtral_ep2_legacy": ([*MIXTRAL, "--expert-model-parallel-size", "2", "--ckpt-format",
                             "torch"], 1, 1),
 }
@@ -177,7 +181,7 @@ def _perturb(model, tp_rank: int) -> None:
             p.add_(0.2 * torch.randn(p.shape, generator=g))
 
 
-def _build(args):
+def _build(args, vp_stage=None):
     import torch
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
@@ -190,18 +194,20 @@ def _build(args):
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings,
-                     pre_process=mpu.is_pipeline_first_stage(),
-                     post_process=mpu.is_pipeline_last_stage(), parallel_output=True,
+                     pre_process=mpu.is_pipeline_first_stage(False, vp_stage),
+                     post_process=mpu.is_pipeline_last_stage(False, vp_stage),
+                     parallel_output=True, vp_stage=vp_stage,
                      share_embeddings_and_output_weights=tied,
                      position_embedding_type=args.position_embedding_type,
                      rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
     return model.to(torch.float32)
 
 
-def _logits(model, args, tokens):
-    """Full ``[b, s, padded_vocab]`` logits on the last stage (None elsewhere): the stages
-    run in turn, hidden states ``[s, b, h]`` sent over the pipeline group; vocabulary
-    shards gathered over the tensor group."""
+def _logits(models, args, tokens):
+    """Full ``[b, s, padded_vocab]`` logits on the last stage (None elsewhere): the model
+    chunks run in pipeline order (chunk-major under virtual pipelining), hidden states
+    ``[s, b, h]`` sent over the pipeline group; vocabulary shards gathered over the
+    tensor group."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
@@ -212,14 +218,18 @@ def _logits(model, args, tokens):
     pp_group = mpu.get_pipeline_model_parallel_group()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     ranks = dist.get_process_group_ranks(pp_group)
-    if not mpu.is_pipeline_first_stage():
-        hidden = torch.empty(s, b, args.hidden_size)
-        dist.recv(hidden, src=ranks[pp_rank - 1], group=pp_group)
-        model.set_input_tensor(hidden)
-    with torch.no_grad():
-        out = model(tokens, positions, mask)
-    if not mpu.is_pipeline_last_stage():
-        dist.send(out.contiguous(), dst=ranks[pp_rank + 1], group=pp_group)
+    out = None
+    for v, model in enumerate(models):
+        if not (v == 0 and mpu.is_pipeline_first_stage()):
+            hidden = torch.empty(s, b, args.hidden_size)
+            dist.recv(hidden, src=ranks[pp_rank - 1], group=pp_group)  # [-1]: wraps around
+            model.set_input_tensor(hidden)
+        with torch.no_grad():
+            out = model(tokens, positions, mask)
+        if not (v == len(models) - 1 and mpu.is_pipeline_last_stage()):
+            dist.send(out.contiguous(), dst=ranks[(pp_rank + 1) % len(ranks)], group=pp_group)
+            out = None
+    if out is None:
         return None
     tp_group = mpu.get_tensor_model_parallel_group()
     parts = [torch.empty_like(out) for _ in range(dist.get_world_size(tp_group))]
@@ -249,23 +259,27 @@ def worker(name: str, dest: str, check: bool = False) -> None:
     validate_args(args)
     set_global_variables(args, build_tokenizer=True)
     dist.init_process_group("gloo")
-    mpu.initialize_model_parallel(tp, pp, expert_model_parallel_size=_ep(flags))
+    mpu.initialize_model_parallel(
+        tp, pp, virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=_ep(flags))
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    model = _build(args)
+    vpp = args.virtual_pipeline_model_parallel_size
+    models = [_build(args, v) for v in range(vpp)] if vpp else [_build(args)]
     tokens = torch.randint(0, 100, TOKENS_SHAPE, generator=torch.Generator().manual_seed(5))
     if check:
-        load_checkpoint([model], None, None)
-        logits = _logits(model.eval(), args, tokens)
+        load_checkpoint(models, None, None)
+        logits = _logits([m.eval() for m in models], args, tokens)
         if logits is not None and mpu.get_tensor_model_parallel_rank() == 0:
             torch.save({"tokens": tokens, "logits": logits},
                        os.path.join(dest, "megatron_logits.pt"))
         dist.destroy_process_group()
         return
-    _perturb(model, mpu.get_tensor_model_parallel_rank())
-    model.eval()
-    logits = _logits(model, args, tokens)
-    save_checkpoint(ITERATION, [model], None, None, 0)
+    for model in models:
+        _perturb(model, mpu.get_tensor_model_parallel_rank())
+        model.eval()
+    logits = _logits(models, args, tokens)
+    save_checkpoint(ITERATION, models, None, None, 0)
     dist.barrier()
     if logits is not None and mpu.get_tensor_model_parallel_rank() == 0:
         torch.save({"tokens": tokens, "logits": logits}, os.path.join(dest, "logits.pt"))
