@@ -164,6 +164,12 @@ def test_megatron_source_errors_are_one_line(tmp_path, capsys):
     line = _one_line_error(capsys, *_from_megatron(legacy, tmp_path / "o"))
     assert "rank files missing for (tp, pp, ep)" in line
 
+    ours = tmp_path / "ours"
+    assert convert(*_from_megatron(os.path.join(FIXTURES, "gpt2_tp1_pp1"), ours)) == 0
+    capsys.readouterr()
+    line = _one_line_error(capsys, *_from_megatron(ours, tmp_path / "o"))
+    assert "is a megalite checkpoint, not a Megatron-LM one (use --source megalite)" in line
+
     fixture = os.path.join(FIXTURES, "llama_tp1_pp1")
     line = _one_line_error(capsys, *_from_megatron(fixture, tmp_path / "o", "--ckpt-step", "7"))
     assert "has no Megatron iteration 7; available: iter_0000001" in line

@@ -65,13 +65,23 @@ def _held(root: str) -> list[str]:
 
 
 def _format_of(directory: str) -> str | None:
+    """``torch_dist``, ``legacy`` or None (neither) for an iteration directory."""
+    meta = {}
+    if os.path.exists(os.path.join(directory, METADATA)):
+        try:
+            with open(os.path.join(directory, METADATA)) as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{directory}/{METADATA} cannot be read: {exc}") from None
+    if str(meta.get("format", "")).startswith("megalite"):
+        raise CheckpointError(f"{directory} is a megalite checkpoint, not a Megatron-LM one "
+                              f"(use --source megalite)")
     if os.path.exists(os.path.join(directory, DCP_METADATA)):
         return "torch_dist"
-    if os.path.exists(os.path.join(directory, METADATA)):
-        with open(os.path.join(directory, METADATA)) as f:
-            backend = json.load(f).get("sharded_backend")
-        raise CheckpointError(f"{directory}: Megatron sharded backend {backend!r} is not "
-                              f"supported (megalite reads torch_dist)")
+    if meta:
+        raise CheckpointError(f"{directory}: Megatron sharded backend "
+                              f"{meta.get('sharded_backend')!r} is not supported (megalite "
+                              f"reads torch_dist)")
     if any(n.startswith("mp_rank_") for n in os.listdir(directory)):
         return "legacy"
     return None

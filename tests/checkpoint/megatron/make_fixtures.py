@@ -44,7 +44,7 @@ import typing
 import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "fixtures")
+OUT = os.environ.get("FIXTURES_OUT", os.path.join(HERE, "fixtures"))  # elsewhere: to compare
 ITERATION = 1
 TOKENS_SHAPE = (2, 12)   # [b, s] of the logits batch
 COMMON = ["--seq-length", "16", "--max-position-embeddings", "32", "--micro-batch-size", "1",
