@@ -381,8 +381,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--source", choices=("hf", "megalite", "megatron"), required=True)
     p.add_argument("--target", choices=("megalite", "hf", "megalite-consolidated",
                                         "megatron"), required=True)
-    p.add_argument("--load-dir", required=True, help="Source directory.")
-    p.add_argument("--save-dir", required=True, help="Output directory.")
+    p.add_argument("--load-dir", "--load", dest="load_dir", required=True,
+                   help="Source directory (--load, as the other tools spell it).")
+    p.add_argument("--save-dir", "--save", dest="save_dir", required=True,
+                   help="Output directory (--save, as the other tools spell it).")
     p.add_argument("--ckpt-step", type=int, help="megalite or Megatron source: this "
                    "iteration instead of the latest.")
     p.add_argument("--iteration", type=int, dest="ckpt_step", help=argparse.SUPPRESS)

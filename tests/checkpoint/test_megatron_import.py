@@ -138,8 +138,9 @@ def _one_line_error(capsys, *argv) -> str:
 
 
 def _from_megatron(load, save, *extra):
-    return ("--source", "megatron", "--target", "megalite", "--load-dir", str(load),
-            "--save-dir", str(save), *extra)
+    """The converter's flags, spelled --load / --save as the other tools do."""
+    return ("--source", "megatron", "--target", "megalite", "--load", str(load),
+            "--save", str(save), *extra)
 
 
 def test_megatron_source_errors_are_one_line(tmp_path, capsys):
