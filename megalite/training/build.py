@@ -200,6 +200,7 @@ def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | No
 
     datasets = (datasets_provider or default_datasets_provider)(cfg, tokenizer)
     train_ds, valid_ds = datasets[0], datasets[1]
+    test_ds = datasets[2] if len(datasets) > 2 else None
     if train_ds is None:
         raise ConfigError("no training data: check --data-path / --split / --mock-data")
 
@@ -214,6 +215,7 @@ def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | No
     return TrainingComponents(
         cfg=cfg, ps=ps, model=model, grads=grads, optimizer=optimizer, scheduler=scheduler,
         timers=timers, metrics=metrics, train_dataset=train_ds, valid_dataset=valid_ds,
+        test_dataset=test_ds,
         layout=layout, peak_flops=peak, state=state, rng_tracker=rng_tracker,
         tokenizer=tokenizer, start_time=start_time, save_lock=save_lock, wandb_id=wandb_id)
 

@@ -57,6 +57,7 @@ class TrainingComponents:
     tokenizer: Tokenizer | None = None
     start_time: float = field(default_factory=time.time)  # wall clock when building began
     save_lock: SaveLock | None = None  # rank 0 of a job with --save holds SAVE/.megalite.lock
+    test_dataset: Dataset | None = None   # the --split test part, evaluated at the end
     wandb_id: str | None = None   # with --wandb-project: the run id the checkpoints carry
 
     def checkpoint_meta(self) -> dict:
@@ -105,6 +106,13 @@ class TrainingComponents:
         return _cycle(lambda start: self._loader(self.valid_dataset, start),
                       consumed % total if total else 0)
 
+    def test_iterator(self) -> Iterator | None:
+        """Test micro-batches from the start of the test set, cycling (the end-of-training
+        evaluation reads ``--eval-iters`` batches of it)."""
+        if self.test_dataset is None:
+            return None
+        return _cycle(lambda start: self._loader(self.test_dataset, start), 0, "test")
+
     def close(self) -> None:
         self.metrics.close()
         self.grads.remove_hooks()
@@ -113,7 +121,7 @@ class TrainingComponents:
             self.save_lock = None
 
 
-def _cycle(make: Callable[[int], Iterator], start: int) -> Iterator:
+def _cycle(make: Callable[[int], Iterator], start: int, name: str = "validation") -> Iterator:
     """Items of ``make(start)``, then of ``make(0)`` over and over."""
     iterator = make(start)
     while True:
@@ -122,6 +130,6 @@ def _cycle(make: Callable[[int], Iterator], start: int) -> Iterator:
             empty = False
             yield item
         if empty and start == 0:
-            raise ConfigError("the validation set holds less than one micro-batch per "
+            raise ConfigError(f"the {name} set holds less than one micro-batch per "
                               "data-parallel rank; lower --micro-batch-size or change --split")
         iterator, start = make(0), 0

@@ -24,6 +24,9 @@ raise too. fp16 loss scaling that cannot learn (every step skipped, or every gra
 zero, for a window; or every step of a shorter run skipped) raises
 :class:`~megalite.training.health.LossScaleError` before that iteration's checkpoint
 (``megalite.training.health``). A run without a validation set says so once at start.
+A run that finishes evaluates once more, as Megatron does: the validation set (unless its
+last iteration just did) and the test set (where ``--split`` gives one), printed as
+``validation loss at the end of training | ...`` and ``test loss at the end of training``.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ class StepResult:
 class TrainResult:
     """How :func:`train` ended: ``exit_reason`` is ``finished``, ``signal``,
     ``exit-interval`` or ``exit-duration``; ``losses`` maps iteration -> lm_loss,
-    ``moe_losses`` iteration -> {moe_aux_loss, moe_z_loss} (MoE models)."""
+    ``moe_losses`` iteration -> {moe_aux_loss, moe_z_loss} (MoE models);
+    ``final_losses`` the end-of-training evaluation's ``validation`` / ``test`` losses."""
 
     iteration: int
     exit_reason: str
@@ -85,6 +89,7 @@ class TrainResult:
     valid_losses: dict = field(default_factory=dict)
     moe_losses: dict = field(default_factory=dict)
     batch_sizes: dict = field(default_factory=dict)     # iteration -> global batch size
+    final_losses: dict = field(default_factory=dict)    # end of training: validation, test
     gc_collected_at: list = field(default_factory=list)  # --manual-gc collections
 
 
@@ -351,12 +356,22 @@ def train(c: TrainingComponents) -> TrainResult:
                 result.exit_reason = reason
                 metrics.print(f" exiting at iteration {state.iteration}: {reason}")
                 break
-        result.gc_collected_at = list(manual_gc.collected_at)
         watchdog.at_end(state.iteration)   # every step of a short run skipped: exit 5
         # inside the handler: a second SIGTERM (a scheduler and torchrun both send one)
         # must not kill a rank in the middle of its exit save
         if ck.save and last_saved != state.iteration and state.iteration > 0:
             save(c, state, saver)
         saver.close()  # waits for an async save and publishes it
+        if result.exit_reason == "finished" and t.eval_iters > 0:
+            iterators = {"validation": None if state.iteration in result.valid_losses
+                         else valid_iter, "test": c.test_iterator()}
+            for label, iterator in iterators.items():   # Megatron's do_valid / do_test
+                if iterator is not None:
+                    manual_gc.around_eval()
+                    loss = evaluate(c, iterator, t.eval_iters)
+                    manual_gc.around_eval()
+                    result.final_losses[label] = loss
+                    metrics.record_eval(state.iteration, loss, label, "the end of training")
+        result.gc_collected_at = list(manual_gc.collected_at)
     result.iteration = state.iteration
     return result

@@ -248,13 +248,16 @@ class MetricsLogger:
                 f" ETA: {eta} |")
 
     # -- evaluation ---------------------------------------------------------------------
-    def record_eval(self, iteration: int, loss: float, label: str = "validation") -> None:
-        """Print the evaluation loss and perplexity at ``iteration`` and send them to
-        TensorBoard / wandb (the JSONL gets them through :meth:`record`'s ``extra``)."""
+    def record_eval(self, iteration: int, loss: float, label: str = "validation",
+                    at: str | None = None) -> None:
+        """Print the evaluation loss and perplexity at ``iteration`` (``at``: other words
+        for when, e.g. ``the end of training``) and send them to TensorBoard / wandb (the
+        JSONL gets them through :meth:`record`'s ``extra``)."""
         if not self.enabled:
             return
         ppl = math.exp(min(20.0, loss))
-        text = (f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+        text = (f" {label} loss at {at or f'iteration {iteration}'} |"
+                f" lm loss value: {loss:.6E} |"
                 f" lm loss PPL: {ppl:.6E} |")
         bar = "-" * len(text)
         self.print(f"{bar}\n{text}\n{bar}")

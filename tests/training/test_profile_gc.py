@@ -59,11 +59,12 @@ def _manual_gc_run(world_size=1, **train):
 def test_manual_gc_collects_at_the_interval_and_around_eval():
     assert gc.isenabled()
     result, seen, collections = _manual_gc_run(manual_gc_interval=3)
-    assert result.gc_collected_at == [3, "eval", "eval", 6]
+    # the end-of-training evaluation (validation, test) is collected around too
+    assert result.gc_collected_at == [3, "eval", "eval", 6] + ["eval"] * 4
     assert seen and not any(seen)             # the automatic collector was off throughout
     assert gc.isenabled()                     # and is back on afterwards
-    # while it was off, only our full collections ran: one at the start + 4
-    assert collections == [2] * 5
+    # while it was off, only our full collections ran: one at the start + 8
+    assert collections == [2] * 9
 
 
 def test_manual_gc_interval_0_and_no_eval():
@@ -83,7 +84,7 @@ def _gc_body(rank, world_size):
 
 def test_manual_gc_on_all_ranks_at_the_same_iterations():
     per_rank = run_distributed(2, _gc_body)
-    assert per_rank[0] == per_rank[1] == ([2, 4, "eval", "eval", 6], False)
+    assert per_rank[0] == per_rank[1] == ([2, 4, "eval", "eval", 6] + ["eval"] * 4, False)
 
 
 def _profiled_iterations(path):

@@ -117,3 +117,22 @@ def test_parameter_counts_once_per_tensor_pipeline_rank():
     assert [len(lines) for lines in per_rank] == [1, 1, 0, 0]
     assert [lines[0][:2] for lines in per_rank[:2]] == [("0", "0"), ("1", "0")]
     assert per_rank[0][0][2] == per_rank[1][0][2] and int(per_rank[0][0][2]) > 0
+
+
+def test_final_evaluation_at_the_end_of_training(capsys):
+    split = {"split": "90,5,5"}
+    plain, _ = run_training(tiny_config(train={"train_iters": 6}, data=split))
+    ended, _ = run_training(tiny_config(train={"train_iters": 6, "eval_iters": 2,
+                                               "eval_interval": 4}, data=split))
+    assert ended.losses == plain.losses   # logging only: the curve is the same
+    assert list(ended.valid_losses) == [4] and set(ended.final_losses) == {"validation", "test"}
+    out = capsys.readouterr().out
+    for label in ("validation", "test"):
+        loss = ended.final_losses[label]
+        assert (f" {label} loss at the end of training | lm loss value: {loss:.6E} |"
+                in out), out
+    # the last iteration ran a validation: only the test set is evaluated again
+    again, _ = run_training(tiny_config(train={"train_iters": 8, "eval_iters": 2,
+                                               "eval_interval": 4}, data=split))
+    assert list(again.valid_losses) == [4, 8] and set(again.final_losses) == {"test"}
+    assert "validation loss at the end of training" not in capsys.readouterr().out
