@@ -159,7 +159,10 @@ class LoggingConfig:
     wandb_save_dir: str | None = arg(None, "Weights & Biases local directory.")
     timing_log_level: int = arg(0, "0: iteration time only; 1: + forward/backward/"
                                 "optimizer; 2: + communication.", choices=(0, 1, 2))
-    log_throughput: bool = arg(True, "Report tokens/s and MFU.")
+    log_throughput: bool = arg(False, "Add Megatron's 'throughput per GPU (TFLOP/s/GPU)' "
+                               "(model FLOPs per second per rank) to the log line.")
+    no_log_throughput: bool = arg(False, "Turns --log-throughput off (over a --config file "
+                                  "that sets it).")
     profile: bool = arg(False, "Record a torch.profiler trace of iterations "
                         "--profile-step-start+1 .. --profile-step-end on --profile-ranks, "
                         "written to --tensorboard-dir (else SAVE/profile, else ./profile).")
@@ -172,6 +175,8 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         check_choices(self)
         positive(self, "log_interval")
+        if self.no_log_throughput:
+            self.log_throughput = False
         require(0 <= self.profile_step_start < self.profile_step_end,
                 f"--profile-step-start ({self.profile_step_start}) must be >= 0 and below "
                 f"--profile-step-end ({self.profile_step_end})")

@@ -30,7 +30,7 @@ from megalite.checkpoint.files import read_metadata
 from megalite.checkpoint.lock import acquire_save_lock
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.config.layout import resolve_layout
-from megalite.hardware import peak_flops_per_rank
+from megalite.hardware import peak_flops_per_rank, table_peak
 from megalite.optim.build import build_grads_and_optimizer
 from megalite.optim.lr_schedule import LRScheduler
 from megalite.optim.memory import rank_memory
@@ -206,6 +206,7 @@ def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | No
 
     num_params = count_layer_params(model, ps)
     peak, peak_source = peak_flops_per_rank(ps.device, peak_probe_seconds)
+    metrics.mfu_in_line = table_peak(ps.device)[0] is not None   # a datasheet's peak only
     per_step = (f"{layout.num_microbatches}" if not schedule.variable else
                 "by batch-size schedule " + ", ".join(
                     f"{n} from {th} samples" for th, n in layout.microbatch_steps()))

@@ -335,7 +335,8 @@ def train(c: TrainingComponents) -> TrainResult:
                 iteration=state.iteration, lm_loss=step.lm_loss, grad_norm=step.grad_norm,
                 lr=step.lr, loss_scale=step.loss_scale, skipped=not step.updated,
                 tokens_per_sec=tokens_per_sec, mfu=mfu, elapsed_s=elapsed,
-                consumed_samples=state.consumed_train_samples, global_batch_size=gbs),
+                consumed_samples=state.consumed_train_samples, global_batch_size=gbs,
+                tflops_per_gpu=flops / (elapsed * c.ps.world_size) / 1e12),
                 extra=extra or None)
             if "validation_loss" in extra:
                 metrics.record_eval(state.iteration, extra["validation_loss"])

@@ -46,6 +46,7 @@ class IterationMetrics:
     elapsed_s: float = 0.0
     consumed_samples: int = 0
     global_batch_size: int = 0
+    tflops_per_gpu: float = 0.0   # model TFLOP/s per rank (the line's, --log-throughput)
 
     def jsonl(self) -> dict:
         keys = ("iteration", "lm_loss", "grad_norm", "lr", "loss_scale", "skipped",
@@ -65,6 +66,7 @@ class _Window:
     elapsed_s: float = 0.0
     tokens_per_sec: float = 0.0
     mfu: float = 0.0
+    tflops_per_gpu: float = 0.0
     moe_sums: dict = field(default_factory=dict)  # moe_* key -> sum over the window
 
 
@@ -106,6 +108,7 @@ class MetricsLogger:
         self._config = config
         self.wandb_id: str | None = None   # the wandb run's id, once known (set_wandb_run)
         self._wandb_resume = False
+        self.mfu_in_line = True   # False where the peak is a CPU probe, not a datasheet's
         if not enabled:
             return
         if lcfg.metrics_jsonl:
@@ -214,7 +217,7 @@ class MetricsLogger:
         if math.isfinite(m.lm_loss):  # a skipped fp16 step still has a finite loss
             w.loss_sum += m.lm_loss
             w.loss_count += 1
-        w.tokens_per_sec, w.mfu = m.tokens_per_sec, m.mfu
+        w.tokens_per_sec, w.mfu, w.tflops_per_gpu = m.tokens_per_sec, m.mfu, m.tflops_per_gpu
         for key, value in moe.items():
             w.moe_sums[key] = w.moe_sums.get(key, 0.0) + value
         self._total_elapsed += m.elapsed_s
@@ -234,6 +237,9 @@ class MetricsLogger:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         moe = "".join(f" {k.replace('_', ' ')}: {v / max(w.iters, 1):.6E} |"
                       for k, v in w.moe_sums.items())  # e.g. " moe aux loss: ... |"
+        throughput = (f" throughput per GPU (TFLOP/s/GPU): {w.tflops_per_gpu:.1f} |"
+                      if self.lcfg.log_throughput else "")
+        mfu = f" MFU: {100.0 * w.mfu:.2f}% |" if self.mfu_in_line else ""
         return (f" [{stamp}] iteration {m.iteration:8d}/{self.train_iters:8d} |"
                 f" consumed samples: {m.consumed_samples:12d} |"
                 f" elapsed time per iteration (ms): {per_iter_ms:.1f} |"
@@ -243,8 +249,9 @@ class MetricsLogger:
                 f" loss scale: {m.loss_scale:.1f} |"
                 f" grad norm: {grad} |"
                 f" number of skipped iterations: {w.skipped:3d} |"
+                f"{throughput}"
                 f" tokens/s: {w.tokens_per_sec:.1f} |"
-                f" MFU: {100.0 * w.mfu:.2f}% |"
+                f"{mfu}"
                 f" ETA: {eta} |")
 
     # -- evaluation ---------------------------------------------------------------------

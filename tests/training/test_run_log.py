@@ -136,3 +136,35 @@ def test_final_evaluation_at_the_end_of_training(capsys):
                                                "eval_interval": 4}, data=split))
     assert list(again.valid_losses) == [4, 8] and set(again.final_losses) == {"test"}
     assert "validation loss at the end of training" not in capsys.readouterr().out
+
+
+def test_log_throughput_and_mfu_only_with_a_datasheet_peak():
+    from megalite.arguments import parse_args
+
+    assert not parse_args([]).logging.log_throughput          # off by default, as Megatron
+    assert parse_args(["--log-throughput"]).logging.log_throughput
+    assert not parse_args(["--log-throughput", "--no-log-throughput"]).logging.log_throughput
+    m = _metrics(2, 1.0)
+    m.tflops_per_gpu = 123.456
+    for throughput, peak_known in ((True, True), (False, False)):
+        lcfg = LoggingConfig(log_interval=2, log_throughput=throughput)
+        out = io.StringIO()
+        log = MetricsLogger(lcfg, train_iters=4, enabled=True, stream=out)
+        log.mfu_in_line = peak_known
+        log.record(_metrics(1, 1.0))
+        log.record(m)
+        line = out.getvalue()
+        assert ("| throughput per GPU (TFLOP/s/GPU): 123.5 | tokens/s: 10000.0 |"
+                in line) == throughput, line
+        assert ("| MFU: 25.00% |" in line) == peak_known, line
+
+
+def test_cpu_run_leaves_mfu_out_of_the_line_but_not_the_jsonl(tmp_path, capsys):
+    jsonl = str(tmp_path / "m.jsonl")
+    run_training(tiny_config(train={"train_iters": 2},
+                             logging={"log_interval": 1, "metrics_jsonl": jsonl,
+                                      "log_throughput": True}))
+    lines = [x for x in capsys.readouterr().out.splitlines() if " iteration " in x]
+    assert lines and all("throughput per GPU (TFLOP/s/GPU): " in x and "MFU" not in x
+                         for x in lines)
+    assert all(r["mfu"] > 0 for r in read_jsonl(jsonl))   # the probe's, as before
