@@ -194,12 +194,16 @@ def read_metadata_bytes(iter_dir: str) -> bytes:
         entries = sorted(os.listdir(iter_dir))
         hint = ""
         if any(e.startswith("mp_rank_") for e in entries):
-            hint = (" It holds mp_rank_* directories: a checkpoint of the older per-rank "
-                    "format, which this version does not read.")
+            hint = (" It holds mp_rank_* directories: a Megatron-LM checkpoint of the "
+                    f"per-rank format; {_CONVERT_HINT}.")
         raise CheckpointError(f"{path} is missing: {iter_dir} is not a megalite checkpoint "
                               f"(or was damaged).{hint} Found: {entries[:8]}")
     with open(path, "rb") as f:
         return f.read()
+
+
+_CONVERT_HINT = ("convert it first: tools/convert_checkpoint.py --source megatron --target "
+                 "megalite --load-dir MEGATRON_DIR --save-dir NEW_DIR")
 
 
 def parse_metadata(iter_dir: str, raw: bytes) -> dict:
@@ -210,6 +214,9 @@ def parse_metadata(iter_dir: str, raw: bytes) -> dict:
         raise CheckpointError(f"{path} is damaged: {exc}") from None
     from megalite.checkpoint.state import FORMAT
 
+    if "sharded_backend" in meta:   # Megatron-Core's distributed checkpoint
+        raise CheckpointError(f"{iter_dir} is a Megatron-LM checkpoint ({meta['sharded_backend']}"
+                              f" format), not a megalite one; {_CONVERT_HINT}")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {meta.get('format')!r}; this version "
                               f"reads {FORMAT!r}")

@@ -257,3 +257,16 @@ def _imported_logits(tmp_path, name, tokens):
     assert convert(*_from_megatron(os.path.join(FIXTURES, name), save)) == 0
     with torch.no_grad():
         return load_full_model(save)[1].eval()(tokens)
+
+
+@pytest.mark.parametrize("name", ["llama_tp1_pp1", "gpt2_tp2_pp2_legacy"])
+def test_megalite_tools_name_a_megatron_checkpoint_and_the_conversion(name):
+    """A Megatron checkpoint given to a megalite tool (not the converter) is named as one,
+    with the conversion command, in one line."""
+    from megalite.checkpoint.files import CheckpointError, read_metadata
+    from megalite.checkpoint.megatron.files import find_checkpoint
+
+    ckpt = find_checkpoint(os.path.join(FIXTURES, name))
+    with pytest.raises(CheckpointError, match="Megatron-LM checkpoint.*--source megatron "
+                                              "--target megalite"):
+        read_metadata(ckpt.directory)
