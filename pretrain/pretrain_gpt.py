@@ -83,9 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({result.exit_reason})", flush=True)
         return 0
     except KeyboardInterrupt:   # Ctrl-C without --exit-signal-handler (or before the loop)
-        print(f"megalite: interrupted (rank {rank}): stopped by SIGINT (Ctrl-C) without "
-              "saving; --exit-signal-handler saves a checkpoint on it", file=sys.stderr,
-              flush=True)
+        # one write of the whole line: the ranks share the terminal
+        sys.stderr.write(f"megalite: interrupted (rank {rank}): stopped by SIGINT (Ctrl-C) "
+                         "without saving; --exit-signal-handler saves a checkpoint on it\n")
+        sys.stderr.flush()
         return 130
     except Exception as e:
         code = report_error(e, rank)

@@ -75,7 +75,7 @@ def test_ctrl_c_saves_once_or_stops_with_one_line_per_rank(handler, tmp_path):
         assert (save / "latest_checkpointed_iteration.txt").exists()
     else:
         assert exit_codes == ["130", "130"]
-        lines = [line for line in text.splitlines() if line.startswith("megalite: interrupted")]
-        assert sorted(lines) == [f"megalite: interrupted (rank {r}): stopped by SIGINT "
-                                 "(Ctrl-C) without saving; --exit-signal-handler saves a "
-                                 "checkpoint on it" for r in (0, 1)]
+        for r in (0, 1):   # the ranks' lines share one pipe: count, not split
+            assert text.count(f"megalite: interrupted (rank {r}): stopped by SIGINT (Ctrl-C) "
+                              "without saving; --exit-signal-handler saves a checkpoint on "
+                              "it") == 1, text[-3000:]
