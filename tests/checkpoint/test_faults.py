@@ -3,7 +3,6 @@ checkpoints in ``--save``, a damaged pointer or iteration (the newest good
 ``--ckpt-step``), a full disk during a save (tmpfs), and the lock released on every exit."""
 
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -14,6 +13,7 @@ from megalite.checkpoint import CheckpointError, read_latest_iteration
 from megalite.checkpoint.lock import LOCK
 from megalite.parallel.state import ParallelState
 from megalite.training.build import build_components
+from tests.checkpoint.conftest import copy_checkpoints
 from tests.training.common import (
     ENTRYPOINT,
     PYTHON,
@@ -26,19 +26,6 @@ from tests.training.common import (
 )
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Checkpoints of iterations 2 and 4 (one process)."""
-    save = str(tmp_path_factory.mktemp("faults") / "ckpt")
-    run_training(tiny_config(train={"train_iters": 4},
-                             checkpoint={"save": save, "save_interval": 2}))
-    return save
-
-
-def _copy(saved, tmp_path) -> str:
-    dst = str(tmp_path / "ckpt")
-    shutil.copytree(saved, dst)
-    return dst
 
 
 def _load(**checkpoint) -> int:
@@ -68,7 +55,7 @@ def _one_line(proc, code: int, rank: int = 0) -> str:
 
 # -- another run's checkpoints in --save ----------------------------------------------------
 def test_a_fresh_run_refuses_another_runs_checkpoints_on_every_rank(saved, tmp_path):
-    root = _copy(saved, tmp_path)
+    root = copy_checkpoints(saved, tmp_path)
     before = sorted(os.listdir(root))
     procs = start_two_ranks(tiny_flags(**{"--save": root, "--save-interval": 2}))
     results = [(p.communicate(timeout=150)[1], p.returncode) for p in procs]
@@ -85,7 +72,7 @@ def test_a_fresh_run_refuses_another_runs_checkpoints_on_every_rank(saved, tmp_p
 
 
 def test_load_elsewhere_is_refused_too_and_overwrite_deletes_the_old_run(saved, tmp_path):
-    root = _copy(saved, tmp_path)
+    root = copy_checkpoints(saved, tmp_path)
     with pytest.raises(CheckpointError, match=rf"does not resume \(--load {saved}\)"):
         run_training(tiny_config(train={"train_iters": 2},
                                  checkpoint={"save": root, "load": saved, "save_interval": 2}))
@@ -97,7 +84,7 @@ def test_load_elsewhere_is_refused_too_and_overwrite_deletes_the_old_run(saved, 
 
 
 def test_resume_from_the_save_directory_is_not_refused(saved, tmp_path):
-    root = _copy(saved, tmp_path)
+    root = copy_checkpoints(saved, tmp_path)
     result, _ = run_training(tiny_config(train={"train_iters": 6}, checkpoint={
         "save": root, "load": root, "save_interval": 2}))
     assert result.iteration == 6 and read_latest_iteration(root) == 6
@@ -120,7 +107,7 @@ _POINTER = {
 
 @pytest.mark.parametrize("case", sorted(_POINTER))
 def test_a_bad_pointer_names_the_newest_good_checkpoint(saved, tmp_path, case):
-    root = _copy(saved, tmp_path)
+    root = copy_checkpoints(saved, tmp_path)
     content, words = _POINTER[case]
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "wb") as f:
         f.write(content)
@@ -133,7 +120,7 @@ def test_a_bad_pointer_names_the_newest_good_checkpoint(saved, tmp_path, case):
 
 
 def test_a_pointer_that_is_not_text_is_one_line_exit_4(saved, tmp_path):
-    root = _copy(saved, tmp_path)
+    root = copy_checkpoints(saved, tmp_path)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "wb") as f:
         f.write(b"\xff\xfe\x00\x81")
     line = _one_line(_entrypoint(**{"--load": root}), 4)
@@ -154,7 +141,7 @@ _DAMAGE = {
 
 @pytest.mark.parametrize("case", sorted(_DAMAGE))
 def test_a_damaged_latest_names_the_older_good_checkpoint(saved, tmp_path, case):
-    root = _copy(saved, tmp_path)
+    root = copy_checkpoints(saved, tmp_path)
     name, damage, words = _DAMAGE[case]
     damage(os.path.join(root, "iter_0000004", name))
     with pytest.raises(CheckpointError) as err:
@@ -171,7 +158,7 @@ def test_a_damaged_shard_is_one_line_without_a_stray_prefix_and_the_lock_goes(sa
                                                                               tmp_path):
     """Exit 4 from the load of a --load D --save D run: one line, no "here:" before the
     fault, the fix named, and the --save lock released."""
-    root = _copy(saved, tmp_path)
+    root = copy_checkpoints(saved, tmp_path)
     shard = os.path.join(root, "iter_0000004", "__0_0.distcp")
     size = os.path.getsize(shard)
     _truncate(shard)

@@ -4,7 +4,6 @@ one job per ``--save`` directory."""
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -18,22 +17,10 @@ from megalite.checkpoint.lock import LOCK, SaveLock
 from megalite.parallel.state import ParallelState
 from megalite.training.build import build_components
 from tests.distributed.harness import run_distributed
+from tests.checkpoint.conftest import copy_checkpoints
 from tests.training.common import run_training, tiny_config
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Checkpoints of iterations 2 and 4 (one process)."""
-    save = str(tmp_path_factory.mktemp("integrity") / "ckpt")
-    run_training(tiny_config(train={"train_iters": 4},
-                             checkpoint={"save": save, "save_interval": 2}))
-    return save
-
-
-def _copy(saved, tmp_path) -> str:
-    dst = str(tmp_path / "ckpt")
-    shutil.copytree(saved, dst)
-    return dst
 
 
 def _load(world_size: int = 1, **checkpoint) -> int:
@@ -108,7 +95,7 @@ def _flip(path: str, count: int = 64) -> None:
 
 
 def test_flipped_bytes_name_the_file_and_the_fallback(saved, tmp_path):
-    root = _copy(saved, tmp_path)
+    root = copy_checkpoints(saved, tmp_path)
     shard = os.path.join(root, "iter_0000004", "__0_0.distcp")
     _flip(shard)
     with pytest.raises(CheckpointError) as err:
@@ -137,7 +124,7 @@ def test_a_check_that_cannot_run_fails_the_load(saved, monkeypatch):
 
 
 def test_damage_without_an_older_checkpoint_says_so(saved, tmp_path):
-    root = _copy(saved, tmp_path)
+    root = copy_checkpoints(saved, tmp_path)
     _flip(os.path.join(root, "iter_0000002", "__0_0.distcp"))
     with pytest.raises(CheckpointError, match="no older complete checkpoint exists"):
         _load(load=root, ckpt_step=2)
@@ -239,7 +226,7 @@ def test_damage_found_while_reading_is_one_error_on_both_ranks(saved2, tmp_path,
     """Checksums are verified beside DCP's read: wherever a file is damaged, every rank
     raises one error naming it and the fallback, before the load returns (no timing
     here: tools/benchmark.py checkpoint measures the cost)."""
-    root = _copy(saved2, tmp_path)
+    root = copy_checkpoints(saved2, tmp_path)
     iter_dir = os.path.join(root, "iter_0000004")
     flags, name, where = _DAMAGE[damage]
     if name == "extra.bin":
@@ -259,7 +246,7 @@ def test_damage_found_while_reading_is_one_error_on_both_ranks(saved2, tmp_path,
 
 
 def test_a_truncated_shard_is_named_on_both_ranks(saved2, tmp_path):
-    root = _copy(saved2, tmp_path)
+    root = copy_checkpoints(saved2, tmp_path)
     shard = os.path.join(root, "iter_0000004", "__1_0.distcp")
     size = os.path.getsize(shard)
     with open(shard, "r+b") as f:

@@ -1,0 +1,25 @@
+"""Shared by the checkpoint tests: a one-process run's checkpoints to damage copies of."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.training.common import run_training, tiny_config
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints of iterations 2 and 4 (one process), made once per test module."""
+    save = str(tmp_path_factory.mktemp("saved") / "ckpt")
+    run_training(tiny_config(train={"train_iters": 4},
+                             checkpoint={"save": save, "save_interval": 2}))
+    return save
+
+
+def copy_checkpoints(saved: str, tmp_path) -> str:
+    """A copy of the checkpoint directory ``saved`` under ``tmp_path`` (to damage)."""
+    dst = str(tmp_path / "ckpt")
+    shutil.copytree(saved, dst)
+    return dst
