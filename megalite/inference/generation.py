@@ -47,13 +47,19 @@ def max_sequence_length(cfg) -> int:
     return limit
 
 
-def check_prompt(prompt: list[int], cfg) -> None:
+def check_prompt(prompt: list[int], cfg, generating: bool = True) -> None:
+    """A prompt the model can take: not empty, its ids in the vocabulary, and shorter than
+    the sequence length (``generating``: room for one new token) or at most as long
+    (scoring it only)."""
     if not prompt:
         raise GenerationError("the prompt is empty (no tokens)")
     limit = max_sequence_length(cfg)
-    if len(prompt) >= limit:
+    if len(prompt) >= limit and generating:
         raise GenerationError(f"the prompt has {len(prompt)} tokens; the model's sequence "
                               f"length is {limit}, which leaves no room to generate")
+    if len(prompt) > limit:
+        raise GenerationError(f"the prompt has {len(prompt)} tokens; the model's "
+                              f"sequence length is {limit}")
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
     if bad:
         raise GenerationError(f"prompt token ids {bad[:5]} are outside the model's "

@@ -120,20 +120,11 @@ def score_batch(model, prompts: list[list[int]], top_n: int = 0,
     ``top_n`` most likely tokens at those positions), from one forward of the left-padded
     batch: row ``r`` gets ``len(prompts[r]) - 1`` entries. Collective over the model's
     ranks (every rank passes the same prompts); every rank gets the scores."""
-    from megalite.inference.generation import GenerationError, max_sequence_length
+    from megalite.inference.generation import check_prompt
 
     cfg = model.config
-    limit = max_sequence_length(cfg)
     for prompt in prompts:
-        if not prompt:
-            raise GenerationError("the prompt is empty (no tokens)")
-        if len(prompt) > limit:
-            raise GenerationError(f"the prompt has {len(prompt)} tokens; the model's "
-                                  f"sequence length is {limit}")
-        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise GenerationError(f"prompt token ids {bad[:5]} are outside the model's "
-                                  f"vocabulary of {cfg.vocab_size}")
+        check_prompt(prompt, cfg, generating=False)
     width = max(len(p) for p in prompts)
     pads = [width - len(p) for p in prompts]
     device = next(model.parameters()).device

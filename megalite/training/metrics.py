@@ -28,6 +28,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
+from megalite.checkpoint.files import write_text_atomic
 from megalite.config import LoggingConfig
 
 
@@ -171,12 +172,7 @@ class MetricsLogger:
                     else:
                         kept.append(line if line.endswith("\n") else line + "\n")
             if dropped:
-                tmp = f"{path}.tmp{os.getpid()}"
-                with open(tmp, "w") as f:
-                    f.writelines(kept)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
+                write_text_atomic(path, "".join(kept))
                 self.print(f" resuming after iteration {iteration}: dropped {dropped} later "
                            f"row(s) from {path}")
             self._jsonl = open(path, "a", buffering=1)  # noqa: SIM115 (closed in close())

@@ -18,6 +18,21 @@ def saved(tmp_path_factory):
     return save
 
 
+def load_iteration(world_size: int = 1, **checkpoint) -> int:
+    """Build a tiny run that loads ``checkpoint``; the iteration it resumes at."""
+    from megalite.parallel.state import ParallelState
+    from megalite.training.build import build_components
+
+    cfg = tiny_config(world_size, train={"train_iters": 4}, checkpoint=checkpoint)
+    ps = ParallelState.build(cfg.parallel)
+    try:
+        c = build_components(cfg, ps, peak_probe_seconds=0.01)
+        c.close()
+        return c.state.iteration
+    finally:
+        ps.destroy()
+
+
 def copy_checkpoints(saved: str, tmp_path) -> str:
     """A copy of the checkpoint directory ``saved`` under ``tmp_path`` (to damage)."""
     dst = str(tmp_path / "ckpt")

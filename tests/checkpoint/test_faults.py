@@ -11,9 +11,7 @@ import pytest
 
 from megalite.checkpoint import CheckpointError, read_latest_iteration
 from megalite.checkpoint.lock import LOCK
-from megalite.parallel.state import ParallelState
-from megalite.training.build import build_components
-from tests.checkpoint.conftest import copy_checkpoints
+from tests.checkpoint.conftest import copy_checkpoints, load_iteration
 from tests.training.common import (
     ENTRYPOINT,
     PYTHON,
@@ -24,20 +22,6 @@ from tests.training.common import (
     tiny_config,
     tiny_flags,
 )
-
-
-
-
-def _load(**checkpoint) -> int:
-    """Build a tiny run that loads ``checkpoint``; the iteration it resumes at."""
-    cfg = tiny_config(train={"train_iters": 4}, checkpoint=checkpoint)
-    ps = ParallelState.build(cfg.parallel)
-    try:
-        c = build_components(cfg, ps, peak_probe_seconds=0.01)
-        c.close()
-        return c.state.iteration
-    finally:
-        ps.destroy()
 
 
 def _entrypoint(*flags, **overrides) -> subprocess.CompletedProcess:
@@ -112,11 +96,11 @@ def test_a_bad_pointer_names_the_newest_good_checkpoint(saved, tmp_path, case):
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "wb") as f:
         f.write(content)
     with pytest.raises(CheckpointError) as err:
-        _load(load=root)
+        load_iteration(load=root)
     assert words in str(err.value)
     assert str(err.value).endswith("the newest complete checkpoint there is iteration 4 "
                                    "(also: 2): load it with --ckpt-step 4"), str(err.value)
-    assert _load(load=root, ckpt_step=4) == 4
+    assert load_iteration(load=root, ckpt_step=4) == 4
 
 
 def test_a_pointer_that_is_not_text_is_one_line_exit_4(saved, tmp_path):
@@ -145,13 +129,13 @@ def test_a_damaged_latest_names_the_older_good_checkpoint(saved, tmp_path, case)
     name, damage, words = _DAMAGE[case]
     damage(os.path.join(root, "iter_0000004", name))
     with pytest.raises(CheckpointError) as err:
-        _load(load=root)
+        load_iteration(load=root)
     assert words in str(err.value) and "--ckpt-step 2" in str(err.value), str(err.value)
     assert "--no-ckpt-verify" not in str(err.value)   # sizes are checked without it too
-    assert _load(load=root, ckpt_step=2) == 2
+    assert load_iteration(load=root, ckpt_step=2) == 2
     damage(os.path.join(root, "iter_0000002", name))
     with pytest.raises(CheckpointError, match="no (older )?complete checkpoint exists"):
-        _load(load=root)
+        load_iteration(load=root)
 
 
 def test_a_damaged_shard_is_one_line_without_a_stray_prefix_and_the_lock_goes(saved,
@@ -241,4 +225,4 @@ def test_disk_full_at_a_later_save_keeps_the_previous_one(small_disk, async_save
     assert ("the partial iter_0000002.tmp was removed; the previous checkpoint, iteration 1, "
             "is intact (latest_checkpointed_iteration.txt still names it)") in line, line
     assert sorted(os.listdir(root)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
-    assert _load(load=root, no_load_rng=True) == 1
+    assert load_iteration(load=root, no_load_rng=True) == 1

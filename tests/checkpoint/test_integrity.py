@@ -14,25 +14,9 @@ import megalite.checkpoint.files as ckpt_files
 import megalite.checkpoint.load as ckpt_load
 from megalite.checkpoint import CheckpointError
 from megalite.checkpoint.lock import LOCK, SaveLock
-from megalite.parallel.state import ParallelState
-from megalite.training.build import build_components
 from tests.distributed.harness import run_distributed
-from tests.checkpoint.conftest import copy_checkpoints
+from tests.checkpoint.conftest import copy_checkpoints, load_iteration
 from tests.training.common import run_training, tiny_config
-
-
-
-
-def _load(world_size: int = 1, **checkpoint) -> int:
-    """Build a tiny run that loads ``checkpoint``; the iteration it resumes at."""
-    cfg = tiny_config(world_size, train={"train_iters": 4}, checkpoint=checkpoint)
-    ps = ParallelState.build(cfg.parallel)
-    try:
-        c = build_components(cfg, ps, peak_probe_seconds=0.01)
-        c.close()
-        return c.state.iteration
-    finally:
-        ps.destroy()
 
 
 def test_manifest_records_a_fast_checksum(saved):
@@ -55,7 +39,7 @@ def _load_on_ranks(rank, world_size, root, patch):
     if rank == 1 and patch == "metadata":      # rank 1 reads another metadata.json
         ckpt_load.read_metadata_bytes = lambda d: saved[1](d) + b" "
     try:
-        return _load(world_size, load=root)
+        return load_iteration(world_size, load=root)
     except CheckpointError as exc:
         return f"CheckpointError: {exc}"
     finally:
@@ -76,10 +60,10 @@ def test_ranks_seeing_another_checkpoint_all_fail_with_one_error(saved):
 
 
 def test_ckpt_step_loads_an_older_iteration(saved):
-    assert _load(load=saved, ckpt_step=2) == 2
+    assert load_iteration(load=saved, ckpt_step=2) == 2
     with pytest.raises(CheckpointError, match=r"--ckpt-step 3: .* no iteration 3 .*"
                                               r"available: 2, 4"):
-        _load(load=saved, ckpt_step=3)
+        load_iteration(load=saved, ckpt_step=3)
 
 
 # -- checksums verified by default -----------------------------------------------------------
@@ -99,13 +83,13 @@ def test_flipped_bytes_name_the_file_and_the_fallback(saved, tmp_path):
     shard = os.path.join(root, "iter_0000004", "__0_0.distcp")
     _flip(shard)
     with pytest.raises(CheckpointError) as err:
-        _load(load=root)
+        load_iteration(load=root)
     message = str(err.value)
     assert f"checkpoint file {shard} is damaged" in message
     assert "older complete checkpoint is iteration 2" in message
     assert "--ckpt-step 2" in message and "--no-ckpt-verify" in message
-    assert _load(load=root, no_ckpt_verify=True) == 4       # as it is, on request
-    assert _load(load=root, ckpt_step=2) == 2                # the fallback is intact
+    assert load_iteration(load=root, no_ckpt_verify=True) == 4       # as it is, on request
+    assert load_iteration(load=root, ckpt_step=2) == 2                # the fallback is intact
 
 
 def test_a_check_that_cannot_run_fails_the_load(saved, monkeypatch):
@@ -119,15 +103,15 @@ def test_a_check_that_cannot_run_fails_the_load(saved, monkeypatch):
     monkeypatch.setattr(ckpt_verify, "check_checksums", broken)
     with pytest.raises(CheckpointError, match=r"iter_0000004 could not be verified: "
                                               r"ValueError: mmap length"):
-        _load(load=saved)
-    assert _load(load=saved, no_ckpt_verify=True) == 4
+        load_iteration(load=saved)
+    assert load_iteration(load=saved, no_ckpt_verify=True) == 4
 
 
 def test_damage_without_an_older_checkpoint_says_so(saved, tmp_path):
     root = copy_checkpoints(saved, tmp_path)
     _flip(os.path.join(root, "iter_0000002", "__0_0.distcp"))
     with pytest.raises(CheckpointError, match="no older complete checkpoint exists"):
-        _load(load=root, ckpt_step=2)
+        load_iteration(load=root, ckpt_step=2)
 
 
 # -- checksums verified beside DCP's read, on 2 ranks ----------------------------------
@@ -148,7 +132,7 @@ def saved2(tmp_path_factory):
 
 def _load_or_error(rank, world_size, root, checkpoint):
     try:
-        return _load(world_size, load=root, **checkpoint)
+        return load_iteration(world_size, load=root, **checkpoint)
     except CheckpointError as exc:
         return f"CheckpointError: {exc}"
 

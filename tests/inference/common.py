@@ -2,6 +2,10 @@
 checkpoints saved at tp=1, what one rank generates at a layout, and the check that a
 layout's ranks equal one process."""
 
+import json
+import urllib.error
+import urllib.request
+
 import torch
 
 from megalite.checkpoint.consolidated import save_full_model
@@ -99,3 +103,16 @@ def check_equal(one: dict, ranks: list[dict], family: str, tp: int) -> None:
         assert (rank["logits"] - one["logits"]).abs().max().item() < 1e-4
         assert (rank["full"] - one["logits"]).abs().max().item() < 1e-4
     assert any(len(set(g)) > 1 for g in one["greedy"])  # not a constant output
+
+
+def put_json(url: str, body, method: str = "PUT", timeout: float = 60) -> tuple[int, dict]:
+    """(status, JSON answer) of an HTTP request with ``body`` (JSON-encoded unless bytes),
+    error statuses included."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

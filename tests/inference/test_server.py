@@ -24,6 +24,7 @@ from megalite.inference.server import (
     is_loopback,
 )
 from megalite.models.gpt import GPTModel
+from tests.inference.common import put_json
 from tests.model.common import FAMILIES, single_process_state
 
 
@@ -43,14 +44,7 @@ def server():
 
 
 def _put(url, body, method="PUT"):
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return put_json(url, body, method, timeout=30)
 
 
 def test_greedy_request(server):

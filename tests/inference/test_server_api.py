@@ -5,10 +5,7 @@ prevent_newline_after_colon, no_log and its log line; beam search is refused; th
 fields are checked with a 400; at tp 2 and pp 2 the answers equal one process's. A real
 HTTP client against servers on 127.0.0.1, ports the OS chose."""
 
-import json
 import threading
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ from megalite.inference.generation import generate, max_sequence_length
 from megalite.inference.server import GenerationService, ServerLimits, build_server, follow
 from megalite.models.gpt import GPTModel
 from tests.distributed.harness import run_distributed
+from tests.inference.common import put_json
 from tests.model.common import FAMILIES, single_process_state
 
 
@@ -44,13 +42,7 @@ def _serve(service):
 
 
 def _put(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="PUT",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return put_json(url, body)
 
 
 @pytest.fixture(scope="module")
