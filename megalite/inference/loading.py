@@ -139,19 +139,26 @@ def load_for_inference(load: str, iteration: int | None = None, args=None, ps=No
     cfg, model = load_model(load, iteration, ps)
     if args is not None:
         apply_tokenizer_flags(cfg.data, args)
-    return cfg, model, checkpoint_tokenizer(cfg)
+    return cfg, model, checkpoint_tokenizer(cfg, load)
 
 
-def checkpoint_tokenizer(cfg):
+def checkpoint_tokenizer(cfg, root: str | None = None):
     """The tokenizer a checkpoint's config records (``cfg.data``: its type and files) for
-    its model's vocabulary; :class:`TokenizerError` when it cannot be built or its
-    vocabulary is not the model's."""
+    its model's vocabulary, or, when it records none, the one the checkpoint under
+    ``root`` carries (``root/tokenizer``, :mod:`megalite.checkpoint.tokenizer_dir`;
+    ``cfg.data`` is pointed at it). :class:`TokenizerError` when it cannot be built or its
+    vocabulary is not the model's (a carried Hugging Face tokenizer may have fewer tokens
+    than the model's embedding: Hugging Face models often pad it)."""
+    from megalite.checkpoint.tokenizer_dir import use_carried_tokenizer
+
+    carried = use_carried_tokenizer(cfg.data, root)
     vocab = cfg.model.vocab_size
     if cfg.data.tokenizer_type == "NullTokenizer" or (
             cfg.data.tokenizer_type is None and cfg.data.mock_data):
         vocab -= 1  # NullTokenizer(n) has n + 1 tokens (its eod); training recorded n + 1
     tokenizer = build_tokenizer(cfg.data, vocab)
-    if tokenizer.vocab_size != cfg.model.vocab_size:
+    if tokenizer.vocab_size != cfg.model.vocab_size and not (
+            carried and tokenizer.vocab_size < cfg.model.vocab_size):
         raise TokenizerError(
             f"the tokenizer {tokenizer!r} has {tokenizer.vocab_size} tokens but the "
             f"checkpoint's model has a vocabulary of {cfg.model.vocab_size}; pass the "
