@@ -177,7 +177,7 @@ def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | No
     log_rank = ps.world_size - 1
     preflight(cfg, model, ps, log_rank)  # outputs writable, disk space: before any work
     metrics = MetricsLogger(cfg.logging, t.train_iters, enabled=ps.rank == log_rank,
-                            config=cfg.to_dict())
+                            config=cfg.to_dict(), device=ps.device, world_size=ps.world_size)
     metrics.print(arguments_block(cfg.to_dict()))
     if carried is not None:
         metrics.print(f" tokenizer: {carried}, which the --load checkpoint carries "
