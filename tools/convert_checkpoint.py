@@ -76,19 +76,20 @@ def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
     else:
         raise ConversionError(f"{directory} holds neither model.safetensors nor {SAFE_INDEX}")
     state = {}
-    for name in progress(files, "read safetensors", " file"):
+    for name in progress(files, "read safetensors", "file"):
         state.update(load_file(os.path.join(directory, name)))
     return state
 
 
 def progress(items, desc: str, unit: str):
-    """``items`` under a tqdm bar on stderr, shown past 2 s and only on a terminal (as
-    preprocessing's); the steps of a conversion when ``items`` is an int."""
-    from tqdm import tqdm
+    """``items`` counted on stderr (megalite.progress: a bar on a terminal, a line every
+    10% or 30 s in a log, nothing in the first 2 s); the steps of a conversion when
+    ``items`` is an int."""
+    from megalite.progress import Progress
 
-    kw = {"desc": desc, "unit": unit, "file": sys.stderr, "delay": 2.0, "disable": None,
-          "dynamic_ncols": True}
-    return tqdm(total=items, **kw) if isinstance(items, int) else tqdm(items, **kw)
+    if isinstance(items, int):
+        return Progress(items, desc, unit)
+    return Progress(desc=desc, unit=unit, iterable=items)
 
 
 def parse_size(text: str) -> int:
@@ -118,7 +119,7 @@ def write_hf_weights(state: dict[str, torch.Tensor], directory: str, max_shard: 
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                  for i in range(len(shards))]
-    for name, shard in progress(list(zip(names, shards)), "write safetensors", " file"):
+    for name, shard in progress(list(zip(names, shards)), "write safetensors", "file"):
         save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
@@ -197,7 +198,7 @@ def hf_to_megalite(args) -> None:
         raise ConfigError(f"the target layout does not fit the model: {exc}") from None
     tokenizer_source = import_tokenizer(args, cfg)
     hf_state = read_hf_weights(args.load_dir)
-    with progress(2, "convert", " step") as bar:
+    with progress(2, "convert", "step") as bar:
         full = spec.from_hf(hf_state, cfg.model)
         unused = unused_hf_tensors(spec, hf_state, full, cfg.model)
         if unused:
@@ -280,7 +281,7 @@ def megatron_to_megalite(args) -> None:
     from megalite.checkpoint.consolidated import save_full_model
     from megalite.checkpoint.megatron import read_megatron
 
-    with progress(2, "convert", " step") as bar:
+    with progress(2, "convert", "step") as bar:
         bar.set_postfix_str("reading the Megatron checkpoint")
         imported = read_megatron(args.load_dir, args.ckpt_step)
         bar.update(1)
@@ -329,7 +330,7 @@ def megalite_to_megatron(args) -> None:
     from megalite.checkpoint.megatron.writer import write_megatron
 
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    with progress(2, "convert", " step") as bar:
+    with progress(2, "convert", "step") as bar:
         bar.set_postfix_str("loading the checkpoint")
         _, iteration = checkpoint_config(args.load_dir, args.ckpt_step)
         cfg, model = load_full_model(args.load_dir, iteration)
@@ -354,7 +355,7 @@ def megalite_to_megatron(args) -> None:
 def megalite_to_hf(args) -> None:
     from megalite.checkpoint.consolidated import load_full_model
 
-    with progress(2, "convert", " step") as bar:
+    with progress(2, "convert", "step") as bar:
         bar.set_postfix_str("loading the checkpoint")
         cfg, model = load_full_model(args.load_dir, args.ckpt_step)
         bar.update(1)
@@ -439,7 +440,7 @@ def write_export_tokenizer(tokenizer, out: str) -> str:
 def megalite_to_consolidated(args) -> None:
     from megalite.checkpoint.consolidated import load_full_model
 
-    with progress(1, "load", " step") as bar:
+    with progress(1, "load", "step") as bar:
         cfg, model = load_full_model(args.load_dir, args.ckpt_step)
         bar.update(1)
     full = {k: v.to(DTYPES[args.dtype]).contiguous() for k, v in model.full_state_dict().items()}
