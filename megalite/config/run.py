@@ -186,6 +186,11 @@ class LoggingConfig:
     profile_step_start: int = arg(10, "Iterations done when profiling starts.")
     profile_step_end: int = arg(12, "Iterations done when profiling stops.")
     profile_ranks: list[int] = arg([0], "Global ranks to profile.", nargs="+")
+    pytorch_profiler_collect_shapes: bool = arg(
+        False, "--profile: record the operators' input shapes (torch.profiler's "
+        "record_shapes; off by default, as in Megatron-LM).")
+    pytorch_profiler_collect_callstack: bool = arg(
+        False, "--profile: record Python call stacks (torch.profiler's with_stack).")
 
     def __post_init__(self) -> None:
         check_choices(self)
