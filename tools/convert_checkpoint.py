@@ -390,11 +390,11 @@ def export_tokenizer(cfg, args):
     config.json then keeps the architecture's bos/eos ids where they are ids of the
     vocabulary."""
     from megalite.data.tokenizers import TokenizerError
-    from megalite.inference.loading import apply_tokenizer_flags, checkpoint_tokenizer
+    from megalite.inference.loading import checkpoint_tokenizer
 
-    apply_tokenizer_flags(cfg.data, args)
     d = cfg.data
-    if d.tokenizer_type is None and not d.mock_data and d.tokenizer_model is None:
+    if (d.tokenizer_type is None and not d.mock_data
+            and args.tokenizer_type is None and args.tokenizer_model is None):
         from megalite.checkpoint.tokenizer_dir import carried_tokenizer
 
         if carried_tokenizer(args.load_dir) is None:
@@ -404,7 +404,7 @@ def export_tokenizer(cfg, args):
                   f"its --tokenizer-type and --tokenizer-model / --vocab-file --merge-file)")
             return None
     try:
-        return checkpoint_tokenizer(cfg, args.load_dir)
+        return checkpoint_tokenizer(cfg, args.load_dir, args)
     except TokenizerError as exc:
         print(f"warning: {args.load_dir}: config.json gets no bos/eos ids of the tokenizer "
               f"the model was trained with, and {args.save_dir} no tokenizer files, as it "

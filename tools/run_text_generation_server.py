@@ -68,12 +68,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         from megalite.inference.generation import max_sequence_length
-        from megalite.inference.loading import (
-            apply_tokenizer_flags,
-            checkpoint_tokenizer,
-            load_model,
-            state_for_args,
-        )
+        from megalite.inference.loading import checkpoint_tokenizer, load_model, state_for_args
         from megalite.inference.server import (
             GenerationService,
             ServerLimits,
@@ -103,8 +98,7 @@ def main(argv=None) -> int:
         cfg, model = load_model(args.load, args.ckpt_step, ps)
         start.update(1)
         start.set_postfix_str("loading the tokenizer")
-        apply_tokenizer_flags(cfg.data, args)
-        tokenizer = checkpoint_tokenizer(cfg, args.load)
+        tokenizer = checkpoint_tokenizer(cfg, args.load, args)
         start.update(1)
         if ps.rank != 0:
             return _follow(follow, model)

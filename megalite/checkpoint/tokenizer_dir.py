@@ -69,17 +69,39 @@ def write_tokenizer_dir(root: str, source: str) -> list[str]:
     return names
 
 
-def use_carried_tokenizer(data_cfg, root: str | None) -> str | None:
+def use_carried_tokenizer(data_cfg, root: str | None, replace_missing: bool = False
+                          ) -> str | None:
     """Point ``data_cfg`` at the tokenizer the checkpoint under ``root`` carries when it
     names none of its own (no ``--tokenizer-type``, or HuggingFaceTokenizer without
-    ``--tokenizer-model``; mock data's NullTokenizer is a tokenizer); the path used, or
-    None when ``data_cfg`` is left as it was."""
-    if root is None or data_cfg.tokenizer_model is not None or data_cfg.vocab_file:
+    ``--tokenizer-model``; mock data's NullTokenizer is a tokenizer) or, with
+    ``replace_missing`` (a checkpoint's recorded settings), a HuggingFaceTokenizer directory
+    that is gone (moved with the checkpoint); the path used, or None when ``data_cfg`` is
+    left as it was."""
+    if root is None or data_cfg.vocab_file:
         return None
-    kind = data_cfg.tokenizer_type
+    kind, model = data_cfg.tokenizer_type, data_cfg.tokenizer_model
     if kind not in (None, "HuggingFaceTokenizer") or (kind is None and data_cfg.mock_data):
+        return None
+    if model is not None and not (replace_missing and kind == "HuggingFaceTokenizer"
+                                  and not os.path.exists(model)):
         return None
     path = carried_tokenizer(root)
     if path is not None:
         data_cfg.tokenizer_type, data_cfg.tokenizer_model = "HuggingFaceTokenizer", path
     return path
+
+
+def carry_training_tokenizer(data_cfg, root: str) -> str | None:
+    """Copy the tokenizer a run uses into its ``--save`` directory ``root`` (rank 0, once
+    at start-up), so its checkpoints carry it: a HuggingFaceTokenizer directory only (the
+    other types' files have no Hugging Face form here, and their flags are recorded); the
+    path written, None when nothing is to be done."""
+    source = data_cfg.tokenizer_model
+    if (data_cfg.tokenizer_type != "HuggingFaceTokenizer" or not source
+            or not tokenizer_files(source)):
+        return None
+    target = os.path.join(root, TOKENIZER_DIR)
+    if os.path.realpath(source) == os.path.realpath(target):
+        return None
+    write_tokenizer_dir(root, source)
+    return target

@@ -137,21 +137,24 @@ def load_for_inference(load: str, iteration: int | None = None, args=None, ps=No
     The tokenizer is the one the checkpoint records unless ``args`` names another
     (``--tokenizer-type`` ...); its vocabulary must match the model's."""
     cfg, model = load_model(load, iteration, ps)
-    if args is not None:
-        apply_tokenizer_flags(cfg.data, args)
-    return cfg, model, checkpoint_tokenizer(cfg, load)
+    return cfg, model, checkpoint_tokenizer(cfg, load, args)
 
 
-def checkpoint_tokenizer(cfg, root: str | None = None):
+def checkpoint_tokenizer(cfg, root: str | None = None, args=None):
     """The tokenizer a checkpoint's config records (``cfg.data``: its type and files) for
-    its model's vocabulary, or, when it records none, the one the checkpoint under
-    ``root`` carries (``root/tokenizer``, :mod:`megalite.checkpoint.tokenizer_dir`;
-    ``cfg.data`` is pointed at it). :class:`TokenizerError` when it cannot be built or its
-    vocabulary is not the model's (a carried Hugging Face tokenizer may have fewer tokens
-    than the model's embedding: Hugging Face models often pad it)."""
+    its model's vocabulary, or, when it records none (or a Hugging Face tokenizer directory
+    that is gone), the one the checkpoint under ``root`` carries (``root/tokenizer``,
+    :mod:`megalite.checkpoint.tokenizer_dir`); the tokenizer flags of ``args`` override
+    either. ``cfg.data`` is left naming the tokenizer built. :class:`TokenizerError` when
+    it cannot be built or its vocabulary is not the model's (a carried Hugging Face
+    tokenizer may have fewer tokens than the model's embedding: Hugging Face models often
+    pad it)."""
     from megalite.checkpoint.tokenizer_dir import use_carried_tokenizer
 
-    carried = use_carried_tokenizer(cfg.data, root)
+    carried = use_carried_tokenizer(cfg.data, root, replace_missing=True)
+    if args is not None:
+        apply_tokenizer_flags(cfg.data, args)
+    carried = carried if cfg.data.tokenizer_model == carried else None
     vocab = cfg.model.vocab_size
     if cfg.data.tokenizer_type == "NullTokenizer" or (
             cfg.data.tokenizer_type is None and cfg.data.mock_data):

@@ -182,6 +182,13 @@ def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | No
     if carried is not None:
         metrics.print(f" tokenizer: {carried}, which the --load checkpoint carries "
                       f"(--tokenizer-type HuggingFaceTokenizer --tokenizer-model {carried})")
+    if ps.rank == 0 and cfg.checkpoint.save and tokenizer is not None:
+        from megalite.checkpoint.tokenizer_dir import carry_training_tokenizer
+
+        # its checkpoints carry the run's Hugging Face tokenizer (save lock held)
+        written = carry_training_tokenizer(cfg.data, cfg.checkpoint.save)
+        if written is not None:
+            print(f" copied the tokenizer {cfg.data.tokenizer_model} to {written}", flush=True)
     metrics.print(f" rank {ps.rank}: {rank_memory(model, grads, optimizer).describe()}")
     if ps.dp.rank == 0 and ps.cp.rank == 0:   # one line per (tp, pp) pair, as Megatron
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "

@@ -156,11 +156,19 @@ def test_flags_and_recorded_tokenizers_win_over_the_carried_one(converted):
         if not uses:
             assert (data.tokenizer_type, data.tokenizer_model) == before
     assert use_carried_tokenizer(DataConfig(), None) is None
+    # a recorded Hugging Face directory that is gone (the checkpoint moved): the carried one
+    gone = DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/gone/tok")
+    assert use_carried_tokenizer(gone, converted) is None          # a flag: not replaced
+    assert use_carried_tokenizer(gone, converted, replace_missing=True) == \
+        gone.tokenizer_model == os.path.join(converted, "tokenizer")
 
 
-def test_training_load_uses_the_carried_tokenizer(hf_source, converted, tmp_path):
+def test_training_load_uses_the_carried_tokenizer(hf_source, converted, tmp_path, capsys):
     """--load of a converted checkpoint, no tokenizer flags, real data: the run reads the
-    carried tokenizer (and its vocabulary sizes the model, as the checkpoint's)."""
+    carried tokenizer (and its vocabulary sizes the model, as the checkpoint's) and its own
+    checkpoints carry it too, so they still generate once the source is gone."""
+    import shutil
+
     import numpy as np
 
     from megalite.data.indexed_dataset import IndexedDatasetWriter
@@ -168,6 +176,8 @@ def test_training_load_uses_the_carried_tokenizer(hf_source, converted, tmp_path
     from megalite.training.loop import train
 
     tok = create_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_source)
+    copy, save = str(tmp_path / "converted"), str(tmp_path / "finetuned")
+    shutil.copytree(converted, copy)
     prefix = str(tmp_path / "docs")
     with IndexedDatasetWriter(prefix, np.uint16) as out:
         for text in TEXTS * 10:
@@ -177,12 +187,20 @@ def test_training_load_uses_the_carried_tokenizer(hf_source, converted, tmp_path
                       data={"mock_data": False, "tokenizer_type": None,
                             "data_path": [prefix], "split": "100,0,0"},
                       train={"train_iters": 2, "global_batch_size": 2},
-                      checkpoint={"load": converted, "finetune": True})
+                      checkpoint={"load": copy, "finetune": True, "save": save,
+                                  "save_interval": 2})
     c = build_components(cfg, ParallelState.build(cfg.parallel), peak_probe_seconds=0.01)
-    assert c.cfg.data.tokenizer_model == os.path.join(converted, "tokenizer")
+    assert c.cfg.data.tokenizer_model == os.path.join(copy, "tokenizer")
     assert c.cfg.model.vocab_size == tok.vocab_size
     assert all(torch.isfinite(torch.tensor(x)) for x in train(c).losses.values())
     c.close()
+    assert sorted(os.listdir(carried_tokenizer(save))) == sorted(os.listdir(
+        os.path.join(copy, "tokenizer")))
+    shutil.rmtree(copy)        # the tokenizer the run's config names is gone
+    capsys.readouterr()
+    assert _tool("generate", "--load", save, "--prompt", TEXTS[0], "--max-new-tokens", 3,
+                 "--temperature", 0) == 0
+    assert capsys.readouterr().out.startswith(f"[{TEXTS[0]}]")
 
 
 # -- megalite -> Hugging Face ------------------------------------------------------------
