@@ -57,7 +57,8 @@ def save_hf_tokenizer(tokenizer: Tokenizer, out: str) -> list[str]:
     hf.eos_token = hf.convert_ids_to_tokens(eos)
     if hf.bos_token is None or bos != eos:
         hf.bos_token = hf.convert_ids_to_tokens(bos)
-    if hf.pad_token is None:
+    saved_by_hf = isinstance(tokenizer, HuggingFaceTokenizer) and os.path.isdir(tokenizer.path)
+    if hf.pad_token is None and not saved_by_hf:   # a saved tokenizer's own settings stay
         hf.pad_token = hf.convert_ids_to_tokens(int(tokenizer.pad))
     os.makedirs(out, exist_ok=True)
     hf.save_pretrained(out)
