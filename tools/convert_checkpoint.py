@@ -25,6 +25,12 @@ A megalite checkpoint is layout-free (it reshards on load), so the converter wri
 weights-only checkpoint (iteration 0) and records the config; the target tensor /
 pipeline / expert parallel sizes are only checked against the model and appear in the
 printed ``pretrain_gpt.py`` flags. Continue training with ``--load DIR --finetune``.
+
+Tokenizers travel along: HF -> megalite copies the source's tokenizer files into
+``SAVE/tokenizer/`` (megalite.checkpoint.tokenizer_dir), which generate, evaluate, the
+server and ``--load`` use when no tokenizer flag names one; megalite -> HF writes the
+tokenizer the checkpoint records or carries (or the tokenizer flags name) as Hugging Face
+files (megalite.data.tokenizer_export), with the bos/eos ids config.json gets.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.errors import EXIT_CHECKPOINT, KnownError, exit_code_of
 from megalite.models.families import FamilySpec, family_for_hf, family_of
+from megalite.models.families.spec import trained_token_ids
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SAFE_INDEX = "model.safetensors.index.json"
@@ -69,19 +76,20 @@ def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
     else:
         raise ConversionError(f"{directory} holds neither model.safetensors nor {SAFE_INDEX}")
     state = {}
-    for name in progress(files, "read safetensors", " file"):
+    for name in progress(files, "read safetensors", "file"):
         state.update(load_file(os.path.join(directory, name)))
     return state
 
 
 def progress(items, desc: str, unit: str):
-    """``items`` under a tqdm bar on stderr, shown past 2 s and only on a terminal (as
-    preprocessing's); the steps of a conversion when ``items`` is an int."""
-    from tqdm import tqdm
+    """``items`` counted on stderr (megalite.progress: a bar on a terminal, a line every
+    10% or 30 s in a log, nothing in the first 2 s); the steps of a conversion when
+    ``items`` is an int."""
+    from megalite.progress import Progress
 
-    kw = {"desc": desc, "unit": unit, "file": sys.stderr, "delay": 2.0, "disable": None,
-          "dynamic_ncols": True}
-    return tqdm(total=items, **kw) if isinstance(items, int) else tqdm(items, **kw)
+    if isinstance(items, int):
+        return Progress(items, desc, unit)
+    return Progress(desc=desc, unit=unit, iterable=items)
 
 
 def parse_size(text: str) -> int:
@@ -111,7 +119,7 @@ def write_hf_weights(state: dict[str, torch.Tensor], directory: str, max_shard: 
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                  for i in range(len(shards))]
-    for name, shard in progress(list(zip(names, shards)), "write safetensors", " file"):
+    for name, shard in progress(list(zip(names, shards)), "write safetensors", "file"):
         save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
@@ -188,8 +196,9 @@ def hf_to_megalite(args) -> None:
         cfg.validate(world)
     except ConfigError as exc:
         raise ConfigError(f"the target layout does not fit the model: {exc}") from None
+    tokenizer_source = import_tokenizer(args, cfg)
     hf_state = read_hf_weights(args.load_dir)
-    with progress(2, "convert", " step") as bar:
+    with progress(2, "convert", "step") as bar:
         full = spec.from_hf(hf_state, cfg.model)
         unused = unused_hf_tensors(spec, hf_state, full, cfg.model)
         if unused:
@@ -197,12 +206,50 @@ def hf_to_megalite(args) -> None:
                                   f"megalite counterpart, e.g. {unused[:3]}")
         bar.update(1)
         bar.set_postfix_str("saving the checkpoint")
+        carried = None
+        if tokenizer_source is not None:   # before the checkpoint, whose pointer is last
+            from megalite.checkpoint.tokenizer_dir import TOKENIZER_DIR, write_tokenizer_dir
+
+            names = write_tokenizer_dir(args.save_dir, tokenizer_source)
+            carried = os.path.join(args.save_dir, TOKENIZER_DIR)
         path = save_full_model(cfg, full, args.save_dir)
         bar.update(1)
     flags = training_flags(cfg)
     print(f"wrote {path} ({spec.name}, {sum(t.numel() for t in full.values()):,} parameters)")
+    if carried is not None:
+        print(f"wrote {carried} ({', '.join(names)} of {tokenizer_source}): generate, "
+              f"evaluate and the server use it without tokenizer flags")
+        flags += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", carried]
     print("continue training with:\n  pretrain/pretrain_gpt.py " + " ".join(flags)
           + f" --load {args.save_dir} --finetune --save <dir> ...")
+
+
+def import_tokenizer(args, cfg: MegaliteConfig) -> str | None:
+    """The directory whose tokenizer the converted checkpoint will carry (``--tokenizer-model``,
+    else the Hugging Face source), ``cfg.data`` set to a HuggingFaceTokenizer; None, with a
+    note, when there is none or it cannot be used with the model."""
+    from megalite.checkpoint.tokenizer_dir import tokenizer_files
+    from megalite.data.tokenizers import HuggingFaceTokenizer, TokenizerError
+
+    source = args.tokenizer_model or args.load_dir
+    if not tokenizer_files(source):
+        print(f"note: {source} holds no tokenizer files, so the converted checkpoint "
+              f"carries none: give generate / evaluate / the server --tokenizer-type "
+              f"HuggingFaceTokenizer --tokenizer-model <dir>, or convert again with "
+              f"--tokenizer-model <dir of the model's tokenizer>")
+        return None
+    try:
+        tokenizer = HuggingFaceTokenizer(source)
+    except TokenizerError as exc:
+        print(f"warning: the converted checkpoint carries no tokenizer: {exc}")
+        return None
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        print(f"warning: the converted checkpoint carries no tokenizer: {source}'s "
+              f"tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+              f"vocabulary of {cfg.model.vocab_size}")
+        return None
+    cfg.data.tokenizer_type = "HuggingFaceTokenizer"   # the model: the one it carries
+    return source
 
 
 def read_hf_config(directory: str):
@@ -234,7 +281,7 @@ def megatron_to_megalite(args) -> None:
     from megalite.checkpoint.consolidated import save_full_model
     from megalite.checkpoint.megatron import read_megatron
 
-    with progress(2, "convert", " step") as bar:
+    with progress(2, "convert", "step") as bar:
         bar.set_postfix_str("reading the Megatron checkpoint")
         imported = read_megatron(args.load_dir, args.ckpt_step)
         bar.update(1)
@@ -283,7 +330,7 @@ def megalite_to_megatron(args) -> None:
     from megalite.checkpoint.megatron.writer import write_megatron
 
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    with progress(2, "convert", " step") as bar:
+    with progress(2, "convert", "step") as bar:
         bar.set_postfix_str("loading the checkpoint")
         _, iteration = checkpoint_config(args.load_dir, args.ckpt_step)
         cfg, model = load_full_model(args.load_dir, iteration)
@@ -308,7 +355,7 @@ def megalite_to_megatron(args) -> None:
 def megalite_to_hf(args) -> None:
     from megalite.checkpoint.consolidated import load_full_model
 
-    with progress(2, "convert", " step") as bar:
+    with progress(2, "convert", "step") as bar:
         bar.set_postfix_str("loading the checkpoint")
         cfg, model = load_full_model(args.load_dir, args.ckpt_step)
         bar.update(1)
@@ -325,38 +372,75 @@ def megalite_to_hf(args) -> None:
     state = {k: v.to(dtype) for k, v in state.items()}
     os.makedirs(args.save_dir, exist_ok=True)
     files = write_hf_weights(state, args.save_dir, parse_size(args.max_shard_size))
-    hf_cfg = spec.hf_config(cfg.model, export_token_ids(cfg, args.load_dir))
+    tokenizer = export_tokenizer(cfg, args)
+    hf_cfg = spec.hf_config(cfg.model, None if tokenizer is None else
+                            trained_token_ids(tokenizer))
     hf_cfg.architectures = [spec.hf_architecture]
     hf_cfg.dtype = str(dtype).removeprefix("torch.")
     hf_cfg.save_pretrained(args.save_dir)
+    tokenizer_files = write_export_tokenizer(tokenizer, args.save_dir)
     print(f"wrote {args.save_dir}: config.json + {len(files)} safetensors file(s) "
-          f"({spec.name}, {args.dtype})")
+          f"({spec.name}, {args.dtype}){tokenizer_files}")
 
 
-def export_token_ids(cfg, load_dir: str) -> tuple[int, int] | None:
-    """(bos, eos) ids of the tokenizer the checkpoint records, for config.json; None when
-    it records none (converted from Hugging Face) and, with a warning, when that tokenizer
-    cannot be read here: the architecture's defaults are then kept where they are ids of
-    the vocabulary."""
+def export_tokenizer(cfg, args):
+    """The tokenizer of an export: the tokenizer flags', else the one the checkpoint's
+    config records, else the one it carries (``tokenizer/``). None when there is none
+    (a note says how to add one) and, with a warning, when it cannot be read here:
+    config.json then keeps the architecture's bos/eos ids where they are ids of the
+    vocabulary."""
     from megalite.data.tokenizers import TokenizerError
     from megalite.inference.loading import checkpoint_tokenizer
-    from megalite.models.families.spec import trained_token_ids
 
-    if cfg.data.tokenizer_type is None and not cfg.data.mock_data:
-        return None
+    d = cfg.data
+    if (d.tokenizer_type is None and not d.mock_data
+            and args.tokenizer_type is None and args.tokenizer_model is None):
+        from megalite.checkpoint.tokenizer_dir import carried_tokenizer
+
+        if carried_tokenizer(args.load_dir) is None:
+            print(f"note: {args.save_dir} gets no tokenizer: {args.load_dir} records and "
+                  f"carries none; export again with the tokenizer the model was trained "
+                  f"with (--tokenizer-type HuggingFaceTokenizer --tokenizer-model <dir>, or "
+                  f"its --tokenizer-type and --tokenizer-model / --vocab-file --merge-file)")
+            return None
     try:
-        return trained_token_ids(checkpoint_tokenizer(cfg))
+        return checkpoint_tokenizer(cfg, args.load_dir, args)
     except TokenizerError as exc:
-        print(f"warning: {load_dir}: config.json gets no bos/eos ids of the tokenizer the "
-              f"model was trained with, which cannot be read here ({exc}); set "
-              f"bos_token_id / eos_token_id in it by hand")
+        print(f"warning: {args.load_dir}: config.json gets no bos/eos ids of the tokenizer "
+              f"the model was trained with, and {args.save_dir} no tokenizer files, as it "
+              f"cannot be read here ({exc}); export again with --tokenizer-model (and "
+              f"--tokenizer-type) naming it, or set bos_token_id / eos_token_id by hand")
         return None
+
+
+def write_export_tokenizer(tokenizer, out: str) -> str:
+    """Write ``tokenizer``'s Hugging Face files to ``out``; the words the summary line
+    adds (a note instead when there are none)."""
+    from megalite.data.tokenizer_export import NotExportable, save_hf_tokenizer
+    from megalite.data.tokenizers import NullTokenizer, TokenizerError
+
+    if tokenizer is None:
+        return ", no tokenizer"
+    if isinstance(tokenizer, NullTokenizer):
+        print(f"note: {out} gets no tokenizer files: the model was trained on mock data "
+              f"(NullTokenizer, token ids as text)")
+        return ", no tokenizer"
+    try:
+        names = save_hf_tokenizer(tokenizer, out)
+    except NotExportable as exc:
+        print(f"note: {out} gets no tokenizer files: {exc}; save the tokenizer there with "
+              f"transformers yourself")
+        return ", no tokenizer"
+    except TokenizerError as exc:
+        print(f"warning: {exc}")
+        return ", a tokenizer that differs (see the warning)"
+    return " + " + ", ".join(names)
 
 
 def megalite_to_consolidated(args) -> None:
     from megalite.checkpoint.consolidated import load_full_model
 
-    with progress(1, "load", " step") as bar:
+    with progress(1, "load", "step") as bar:
         cfg, model = load_full_model(args.load_dir, args.ckpt_step)
         bar.update(1)
     full = {k: v.to(DTYPES[args.dtype]).contiguous() for k, v in model.full_state_dict().items()}
@@ -396,6 +480,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "size (e.g. 5GB, 500MB).")
     p.add_argument("--format", choices=("torch", "safetensors"), default="torch",
                    help="megalite-consolidated output file format.")
+    from megalite.config.data import TOKENIZER_TYPES
+
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="megalite -> HF: the "
+                   "tokenizer to export (default: the one the checkpoint records or "
+                   "carries).")
+    p.add_argument("--tokenizer-model", help="HF -> megalite: the tokenizer directory the "
+                   "checkpoint carries (default: the source's); megalite -> HF: the "
+                   "tokenizer's model file or directory.")
+    p.add_argument("--vocab-file", help="megalite -> HF, GPT2BPETokenizer: vocab.json.")
+    p.add_argument("--merge-file", help="megalite -> HF, GPT2BPETokenizer: merges.txt.")
     args = p.parse_args(argv)
     if (args.source, args.target) not in CONVERSIONS:
         p.error(f"--source {args.source} --target {args.target} is not a conversion")

@@ -11,9 +11,9 @@ at the checkpoint's iteration started: the printed loss is the loop's validation
 that iteration (up to fp32 rounding across layouts). ``--data-path`` / ``--split`` /
 ``--eval-iters`` override the recorded values. ``--jsonl FILE`` evaluates a JSONL (or
 plain text) file instead: its documents tokenized, joined by end-of-document tokens and
-cut into samples of the model's sequence length (``--max-samples`` caps them). A tqdm
-bar on stderr (on a terminal; ``--no-progress`` hides it) counts micro-batches; rank 0
-prints.
+cut into samples of the model's sequence length (``--max-samples`` caps them). Rank 0
+counts micro-batches on stderr past 2 s (a bar on a terminal, a line every 10% or 30 s in
+a log; ``--no-progress`` hides it) and prints.
 """
 
 from __future__ import annotations
@@ -84,11 +84,10 @@ def main(argv=None) -> int:
             num_batches = -(-count // t.micro_batch_size)
             batches = validation_samples(valid, eval_start_sample(t, iteration), count,
                                          t.micro_batch_size)
-        from tqdm import tqdm
+        from megalite.progress import Progress
 
-        with tqdm(total=num_batches, desc="evaluate", unit=" micro-batch", file=sys.stderr,
-                  disable=True if args.no_progress or ps.rank else None,
-                  dynamic_ncols=True) as bar:
+        with Progress(num_batches, "evaluate", "micro-batch",
+                      disable=bool(args.no_progress or ps.rank)) as bar:
             loss, tokens = validation_loss(model, batches, num_batches,
                                            lambda done, total: bar.update(1))
         if ps.rank == 0:

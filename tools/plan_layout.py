@@ -325,7 +325,7 @@ def plan(argv: list[str]):
                         recomputes=tuple(args.recompute),
                         micro_batch_sizes=tuple(args.micro_batch_sizes),
                         offloads=tuple(args.offload_fractions), tp=args.tp, pp=args.pp,
-                        vpp=args.vpp, cp=args.cp, ep=args.ep)
+                        vpp=args.vpp, cp=args.cp, ep=args.ep, progress=True)
     return candidates, cluster, args
 
 

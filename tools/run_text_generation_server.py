@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         from megalite.inference.generation import max_sequence_length
-        from megalite.inference.loading import load_for_inference, state_for_args
+        from megalite.inference.loading import checkpoint_tokenizer, load_model, state_for_args
         from megalite.inference.server import (
             GenerationService,
             ServerLimits,
@@ -87,8 +87,19 @@ def main(argv=None) -> int:
                       f"reach it, with no authentication; give --auth-token-file FILE, or "
                       f"--host 127.0.0.1", file=sys.stderr, flush=True)
             check_address(args.host, args.port)
+        from megalite.progress import Progress
+
+        start = Progress(4, "server start", "step",
+                         disable=os.environ.get("RANK", "0") != "0")
+        start.set_postfix_str("starting the ranks")
         ps = state_for_args(args, timeout_minutes=_IDLE_TIMEOUT_MINUTES)
-        cfg, model, tokenizer = load_for_inference(args.load, args.ckpt_step, args, ps)
+        start.update(1)
+        start.set_postfix_str("loading the checkpoint")
+        cfg, model = load_model(args.load, args.ckpt_step, ps)
+        start.update(1)
+        start.set_postfix_str("loading the tokenizer")
+        tokenizer = checkpoint_tokenizer(cfg, args.load, args)
+        start.update(1)
         if ps.rank != 0:
             return _follow(follow, model)
         service = GenerationService(model, tokenizer, max_sequence_length(cfg.model), limits,
@@ -96,8 +107,11 @@ def main(argv=None) -> int:
         try:
             server = build_server(service, args.host, args.port, token)
         except (OSError, ConfigError):
+            start.close()
             service.stop()  # the other ranks return too
             raise
+        start.update(1)
+        start.close()
     except Exception as exc:
         code = report_tool_error(PROG, exc)
         if code is None:

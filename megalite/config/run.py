@@ -154,6 +154,21 @@ class LoggingConfig:
     log_interval: int = arg(100, "Iterations between log lines.")
     metrics_jsonl: str | None = arg(None, "Write one JSON object per iteration here.")
     tensorboard_dir: str | None = arg(None, "TensorBoard log directory.")
+    tensorboard_log_interval: int = arg(1, "Iterations between TensorBoard (and wandb) "
+                                        "scalars.")
+    tensorboard_queue_size: int = arg(1000, "TensorBoard events held before a write to "
+                                      "disk.")
+    log_memory_to_tensorboard: bool = arg(
+        False, "Add memory scalars to TensorBoard: on CUDA mem-reserved-bytes, "
+        "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count (the caching "
+        "allocator's, of the logging rank); on CPU mem-resident-bytes and "
+        "mem-max-resident-bytes (the logging process's resident memory and its peak).")
+    log_world_size_to_tensorboard: bool = arg(False, "Add the world-size scalar to "
+                                              "TensorBoard.")
+    log_batch_size_to_tensorboard: bool = arg(
+        False, "Older Megatron-LM's switch for the batch-size scalar.",
+        no_effect="the batch-size scalar (the global batch size of each iteration) is always "
+                  "written, as Megatron-LM does today")
     wandb_project: str | None = arg(None, "Weights & Biases project.")
     wandb_exp_name: str | None = arg(None, "Weights & Biases run name.")
     wandb_save_dir: str | None = arg(None, "Weights & Biases local directory.")
@@ -171,10 +186,17 @@ class LoggingConfig:
     profile_step_start: int = arg(10, "Iterations done when profiling starts.")
     profile_step_end: int = arg(12, "Iterations done when profiling stops.")
     profile_ranks: list[int] = arg([0], "Global ranks to profile.", nargs="+")
+    pytorch_profiler_collect_shapes: bool = arg(
+        False, "--profile: record the operators' input shapes (torch.profiler's "
+        "record_shapes; off by default, as in Megatron-LM).")
+    pytorch_profiler_collect_callstack: bool = arg(
+        False, "--profile: record Python call stacks (torch.profiler's with_stack).")
 
     def __post_init__(self) -> None:
         check_choices(self)
         positive(self, "log_interval")
+        positive(self, "tensorboard_log_interval")
+        positive(self, "tensorboard_queue_size")
         if self.no_log_throughput:
             self.log_throughput = False
         require(0 <= self.profile_step_start < self.profile_step_end,

@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -39,12 +38,11 @@ logger = logging.getLogger(__name__)
 
 
 def index_progress(desc: str, steps: int):
-    """A tqdm bar of index-building steps on stderr, shown only past 2 s and only on a
-    terminal (as preprocessing's)."""
-    from tqdm import tqdm
+    """The index-building steps counted on stderr past 2 s (megalite.progress: a bar on a
+    terminal, that goes when done; lines in a log)."""
+    from megalite.progress import Progress
 
-    return tqdm(total=steps, desc=desc, unit=" step", file=sys.stderr, delay=2.0,
-                disable=None, leave=False, dynamic_ncols=True)
+    return Progress(steps, desc, "step", leave=False)
 
 
 @dataclass
@@ -133,9 +131,9 @@ class GPTDataset(torch.utils.data.Dataset):
         start = time.time()
         bar = index_progress(f"{self.split_name} indices", 4 if paths else 3)
 
-        def step(name: str) -> None:
-            bar.set_postfix_str(name, refresh=False)
+        def step(name: str) -> None:   # ``name``: the index just built
             bar.update(1)
+            bar.set_postfix_str(name, refresh=False)
 
         arrays = build_gpt_indices(self.indexed.sequence_lengths, self.documents,
                                    self.config.seq_length, self.num_samples, self.config.seed,

@@ -197,7 +197,7 @@ class HuggingFaceTokenizer(Tokenizer):
             self._decode = lambda ids: tok.decode(ids)
             self.vocab_size = len(tok)
             vocab = tok.get_vocab()
-            eos, pad = tok.eos_token_id, tok.pad_token_id
+            eos, pad, bos = tok.eos_token_id, tok.pad_token_id, tok.bos_token_id
         else:
             from tokenizers import Tokenizer as HFTokenizer
 
@@ -209,7 +209,7 @@ class HuggingFaceTokenizer(Tokenizer):
             self._decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
             self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
             vocab = tok.get_vocab(with_added_tokens=True)
-            eos, pad = None, None
+            eos, pad, bos = None, None, None
         if eos is None:
             eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None)
         if eos is None:
@@ -217,6 +217,7 @@ class HuggingFaceTokenizer(Tokenizer):
                                  f"one of {', '.join(_EOS_CANDIDATES)} in the vocabulary)")
         self.eod = int(eos)
         self.pad = int(pad) if pad is not None else self.eod
+        self.bos = int(bos) if bos is not None else None   # the tokenizer's own, if any
         self._tok = tok
 
     def tokenize(self, text: str) -> list[int]:

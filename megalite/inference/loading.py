@@ -137,21 +137,31 @@ def load_for_inference(load: str, iteration: int | None = None, args=None, ps=No
     The tokenizer is the one the checkpoint records unless ``args`` names another
     (``--tokenizer-type`` ...); its vocabulary must match the model's."""
     cfg, model = load_model(load, iteration, ps)
+    return cfg, model, checkpoint_tokenizer(cfg, load, args)
+
+
+def checkpoint_tokenizer(cfg, root: str | None = None, args=None):
+    """The tokenizer a checkpoint's config records (``cfg.data``: its type and files) for
+    its model's vocabulary, or, when it records none (or a Hugging Face tokenizer directory
+    that is gone), the one the checkpoint under ``root`` carries (``root/tokenizer``,
+    :mod:`megalite.checkpoint.tokenizer_dir`); the tokenizer flags of ``args`` override
+    either. ``cfg.data`` is left naming the tokenizer built. :class:`TokenizerError` when
+    it cannot be built or its vocabulary is not the model's (a carried Hugging Face
+    tokenizer may have fewer tokens than the model's embedding: Hugging Face models often
+    pad it)."""
+    from megalite.checkpoint.tokenizer_dir import use_carried_tokenizer
+
+    carried = use_carried_tokenizer(cfg.data, root, replace_missing=True)
     if args is not None:
         apply_tokenizer_flags(cfg.data, args)
-    return cfg, model, checkpoint_tokenizer(cfg)
-
-
-def checkpoint_tokenizer(cfg):
-    """The tokenizer a checkpoint's config records (``cfg.data``: its type and files) for
-    its model's vocabulary; :class:`TokenizerError` when it cannot be built or its
-    vocabulary is not the model's."""
+    carried = carried if cfg.data.tokenizer_model == carried else None
     vocab = cfg.model.vocab_size
     if cfg.data.tokenizer_type == "NullTokenizer" or (
             cfg.data.tokenizer_type is None and cfg.data.mock_data):
         vocab -= 1  # NullTokenizer(n) has n + 1 tokens (its eod); training recorded n + 1
     tokenizer = build_tokenizer(cfg.data, vocab)
-    if tokenizer.vocab_size != cfg.model.vocab_size:
+    if tokenizer.vocab_size != cfg.model.vocab_size and not (
+            carried and tokenizer.vocab_size < cfg.model.vocab_size):
         raise TokenizerError(
             f"the tokenizer {tokenizer!r} has {tokenizer.vocab_size} tokens but the "
             f"checkpoint's model has a vocabulary of {cfg.model.vocab_size}; pass the "

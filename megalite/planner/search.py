@@ -147,14 +147,16 @@ def evaluate(base, world: int, cluster: Cluster, sizes: dict, strategy: str,
 
 def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=None,
            strategies=STRATEGIES, recomputes=tuple(RECOMPUTE), micro_batch_sizes=(1, 2, 4, 8),
-           offloads=(0.0, 1.0), overlaps=(False, True)) -> list[Candidate]:
+           offloads=(0.0, 1.0), overlaps=(False, True),
+           progress: bool = False) -> list[Candidate]:
     """Every candidate for ``base`` (a MegaliteConfig: model, global batch, precision) on
     ``cluster``: feasible ones first, by estimated step time, then the infeasible ones.
     Size lists default to the divisors that can work (tp within a node); ``offloads``:
     ``--optimizer-offload-fraction`` values to try (0: none; offload needs a sharded
     strategy); ``overlaps``: with and without ``--overlap-grad-reduce`` (and
     ``--overlap-param-gather`` under a sharded strategy), the user's own overlap flags set
-    aside (tried only where there is data parallelism to overlap)."""
+    aside (tried only where there is data parallelism to overlap). ``progress``: count
+    the candidates evaluated on stderr (:mod:`megalite.progress`)."""
     m = base.model
     world = cluster.world_size
     tps = tp or [d for d in _divisors(world) if d <= cluster.gpus_per_node and d & (d - 1) == 0]
@@ -163,7 +165,7 @@ def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=No
     cps = cp or ([1, 2, 4, 8] if m.seq_length >= 16384 else [1, 2] if m.seq_length >= 8192
                  else [1])
     eps = ep or (_divisors(m.num_experts) if m.num_experts else [1])
-    out = []
+    todo = []
     for t_, p_, v_, c_, e_ in itertools.product(tps, pps, vpps, cps, eps):
         if world % (t_ * p_ * c_) or (v_ > 1 and p_ == 1):
             continue
@@ -179,7 +181,11 @@ def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=No
                 continue  # offload moves the distributed optimizer's shard
             if ov and sizes["dp"] * c_ == 1 and len(overlaps) > 1:
                 continue  # nothing to overlap: the same candidate as without
-            out.append(evaluate(base, world, cluster, sizes, strategy, rc, mbs, off, ov))
+            todo.append((sizes, strategy, rc, mbs, off, ov))
+    from megalite.progress import Progress
+
+    out = [evaluate(base, world, cluster, *one) for one in
+           Progress(desc="plan", unit="layout", iterable=todo, disable=not progress)]
     out.sort(key=lambda c: (not c.feasible, c.time.step if c.time else float("inf"),
                             c.memory.total if c.memory else float("inf")))  # ties: less memory
     return out

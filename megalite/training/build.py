@@ -145,10 +145,13 @@ def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | No
     if t.train_iters is None:
         raise ConfigError("--train-iters or --train-samples is required")
 
-    tokenizer = None
+    tokenizer = carried = None
     if datasets_provider is None:
+        from megalite.checkpoint.tokenizer_dir import use_carried_tokenizer
         from megalite.data.tokenizers import build_tokenizer
 
+        # no tokenizer named: the one the --load checkpoint carries (converted from HF)
+        carried = use_carried_tokenizer(cfg.data, cfg.checkpoint.load)
         tokenizer = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
         cfg.model.vocab_size = tokenizer.vocab_size
     layout = layout.with_vocab(cfg.model)
@@ -174,8 +177,18 @@ def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | No
     log_rank = ps.world_size - 1
     preflight(cfg, model, ps, log_rank)  # outputs writable, disk space: before any work
     metrics = MetricsLogger(cfg.logging, t.train_iters, enabled=ps.rank == log_rank,
-                            config=cfg.to_dict())
+                            config=cfg.to_dict(), device=ps.device, world_size=ps.world_size)
     metrics.print(arguments_block(cfg.to_dict()))
+    if carried is not None:
+        metrics.print(f" tokenizer: {carried}, which the --load checkpoint carries "
+                      f"(--tokenizer-type HuggingFaceTokenizer --tokenizer-model {carried})")
+    if ps.rank == 0 and cfg.checkpoint.save and tokenizer is not None:
+        from megalite.checkpoint.tokenizer_dir import carry_training_tokenizer
+
+        # its checkpoints carry the run's Hugging Face tokenizer (save lock held)
+        written = carry_training_tokenizer(cfg.data, cfg.checkpoint.save)
+        if written is not None:
+            print(f" copied the tokenizer {cfg.data.tokenizer_model} to {written}", flush=True)
     metrics.print(f" rank {ps.rank}: {rank_memory(model, grads, optimizer).describe()}")
     if ps.dp.rank == 0 and ps.cp.rank == 0:   # one line per (tp, pp) pair, as Megatron
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "

@@ -290,7 +290,8 @@ def train(c: TrainingComponents) -> TrainResult:
     with SignalHandler(enabled=t.exit_signal_handler,
                        sigs=exit_signals(t.exit_signal)) as signals, \
             ManualGC.from_config(t) as manual_gc, \
-            StepProfiler.from_config(cfg, c.ps.rank, c.ps.device) as profiler:
+            StepProfiler.from_config(cfg, c.ps.rank, c.ps.device,
+                                     c.grads.wait_param_sync) as profiler:
         while state.iteration < t.train_iters:
             gbs = schedule.global_batch_size(state.consumed_train_samples)
             tick = time.perf_counter()

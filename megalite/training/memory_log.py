@@ -90,3 +90,29 @@ class MemoryReporter:
         if self.ps.world_size > 1:
             peak = all_reduce_scalar(peak, None, ReduceOp.MAX, self.ps.device)
         return {"mem_max_allocated_mb": round(peak / MB, 1)}
+
+
+def tensorboard_memory_scalars(device: torch.device) -> dict[str, float]:
+    """``--log-memory-to-tensorboard``'s scalars for this process: on CUDA Megatron-LM's
+    four from the caching allocator (bytes, and the count of live allocations); on CPU,
+    with no allocator to ask, the process's resident memory and its peak (bytes; Linux's
+    /proc, else the peak alone)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        stats = torch.cuda.memory_stats(device)
+        return {"mem-reserved-bytes": stats.get("reserved_bytes.all.current", 0),
+                "mem-allocated-bytes": stats.get("allocated_bytes.all.current", 0),
+                "mem-max-allocated-bytes": stats.get("allocated_bytes.all.peak", 0),
+                "mem-allocated-count": stats.get("allocation.all.current", 0)}
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024   # bytes on macOS, KiB on Linux
+    out = {}
+    try:
+        with open("/proc/self/statm") as f:
+            out["mem-resident-bytes"] = int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        pass
+    out["mem-max-resident-bytes"] = max(peak, out.get("mem-resident-bytes", 0))
+    return out

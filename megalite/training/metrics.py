@@ -95,8 +95,11 @@ class MetricsLogger:
     """
 
     def __init__(self, lcfg: LoggingConfig, train_iters: int, enabled: bool,
-                 config: dict | None = None, stream=None):
+                 config: dict | None = None, stream=None, device=None,
+                 world_size: int = 1):
         self.lcfg = lcfg
+        self.device = device if device is not None else "cpu"   # of --log-memory-to-tb
+        self.world_size = world_size
         self.train_iters = train_iters
         self.enabled = enabled
         self.stream = stream or sys.stdout
@@ -125,8 +128,8 @@ class MetricsLogger:
     def _tensorboard(self, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(log_dir=self.lcfg.tensorboard_dir, max_queue=1000,
-                             purge_step=purge_step)
+        return SummaryWriter(log_dir=self.lcfg.tensorboard_dir,
+                             max_queue=self.lcfg.tensorboard_queue_size, purge_step=purge_step)
 
     def set_wandb_run(self, run_id: str | None, resume: bool = False) -> None:
         """The wandb run to log to, before the first record: ``run_id`` (stored in the
@@ -193,18 +196,15 @@ class MetricsLogger:
             return
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({**m.jsonl(), **(extra or {})}) + "\n")
-        scalars = {"lm loss": m.lm_loss, "learning-rate": m.lr, "loss-scale": m.loss_scale,
-                   "grad-norm": m.grad_norm, "skipped": float(m.skipped),
-                   "tokens-per-sec": m.tokens_per_sec, "mfu": m.mfu,
-                   "iteration-time": m.elapsed_s, "consumed-samples": m.consumed_samples}
-        scalars = {k: v for k, v in scalars.items() if v is not None}
         moe = _moe_values(extra)
-        scalars.update({k.replace("_", "-"): v for k, v in moe.items()})
-        if self._tb is not None:
-            for key, value in scalars.items():
-                self._tb.add_scalar(key, value, m.iteration)
-        if self._wandb_run() is not None:
-            self._wandb.log({f"train/{k}": v for k, v in scalars.items()}, step=m.iteration)
+        if m.iteration % self.lcfg.tensorboard_log_interval == 0:
+            scalars = self.scalars(m, moe)
+            if self._tb is not None:
+                for key, value in scalars.items():
+                    self._tb.add_scalar(key, value, m.iteration)
+            if self._wandb_run() is not None:
+                self._wandb.log({f"train/{k}": v for k, v in scalars.items()},
+                                step=m.iteration)
 
         w = self._window
         w.iters += 1
@@ -221,6 +221,27 @@ class MetricsLogger:
         if m.iteration % self.lcfg.log_interval == 0 or m.iteration == self.train_iters:
             self.print(self.human_line(m))
             self._window = _Window()
+
+    def scalars(self, m: IterationMetrics, moe: dict) -> dict:
+        """The TensorBoard / wandb scalars of iteration ``m`` (Megatron-LM's names where it
+        has them): the loss, lr, loss scale, grad norm, batch size ... and the MoE losses,
+        memory (``--log-memory-to-tensorboard``) and world size
+        (``--log-world-size-to-tensorboard``)."""
+        lcfg = self.lcfg
+        scalars = {"lm loss": m.lm_loss, "learning-rate": m.lr, "loss-scale": m.loss_scale,
+                   "grad-norm": m.grad_norm, "skipped": float(m.skipped),
+                   "tokens-per-sec": m.tokens_per_sec, "mfu": m.mfu,
+                   "iteration-time": m.elapsed_s, "consumed-samples": m.consumed_samples,
+                   "batch-size": m.global_batch_size or None}
+        scalars = {k: v for k, v in scalars.items() if v is not None}
+        scalars.update({k.replace("_", "-"): v for k, v in moe.items()})
+        if lcfg.log_world_size_to_tensorboard:
+            scalars["world-size"] = self.world_size
+        if lcfg.log_memory_to_tensorboard:
+            from megalite.training.memory_log import tensorboard_memory_scalars
+
+            scalars.update(tensorboard_memory_scalars(self.device))
+        return scalars
 
     def human_line(self, m: IterationMetrics) -> str:
         """``iteration N/M | consumed samples: ... | ... | ETA ...`` over the window."""

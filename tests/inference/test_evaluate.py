@@ -2,6 +2,7 @@
 iteration; tools/generate.py runs on that checkpoint; bad input is one clear error."""
 
 import math
+import os
 import re
 
 import pytest
@@ -31,6 +32,16 @@ def test_evaluate_equals_training_loop(trained, capsys):
     assert abs(loss - valid_losses[8]) < 1e-5 * valid_losses[8]
     assert abs(float(m.group(2)) - math.exp(loss)) < 1e-4 * math.exp(loss)
     assert 3.5 < loss < 4.5  # near ln(61): 8 iterations barely move a random model
+
+
+def test_evaluate_counts_micro_batches_in_a_log(trained, capsys, monkeypatch):
+    """stderr not a terminal (a SLURM log): a few plain lines, not a bar."""
+    monkeypatch.setenv("MEGALITE_PROGRESS_DELAY", "0")
+    assert load_tool("evaluate").main(["--load", trained[0]]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("evaluate")]
+    assert lines[0].startswith("evaluate: 12% (1/8 micro-batches, ")
+    assert [line.split(" (")[0] for line in lines[1:]] == \
+        [f"evaluate: {p}%" for p in (25, 38, 50, 62, 75, 88, 100)]
 
 
 def test_generate_tool_and_bad_input(trained, capsys, tmp_path):
@@ -147,7 +158,8 @@ def test_server_tool_on_an_os_chosen_port(trained):
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "tools" / "run_text_generation_server.py"), "--load", root,
          "--port", "0", "--max-prompts", "2", "--max-request-bytes", "500"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "MEGALITE_PROGRESS_DELAY": "0"})
     try:
         line = proc.stdout.readline()
         m = re.match(r"serving PUT (http://127\.0\.0\.1:(\d+)/api)$", line.strip())
@@ -174,6 +186,12 @@ def test_server_tool_on_an_os_chosen_port(trained):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    # its start, counted on a piped stderr (a log): what it begins with, then each step
+    steps = [line for line in proc.stderr.read().splitlines()
+             if line.startswith("server start: ")]
+    assert steps[0] == "server start: 0% (0/4 steps, 0 s), starting the ranks"
+    assert [line.split(" (")[0] for line in steps[1:]] == [
+        "server start: 25%", "server start: 50%", "server start: 75%", "server start: 100%"]
 
 
 class _Port:

@@ -123,3 +123,69 @@ def test_profile_without_tensorboard_dir_uses_save_and_ranks_flag(tmp_path):
     assert cfg.logging.profile_ranks == [0, 3]
     with pytest.raises(ConfigError, match="--profile-step-start \\(6\\) must be >= 0 and"):
         parse_args(["--profile-step-start", "6", "--profile-step-end", "6"])
+
+
+def _events(path):
+    with open(path) as f:
+        return json.load(f)["traceEvents"]
+
+
+def _overlap_profile_body(rank, world_size, out, shapes):
+    """dp 2, distributed optimizer, --overlap-param-gather: each step ends with the
+    parameter all-gathers in flight in gloo's threads, the profiler stops there."""
+    cfg = tiny_config(world_size, train={"train_iters": 5},
+                      parallel={"use_distributed_optimizer": True,
+                                "overlap_grad_reduce": True, "overlap_param_gather": True},
+                      logging={"profile": True, "profile_step_start": 1,
+                               "profile_step_end": 3, "profile_ranks": [0, 1],
+                               "tensorboard_dir": out,
+                               "pytorch_profiler_collect_shapes": shapes})
+    result, _ = run_training(cfg)
+    return result.losses
+
+
+@pytest.mark.parametrize("shapes", [False, True])
+def test_profile_stops_cleanly_with_gathers_in_flight(tmp_path, shapes):
+    out = str(tmp_path / "tb")
+    losses = run_distributed(2, _overlap_profile_body, out, shapes)
+    assert losses[0] == losses[1] and sorted(losses[0]) == [1, 2, 3, 4, 5]
+    traces = sorted(glob.glob(os.path.join(out, "*.pt.trace.json")))
+    assert [os.path.basename(p).split(".")[0] for p in traces] == ["rank0", "rank1"]
+    for path in traces:
+        assert _profiled_iterations(path) == [2, 3]
+        with_dims = [e for e in _events(path) if "Input Dims" in e.get("args", {})]
+        assert bool(with_dims) == shapes   # shapes only with --pytorch-profiler-collect-shapes
+
+
+def test_profiler_drains_before_it_stops_on_its_own_thread(tmp_path):
+    import threading
+
+    import torch
+
+    from megalite.training.profiling import StepProfiler
+
+    seen = []
+    prof = StepProfiler(True, 0, 1, str(tmp_path), 0,
+                        before_stop=lambda: seen.append(torch.autograd._profiler_enabled()))
+    with prof.iteration(0):
+        torch.ones(3).sum()
+    assert seen == [True] and prof.trace_written and not torch.autograd._profiler_enabled()
+    # stopping from another thread is refused (kineto binds the profiler to its thread)
+    other = StepProfiler(True, 0, 2, str(tmp_path / "b"), 0)
+    errors = []
+    with other.iteration(0):
+        pass
+    thread = threading.Thread(target=lambda: errors.append(_close_error(other)))
+    thread.start()
+    thread.join()
+    assert errors == ["the profiler must be stopped on the thread that started it"]
+    other.close()
+    assert other.trace_written
+
+
+def _close_error(prof):
+    try:
+        prof.close()
+    except RuntimeError as exc:
+        return str(exc)
+    return None

@@ -168,3 +168,41 @@ def test_cpu_run_leaves_mfu_out_of_the_line_but_not_the_jsonl(tmp_path, capsys):
     assert lines and all("throughput per GPU (TFLOP/s/GPU): " in x and "MFU" not in x
                          for x in lines)
     assert all(r["mfu"] > 0 for r in read_jsonl(jsonl))   # the probe's, as before
+
+
+def test_batch_size_world_size_and_memory_reach_tensorboard(tmp_path):
+    """Megatron's batch-size scalar (every iteration's global batch size, here under a
+    ramp-up), --log-world-size-to-tensorboard and --log-memory-to-tensorboard (on CPU the
+    process's resident memory), every --tensorboard-log-interval iterations."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = str(tmp_path / "tb")
+    result, c = run_training(tiny_config(
+        train={"rampup_batch_size": [2, 2, 12], "global_batch_size": 8,
+               "micro_batch_size": 2, "train_iters": 8},
+        logging={"tensorboard_dir": tb, "tensorboard_log_interval": 2,
+                 "log_memory_to_tensorboard": True, "log_world_size_to_tensorboard": True}))
+    batch = _scalars(tb, "batch-size")
+    assert [s for s, _ in batch] == [2, 4, 6, 8]
+    assert [v for _, v in batch] == [result.batch_sizes[s] for s in (2, 4, 6, 8)]
+    assert len({v for _, v in batch}) > 1            # the ramp-up is visible
+    assert [v for _, v in _scalars(tb, "world-size")] == [1.0] * 4
+    rss, peak = _scalars(tb, "mem-resident-bytes"), _scalars(tb, "mem-max-resident-bytes")
+    assert [s for s, _ in rss] == [2, 4, 6, 8]
+    assert all(50e6 < v < 64e9 for _, v in rss)      # a python with torch: tens of MB up
+    assert all(p >= r for (_, r), (_, p) in zip(rss, peak))
+    assert "mem-allocated-bytes" not in EventAccumulator(tb).Reload().Tags()["scalars"]
+
+
+def test_memory_scalars_on_cuda_are_megatrons(monkeypatch):
+    import torch
+
+    from megalite.training.memory_log import tensorboard_memory_scalars
+
+    stats = {"reserved_bytes.all.current": 40, "allocated_bytes.all.current": 30,
+             "allocated_bytes.all.peak": 35, "allocation.all.current": 7}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    assert tensorboard_memory_scalars(torch.device("cuda", 0)) == {
+        "mem-reserved-bytes": 40, "mem-allocated-bytes": 30, "mem-max-allocated-bytes": 35,
+        "mem-allocated-count": 7}
