@@ -296,6 +296,16 @@ class TopKRouter(torch.nn.Module):
                                                 self.pad_to_capacity)
         return Routing(probs, routing_map, loss, values)
 
+    def _apply(self, fn, recurse=True):
+        """``module.to(bf16)`` and the like keep the bias fp32 and the counts fp64."""
+        super()._apply(fn, recurse)
+        for name, dtype in (("expert_bias", torch.float32), ("tokens_per_expert",
+                                                           torch.float64)):
+            buf = self._buffers.get(name)
+            if buf is not None and buf.dtype != dtype:
+                self._buffers[name] = buf.to(dtype)
+        return self
+
     @torch.no_grad()
     def reset_load(self) -> None:
         """Zero ``tokens_per_expert`` (the start of an optimizer step's forwards)."""
