@@ -217,7 +217,8 @@ class ModelConfig:
     # Routing of DeepSeek-V3 / Kimi-K2 / Qwen3-MoE (megalite.moe.router)
     moe_router_pre_softmax: bool = arg(False, "Softmax over all experts before the top-k "
                                        "(softmax score function); the chosen probabilities "
-                                       "are then not renormalized.")
+                                       "are then not renormalized. With sigmoid scores it "
+                                       "changes nothing, as in Megatron.")
     moe_router_num_groups: int | None = arg(None, "Groups the experts are split into for "
                                             "group-limited routing (DeepSeek-V3: one per "
                                             "node, so that a token reaches few nodes).")
@@ -243,6 +244,17 @@ class ModelConfig:
         "deepep", "Kernels of --moe-token-dispatcher-type flex.",
         choices=("deepep", "hybridep"),
         no_effect="DeepEP / HybridEP are not used by megalite; flex runs as alltoall")
+    moe_permute_fusion: bool = arg(
+        False, "Fused token permutation kernels.",
+        no_effect="megalite permutes tokens with a few index operations on the routing "
+                  "map (no loop over experts); there is no fused kernel to choose")
+    moe_router_fusion: bool = arg(
+        False, "Fused router top-k / score kernels.",
+        no_effect="the router runs as a few fp32 tensor operations; there is no fused "
+                  "kernel to choose")
+    moe_shared_expert_overlap: bool = arg(
+        False, "Overlap the shared experts with the token dispatch.",
+        no_effect="megalite runs the shared experts after the routed ones on one stream")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -331,9 +343,6 @@ class ModelConfig:
         require((groups is None) == (group_topk is None),
                 "group-limited routing needs both --moe-router-num-groups and "
                 "--moe-router-group-topk")
-        require(not self.moe_router_pre_softmax or self.moe_router_score_function == "softmax",
-                "--moe-router-pre-softmax applies to --moe-router-score-function softmax "
-                f"only, not {self.moe_router_score_function}")
         require(self.moe_router_bias_update_rate > 0,
                 f"moe_router_bias_update_rate must be positive, got "
                 f"{self.moe_router_bias_update_rate}")

@@ -139,8 +139,6 @@ def test_expert_load_counts_once_per_token_choice():
     ({"moe_router_enable_expert_bias": True}, "needs --moe-router-score-function sigmoid"),
     ({"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid",
       "moe_expert_capacity_factor": 1.0}, "balances a dropless router"),
-    ({"moe_router_pre_softmax": True, "moe_router_score_function": "sigmoid"},
-     "softmax only"),
     ({"moe_router_bias_update_rate": 0.0}, "must be positive"),
 ])
 def test_bad_routing_settings_are_refused(kw, match):
