@@ -107,8 +107,8 @@ DEEPSEEK_V3_MOE = """
 --moe-router-group-topk 4 --moe-router-pre-softmax --moe-router-topk-scaling-factor 2.5
 --moe-shared-expert-overlap --moe-shared-expert-intermediate-size 2048
 --moe-aux-loss-coeff 1e-4 --moe-router-load-balancing-type seq_aux_loss
---moe-token-drop-policy probs --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep --moe-grouped-gemm
---moe-permute-fusion --moe-router-fusion
+--moe-token-drop-policy probs --moe-token-dispatcher-type flex
+--moe-flex-dispatcher-backend deepep --moe-grouped-gemm --moe-permute-fusion --moe-router-fusion
 """
 
 SCRIPTS = {
