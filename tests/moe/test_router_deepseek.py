@@ -150,3 +150,24 @@ def test_experts_not_divisible_over_ep_is_refused():
     cfg = ModelConfig(num_experts=6, moe_router_num_groups=3, moe_router_group_topk=1)
     with pytest.raises(ConfigError, match="divisible by expert_model_parallel_size"):
         cfg.check_layout(1, 1, 4)
+
+
+def test_megatron_args_carry_the_routing_and_refuse_what_import_cannot_read():
+    from argparse import Namespace
+
+    from megalite.checkpoint.megatron.arguments import megatron_args, unsupported
+    from megalite.config import MegaliteConfig
+
+    model = ModelConfig(num_layers=3, num_experts=8, moe_router_score_function="sigmoid",
+                        moe_router_num_groups=4, moe_router_group_topk=2,
+                        moe_router_enable_expert_bias=True, moe_layer_freq="[0]+[1]*2",
+                        vocab_size=60)
+    args = megatron_args(MegaliteConfig(model=model))
+    assert args.moe_layer_freq == [0, 1, 1]
+    assert (args.moe_router_num_groups, args.moe_router_group_topk) == (4, 2)
+    assert args.moe_router_enable_expert_bias and not args.moe_router_pre_softmax
+    # import refuses what its tensor mapping cannot bring over yet, in one line each
+    problems = unsupported(args)
+    assert any("group-limited routing" in p for p in problems)
+    assert any("expert bias" in p for p in problems)
+    assert unsupported(Namespace(num_experts=8)) == []
