@@ -256,10 +256,9 @@ class TopKRouter(torch.nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(
             cfg.num_experts, dtype=torch.float64, device=device) if bias else None,
             persistent=False)
-        self.random = None
-        if cfg.moe_router_force_load_balancing:
-            self.random = torch.Generator(device=device or "cpu")
-            self.random.manual_seed(seed * 1_000_003 + ps.rank)
+        self.force_balance = cfg.moe_router_force_load_balancing
+        self.random_seed = seed * 1_000_003 + ps.rank
+        self.random = None   # the generator, made on the logits' device at first use
         # tokens are split over tp inside the MoE layer, so the router sees partial batches
         self.weight = mark_param(torch.nn.Parameter(
             torch.empty(cfg.num_experts, cfg.hidden_size, device=device, dtype=dtype)),
@@ -270,7 +269,10 @@ class TopKRouter(torch.nn.Module):
         logits = F.linear(hidden.reshape(s * b, h).to(self.dtype),
                           self.weight.to(self.dtype))  # [T, E]
         choice_logits = logits
-        if self.random is not None:
+        if self.force_balance:
+            if self.random is None or self.random.device != logits.device:
+                self.random = torch.Generator(device=logits.device)
+                self.random.manual_seed(self.random_seed)
             random = torch.randn(logits.shape, generator=self.random, dtype=logits.dtype,
                                  device=logits.device)
             choice_logits = _RandomLogits.apply(logits, random)
