@@ -92,7 +92,10 @@ def flag_status(flag: str, values: Sequence[str] = (),
     differs = DIFFERENCES.get((flag, tuple(values)))
     if differs:
         return DIFFERENT, differs
-    reason = _field(dests[0]).metadata.get("no_effect")
+    meta = _field(dests[0]).metadata
+    value = getattr(ns, dests[0])
+    reason = meta.get("no_effect") or (meta.get("no_effect_values", {}).get(value)
+                                       if isinstance(value, str) else None)
     return (NO_EFFECT, reason) if reason else (IMPLEMENTED, "")
 
 

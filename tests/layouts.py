@@ -166,6 +166,25 @@ _MOE_TRAINING = [
         pp=2, vpp=2, tp=2, sp=True, ep=2, etp=1),
 ]
 
+# -- DeepSeek-V3 routing: sigmoid, 8 experts in 4 groups (top-2 of 2 groups), the expert
+# bias (a large rate, so that it moves the choice within the few iterations), shared
+# expert, the first layer dense (--moe-layer-freq as a list); trained by the moe-training
+# suite, the cp suite and the expert-bias resume (tests/moe/test_expert_bias.py)
+DEEPSEEK_MOE = {"num_experts": 8, "moe_router_topk": 2, "moe_router_score_function": "sigmoid",
+                "moe_router_num_groups": 4, "moe_router_group_topk": 2,
+                "moe_router_topk_scaling_factor": 2.5, "moe_router_enable_expert_bias": True,
+                "moe_router_bias_update_rate": 0.05, "moe_shared_expert_intermediate_size": 32,
+                "moe_layer_freq": "[0]+[1]"}
+_DEEPSEEK = [
+    row("moe-training", 4, "deepseek", model=DEEPSEEK_MOE, ep=2),
+    row("moe-training", 4, "deepseek", model=DEEPSEEK_MOE, tp=2, sp=True, ep=2, etp=1),
+    row("moe-training", 4, "deepseek", model=DEEPSEEK_MOE, pp=2, ep=2),
+    row("moe-training", 4, "deepseek", model=DEEPSEEK_MOE, tp=2, sp=True, distopt=True),
+    # save at ep 2 x dp 2, resume in one process
+    row("reshard", 2, "expert-bias", model=DEEPSEEK_MOE, ep=2, tags=("save",)),
+    row("reshard", 1, "expert-bias", model=DEEPSEEK_MOE),
+]
+
 # -- optim: each layout x (plain | distributed optimizer | sharded gradients) x (overlap off
 # | on), and optimizer CPU offload (half of the elements, or all) on some layouts ----------
 OPTIM_VARIANTS = {
@@ -263,6 +282,7 @@ _CP = [
     dataclasses.replace(_cp_row(4, "p2p", variant="offload0.5", cp=2, strategy="optim_grads",
                                 overlap_grad=True), optim=OFFLOAD),
     _cp_row(4, "allgather", model=CP_MOE, cp=2, ep=2),
+    _cp_row(4, "p2p", model={**DEEPSEEK_MOE, "num_layers": 2}, variant="deepseek", cp=2, ep=2),
     # ZeRO-3: parameters sharded and gathered per layer over dp x cp (4 ranks)
     _cp_row(4, "p2p", cp=2, strategy="optim_grads_params"),
     # recomputation replays the ring's and the all-to-all's forward inside checkpoints
@@ -293,8 +313,8 @@ _ACT_OFFLOAD = [
 
 SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "pipeline", "training",
           "resume", "reshard", "cp", "activation-offload")
-LAYOUTS: tuple[Layout, ...] = (*_MODEL, *_MIXTRAL, *_MOE_LAYER, *_MOE_TRAINING, *_OPTIM,
-                               *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD, *_CP,
+LAYOUTS: tuple[Layout, ...] = (*_MODEL, *_MIXTRAL, *_MOE_LAYER, *_MOE_TRAINING, *_DEEPSEEK,
+                               *_OPTIM, *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD, *_CP,
                                *_ACT_OFFLOAD)
 
 

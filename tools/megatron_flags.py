@@ -8,7 +8,8 @@ docs/megatron.md, generated from megalite's parser.
     python tools/megatron_flags.py --check docs/megatron.md  # exit 1 when the table is stale
 
 The flags below are those the three scripts in Megatron-LM's ``examples/`` pass to
-``pretrain_gpt.py`` (values as the scripts give them; paths as their variables). Each flag's
+``pretrain_gpt.py`` (values as the scripts give them; paths as their variables), and the
+expert and routing flags of its DeepSeek-V3 configuration. Each flag's
 status comes from megalite's parser and the ``no_effect`` reasons declared on the config
 fields (:func:`megalite.compat.flag_status`), so the table follows the code.
 """
@@ -96,10 +97,26 @@ GPT3_175B = """
 --load $CHECKPOINT_PATH --eval-iters 10 --tensorboard-dir $TENSORBOARD_LOGS_PATH
 """
 
+# examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh: the expert and routing
+# flags of its DeepSeek-V3 architecture (its multi-latent attention is not megalite's), with
+# the flex dispatcher (for its alltoall) and the fusions of Megatron-Core's MoE model zoo
+DEEPSEEK_V3_MOE = """
+--num-experts 256 --moe-layer-freq [0]*3+[1]*58 --moe-ffn-hidden-size 2048
+--moe-router-dtype fp32 --moe-router-score-function sigmoid --moe-router-bias-update-rate 1e-3
+--moe-router-enable-expert-bias --moe-router-topk 8 --moe-router-num-groups 8
+--moe-router-group-topk 4 --moe-router-pre-softmax --moe-router-topk-scaling-factor 2.5
+--moe-shared-expert-overlap --moe-shared-expert-intermediate-size 2048
+--moe-aux-loss-coeff 1e-4 --moe-router-load-balancing-type seq_aux_loss
+--moe-token-drop-policy probs --moe-token-dispatcher-type flex
+--moe-flex-dispatcher-backend deepep --moe-grouped-gemm --moe-permute-fusion --moe-router-fusion
+"""
+
 SCRIPTS = {
     "Llama-3 8B": ("examples/llama/train_llama3_8b_h100_fp8.sh", LLAMA3_8B),
     "Mixtral 8x7B": ("examples/mixtral/train_mixtral_8x7b_distributed.sh", MIXTRAL_8X7B),
     "GPT-3 175B": ("examples/gpt3/train_gpt3_175b_distributed.sh", GPT3_175B),
+    "DeepSeek-V3 MoE": ("examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh",
+                        DEEPSEEK_V3_MOE),
 }
 
 

@@ -80,8 +80,19 @@ class ParamLayout:
     saved: bool = True
 
 
-def named_parameters(model) -> list[tuple[str, str, torch.nn.Parameter]]:
-    """(model name, layout-free key, parameter) of every parameter of ``model``.
+def state_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s parameters, then its persistent buffers (the routers' expert bias:
+    state that is not trained by the optimizer but must be saved), by name."""
+    params = list(module.named_parameters())
+    names = {name for name, _ in params}
+    buffers = [(name, t) for name, t in module.state_dict(keep_vars=True).items()
+               if name not in names and not isinstance(t, torch.nn.Parameter)]
+    return params + buffers
+
+
+def named_parameters(model) -> list[tuple[str, str, torch.Tensor]]:
+    """(model name, layout-free key, tensor) of every parameter and persistent buffer of
+    ``model`` (buffers are replicated: every rank holding one stores the whole tensor).
 
     The model name is what ``model.named_parameters()`` says (``0.decoder...`` for a
     ModuleList of chunks); the key drops the chunk index.
@@ -90,7 +101,7 @@ def named_parameters(model) -> list[tuple[str, str, torch.nn.Parameter]]:
     out = []
     for index, chunk in enumerate(chunks):
         prefix = f"{index}." if len(chunks) > 1 or chunk is not model else ""
-        for name, param in chunk.named_parameters():
+        for name, param in state_tensors(chunk):
             out.append((prefix + name, name, param))
     return out
 

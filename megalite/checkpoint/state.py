@@ -2,7 +2,8 @@
 
 Keys (``<piece>`` is a global tensor key of :mod:`megalite.checkpoint.layout`)::
 
-    model/<piece>             parameter blocks
+    model/<piece>             parameter blocks, and persistent buffers (a router's
+                              ``expert_bias``) whole
     optim/<state>/<piece>     optimizer state of the same shape as the parameter, sharded
                               like it: exp_avg, exp_avg_sq (AdamW), momentum_buffer (SGD),
                               master (fp32 copy under bf16/fp16)
@@ -95,6 +96,8 @@ def optimizer_load_state(layouts: list[ParamLayout], state_names: list[str], dty
     pieces: dict[str, Piece] = {}
     params: dict = {}
     for layout in layouts:
+        if not layout.param.requires_grad:   # a buffer (expert bias): no optimizer state
+            continue
         entry = {}
         for name in state_names:
             keys = [optim_key(name, p.key) for p in layout.pieces]
@@ -103,6 +106,5 @@ def optimizer_load_state(layouts: list[ParamLayout], state_names: list[str], dty
             add_param_blocks(state, pieces, layout, tensor,
                              lambda k, s=name: optim_key(s, k))
             entry[name] = tensor
-        if layout.param.requires_grad:
-            params[layout.local_name] = entry
+        params[layout.local_name] = entry
     return state, pieces, params

@@ -30,7 +30,7 @@ class ConfigError(KnownError, ValueError):
 def arg(default: Any = None, help: str = "", *, flag: str | None = None,
         action: str | None = None, choices: tuple | Callable[[], tuple] | None = None,
         nargs: str | None = None, aliases: tuple = (), cli: bool = True,
-        no_effect: str | None = None):
+        no_effect: str | None = None, no_effect_values: dict | None = None):
     """A dataclass field carrying its command-line description.
 
     flag:      the CLI flag when it differs from ``--field-name`` (e.g.
@@ -45,9 +45,13 @@ def arg(default: Any = None, help: str = "", *, flag: str | None = None,
     no_effect: for a Megatron flag megalite accepts but that changes nothing here (it tunes
                speed on other hardware), why; set away from its default, it is listed once at
                start-up as "accepted, no effect here" (:func:`no_effect_settings`).
+    no_effect_values: {value: why} for values of a flag that otherwise acts which megalite
+               accepts and runs as another (Megatron's flex dispatcher runs as alltoall);
+               listed at start-up the same way.
     """
     meta = dict(help=help, flag=flag, action=action, choices=choices, nargs=nargs,
-                aliases=tuple(aliases), cli=cli, no_effect=no_effect)
+                aliases=tuple(aliases), cli=cli, no_effect=no_effect,
+                no_effect_values=dict(no_effect_values or {}))
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -83,10 +87,13 @@ def positive(obj: Any, *names: str) -> None:
 
 def no_effect_settings(section: Any) -> list[tuple[str, str]]:
     """(field name, reason) of ``section``'s fields marked ``no_effect`` whose value differs
-    from the default."""
+    from the default, and of fields holding one of their ``no_effect_values``."""
     out = []
     for f in dataclasses.fields(section):
         reason = f.metadata.get("no_effect")
-        if reason and getattr(section, f.name) != f.default:
+        value = getattr(section, f.name)
+        if reason and value != f.default:
             out.append((f.name, reason))
+        elif isinstance(value, str) and value in f.metadata.get("no_effect_values", {}):
+            out.append((f.name, f.metadata["no_effect_values"][value]))
     return out

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,67 @@ def _kernel_names(field: str) -> tuple[str, ...]:
     from megalite.transformer.attention_kernels.context_parallel import CP_KERNELS
 
     return (*CP_KERNELS, "a2a+p2p")
+
+def _layer_list(text: str) -> list:
+    """The value of Megatron's ``--moe-layer-freq`` list expression (``"[0]*3+[1]*58"``):
+    list literals of integers joined by ``+`` and repeated by ``*``, evaluated without
+    ``eval``. ValueError for anything else."""
+    def value(node):
+        if isinstance(node, ast.Expression):
+            return value(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple)):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            try:
+                return left + right if isinstance(node.op, ast.Add) else left * right
+            except TypeError:
+                raise ValueError(text) from None
+        raise ValueError(text)
+
+    try:
+        out = value(ast.parse(text.strip(), mode="eval"))
+    except SyntaxError:
+        raise ValueError(text) from None
+    if not isinstance(out, list):
+        raise ValueError(text)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def moe_layer_pattern_of(freq: int | str, num_layers: int) -> tuple[bool, ...]:
+    """Which of ``num_layers`` layers (0-based, global) are MoE layers for a normalized
+    ``--moe-layer-freq``: every ``freq``-th from layer 0 (an int), or the 0/1 per layer of
+    a list expression (a str). Raises ConfigError naming what is wrong."""
+    if isinstance(freq, int):
+        return tuple(i % freq == 0 for i in range(num_layers))
+    try:
+        flags = _layer_list(freq)
+    except ValueError:
+        raise ConfigError(f"--moe-layer-freq {freq!r} is neither an integer nor a list "
+                          "expression of 0/1 per layer such as \"[0]*3+[1]*58\"") from None
+    require(all(type(f) is int and f in (0, 1) for f in flags),
+            f"--moe-layer-freq {freq!r} must list only 0 (dense) and 1 (MoE) per layer")
+    require(len(flags) == num_layers,
+            f"--moe-layer-freq {freq!r} lists {len(flags)} layers but the model has "
+            f"num_layers {num_layers}; give one 0/1 per layer")
+    return tuple(bool(f) for f in flags)
+
+
+def _normalized_freq(freq) -> int | str:
+    """``--moe-layer-freq`` as an int (``2``, ``"2"``) or a stripped list expression."""
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        return freq
+    if isinstance(freq, (list, tuple)):  # a Megatron args namespace holds the list
+        return "[" + ",".join(str(int(f)) for f in freq) + "]"
+    text = str(freq).strip()
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
@@ -124,7 +187,10 @@ class ModelConfig:
     num_experts: int | None = arg(None, "Number of experts (MoE when set).")
     moe_router_topk: int = arg(2, "Experts per token.")
     moe_ffn_hidden_size: int | None = arg(None, "Expert MLP hidden size (default ffn).")
-    moe_layer_freq: int = arg(1, "Every n-th layer is an MoE layer.")
+    moe_layer_freq: str | int = arg(1, "Which layers are MoE layers: every n-th one from "
+                                    "layer 0 (an integer), or Megatron's Python list "
+                                    "expression of one 0/1 per layer (\"[0]*3+[1]*58\": "
+                                    "three dense layers, then MoE).")
     moe_shared_expert_intermediate_size: int | None = arg(None, "Shared expert size.")
     moe_router_score_function: str = arg("softmax", "Router score function.",
                                          choices=("softmax", "sigmoid"))
@@ -138,12 +204,57 @@ class ModelConfig:
     moe_token_drop_policy: str = arg("probs", "Which tokens to drop over capacity.",
                                      choices=("probs", "position"))
     moe_pad_expert_input_to_capacity: bool = arg(False, "Pad expert inputs to capacity.")
-    moe_token_dispatcher_type: str = arg("alltoall", "Token dispatcher.",
-                                         choices=("alltoall", "allgather"))
+    moe_token_dispatcher_type: str = arg(
+        "alltoall", "Token dispatcher (flex: Megatron's DeepEP / HybridEP dispatcher, run "
+        "here as alltoall).", choices=("alltoall", "allgather", "flex"),
+        no_effect_values={"flex": "DeepEP / HybridEP are not used by megalite; the flex "
+                                  "dispatcher runs as the alltoall dispatcher (the same "
+                                  "tokens and results, only the kernels differ)"})
     moe_grouped_gemm: bool = arg(
         False, "Run the local experts as one grouped GEMM.",
         no_effect="megalite's experts always run as one grouped GEMM (a padded batched "
                   "matmul over the local experts); there is no per-expert loop to replace")
+    # Routing of DeepSeek-V3 / Kimi-K2 / Qwen3-MoE (megalite.moe.router)
+    moe_router_pre_softmax: bool = arg(False, "Softmax over all experts before the top-k "
+                                       "(softmax score function); the chosen probabilities "
+                                       "are then not renormalized. With sigmoid scores it "
+                                       "changes nothing, as in Megatron.")
+    moe_router_num_groups: int | None = arg(None, "Groups the experts are split into for "
+                                            "group-limited routing (DeepSeek-V3: one per "
+                                            "node, so that a token reaches few nodes).")
+    moe_router_group_topk: int | None = arg(None, "Groups a token may be routed to "
+                                            "(group-limited routing; needs "
+                                            "--moe-router-num-groups).")
+    moe_router_dtype: str | None = arg(None, "dtype of the router's logits, scores and "
+                                       "probabilities: fp32 (also what megalite uses when "
+                                       "unset) or fp64.", choices=("fp32", "fp64"))
+    moe_router_enable_expert_bias: bool = arg(False, "Aux-loss-free load balancing: a "
+                                              "per-expert bias added to the sigmoid scores "
+                                              "for the choice of experts only, moved once "
+                                              "per optimizer step towards the mean load of "
+                                              "the whole global batch.")
+    moe_router_bias_update_rate: float = arg(1e-3, "Step of the expert bias update: bias += "
+                                             "rate * sign(mean load - expert load).")
+    moe_router_force_load_balancing: bool = arg(False, "Benchmark mode: route on random "
+                                                "logits (straight-through to the real "
+                                                "ones), so the experts get even loads; the "
+                                                "curve is not the model's and depends on "
+                                                "the layout.")
+    moe_flex_dispatcher_backend: str = arg(
+        "deepep", "Kernels of --moe-token-dispatcher-type flex.",
+        choices=("deepep", "hybridep"),
+        no_effect="DeepEP / HybridEP are not used by megalite; flex runs as alltoall")
+    moe_permute_fusion: bool = arg(
+        False, "Fused token permutation kernels.",
+        no_effect="megalite permutes tokens with a few index operations on the routing "
+                  "map (no loop over experts); there is no fused kernel to choose")
+    moe_router_fusion: bool = arg(
+        False, "Fused router top-k / score kernels.",
+        no_effect="the router runs as a few fp32 tensor operations; there is no fused "
+                  "kernel to choose")
+    moe_shared_expert_overlap: bool = arg(
+        False, "Overlap the shared experts with the token dispatch.",
+        no_effect="megalite runs the shared experts after the routed ones on one stream")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -151,7 +262,12 @@ class ModelConfig:
                   "ffn_hidden_size", "kv_channels", "num_query_groups",
                   "make_vocab_size_divisible_by", "vocab_size", "init_method_std",
                   "norm_epsilon", "rotary_base", "num_experts", "moe_router_topk",
-                  "moe_layer_freq", "fp8_amax_history_len")
+                  "fp8_amax_history_len")
+        self.moe_layer_freq = _normalized_freq(self.moe_layer_freq)
+        if isinstance(self.moe_layer_freq, int):
+            positive(self, "moe_layer_freq")
+        else:
+            moe_layer_pattern_of(self.moe_layer_freq, self.num_layers)  # checks it
         require(self.cp_comm_type != "a2a+p2p",
                  "--cp-comm-type a2a+p2p (hierarchical context parallelism) is not "
                  "supported; use p2p, allgather or a2a")
@@ -218,6 +334,52 @@ class ModelConfig:
         if self.moe_pad_expert_input_to_capacity:
             require(self.moe_expert_capacity_factor is not None,
                      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        self._check_router()
+
+    def _check_router(self) -> None:
+        """Group-limited routing, pre-softmax and the expert bias (Megatron's rules)."""
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        positive(self, "moe_router_num_groups", "moe_router_group_topk")
+        require((groups is None) == (group_topk is None),
+                "group-limited routing needs both --moe-router-num-groups and "
+                "--moe-router-group-topk")
+        require(self.moe_router_bias_update_rate > 0,
+                f"moe_router_bias_update_rate must be positive, got "
+                f"{self.moe_router_bias_update_rate}")
+        if self.num_experts is None:
+            return
+        E, k = self.num_experts, self.moe_router_topk
+        if groups is not None:
+            require(E % groups == 0,
+                    f"num_experts ({E}) must be divisible by moe_router_num_groups "
+                    f"({groups}): every group holds the same number of experts")
+            require(group_topk <= groups,
+                    f"moe_router_group_topk ({group_topk}) must be <= moe_router_num_groups "
+                    f"({groups})")
+            require(group_topk <= k,
+                    f"moe_router_group_topk ({group_topk}) must be <= moe_router_topk ({k}): "
+                    f"a group is scored by its top moe_router_topk / moe_router_group_topk "
+                    f"experts")
+            require(k // group_topk <= E // groups and group_topk * (E // groups) >= k,
+                    f"moe_router_topk ({k}) cannot be chosen from moe_router_group_topk "
+                    f"({group_topk}) groups of {E // groups} experts")
+        if self.moe_router_enable_expert_bias:
+            require(self.moe_router_score_function == "sigmoid",
+                    "--moe-router-enable-expert-bias needs --moe-router-score-function "
+                    "sigmoid (the bias is added to the sigmoid scores, as in DeepSeek-V3)")
+            require(self.moe_expert_capacity_factor is None,
+                    "--moe-router-enable-expert-bias balances a dropless router: with "
+                    "--moe-expert-capacity-factor the tokens over capacity are dropped, so "
+                    "the load the bias steers is not what the experts compute; drop one of "
+                    "the two")
+
+    @property
+    def moe_layer_pattern(self) -> tuple[bool, ...]:
+        """Which of the ``num_layers`` layers (0-based, global) have an MoE MLP
+        (``--moe-layer-freq``); all False without ``--num-experts``."""
+        if self.num_experts is None:
+            return (False,) * self.num_layers
+        return moe_layer_pattern_of(self.moe_layer_freq, self.num_layers)
 
     def _check_cpu_offloading(self) -> None:
         """Megatron's rule (0 <= layers < num_layers) and what megalite offloads."""

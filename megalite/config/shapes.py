@@ -22,8 +22,9 @@ def norm_params(m) -> int:
 
 
 def is_moe_layer(m, layer: int) -> bool:
-    """Whether global layer ``layer`` has an MoE MLP (every ``moe_layer_freq``-th from 0)."""
-    return m.num_experts is not None and layer % m.moe_layer_freq == 0
+    """Whether global layer ``layer`` has an MoE MLP (``--moe-layer-freq``: every n-th
+    from 0, or the list's 0/1 per layer; ``ModelConfig.moe_layer_pattern``)."""
+    return m.moe_layer_pattern[layer]
 
 
 def moe_layer_count(m) -> int:

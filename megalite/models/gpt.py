@@ -176,8 +176,17 @@ class GPTModel(torch.nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """name -> full tensor, gathered over tp (collective), padding rows removed; expert
-        weights ``[E, ...]`` with every expert (collective over etp and ep)."""
-        return {name: self._gather(p.detach(), p) for name, p in self.named_parameters()}
+        weights ``[E, ...]`` with every expert (collective over etp and ep); persistent
+        buffers (a router's ``expert_bias``, replicated) as they are."""
+        out = {name: self._gather(p.detach(), p) for name, p in self.named_parameters()}
+        out.update({name: b.detach().clone() for name, b in self._state_buffers().items()})
+        return out
+
+    def _state_buffers(self) -> dict[str, torch.Tensor]:
+        """Persistent buffers by name (replicated, not trained)."""
+        params = dict(self.named_parameters())
+        return {name: t for name, t in self.state_dict(keep_vars=True).items()
+                if name not in params and not isinstance(t, torch.nn.Parameter)}
 
     @torch.no_grad()
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
@@ -190,10 +199,15 @@ class GPTModel(torch.nn.Module):
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy full tensors (as from :meth:`full_state_dict`) into this rank's shards."""
         params = dict(self.named_parameters())
-        missing, unexpected = set(params) - set(state), set(state) - set(params)
+        buffers = self._state_buffers()
+        missing = set(params) - set(state)
+        unexpected = set(state) - set(params) - set(buffers)
         if missing or unexpected:
             raise KeyError(f"state dict mismatch: missing {sorted(missing)}, "
                            f"unexpected {sorted(unexpected)}")
+        for name, b in buffers.items():   # absent (a converted model): left as built
+            if name in state:
+                b.copy_(state[name].to(b.dtype))
         for name, p in params.items():
             local = self._shard(state[name].to(torch.float32), p)
             if local.shape != p.shape:

@@ -142,4 +142,7 @@ class AllGatherDispatcher(_Dispatcher):
         return out
 
 
-DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+# Megatron's flex dispatcher (DeepEP / HybridEP kernels) moves the same tokens as alltoall;
+# megalite runs it as alltoall and names it at start-up (ModelConfig's no_effect_values)
+DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher,
+               "flex": AllToAllDispatcher}

@@ -94,7 +94,7 @@ class MoELayer(torch.nn.Module):
         self.seed = seed
         self.sequence_parallel = sequence_parallel and ps.tp.size > 1
         kw = {"device": ps.device, "dtype": cfg.params_dtype}
-        self.router = TopKRouter(cfg, ps, **kw)
+        self.router = TopKRouter(cfg, ps, seed=seed * 1000 + layer_number, **kw)
         num_local = cfg.num_experts // ps.ep.size
         self.dispatcher = DISPATCHERS[cfg.moe_token_dispatcher_type](
             cfg.num_experts, ps, CommCounter())
@@ -150,10 +150,9 @@ class MoELayer(torch.nn.Module):
 
 def moe_layer_pattern(cfg) -> list[bool]:
     """Which of the ``num_layers`` layers (0-based, global) are MoE layers: every
-    ``--moe-layer-freq``-th one starting with layer 0 (all of them by default)."""
-    if cfg.num_experts is None:
-        return [False] * cfg.num_layers
-    return [i % cfg.moe_layer_freq == 0 for i in range(cfg.num_layers)]
+    ``--moe-layer-freq``-th one starting with layer 0 (all of them by default), or the
+    0/1 per layer of its list form (``ModelConfig.moe_layer_pattern``)."""
+    return list(cfg.moe_layer_pattern)
 
 
 def moe_layers(model: torch.nn.Module) -> list[MoELayer]:

@@ -1,14 +1,38 @@
-"""Top-k router: scores, expert choice, capacity, and the load-balancing / z losses.
+"""Top-k router: scores, expert choice, capacity, the load-balancing / z losses and the
+expert bias of aux-loss-free balancing.
 
 Shapes: ``T`` tokens on this rank (``s_local * b``), ``E`` experts, ``k`` = topk.
 
-Scores (``--moe-router-score-function``):
+Logits, scores and probabilities are fp32 (``--moe-router-dtype fp64``: fp64), whatever
+the model's dtype. Scores (``--moe-router-score-function``):
 
 * ``softmax`` (Mixtral): top-k of the logits, then a softmax over the k chosen ones. This
   equals Mixtral's "softmax over all E, keep the top k, renormalize".
-* ``sigmoid``: top-k of ``sigmoid(logits)``, renormalized to sum to one when k > 1.
+  ``--moe-router-pre-softmax``: softmax over all E, then the top-k of those, not
+  renormalized.
+* ``sigmoid`` (DeepSeek-V3, Kimi-K2): top-k of ``sigmoid(logits)``, renormalized to sum
+  to one when k > 1. With ``--moe-router-enable-expert-bias`` the experts are chosen by
+  ``sigmoid(logits) + bias`` while the weights stay the unbiased scores of the chosen.
 
 Either is then multiplied by ``--moe-router-topk-scaling-factor`` when set.
+
+Group-limited routing (``--moe-router-num-groups G``, ``--moe-router-group-topk g``,
+Megatron's definition): the E experts form G groups of E/G consecutive experts; a group's
+score is the sum of its top ``k // g`` choice scores (biased where the bias applies; the
+logits or pre-softmax scores under softmax); each token keeps its top g groups and chooses
+its k experts among their experts only. DeepSeek-V3 (k 8, g 4) sums the top 2, as
+``transformers``' ``DeepseekV3TopkRouter`` does.
+
+Expert bias (``--moe-router-enable-expert-bias``): a buffer ``expert_bias`` ``[E]`` fp32,
+saved in checkpoints like a replicated parameter. While gradients are recorded (training,
+not a recomputation inside backward) the router adds the ``T * k`` choices of this rank's
+tokens to ``tokens_per_expert`` ``[E]``; once per optimizer step
+:mod:`megalite.moe.expert_bias` sums the counts of every micro-batch and rank of the
+global batch and moves the bias by ``rate * sign(mean - count)``.
+
+``--moe-router-force-load-balancing`` (benchmarks): the choice is made on random normal
+logits drawn from the router's own generator (seeded by layer and rank), straight-through
+to the real logits in backward, as Megatron does; the results then depend on the layout.
 
 Capacity (``--moe-expert-capacity-factor``, Megatron's definition, over this rank's T
 tokens): ``capacity = ceil(T * k / E * factor)``. Each expert keeps at most ``capacity``
@@ -48,20 +72,72 @@ from megalite.parallel.params import mark_param
 
 
 # -- pure routing math -------------------------------------------------------------------
+def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int, group_topk: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of ``scores`` ``[T, E]`` among the experts of each token's ``group_topk``
+    best groups (see the module docstring) -> (values ``[T, k]``, indices ``[T, k]``)."""
+    T, E = scores.shape
+    per_group = E // num_groups
+    group_scores = scores.view(T, num_groups, per_group).topk(
+        k // group_topk, dim=-1).values.sum(-1)                         # [T, G]
+    groups = group_scores.topk(group_topk, dim=-1).indices             # [T, g]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, groups, True)
+    masked = scores.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    return torch.topk(masked, k, dim=-1)
+
+
+def select_topk(scores: torch.Tensor, k: int, num_groups: int | None = None,
+                group_topk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) ``[T, k]`` of the top k of ``scores`` ``[T, E]``, group-limited
+    when ``num_groups`` is set."""
+    if num_groups:
+        return group_limited_topk(scores, k, num_groups, group_topk)
+    return torch.topk(scores, k, dim=-1)
+
+
 def topk_probs(logits: torch.Tensor, k: int, score_function: str = "softmax",
-               scaling_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits`` ``[T, E]`` (fp32) -> (probs ``[T, k]``, expert indices ``[T, k]``)."""
+               scaling_factor: float | None = None, *, pre_softmax: bool = False,
+               num_groups: int | None = None, group_topk: int | None = None,
+               expert_bias: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits`` ``[T, E]`` -> (probs ``[T, k]``, expert indices ``[T, k]``); see the
+    module docstring. ``expert_bias`` ``[E]`` (sigmoid only) shifts the choice, not the
+    probabilities."""
+    def choose(scores):
+        return select_topk(scores, k, num_groups, group_topk)
+
     if score_function == "softmax":
-        top, idx = torch.topk(logits, k, dim=-1)
-        probs = torch.softmax(top, dim=-1)
+        if pre_softmax:
+            probs, idx = choose(torch.softmax(logits, dim=-1))
+        else:
+            top, idx = choose(logits)
+            probs = torch.softmax(top, dim=-1)
     elif score_function == "sigmoid":
-        top, idx = torch.topk(torch.sigmoid(logits), k, dim=-1)
+        scores = torch.sigmoid(logits)
+        if expert_bias is not None:
+            _, idx = choose(scores + expert_bias.to(scores.dtype))
+            top = scores.gather(1, idx)
+        else:
+            top, idx = choose(scores)
         probs = top / (top.sum(-1, keepdim=True) + 1e-20) if k > 1 else top
     else:
         raise ValueError(f"unknown router score function {score_function!r}")
     if scaling_factor is not None:
         probs = probs * scaling_factor
     return probs, idx
+
+
+class _RandomLogits(torch.autograd.Function):
+    """Forward: ``random`` (same shape as ``logits``); backward: the gradient reaches
+    ``logits`` unchanged (straight-through)."""
+
+    @staticmethod
+    def forward(ctx, logits, random):
+        return random
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -98,6 +174,13 @@ def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int
     keep = torch.zeros_like(routing_map).scatter_(0, order, True)
     new_map = keep if pad_to_capacity else keep & routing_map
     return probs * new_map, new_map
+
+
+def counting() -> bool:
+    """Whether a forward now counts towards the expert load: gradients are recorded and
+    this is not the recomputation of a checkpointed layer inside backward (which would
+    count the same tokens twice)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
 
 # -- loss plumbing -----------------------------------------------------------------------
@@ -141,12 +224,15 @@ class TopKRouter(torch.nn.Module):
     """Gate ``[s, b, h]`` -> :class:`Routing` of its ``s * b`` tokens.
 
     Weight ``[E, h]``, replicated on every rank (``expert_parallel`` False). Logits and
-    routing are computed in fp32. ``token_group`` (``ps.tp_cp``) is the group whose
-    ranks hold different tokens of the same micro-batch; the loss statistics are summed
-    over it (see the module docstring).
+    routing are computed in fp32 (or fp64). ``token_group`` (``ps.tp_cp``) is the group
+    whose ranks hold different tokens of the same micro-batch; the loss statistics are
+    summed over it (see the module docstring). With the expert bias: the buffers
+    ``expert_bias`` ``[E]`` fp32 (persistent) and ``tokens_per_expert`` ``[E]`` fp64 (this
+    rank's choices since the last :meth:`reset_load`). ``seed`` seeds the random logits
+    of ``--moe-router-force-load-balancing`` (with the layer and the rank).
     """
 
-    def __init__(self, cfg, ps, *, device=None, dtype=None):
+    def __init__(self, cfg, ps, *, device=None, dtype=None, seed: int = 0):
         super().__init__()
         token_group = ps.tp_cp
         self.num_experts = cfg.num_experts
@@ -159,7 +245,20 @@ class TopKRouter(torch.nn.Module):
         self.capacity_factor = cfg.moe_expert_capacity_factor
         self.drop_policy = cfg.moe_token_drop_policy
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
+        self.pre_softmax = cfg.moe_router_pre_softmax
+        self.num_groups = cfg.moe_router_num_groups
+        self.group_topk = cfg.moe_router_group_topk
+        self.dtype = torch.float64 if cfg.moe_router_dtype == "fp64" else torch.float32
         self.token_group = token_group
+        bias = cfg.moe_router_enable_expert_bias
+        self.register_buffer("expert_bias", torch.zeros(
+            cfg.num_experts, dtype=torch.float32, device=device) if bias else None)
+        self.register_buffer("tokens_per_expert", torch.zeros(
+            cfg.num_experts, dtype=torch.float64, device=device) if bias else None,
+            persistent=False)
+        self.force_balance = cfg.moe_router_force_load_balancing
+        self.random_seed = seed * 1_000_003 + ps.rank
+        self.random = None   # the generator, made on the logits' device at first use
         # tokens are split over tp inside the MoE layer, so the router sees partial batches
         self.weight = mark_param(torch.nn.Parameter(
             torch.empty(cfg.num_experts, cfg.hidden_size, device=device, dtype=dtype)),
@@ -167,10 +266,24 @@ class TopKRouter(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> Routing:
         s, b, h = hidden.shape
-        logits = F.linear(hidden.reshape(s * b, h).float(), self.weight.float())  # [T, E]
-        top, idx = topk_probs(logits, self.topk, self.score_function, self.scaling_factor)
+        logits = F.linear(hidden.reshape(s * b, h).to(self.dtype),
+                          self.weight.to(self.dtype))  # [T, E]
+        choice_logits = logits
+        if self.force_balance:
+            if self.random is None or self.random.device != logits.device:
+                self.random = torch.Generator(device=logits.device)
+                self.random.manual_seed(self.random_seed)
+            random = torch.randn(logits.shape, generator=self.random, dtype=logits.dtype,
+                                 device=logits.device)
+            choice_logits = _RandomLogits.apply(logits, random)
+        top, idx = topk_probs(choice_logits, self.topk, self.score_function,
+                              self.scaling_factor, pre_softmax=self.pre_softmax,
+                              num_groups=self.num_groups, group_topk=self.group_topk,
+                              expert_bias=self.expert_bias)
         probs = torch.zeros_like(logits).scatter(1, idx, top)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+        if self.tokens_per_expert is not None and counting():
+            self.tokens_per_expert += routing_map.sum(0, dtype=torch.float64)
         loss, values = None, {}
         if self.balance != "none" and self.aux_coeff > 0:
             aux = self._load_balancing_loss(logits, routing_map, s, b)
@@ -184,6 +297,22 @@ class TopKRouter(torch.nn.Module):
             probs, routing_map = apply_capacity(probs, routing_map, cap, self.drop_policy,
                                                 self.pad_to_capacity)
         return Routing(probs, routing_map, loss, values)
+
+    def _apply(self, fn, recurse=True):
+        """``module.to(bf16)`` and the like keep the bias fp32 and the counts fp64."""
+        super()._apply(fn, recurse)
+        for name, dtype in (("expert_bias", torch.float32), ("tokens_per_expert",
+                                                           torch.float64)):
+            buf = self._buffers.get(name)
+            if buf is not None and buf.dtype != dtype:
+                self._buffers[name] = buf.to(dtype)
+        return self
+
+    @torch.no_grad()
+    def reset_load(self) -> None:
+        """Zero ``tokens_per_expert`` (the start of an optimizer step's forwards)."""
+        if self.tokens_per_expert is not None:
+            self.tokens_per_expert.zero_()
 
     def _sum_over_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of per-rank partial sums over ``token_group``; backward is the identity."""

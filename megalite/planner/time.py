@@ -157,10 +157,8 @@ def compute_seconds(ctx: StepContext) -> float:
         cluster.peak_flops * cluster.matmul_efficiency)
     # memory-bound work (norms, activations, softmax, residual adds, copies): each element
     # the layers keep for backward is written and read in forward and backward
-    moe_every = m.moe_layer_freq if m.num_experts is not None else 0
-    per_layer = [layer_activation_elements(m, p, lay.micro_batch_size,
-                                           moe=bool(moe_every) and i % moe_every == 0)
-                 for i in range(m.num_layers)]
+    per_layer = [layer_activation_elements(m, p, lay.micro_batch_size, moe=moe)
+                 for moe in m.moe_layer_pattern]
     act_elems = sum(e["act"] * lay.dtype_bytes + e["fp32"] * 4 for e in per_layer) / lay.pp
     memory_bound = MEMORY_PASSES * act_elems * lay.num_microbatches / cluster.memory_bw
     # fixed costs per layer and micro-batch (dispatch / launches), the rank's layers

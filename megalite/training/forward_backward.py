@@ -29,7 +29,9 @@ loss). Their objective is the mean over the global batch's micro-batches, so bef
 schedule every MoE layer of every chunk gets the gradient factor
 ``loss_scale / (num_microbatches * dp)`` (``dp`` without cp: cp ranks share one
 micro-batch's loss, and the dp_cp gradient sum adds their parts). Their logged values
-are collected per micro-batch by a :class:`RouterLosses`.
+are collected per micro-batch by a :class:`RouterLosses`. The routers' expert-load
+counts (``--moe-router-enable-expert-bias``) are zeroed before the schedule, so they hold
+this step's micro-batches (a validation re-run starts them again).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from collections.abc import Callable
 
 import torch
 
+from megalite.moe.expert_bias import reset_expert_load
 from megalite.moe.layer import moe_layers, set_aux_loss_scale
 from megalite.parallel.collectives import all_reduce
 from megalite.pipeline.layout import model_chunks
@@ -121,6 +124,7 @@ def forward_backward(c, batches: list[dict], tokens, *, train: bool = True,
         scale = float(loss_scale(torch.ones((), dtype=torch.float64)))
         for chunk in chunks:
             set_aux_loss_scale(chunk, scale / (len(batches) * ps.dp.size))
+        reset_expert_load(chunks)  # the expert bias counts this step's forwards only
     loss_sum = torch.zeros(1, dtype=torch.float64, device=ps.device)
     divisors = tokens if isinstance(tokens, list) else [tokens] * len(batches)
 

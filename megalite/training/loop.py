@@ -27,6 +27,8 @@ zero, for a window; or every step of a shorter run skipped) raises
 A run that finishes evaluates once more, as Megatron does: the validation set (unless its
 last iteration just did) and the test set (where ``--split`` gives one), printed as
 ``validation loss at the end of training | ...`` and ``test loss at the end of training``.
+With ``--moe-router-enable-expert-bias`` every step ends with the bias update over the
+global batch's expert loads (:mod:`megalite.moe.expert_bias`), after the optimizer.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ import torch
 
 from megalite.checkpoint import CheckpointSaver, save_checkpoint
 from megalite.errors import NumericalError
+from megalite.moe.expert_bias import load_metrics, update_expert_bias
 from megalite.parallel.collectives import ReduceOp, all_reduce, all_reduce_scalar
 from megalite.parallel.cp_chunks import slice_batch, with_document_ids
+from megalite.pipeline.layout import model_chunks
 from megalite.training.components import TrainState
 from megalite.training.forward_backward import RouterLosses, forward_backward, loss_divisors
 from megalite.training.health import LossScaleError, LossScaleWatchdog  # noqa: F401 (re-export)
@@ -72,7 +76,9 @@ class StepResult:
     updated: bool
     grad_norm: float | None
     loss_scale: float
-    moe_losses: dict = field(default_factory=dict)  # moe_aux_loss / moe_z_loss means
+    # moe_aux_loss / moe_z_loss means; with the expert bias also the load ratios
+    # (moe_load_max_ratio, moe_load_min_ratio, expert_load: megalite.moe.expert_bias)
+    moe_losses: dict = field(default_factory=dict)
     faulty_ranks: list | None = None   # a transient fault: ranks whose re-run differed
 
 
@@ -188,6 +194,10 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
         (loss_sum, lm_loss, router), faulty_ranks, outcome = rerun_and_judge(
             reason, loss_sum, step_again=True)
     moe_losses = router.means() if router is not None else {}  # collective (world)
+    if c.cfg.model.moe_router_enable_expert_bias:   # once per step, collective (world)
+        moe_losses.update(load_metrics(update_expert_bias(
+            model_chunks(c.model), ps, c.cfg.model.moe_router_bias_update_rate,
+            c.cfg.model.num_layers)))
     if reason is not None and faulty_ranks is None:   # a requested validation passed
         c.metrics.print(f" iteration {iteration}: validated: the re-run reproduced the step "
                         f"bit for bit")

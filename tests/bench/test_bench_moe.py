@@ -1,5 +1,6 @@
 """tools/benchmark.py moe on 4 tiny experts and 2 gloo ranks: both expert paths timed, and
-each dispatcher's bytes against the benchmark's theory (allgather's exactly)."""
+each dispatcher's bytes against the benchmark's theory (allgather's exactly); the
+fine-grained section (top-8 of 64 experts against the dense MLP) at ep 1 and 2, tiny."""
 
 import math
 
@@ -9,7 +10,7 @@ from tools.bench import moe as bench
 def test_expert_paths_and_dispatcher_bytes(capsys, pooled_ranks):
     out = bench.main(["--tokens", "64", "--hidden-size", "32", "--moe-ffn-hidden-size", "64",
                       "--num-experts", "4", "--moe-router-topk", "2", "--repeat", "1",
-                      "--ranks", "2", "--dispatch-tokens", "32"])
+                      "--ranks", "2", "--dispatch-tokens", "32", "--fine-ranks"])
     text = capsys.readouterr().out
     assert len(out["experts"]) == 4
     assert all(0 < s < math.inf for s in out["experts"].values())
@@ -20,3 +21,18 @@ def test_expert_paths_and_dispatcher_bytes(capsys, pooled_ranks):
     for row in (gather, a2a):
         assert row["combine"] == row["dispatch"] and row["metadata"] > 0
     assert "grouped / loop speed-up" in text
+
+
+def test_fine_grained_experts_against_dense(capsys, pooled_ranks):
+    out = bench.main(["--skip-compute", "--ranks", "--fine-ranks", "1", "2",
+                      "--fine-tokens", "32", "--fine-hidden-size", "16",
+                      "--fine-ffn-hidden-size", "4", "--repeat", "1"])
+    rows = out["fine_grained"]
+    assert set(rows) == {1, 2}
+    for row in rows.values():
+        assert row["moe_tokens_per_s"] > 0 and row["dense_tokens_per_s"] > 0
+        assert row["ratio"] == row["moe_tokens_per_s"] / row["dense_tokens_per_s"]
+    assert rows[1]["a2a_bytes"] == rows[1]["theory"] == 0
+    # 32 tokens x top-8 rows of 16 fp32 to dispatch and combine, about half leave the rank
+    assert 0.5 < rows[2]["a2a_bytes"] / rows[2]["theory"] < 1.5
+    assert "fine-grained experts: E=64 top-8" in capsys.readouterr().out

@@ -19,7 +19,10 @@ and a third offload half or all of the optimizer state to the host; half of the
 optim_grads draws then shard the parameters too (``optim_grads_params``, ZeRO-3; drawn
 last, so the earlier draws of a seed are unchanged). Activation offload
 (``--cpu-offloading``, 1 to num_layers - 1 layers per chunk) is drawn for a quarter of the
-seeds from ``"act-offload-<seed>"``.
+seeds from ``"act-offload-<seed>"``. Where the model is MoE, half the draws route the
+DeepSeek-V3 way from ``"route-<seed>"`` (sigmoid scores, the 4 experts in 2 groups of which
+a token uses one, the expert bias updated every step) and a quarter give
+``--moe-layer-freq`` as a list with the first layer dense.
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -171,8 +174,22 @@ def _activation_offload(arng: random.Random, model: dict) -> None:
                      cpu_offloading_num_layers=arng.randint(1, model["num_layers"] - 1))
 
 
+def _routing(rrng: random.Random, model: dict) -> None:
+    """DeepSeek-V3 routing (half the MoE draws) and a list ``--moe-layer-freq`` (a
+    quarter), into ``model``."""
+    if "num_experts" not in model:
+        return
+    if rrng.random() < 0.5:
+        model.update(moe_router_score_function="sigmoid", moe_router_num_groups=2,
+                     moe_router_group_topk=1, moe_router_enable_expert_bias=True,
+                     moe_router_bias_update_rate=0.05)
+    if rrng.random() < 0.25 and model["num_layers"] > 1:
+        model["moe_layer_freq"] = f"[0]+[1]*{model['num_layers'] - 1}"
+
+
 def _draw_once(rng: random.Random, seed: int, crng: random.Random,
-               srng: random.Random, arng: random.Random) -> Layout | None:
+               srng: random.Random, arng: random.Random,
+               rrng: random.Random) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -183,8 +200,11 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
     world *= _context_parallel(crng, short, model, world)
     _sharding(srng, short, optim)
     _activation_offload(arng, model)
+    _routing(rrng, model)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
-    marks = [k for k, on in (("moe", "num_experts" in model), ("bf16", model.get("bf16")),
+    marks = [k for k, on in (("moe", "num_experts" in model),
+                             ("bias", model.get("moe_router_enable_expert_bias")),
+                             ("bf16", model.get("bf16")),
                              ("sgd", optim.get("optimizer") == "sgd"),
                              ("offload", optim.get("optimizer_cpu_offload")),
                              ("actoff", model.get("cpu_offloading"))) if on]
@@ -215,8 +235,9 @@ def draw_layout(seed: int) -> Layout:
     ranks and that megalite accepts."""
     rng, crng = random.Random(seed), random.Random(f"cp-{seed}")
     srng, arng = random.Random(f"shard-{seed}"), random.Random(f"act-offload-{seed}")
+    rrng = random.Random(f"route-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng, srng, arng)
+        layout = _draw_once(rng, seed, crng, srng, arng, rrng)
         if layout is not None and rejection(layout) is None:
             return layout
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")

@@ -1,4 +1,6 @@
-"""Layout equivalence: every ep x tp (x etp, cp) x dispatcher matches one process.
+"""Layout equivalence: every ep x tp (x etp, cp) x dispatcher matches one process, for
+Mixtral routing, sigmoid routing with a shared expert, DeepSeek-V3 routing (groups and a
+non-zero expert bias) and capacity.
 
 On 4 gloo ranks, each data-parallel rank ``d`` feeds its own micro-batch ``X_d``
 ``[s, b, h]`` (its cp chunk of the sequence, and of that its ``1/tp`` chunk under sequence
@@ -42,6 +44,13 @@ CONFIGS = {
               "moe_shared_expert_intermediate_size": 8,
               "moe_router_score_function": "sigmoid", "moe_router_topk_scaling_factor": 2.0,
               "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.2},
+    # DeepSeek-V3: sigmoid, group-limited (top-2 of 4 groups), a non-zero expert bias for
+    # the choice, scaling, shared expert, the router in fp64
+    "deepseek": {"swiglu": True, "add_bias_linear": False, "moe_router_score_function": "sigmoid",
+                 "moe_router_num_groups": 4, "moe_router_group_topk": 2,
+                 "moe_router_topk_scaling_factor": 2.5, "moe_router_enable_expert_bias": True,
+                 "moe_shared_expert_intermediate_size": 8, "moe_router_dtype": "fp64",
+                 "moe_aux_loss_coeff": 0.1},
     # capacity 1.0 with padding: drops are decided per rank on its own tokens, so this
     # matches one process only where a rank holds whole micro-batches (tp = cp = 1)
     "capacity": {"swiglu": True, "add_bias_linear": False, "moe_aux_loss_coeff": 0.1,
@@ -60,6 +69,16 @@ def _cfg(name, dispatcher, num_experts):
     return ModelConfig(hidden_size=H, num_layers=4, num_experts=num_experts, moe_router_topk=2,
                        moe_ffn_hidden_size=8, init_method_std=0.2,
                        moe_token_dispatcher_type=dispatcher, **CONFIGS[name])
+
+
+def _layer(name, dispatcher, num_experts, ps, sp=False):
+    layer = MoELayer(_cfg(name, dispatcher, num_experts), ps, layer_number=3, seed=11,
+                     sequence_parallel=sp)
+    if layer.router.expert_bias is not None:
+        with torch.no_grad():
+            layer.router.expert_bias.copy_(
+                torch.randn(num_experts, generator=torch.Generator().manual_seed(7)) * 0.05)
+    return layer
 
 
 def _data(d):
@@ -107,8 +126,8 @@ def _body(rank, world_size, layouts):
         results.append([])
         with parallel_state(**layout.parallel) as ps:
             for name, dispatcher in itertools.product(_configs(layout), DISPATCHERS):
-                layer = MoELayer(_cfg(name, dispatcher, layout.model["num_experts"]), ps,
-                                 layer_number=3, seed=11, sequence_parallel=layout.get("sp"))
+                layer = _layer(name, dispatcher, layout.model["num_experts"], ps,
+                               layout.get("sp"))
                 x, g = (_local(t, layout, ps.tp.rank, ps.cp.rank) for t in _data(ps.dp.rank))
                 x.requires_grad_(True)
                 out = layer(x)
@@ -129,8 +148,7 @@ def _body(rank, world_size, layouts):
 
 def _reference(name, num_experts):
     """Per micro-batch d: output, input grad, aux values, param grads; and the params."""
-    layer = MoELayer(_cfg(name, "alltoall", num_experts), ParallelState.build(ParallelConfig()),
-                     layer_number=3, seed=11)
+    layer = _layer(name, "alltoall", num_experts, ParallelState.build(ParallelConfig()))
     refs = []
     for d in range(WORLD):
         x, g = _data(d)

@@ -154,3 +154,44 @@ def test_moe_layer_pattern():
     assert moe_layer_pattern(_cfg(num_layers=5, moe_layer_freq=2)) == [True, False, True,
                                                                        False, True]
     assert moe_layer_pattern(ModelConfig(num_layers=2)) == [False, False]
+
+
+def test_moe_layer_freq_list_expression_flows_to_shapes_and_flops():
+    from megalite.arguments import parse_args
+    from megalite.config import shapes
+
+    cfg = _cfg(num_layers=5, moe_layer_freq="[0]*2+[1]*3")
+    assert moe_layer_pattern(cfg) == [False, False, True, True, True]
+    assert shapes.moe_layer_count(cfg) == 3 and not shapes.is_moe_layer(cfg, 1)
+    dense_first = _cfg(num_layers=5, moe_layer_freq="[1]*3+[0]*2")
+    every = _cfg(num_layers=5)
+    # the same number of MoE layers, so the same active parameters and FLOPs
+    assert shapes.active_layer_params(cfg) == shapes.active_layer_params(dense_first)
+    router, experts = shapes.moe_mlp_params(cfg, 1, 1, 1)
+    moe_active = router + experts // 4 * 2     # the router and top-2 of 4 experts
+    assert (shapes.active_layer_params(cfg) - shapes.active_layer_params(every)
+            == 2 * (shapes.dense_mlp_params(cfg, 1) - moe_active))
+    # Megatron's spelling on the command line; "2" stays the integer form
+    args = parse_args(["--num-layers", "4", "--num-experts", "4",
+                       "--moe-layer-freq", "[0]*1+[1]*3"])
+    assert moe_layer_pattern(args.model) == [False, True, True, True]
+    assert parse_args(["--num-experts", "4", "--moe-layer-freq", "2"]).model.moe_layer_freq == 2
+    for bad, match in (("[1]*4", "lists 4 layers"), ("[0,2,1,1,1]", "only 0"),
+                       ("__import__('os')", "neither an integer"), ("0", "positive")):
+        with pytest.raises(ConfigError, match=match):
+            _cfg(num_layers=5, moe_layer_freq=bad)
+
+
+def test_flex_dispatcher_runs_as_alltoall_and_is_named_at_start():
+    from megalite.compat import NO_EFFECT, flag_status, no_effect_line
+    from megalite.moe.dispatcher import DISPATCHERS, AllToAllDispatcher
+
+    assert DISPATCHERS["flex"] is AllToAllDispatcher
+    cfg = MegaliteConfig(model=_cfg(moe_token_dispatcher_type="flex",
+                                    moe_flex_dispatcher_backend="hybridep"))
+    line = no_effect_line(cfg)
+    assert "--moe-token-dispatcher-type flex (DeepEP / HybridEP" in line
+    assert "--moe-flex-dispatcher-backend hybridep" in line
+    assert no_effect_line(MegaliteConfig(model=_cfg())) is None
+    assert flag_status("--moe-token-dispatcher-type", ["flex"])[0] == NO_EFFECT
+    assert flag_status("--moe-token-dispatcher-type", ["alltoall"])[0] != NO_EFFECT

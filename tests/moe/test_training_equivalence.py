@@ -1,5 +1,8 @@
 """End-to-end training equivalence of a tiny Mixtral: ep x tp(+SP) x dispatcher, plus one
-row with the distributed optimizer and one with pp 2 x vpp 2 (4 layers, MoE every other).
+row with the distributed optimizer and one with pp 2 x vpp 2 (4 layers, MoE every other);
+and DeepSeek-V3 routing (sigmoid, group-limited, the expert bias updated every step, the
+first layer dense) at ep 2, ep 2 x tp 2 + SP, pp 2 and the distributed optimizer, whose
+per-layer expert loads (``expert_load``) must equal the single-process run's too.
 
 Every layout trains the same model (fp32, dropout 0, dropless, aux loss 0.01, z loss
 0.001) on the same mock data for ``ITERS`` iterations through the real loop
@@ -82,6 +85,8 @@ def _check_rows(rows, ref_rows, what):
         assert abs(row["lm_loss"] - ref["lm_loss"]) < LOSS_TOL, (what, it, row, ref)
         for key in ("moe_aux_loss", "moe_z_loss"):
             assert row[key] == pytest.approx(ref[key], rel=AUX_RTOL), (what, it, key)
+        # the expert bias: the load of the global batch, counted the same at any layout
+        assert row.get("expert_load") == ref.get("expert_load"), (what, it)
         assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=NORM_RTOL), (what, it)
 
 

@@ -1,7 +1,9 @@
 """MoE: grouped expert GEMM vs the per-expert loop, and the bytes each dispatcher moves.
 
 ``python tools/benchmark.py moe [--tokens 4096] [--hidden-size 512] [--moe-ffn-hidden-size 1024]
-[--num-experts 8] [--moe-router-topk 2] [--repeat 3] [--ranks 2 4] [--dispatch-tokens 1024]``
+[--num-experts 8] [--moe-router-topk 2] [--repeat 3] [--ranks 2 4] [--dispatch-tokens 1024]
+[--fine-ranks 1 2 4] [--fine-experts 64] [--fine-topk 8] [--fine-tokens 1024]
+[--fine-hidden-size 256] [--fine-ffn-hidden-size 64]``
 
 1. Expert compute on one rank (fp32, SwiGLU experts, tokens routed by a random router):
    tokens/s of :func:`megalite.moe.experts.grouped_mlp` (padded ``torch.bmm``) against the
@@ -12,6 +14,14 @@
    (the theory), of which ``(ep - 1) / ep`` leave the rank under uniform routing;
    allgather sends ``T * h * 4`` to each of the ``ep - 1`` peers whatever k. Combine moves
    the same again; backward mirrors forward and is not counted.
+3. Fine-grained experts (DeepSeek-V3's shape of routing: 64 experts, top-8) at
+   ``ep = 1, 2, 4`` ranks on gloo, each rank with its own tokens (dp = ep): forward +
+   backward tokens/s per rank of the MoE layer against a dense SwiGLU MLP of the same
+   active FLOPs (width ``top-k x expert width``) timed on the same rank in the same run, and
+   the all-to-all bytes per rank and layer (dispatch + combine, forward; backward moves as
+   many again) against ``2 x T * k * h * 4 * (ep - 1) / ep``. The ratio is MoE tokens/s over
+   dense tokens/s: what routing, permutation, the padded grouped GEMM and the exchange
+   cost over the dense layer doing the same matmul FLOPs.
 """
 
 from __future__ import annotations
@@ -154,8 +164,87 @@ def bench_dispatchers(args) -> dict:
     return rows
 
 
+def _fine_cfg(args):
+    from megalite.config import ModelConfig
+
+    return ModelConfig(hidden_size=args.fine_hidden_size, num_experts=args.fine_experts,
+                       moe_router_topk=args.fine_topk,
+                       moe_ffn_hidden_size=args.fine_ffn_hidden_size, swiglu=True,
+                       add_bias_linear=False, init_method_std=0.02, num_layers=2)
+
+
+def _best_fwd_bwd(module, x, grad, reps, group=None) -> float:
+    """Best-of-``reps`` seconds of ``module(x)`` forward + backward (a barrier over the
+    world before each, so that ranks start together)."""
+    best = float("inf")
+    for i in range(reps + 1):   # the first is a warm-up
+        if group is not None:
+            dist.barrier()
+        t0 = time.perf_counter()
+        module(x).backward(grad)
+        elapsed = time.perf_counter() - t0
+        module.zero_grad(set_to_none=True)
+        if i:
+            best = min(best, elapsed)
+    return best
+
+
+def _fine_on_rank(rank, world, args):
+    from megalite.config import ParallelConfig
+    from megalite.moe.layer import MoELayer, SharedExpertMLP
+    from megalite.parallel.state import ParallelState
+
+    ps = ParallelState.build(ParallelConfig(expert_model_parallel_size=world))
+    cfg = _fine_cfg(args)
+    T, h = args.fine_tokens, args.fine_hidden_size
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, 1, h, generator=gen)
+    grad = torch.randn(T, 1, h, generator=gen)
+    layer = MoELayer(cfg, ps, 0, seed=1)
+    dense = SharedExpertMLP(cfg, args.fine_topk * args.fine_ffn_hidden_size, ps)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+    layer.dispatcher.counter.reset()
+    layer(x)   # one forward: its bytes
+    sent = dict(layer.dispatcher.counter.sent)
+    t_moe = _best_fwd_bwd(layer, x, grad, args.repeat, group=ps.ep if world > 1 else None)
+    t_dense = _best_fwd_bwd(dense, x, grad, args.repeat)
+    ps.destroy()
+    return {"moe": t_moe, "dense": t_dense, "a2a": sent.get("dispatch", 0)
+            + sent.get("combine", 0), "metadata": sent.get("counts", 0)}
+
+
+def bench_fine_grained(args) -> dict:
+    """Print the fine-grained table; return ``{ep: {"moe_tokens_per_s", "dense_tokens_per_s",
+    "ratio", "a2a_bytes", "theory"}}`` (per rank; bytes of one layer's forward)."""
+    T, h, k, E = (args.fine_tokens, args.fine_hidden_size, args.fine_topk, args.fine_experts)
+    f = args.fine_ffn_hidden_size
+    print(f"\nfine-grained experts: E={E} top-{k}, h={h}, expert ffn={f} SwiGLU vs a dense "
+          f"SwiGLU MLP of ffn {k * f} (same active matmul FLOPs; the router's E*h per token "
+          f"aside), T={T} tokens per rank, fp32, forward+backward, best of {args.repeat}")
+    print(f"{'ep':>3} {'MoE tok/s':>10} {'dense tok/s':>12} {'MoE/dense':>10} "
+          f"{'a2a bytes fwd':>14} {'theory':>12} {'counts B':>9}")
+    rows = {}
+    for world in args.fine_ranks:
+        by_rank = _ranks.run_on_ranks(_fine_on_rank, world, args)
+        moe = T / max(r["moe"] for r in by_rank)      # the slowest rank sets the pace
+        dense = T / sum(r["dense"] for r in by_rank) * world   # mean over ranks
+        a2a = sum(r["a2a"] for r in by_rank) / world
+        meta = sum(r["metadata"] for r in by_rank) / world
+        theory = 2 * T * k * h * 4 * (world - 1) / world   # dispatch + combine
+        rows[world] = {"moe_tokens_per_s": moe, "dense_tokens_per_s": dense,
+                       "ratio": moe / dense, "a2a_bytes": a2a, "theory": theory}
+        print(f"{world:>3} {moe:>10.0f} {dense:>12.0f} {moe / dense:>10.2f} {a2a:>14.0f} "
+              f"{theory:>12.0f} {meta:>9.0f}")
+    print("MoE/dense: tokens/s of the MoE layer over the dense MLP's on the same ranks; "
+          "theory: 2 x T*k*h*4*(ep-1)/ep (uniform routing)")
+    return rows
+
+
 def main(argv=None) -> dict:
-    """Print both tables; return their rows, ``{"experts": ..., "dispatchers": ...}``."""
+    """Print the tables; return their rows, ``{"experts": ..., "dispatchers": ...,
+    "fine_grained": ...}``."""
     parser = argparse.ArgumentParser(prog="benchmark.py moe")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden-size", type=int, default=512)
@@ -166,8 +255,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--dispatch-tokens", type=int, default=1024)
     parser.add_argument("--skip-compute", action="store_true")
+    parser.add_argument("--fine-ranks", type=int, nargs="*", default=[1, 2, 4])
+    parser.add_argument("--fine-experts", type=int, default=64)
+    parser.add_argument("--fine-topk", type=int, default=8)
+    parser.add_argument("--fine-tokens", type=int, default=1024)
+    parser.add_argument("--fine-hidden-size", type=int, default=256)
+    parser.add_argument("--fine-ffn-hidden-size", type=int, default=64)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return {"experts": bench_experts(args) if not args.skip_compute else {},
-            "dispatchers": bench_dispatchers(args) if args.ranks else {}}
+            "dispatchers": bench_dispatchers(args) if args.ranks else {},
+            "fine_grained": bench_fine_grained(args) if args.fine_ranks else {}}
 

@@ -56,6 +56,8 @@ def unsupported(args: Namespace) -> list[str]:
             (_get(a, "moe_shared_expert_intermediate_size"), "shared experts"),
             (_get(a, "moe_router_pre_softmax", False), "--moe-router-pre-softmax"),
             (_get(a, "moe_router_enable_expert_bias", False), "router expert bias"),
+            (_get(a, "moe_router_num_groups", None), "group-limited routing "
+             "(--moe-router-num-groups)"),
             (_get(a, "moe_router_score_function", "softmax") not in ("softmax", "sigmoid"),
              f"--moe-router-score-function {_get(a, 'moe_router_score_function')}"),
         ]
@@ -119,7 +121,14 @@ def megatron_args(cfg, tp: int = 1, pp: int = 1) -> Namespace:
               num_experts=m.num_experts)
     if m.num_experts:
         kw.update({n: getattr(m, n) for n in MOE_SAME})
-        kw.update(moe_layer_freq=m.moe_layer_freq, moe_router_pre_softmax=False,
+        kw.update(moe_layer_freq=(m.moe_layer_freq if isinstance(m.moe_layer_freq, int)
+                                  else [int(f) for f in m.moe_layer_pattern]),
+                  moe_router_pre_softmax=m.moe_router_pre_softmax,
+                  moe_router_num_groups=m.moe_router_num_groups,
+                  moe_router_group_topk=m.moe_router_group_topk,
+                  moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+                  moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+                  moe_router_dtype=m.moe_router_dtype,
                   moe_grouped_gemm=False, expert_model_parallel_size=1)
     d = cfg.data
     kw.update({n: getattr(d, n, None) for n in TOKENIZER})

@@ -50,11 +50,15 @@ class MixtralSpec(LlamaSpec):
         c = model_cfg
         return [text for bad, text in [
             (c.num_experts is None, "--num-experts is not set"),
-            (c.moe_layer_freq != 1, f"--moe-layer-freq {c.moe_layer_freq} (Mixtral: every layer)"),
+            (c.num_experts is not None and not all(c.moe_layer_pattern),
+             f"--moe-layer-freq {c.moe_layer_freq} (Mixtral: every layer)"),
             (bool(c.moe_shared_expert_intermediate_size), "shared experts"),
             (c.moe_router_score_function != "softmax",
              f"--moe-router-score-function {c.moe_router_score_function}"),
             (c.moe_router_topk_scaling_factor not in (None, 1.0), "a top-k scaling factor"),
+            (c.moe_router_pre_softmax, "--moe-router-pre-softmax"),
+            (c.moe_router_num_groups is not None, "group-limited routing"),
+            (c.moe_router_enable_expert_bias, "a router expert bias"),
             (c.add_bias_linear or c.add_qkv_bias, "linear biases"),
         ] if bad] + self.backbone_problems(c)
 
