@@ -13,6 +13,9 @@ mixtral         tests/model/test_mixtral_parity.py: tp x ep x etp against transf
 moe-layer       tests/moe/test_distributed.py: one MoE layer, ep x tp x etp x cp
 moe-training    tests/moe/test_training_equivalence.py: Mixtral training, x dispatcher
 optim           tests/optim/test_equivalence.py: dp x tp x pp x distributed optimizer
+muon            tests/optim/test_muon_layouts.py: --optimizer muon at tp x sp x pp x vpp x
+                dp x sharding strategy x ep x offload, x --muon-tp-mode (duplicated,
+                distributed), against the one-process Muon run
 pipeline        tests/pipeline/test_pipeline_training.py: pp x vpp x tp x sp x dp
 training        tests/training/test_resume_and_layouts.py: tp x sp x dp, loss and metrics
 cp              tests/context_parallel/test_training_equivalence.py: cp x comm type x tp x
@@ -211,6 +214,31 @@ _OPTIM = [*(row("optim", world, model=model, **sizes, **flags)
             for variant, (flags, optim) in OPTIM_EXTRA.items()),
           *_OPTIM_ZERO3]
 
+# -- muon: a Llama-style GQA model (Q, K, V orthogonalised apart; SwiGLU's fused fc1 one
+# matrix), Muon's update against one process; --muon-tp-mode blockwise depends on tp and
+# has no rows ---------------------------------------------------------------------------
+MUON_MODEL = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+              "add_bias_linear": False, "group_query_attention": True, "num_query_groups": 2}
+MUON_MOE = {**MUON_MODEL, "num_experts": 4}
+MUON = {"optimizer": "muon", "muon_nesterov": True}
+MUON_DIST = {**MUON, "muon_tp_mode": "distributed"}
+_MUON = [
+    row("muon", 2, model=MUON_MODEL, optim=MUON, tp=2, sp=True),
+    row("muon", 2, "distributed", model=MUON_MODEL, optim=MUON_DIST, tp=2, sp=True),
+    row("muon", 2, model={**MUON_MODEL, "num_layers": 4}, optim=MUON, pp=2, vpp=2),
+    row("muon", 4, model=MUON_MODEL, optim=MUON),
+    *(row("muon", 4, model=MUON_MODEL, optim=MUON, strategy=strategy)
+      for strategy in ("optim", "optim_grads", "optim_grads_params")),
+    row("muon", 4, model=MUON_MODEL, optim=MUON, tp=2, sp=True, strategy="optim"),
+    row("muon", 4, "distributed", model=MUON_MODEL, optim=MUON_DIST, tp=2, sp=True,
+        strategy="optim_grads"),
+    # experts: owners over edp 2 (dense over dp 4), and experts split over etp 2
+    row("muon", 4, model=MUON_MOE, optim=MUON, ep=2, strategy="optim"),
+    row("muon", 4, model=MUON_MOE, optim=MUON_DIST, tp=2, sp=True, ep=2, etp=2),
+    row("muon", 2, "offload0.5", model=MUON_MODEL, optim={**MUON, **OFFLOAD},
+        strategy="optim_grads"),
+]
+
 # -- pipeline: an 8-layer GPT, micro-batch 1, global batch 8 ------------------------------
 _PIPE_MODEL, _PIPE_TRAIN = {"num_layers": 8}, {"micro_batch_size": 1, "global_batch_size": 8}
 _PIPELINE = [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **sizes)
@@ -291,9 +319,9 @@ _ACT_OFFLOAD = [
         strategy="optim_grads_params"),
 ]
 
-SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "pipeline", "training",
-          "resume", "reshard", "cp", "activation-offload")
-LAYOUTS: tuple[Layout, ...] = (*_MODEL, *_MIXTRAL, *_MOE_LAYER, *_MOE_TRAINING, *_OPTIM,
+SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "muon", "pipeline",
+          "training", "resume", "reshard", "cp", "activation-offload")
+LAYOUTS: tuple[Layout, ...] = (*_MODEL, *_MIXTRAL, *_MOE_LAYER, *_MOE_TRAINING, *_OPTIM, *_MUON,
                                *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD, *_CP,
                                *_ACT_OFFLOAD)
 

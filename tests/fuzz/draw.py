@@ -3,7 +3,7 @@
 A draw picks a tiny model (GPT-2 or Llama style, 2-8 layers, hidden 32/64, 4 heads, GQA
 with 1 or 2 groups or none, vocabulary 50/60 padded per tp, tied or untied embeddings,
 recompute none/selective/full-uniform/full-block, dense or MoE with 4 experts top-2 and
-either dispatcher, fp32 or bf16), AdamW or SGD with gradient clipping on or off, and a
+either dispatcher, fp32 or bf16), AdamW, SGD or Muon with gradient clipping on or off, and a
 layout of 1 to 8 ranks (tp 1/2/4 with or without sequence parallelism, pp 1/2/4 with
 virtual stages or an uneven first/last stage, dp 1-4, ep and etp, the distributed
 optimizer, overlapped grad reduction and param gather, small buckets, and context
@@ -19,7 +19,9 @@ and a third offload half or all of the optimizer state to the host; half of the
 optim_grads draws then shard the parameters too (``optim_grads_params``, ZeRO-3; drawn
 last, so the earlier draws of a seed are unchanged). Activation offload
 (``--cpu-offloading``, 1 to num_layers - 1 layers per chunk) is drawn for a quarter of the
-seeds from ``"act-offload-<seed>"``.
+seeds from ``"act-offload-<seed>"``, and Muon (``--optimizer muon``, instead of AdamW or
+SGD, with ``--muon-tp-mode`` duplicated or distributed and Nesterov momentum on or off) for
+a quarter of the AdamW draws from ``"optim-<seed>"``.
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -171,8 +173,18 @@ def _activation_offload(arng: random.Random, model: dict) -> None:
                      cpu_offloading_num_layers=arng.randint(1, model["num_layers"] - 1))
 
 
+def _muon(orng: random.Random, optim: dict) -> None:
+    """``--optimizer muon`` instead of AdamW (a quarter of the draws; SGD draws stay SGD,
+    whose update is linear in the gradient) in a layout-invariant tp mode, into ``optim``."""
+    if orng.random() < 0.25 and optim.get("optimizer") != "sgd":
+        optim.update(optimizer="muon", muon_tp_mode=orng.choice(("duplicated",
+                                                                   "distributed")),
+                     muon_nesterov=orng.random() < 0.5)
+
+
 def _draw_once(rng: random.Random, seed: int, crng: random.Random,
-               srng: random.Random, arng: random.Random) -> Layout | None:
+               srng: random.Random, arng: random.Random,
+               orng: random.Random | None = None) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -183,9 +195,12 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
     world *= _context_parallel(crng, short, model, world)
     _sharding(srng, short, optim)
     _activation_offload(arng, model)
+    if orng is not None:
+        _muon(orng, optim)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model), ("bf16", model.get("bf16")),
                              ("sgd", optim.get("optimizer") == "sgd"),
+                             ("muon", optim.get("optimizer") == "muon"),
                              ("offload", optim.get("optimizer_cpu_offload")),
                              ("actoff", model.get("cpu_offloading"))) if on]
     if "cp" in short:
@@ -215,8 +230,9 @@ def draw_layout(seed: int) -> Layout:
     ranks and that megalite accepts."""
     rng, crng = random.Random(seed), random.Random(f"cp-{seed}")
     srng, arng = random.Random(f"shard-{seed}"), random.Random(f"act-offload-{seed}")
+    orng = random.Random(f"optim-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng, srng, arng)
+        layout = _draw_once(rng, seed, crng, srng, arng, orng)
         if layout is not None and rejection(layout) is None:
             return layout
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")
