@@ -21,7 +21,8 @@ training        tests/training/test_resume_and_layouts.py: tp x sp x dp, loss an
 cp              tests/context_parallel/test_training_equivalence.py: cp x comm type x tp x
                 sp x pp x vpp x dp x distributed optimizer x ep, loss, grad norm, params
 resume          exact resumption at one layout (training, pipeline suites)
-reshard         tests/checkpoint/test_reshard.py: save at one layout, resume at others
+reshard         tests/checkpoint/test_reshard.py (AdamW) and test_muon_reshard.py (Muon):
+                save at one layout, resume at others
 activation-     tests/model/test_activation_offload.py: --cpu-offloading against the same
 offload         layout without it, bitwise (rows tagged ``slow`` outside the default run)
 ==============  ========================================================================
@@ -259,7 +260,15 @@ _RESUME = [row("resume", 4, tp=2),                                  # test_resum
 
 # -- reshard: save at tp2 x pp2 x dp2, resume at tp1 (one process) and tp4 x dp2 ----------
 _RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
-            row("reshard", 1), row("reshard", 8, tp=4, distopt=True)]
+            row("reshard", 1), row("reshard", 8, tp=4, distopt=True),
+            # Muon (momentum of the matrices, Adam's moments of the rest): save at tp2 + sp x
+            # dp2 x ep2 (owner exchange), resume there (bitwise), at one process, and at pp2
+            # x dp2 x ep2 under ZeRO-3 (tests/checkpoint/test_muon_reshard.py)
+            row("reshard", 4, "muon", model=MUON_MOE, optim=MUON, tp=2, sp=True, ep=2,
+                strategy="optim", tags=("save",)),
+            row("reshard", 1, "muon", model=MUON_MOE, optim=MUON),
+            row("reshard", 4, "muon", model=MUON_MOE, optim=MUON, pp=2, ep=2,
+                strategy="optim_grads_params")]
 
 # -- cp: context parallelism, each comm type, trained against one process -----------------
 # a Llama-style GQA model (4 heads, 2 query groups: a2a at cp 2 splits both) at seq 32
