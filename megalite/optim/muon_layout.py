@@ -191,7 +191,7 @@ class OwnerExchange:
     every rank's shard holds of each matrix) is computed once, the same on every rank."""
 
     def __init__(self, buffers, muon: set[int], name_of: dict[int, str], ps, ocfg):
-        self.ocfg = ocfg
+        self.ocfg, self.device = ocfg, ps.device
         self.groups = []    # (group, [(bucket, params in it)], owner of id(param))
         self.matrix: dict[int, Matrix] = {}
         by_group: dict[str, tuple] = {}
@@ -227,20 +227,20 @@ class OwnerExchange:
         ``[hi - lo]`` update) for every Muon piece of this rank -> each piece's ``O``.
         Collective: an all-to-all over each gradient group there and back, and the owners'
         tp collectives (:func:`orthogonalize_local`)."""
-        device = next((u.device for _, u in pairs), None)
+        device = self.device    # offloaded pieces' U are on the host: sent from the device
         owned, back = [], []
         for group, buckets, owner in self.groups:
             me, size = group.rank, group.size
             index = {id(bucket): i for i, (bucket, _) in enumerate(buckets)}
             mine = sorted(((pc, u) for pc, u in pairs if id(pc.param) in owner),
                           key=lambda x: (index[id(x[0].bucket)], x[0].lo))   # bucket order
-            by_dest = [[u.float() for pc, u in mine if owner[id(pc.param)] == q]
+            by_dest = [[u.float().to(device) for pc, u in mine if owner[id(pc.param)] == q]
                        for q in range(size)]
             send_sizes = [sum(u.numel() for u in chunk) for chunk in by_dest]
             plans = [self._segments(buckets, owner, s, me) for s in range(size)]
             recv_sizes = [sum(b - a for _, a, b in plan) for plan in plans]
             flat = [u for chunk in by_dest for u in chunk]
-            send = torch.cat(flat) if flat else torch.zeros(0, device=device or "cpu")
+            send = torch.cat(flat) if flat else torch.zeros(0, device=device)
             recv = collectives.all_to_all(send, group, send_sizes, recv_sizes)
             full: dict[int, torch.Tensor] = {}
             offset = 0
@@ -259,7 +259,7 @@ class OwnerExchange:
         got: dict = {}
         for group, mine, owner, plans, send_sizes, recv_sizes, full in back:
             chunks = [result[id(p)].reshape(-1)[a:b] for plan in plans for p, a, b in plan]
-            send = torch.cat(chunks) if chunks else torch.zeros(0, device=device or "cpu")
+            send = torch.cat(chunks) if chunks else torch.zeros(0, device=device)
             recv = collectives.all_to_all(send, group, recv_sizes, send_sizes)
             offset = 0
             for q in range(group.size):
