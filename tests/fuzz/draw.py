@@ -173,13 +173,15 @@ def _activation_offload(arng: random.Random, model: dict) -> None:
                      cpu_offloading_num_layers=arng.randint(1, model["num_layers"] - 1))
 
 
-def _muon(orng: random.Random, optim: dict) -> None:
+def _muon(orng: random.Random, optim: dict, split: bool) -> None:
     """``--optimizer muon`` instead of AdamW (a quarter of the draws; SGD draws stay SGD,
-    whose update is linear in the gradient) in a layout-invariant tp mode, into ``optim``."""
+    whose update is linear in the gradient), into ``optim``; where a matrix is split over
+    tp or etp (``split``), in a layout-invariant tp mode (duplicated or distributed)."""
     if orng.random() < 0.25 and optim.get("optimizer") != "sgd":
-        optim.update(optimizer="muon", muon_tp_mode=orng.choice(("duplicated",
-                                                                   "distributed")),
-                     muon_nesterov=orng.random() < 0.5)
+        mode = orng.choice(("duplicated", "distributed"))
+        optim.update(optimizer="muon", muon_nesterov=orng.random() < 0.5)
+        if split and mode != "duplicated":
+            optim["muon_tp_mode"] = mode
 
 
 def _draw_once(rng: random.Random, seed: int, crng: random.Random,
@@ -196,7 +198,7 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
     _sharding(srng, short, optim)
     _activation_offload(arng, model)
     if orng is not None:
-        _muon(orng, optim)
+        _muon(orng, optim, short["tp"] > 1 or short.get("etp", 1) > 1)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model), ("bf16", model.get("bf16")),
                              ("sgd", optim.get("optimizer") == "sgd"),

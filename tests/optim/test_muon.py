@@ -159,3 +159,14 @@ def test_a_matrix_muon_cannot_orthogonalise_is_named():
     with pytest.raises(ValueError, match="cannot orthogonalise decoder.proj.weight: it is "
                                          "padded"):
         check_matrix("decoder.proj.weight", p, ocfg)
+
+
+def test_a_tp_mode_that_does_not_apply():
+    muon = {"optimizer": "muon", "muon_tp_mode": "distributed"}
+    with pytest.raises(ConfigError, match="--muon-tp-mode distributed does not apply at "
+                                          "--tensor-model-parallel-size 1: every matrix"):
+        tiny_config(1, optim=muon)
+    with pytest.raises(ConfigError, match="with --expert-tensor-parallel-size 1"):
+        tiny_config(2, optim=muon, model={"num_experts": 2},
+                    parallel={"expert_model_parallel_size": 2})
+    assert tiny_config(2, optim=muon, parallel={"tensor_model_parallel_size": 2})
