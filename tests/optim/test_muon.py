@@ -9,7 +9,7 @@ from megalite.config import OptimConfig
 from megalite.config.fields import ConfigError
 from megalite.models.gpt import GPTModel
 from megalite.optim.loss_scaler import build_loss_scaler
-from megalite.optim.muon_layout import check_matrix
+from megalite.optim.muon_layout import assign_owners, check_matrix
 from megalite.optim.newton_schulz import COEFFICIENTS, coefficients, orthogonalize
 from megalite.optim.optimizer import MixedPrecisionOptimizer
 from megalite.parallel.params import mark_param
@@ -170,3 +170,14 @@ def test_a_tp_mode_that_does_not_apply():
         tiny_config(2, optim=muon, model={"num_experts": 2},
                     parallel={"expert_model_parallel_size": 2})
     assert tiny_config(2, optim=muon, parallel={"tensor_model_parallel_size": 2})
+
+
+def test_owners_balance_newton_schulz_flops():
+    """Longest first onto the least loaded rank: every rank gets work, the loads differ by
+    at most the largest item, and the plan is a pure function of the costs."""
+    costs = [9.0, 1.0, 4.0, 4.0, 3.0, 2.0, 2.0, 7.0]
+    owners = assign_owners(costs, 3)
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(3)]
+    assert sorted(loads) == [10.0, 11.0, 11.0]
+    assert owners == assign_owners(list(costs), 3)
+    assert assign_owners(costs, 1) == [0] * len(costs)
