@@ -209,6 +209,16 @@ class OwnerExchange:
             self.matrix.update({id(p): m for p, m in zip(params, mats)})
             self.groups.append((group, buckets, owner))
 
+    def owned(self) -> dict[str, tuple[int, int, int]]:
+        """group name -> (elements of the matrices this rank owns, elements of all its
+        Muon matrices, the group's size): over a group, every matrix is owned once."""
+        out = {}
+        for group, buckets, owner in self.groups:
+            params = [p for _, members in buckets for p, _ in members]
+            out[group.name] = (sum(p.numel() for p in params if owner[id(p)] == group.rank),
+                               sum(p.numel() for p in params), group.size)
+        return out
+
     @staticmethod
     def _segments(buckets, owner: dict, sender: int, receiver: int) -> list:
         """``[(param, a, b)]``: flat elements ``[a, b)`` of each parameter owned by

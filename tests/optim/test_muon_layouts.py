@@ -10,7 +10,9 @@ the Newton-Schulz iteration of a matrix whose gradient was summed in another ord
 whose Gram matrices are summed over tp shards in the distributed mode, differs by float
 rounding). ``--muon-tp-mode blockwise``
 is left out on purpose: each tp shard orthogonalised apart is another update
-(``test_blockwise_depends_on_tp`` shows the rows would catch it).
+(``test_blockwise_depends_on_tp`` shows the rows would catch it). Under a sharding
+strategy each matrix is owned by exactly one rank of its gradient group: summed over the
+ranks, the elements owned times the group's size are all the Muon elements.
 """
 
 import pytest
@@ -31,12 +33,17 @@ def _reference_key(layout) -> str:
     return repr((layout.model, sorted(optim.items())))
 
 
+def _owned(c):
+    exchange = getattr(c.optimizer, "exchange", None)
+    return exchange.owned() if exchange is not None else None
+
+
 def _body(rank, world_size, rows):
     out = []
     for layout in rows:
         cfg = config(world_size, model=layout.model, optim=layout.optim, **layout.parallel)
-        result, params, memory, _ = train_run(cfg)
-        out.append((result.losses, params))
+        result, params, memory, owned = train_run(cfg, inspect=_owned)
+        out.append((result.losses, params, owned))
     return out
 
 
@@ -64,7 +71,8 @@ def trained():
 def test_muon_matches_single_process(layout, reference, trained):
     ref_losses, ref_params = reference[_reference_key(layout)]
     names = set()
-    for rank, (losses, params) in enumerate(trained(layout)):
+    runs = trained(layout)
+    for rank, (losses, params, _) in enumerate(runs):
         what = f"{layout.name} rank {rank}"
         assert list(losses) == list(ref_losses), what
         for it, want in ref_losses.items():
@@ -74,6 +82,14 @@ def test_muon_matches_single_process(layout, reference, trained):
                                        msg=lambda m, n=name, w=what: f"{w} {n}: {m}")
         names.update(params)
     assert names == set(ref_params), layout.name
+    owned = [o for _, _, o in runs]
+    sharded = layout.get("distopt") or layout.get("strategy") != "no_shard"
+    assert (owned[0] is not None) == bool(sharded), layout.name
+    if owned[0] is not None:   # each matrix gathered on one rank of its group, not on all
+        for group in owned[0]:
+            mine = sum(o[group][0] for o in owned)
+            total = sum(o[group][1] for o in owned)
+            assert mine * owned[0][group][2] == total > 0, (layout.name, group)
 
 
 def test_blockwise_depends_on_tp(reference):
@@ -81,7 +97,7 @@ def test_blockwise_depends_on_tp(reference):
     is another update at tp 2: these rows' tolerance would catch it."""
     lay = row("muon", 2, "blockwise", model=MUON_MODEL,
               optim={**MUON, "muon_tp_mode": "blockwise"}, tp=2, sp=True)
-    (losses, params), _ = run_by_world([lay], _body)(lay)
+    (losses, params, _), _ = run_by_world([lay], _body)(lay)
     ref_losses, ref_params = reference[_reference_key(lay)]
     diff = max((params[n] - ref_params[n]).abs().max().item() for n in params)
     assert diff > 20 * PARAM_TOL, diff
