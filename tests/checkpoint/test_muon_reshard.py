@@ -9,6 +9,7 @@ process (plain optimizer), and at (pp2, dp2, ep2) under
 layouts are the ``reshard ... muon`` rows of ``tests/layouts.py``.
 """
 
+import dataclasses
 import json
 import os
 
@@ -76,3 +77,21 @@ def test_resume_at_pp2_under_zero3(original):
     load = only_iteration(save, str(tmp / "zero3"), SAVE_AT)
     losses = run_distributed(ZERO3.world_size, _train, ZERO3, {"load": load, "save": load})
     _assert_continues(losses[-1], reference)
+
+
+def test_another_optimizers_state_is_one_clear_error(tmp_path):
+    """AdamW's checkpoint loaded into a Muon run: one CheckpointError naming both and the
+    fix; with --no-load-optim the weights load and Muon starts fresh."""
+    from megalite.checkpoint import CheckpointError
+
+    save = str(tmp_path / "adam")
+    run_training(tiny(dataclasses.replace(SINGLE, optim={}), train={"train_iters": 2},
+                      checkpoint={"save": save, "save_interval": 2}))
+    resume = tiny(SINGLE, train={"train_iters": 3}, checkpoint={"load": save})
+    with pytest.raises(CheckpointError, match="holds --optimizer adam state and this run "
+                                              "uses --optimizer muon; load it with "
+                                              "--no-load-optim"):
+        run_training(resume)
+    fresh, _ = run_training(tiny(SINGLE, train={"train_iters": 3},
+                                 checkpoint={"load": save, "no_load_optim": True}))
+    assert list(fresh.losses) == [3]
