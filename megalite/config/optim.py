@@ -150,11 +150,12 @@ class OptimConfig:
         from megalite.optim.newton_schulz import steps_problem
 
         if self.optimizer != "muon":
-            changed = [f.name for f in dataclasses.fields(self) if f.name.startswith("muon_")
+            changed = [f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+                       for f in dataclasses.fields(self) if f.name.startswith("muon_")
                        and getattr(self, f.name) != f.default]
-            require(not changed, f"--{changed[0].replace('_', '-') if changed else ''} has "
-                    f"no effect with --optimizer {self.optimizer}; use --optimizer muon or "
-                    "drop the Muon flags")
+            require(not changed, f"{changed[0] if changed else ''} has no effect with "
+                    f"--optimizer {self.optimizer}; use --optimizer muon or drop the Muon "
+                    "flags")
             return
         require(0 <= self.muon_momentum < 1,
                 f"muon_momentum must be in [0, 1), got {self.muon_momentum}")

@@ -146,6 +146,9 @@ def test_muon_flags_need_muon_and_fitting_steps():
     with pytest.raises(ConfigError, match="--muon-tp-mode has no effect with --optimizer "
                                           "adam"):
         OptimConfig(muon_tp_mode="blockwise")
+    with pytest.raises(ConfigError, match="--muon-no-split-qkv has no effect with "
+                                          "--optimizer sgd"):
+        OptimConfig(optimizer="sgd", muon_split_qkv=False)
     with pytest.raises(ConfigError, match="multiple of 5"):
         OptimConfig(optimizer="muon", muon_num_ns_steps=3)
     with pytest.raises(ConfigError, match="must be one of"):
