@@ -11,8 +11,11 @@ in]`` shape (dense weights are ``[out, in]``, expert stacks ``[E, in, out]``).
 Tensor parallelism (``--muon-tp-mode``, Megatron-LM's meanings), on ``ps.tp`` (``ps.etp``
 for experts), for a parameter whose ``U`` this rank holds as its tp shard:
 
-- ``duplicated``: all-gather the shards, orthogonalise the full matrix on every tp rank,
-  keep this rank's shard (:func:`tp_orthogonalize`);
+- ``duplicated``: the full matrix from the gathered shards, orthogonalised as a whole.
+  Megatron-LM all-gathers and orthogonalises it on every tp rank; here each matrix has
+  an owner tp rank (balanced by FLOPs) that receives the shards, orthogonalises once and
+  sends each rank its shard back (:func:`_gathered_once`: the same result, the work done
+  once per tp group);
 - ``distributed``: no gather; each rank keeps its rows or columns and the Newton-Schulz
   Gram matrix and norm are all-reduced each step
   (:func:`megalite.optim.newton_schulz.newton_schulz` with a group);
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.layers.sharding import gather_full, shard
+from megalite.layers.sharding import gather_full, shard, unshard
 from megalite.optim.newton_schulz import newton_schulz, ns_flops, orthogonalize, scale_factor
 from megalite.parallel import collectives
 from megalite.parallel.params import param_meta
@@ -159,13 +162,66 @@ def _distributed(u: torch.Tensor, mat: Matrix, ocfg) -> torch.Tensor:
 
 def orthogonalize_local(pairs: list, ocfg) -> list[torch.Tensor]:
     """``O`` for ``pairs`` ``[(Matrix, U of its local shape)]`` held whole on this rank
-    (each tp shard complete): dense matrices first, then experts, so that every rank of a
-    tp group runs the same collectives in the same order."""
-    order = sorted(range(len(pairs)), key=lambda i: pairs[i][0].expert)
+    (each tp shard complete). Every rank of a tp group passes the same matrices in the same
+    order and runs the same collectives: the ``distributed`` mode's matrix by matrix (dense
+    first, then experts), then the ``duplicated`` mode's split matrices in one exchange per
+    tp group (:func:`_gathered_once`)."""
     out: list = [None] * len(pairs)
-    for i in order:
+    once: dict[str, list] = {}
+    for i in sorted(range(len(pairs)), key=lambda i: pairs[i][0].expert):
         mat, u = pairs[i]
-        out[i] = tp_orthogonalize(u, mat, ocfg)
+        split = param_meta(mat.param).tensor_parallel and mat.group.size > 1
+        if split and ocfg.muon_tp_mode == "duplicated":
+            once.setdefault(mat.group.name, []).append((i, mat, u))
+        else:
+            out[i] = tp_orthogonalize(u, mat, ocfg)
+    for items in once.values():
+        for i, o in _gathered_once(items, ocfg).items():
+            out[i] = o
+    return out
+
+
+def _gathered_once(items: list, ocfg) -> dict[int, torch.Tensor]:
+    """The ``duplicated`` mode, each matrix computed once: ``items`` ``[(index, Matrix,
+    U shard)]`` of one tp group ``G``; each matrix gets an owner rank of ``G`` (LPT by
+    Newton-Schulz FLOPs), one all-to-all over ``G`` sends it every shard, it reassembles
+    (``unshard``), orthogonalises and cuts the result (``shard``), and a second all-to-all
+    returns each rank its shards. The result is that of orthogonalising the gathered matrix
+    on every rank (Megatron-LM's duplicated mode), with the work done once."""
+    group = items[0][1].group
+    size, me = group.size, group.rank
+    owners = assign_owners([m.cost(ocfg.muon_num_ns_steps) for _, m, _ in items], size)
+    device = items[0][2].device
+    mine = [k for k, o in enumerate(owners) if o == me]
+    sizes = [sum(items[k][2].numel() for k in range(len(items)) if owners[k] == q)
+             for q in range(size)]
+    per = sizes[me]           # every rank's shards of my matrices are of the same shapes
+    send = [items[k][2].float().reshape(-1) for q in range(size)
+            for k in range(len(items)) if owners[k] == q]
+    recv = collectives.all_to_all(torch.cat(send), group, sizes, [per] * size)
+    shards: dict[int, list] = {k: [] for k in mine}
+    offset = 0
+    for _ in range(size):
+        for k in mine:
+            u = items[k][2]
+            shards[k].append(recv[offset:offset + u.numel()].view(u.shape))
+            offset += u.numel()
+    results = {}
+    for k in mine:
+        mat = items[k][1]
+        full = orthogonalize_full(unshard(shards[k], mat.param), mat, ocfg, mat.parts)
+        results[k] = [shard(full, mat.param, size, r).reshape(-1) for r in range(size)]
+    back = [results[k][r] for r in range(size) for k in mine]
+    empty = torch.zeros(0, device=device)
+    got = collectives.all_to_all(torch.cat(back) if back else empty, group, [per] * size,
+                                 sizes)
+    out, offset = {}, 0
+    for q in range(size):
+        for k in range(len(items)):
+            if owners[k] == q:
+                u = items[k][2]
+                out[items[k][0]] = got[offset:offset + u.numel()].view(u.shape)
+                offset += u.numel()
     return out
 
 
