@@ -13,12 +13,16 @@ mixtral         tests/model/test_mixtral_parity.py: tp x ep x etp against transf
 moe-layer       tests/moe/test_distributed.py: one MoE layer, ep x tp x etp x cp
 moe-training    tests/moe/test_training_equivalence.py: Mixtral training, x dispatcher
 optim           tests/optim/test_equivalence.py: dp x tp x pp x distributed optimizer
+muon            tests/optim/test_muon_layouts.py: --optimizer muon at tp x sp x pp x vpp x
+                dp x sharding strategy x ep x offload, x --muon-tp-mode (duplicated,
+                distributed), against the one-process Muon run
 pipeline        tests/pipeline/test_pipeline_training.py: pp x vpp x tp x sp x dp
 training        tests/training/test_resume_and_layouts.py: tp x sp x dp, loss and metrics
 cp              tests/context_parallel/test_training_equivalence.py: cp x comm type x tp x
                 sp x pp x vpp x dp x distributed optimizer x ep, loss, grad norm, params
 resume          exact resumption at one layout (training, pipeline suites)
-reshard         tests/checkpoint/test_reshard.py: save at one layout, resume at others
+reshard         tests/checkpoint/test_reshard.py (AdamW) and test_muon_reshard.py (Muon):
+                save at one layout, resume at others
 activation-     tests/model/test_activation_offload.py: --cpu-offloading against the same
 offload         layout without it, bitwise (rows tagged ``slow`` outside the default run)
 ==============  ========================================================================
@@ -230,6 +234,31 @@ _OPTIM = [*(row("optim", world, model=model, **sizes, **flags)
             for variant, (flags, optim) in OPTIM_EXTRA.items()),
           *_OPTIM_ZERO3]
 
+# -- muon: a Llama-style GQA model (Q, K, V orthogonalised apart; SwiGLU's fused fc1 one
+# matrix), Muon's update against one process; --muon-tp-mode blockwise depends on tp and
+# has no rows ---------------------------------------------------------------------------
+MUON_MODEL = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+              "add_bias_linear": False, "group_query_attention": True, "num_query_groups": 2}
+MUON_MOE = {**MUON_MODEL, "num_experts": 4}
+MUON = {"optimizer": "muon", "muon_nesterov": True}
+MUON_DIST = {**MUON, "muon_tp_mode": "distributed"}
+_MUON = [
+    row("muon", 2, model=MUON_MODEL, optim=MUON, tp=2, sp=True),
+    row("muon", 2, "distributed", model=MUON_MODEL, optim=MUON_DIST, tp=2, sp=True),
+    row("muon", 2, model={**MUON_MODEL, "num_layers": 4}, optim=MUON, pp=2, vpp=2),
+    row("muon", 4, model=MUON_MODEL, optim=MUON),
+    *(row("muon", 4, model=MUON_MODEL, optim=MUON, strategy=strategy)
+      for strategy in ("optim", "optim_grads", "optim_grads_params")),
+    row("muon", 4, model=MUON_MODEL, optim=MUON, tp=2, sp=True, strategy="optim"),
+    row("muon", 4, "distributed", model=MUON_MODEL, optim=MUON_DIST, tp=2, sp=True,
+        strategy="optim_grads"),
+    # experts: owners over edp 2 (dense over dp 4), and experts split over etp 2
+    row("muon", 4, model=MUON_MOE, optim=MUON, ep=2, strategy="optim"),
+    row("muon", 4, model=MUON_MOE, optim=MUON_DIST, tp=2, sp=True, ep=2, etp=2),
+    row("muon", 2, "offload0.5", model=MUON_MODEL, optim={**MUON, **OFFLOAD},
+        strategy="optim_grads"),
+]
+
 # -- pipeline: an 8-layer GPT, micro-batch 1, global batch 8 ------------------------------
 _PIPE_MODEL, _PIPE_TRAIN = {"num_layers": 8}, {"micro_batch_size": 1, "global_batch_size": 8}
 _PIPELINE = [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **sizes)
@@ -250,7 +279,15 @@ _RESUME = [row("resume", 4, tp=2),                                  # test_resum
 
 # -- reshard: save at tp2 x pp2 x dp2, resume at tp1 (one process) and tp4 x dp2 ----------
 _RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
-            row("reshard", 1), row("reshard", 8, tp=4, distopt=True)]
+            row("reshard", 1), row("reshard", 8, tp=4, distopt=True),
+            # Muon (momentum of the matrices, Adam's moments of the rest): save at tp2 + sp x
+            # dp2 x ep2 (owner exchange), resume there (bitwise), at one process, and at pp2
+            # x dp2 x ep2 under ZeRO-3 (tests/checkpoint/test_muon_reshard.py)
+            row("reshard", 4, "muon", model=MUON_MOE, optim=MUON, tp=2, sp=True, ep=2,
+                strategy="optim", tags=("save",)),
+            row("reshard", 1, "muon", model=MUON_MOE, optim=MUON),
+            row("reshard", 4, "muon", model=MUON_MOE, optim=MUON, pp=2, ep=2,
+                strategy="optim_grads_params")]
 
 # -- cp: context parallelism, each comm type, trained against one process -----------------
 # a Llama-style GQA model (4 heads, 2 query groups: a2a at cp 2 splits both) at seq 32
@@ -311,10 +348,11 @@ _ACT_OFFLOAD = [
         strategy="optim_grads_params"),
 ]
 
-SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "pipeline", "training",
-          "resume", "reshard", "cp", "activation-offload")
+SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "muon", "pipeline",
+          "training", "resume", "reshard", "cp", "activation-offload")
 LAYOUTS: tuple[Layout, ...] = (*_MODEL, *_MIXTRAL, *_MOE_LAYER, *_MOE_TRAINING, *_DEEPSEEK,
-                               *_OPTIM, *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD, *_CP,
+                               *_OPTIM, *_MUON, *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD,
+                               *_CP,
                                *_ACT_OFFLOAD)
 
 

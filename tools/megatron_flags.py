@@ -8,8 +8,10 @@ docs/megatron.md, generated from megalite's parser.
     python tools/megatron_flags.py --check docs/megatron.md  # exit 1 when the table is stale
 
 The flags below are those the three scripts in Megatron-LM's ``examples/`` pass to
-``pretrain_gpt.py`` (values as the scripts give them; paths as their variables), and the
-expert and routing flags of its DeepSeek-V3 configuration. Each flag's
+``pretrain_gpt.py`` (values as the scripts give them; paths as their variables), the
+expert and routing flags of its DeepSeek-V3 configuration, and Megatron-LM's Muon
+flags (``--optimizer muon`` and the ``--muon-*`` options of its
+``megatron/training/arguments.py``, with values a Muon run passes). Each flag's
 status comes from megalite's parser and the ``no_effect`` reasons declared on the config
 fields (:func:`megalite.compat.flag_status`), so the table follows the code.
 """
@@ -111,12 +113,24 @@ DEEPSEEK_V3_MOE = """
 --moe-flex-dispatcher-backend deepep --moe-grouped-gemm --moe-permute-fusion --moe-router-fusion
 """
 
+# Megatron-LM's Muon options (not in an example script): the values of a Moonlight-style run,
+# and the scalar optimizer megalite does not offer
+MUON = """
+--optimizer muon --muon-momentum 0.95 --muon-nesterov --muon-num-ns-steps 5
+--muon-coefficient-type quintic --muon-coefficient-type polar_express
+--muon-scale-mode spectral --muon-extra-scale-factor 0.2 --muon-no-split-qkv
+--muon-tp-mode blockwise --muon-tp-mode duplicated --muon-tp-mode distributed
+--muon-scalar-optimizer adam --muon-scalar-optimizer lion --muon-fp32-matmul-prec medium
+--use-distributed-optimizer
+"""
+
 SCRIPTS = {
     "Llama-3 8B": ("examples/llama/train_llama3_8b_h100_fp8.sh", LLAMA3_8B),
     "Mixtral 8x7B": ("examples/mixtral/train_mixtral_8x7b_distributed.sh", MIXTRAL_8X7B),
     "GPT-3 175B": ("examples/gpt3/train_gpt3_175b_distributed.sh", GPT3_175B),
     "DeepSeek-V3 MoE": ("examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh",
                         DEEPSEEK_V3_MOE),
+    "Muon": ("megatron/training/arguments.py (--optimizer muon, --muon-*)", MUON),
 }
 
 

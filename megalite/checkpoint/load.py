@@ -302,6 +302,12 @@ def _read(load: _Load, iter_dir: str, meta: dict, reader: VerifyingReader):
     state[COMMON] = None
     names = meta.get("optimizer_state")
     want_optim = opts.load_optim and not opts.finetune and load.optimizer is not None
+    saved = ((meta.get("config") or {}).get("optim") or {}).get("optimizer")
+    running = getattr(getattr(load.optimizer, "ocfg", None), "optimizer", None)
+    if want_optim and saved and running and saved != running:
+        raise CheckpointError(f"{iter_dir} holds --optimizer {saved} state and this run "
+                              f"uses --optimizer {running}; load it with --no-load-optim to "
+                              f"start {running}'s state fresh (the weights load as they are)")
     if want_optim and names is None:
         raise CheckpointError(f"{iter_dir} holds no optimizer state (saved with "
                               "--no-save-optim); load it with --no-load-optim")

@@ -6,7 +6,9 @@ Keys (``<piece>`` is a global tensor key of :mod:`megalite.checkpoint.layout`)::
                               ``expert_bias``) whole
     optim/<state>/<piece>     optimizer state of the same shape as the parameter, sharded
                               like it: exp_avg, exp_avg_sq (AdamW), momentum_buffer (SGD),
-                              master (fp32 copy under bf16/fp16)
+                              master (fp32 copy under bf16/fp16); under Muon each parameter
+                              has its own rule's: momentum_buffer for the matrices, Adam's
+                              moments for the rest
     common                    {format, iteration, consumed_samples, scheduler, loss_scaler,
                                optimizer: {step, state_names}} -- the same on every rank
     rng/<global rank>         that rank's RNG states (restored only on the same layout)
@@ -101,7 +103,9 @@ def optimizer_load_state(layouts: list[ParamLayout], state_names: list[str], dty
         entry = {}
         for name in state_names:
             keys = [optim_key(name, p.key) for p in layout.pieces]
-            dtype = next((dtypes[k] for k in keys if k in dtypes), torch.float32)
+            if not any(k in dtypes for k in keys):
+                continue   # a state this parameter does not keep (Muon: per parameter)
+            dtype = next(dtypes[k] for k in keys if k in dtypes)
             tensor = torch.zeros(layout.param.shape, dtype=dtype, device=layout.param.device)
             add_param_blocks(state, pieces, layout, tensor,
                              lambda k, s=name: optim_key(s, k))

@@ -50,6 +50,14 @@ class MegaliteConfig:
                     "--optimizer-cpu-offload with --data-parallel-sharding-strategy "
                     f"{p.data_parallel_sharding_strategy} is not supported yet; use optim, "
                     "optim_grads or optim_grads_params (or --use-distributed-optimizer)")
+        o = self.optim
+        if o.optimizer == "muon" and o.muon_tp_mode != "duplicated":
+            etp = p.expert_tensor_parallel_size if m.num_experts else 1
+            require(tp > 1 or etp > 1,
+                    f"--muon-tp-mode {o.muon_tp_mode} does not apply at "
+                    "--tensor-model-parallel-size 1"
+                    + (" with --expert-tensor-parallel-size 1" if m.num_experts else "")
+                    + ": every matrix is whole on its rank; drop --muon-tp-mode")
         require(not (p.data_parallel_sharding_strategy == "optim_grads_params"
                      and t.compile),
                 "--data-parallel-sharding-strategy optim_grads_params with --compile is not "

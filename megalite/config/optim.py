@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megalite.config.fields import ConfigError, arg, check_choices, positive, require
@@ -9,9 +10,26 @@ from megalite.config.fields import ConfigError, arg, check_choices, positive, re
 FP32_MAX = 3.4028234663852886e38   # the largest finite fp32 number (torch.finfo)
 
 
+def _optimizers() -> tuple[str, ...]:
+    """The values --optimizer accepts: the algorithms' registry (read when called)."""
+    from megalite.optim.algorithms import ALGORITHMS
+
+    return tuple(ALGORITHMS)
+
+
+def _coefficient_types() -> tuple[str, ...]:
+    from megalite.optim.newton_schulz import COEFFICIENT_TYPES
+
+    return COEFFICIENT_TYPES
+
+
+MUON_TP_MODES = ("duplicated", "distributed", "blockwise")
+
+
 @dataclass
 class OptimConfig:
-    optimizer: str = arg("adam", "Optimizer (adam is AdamW).", choices=("adam", "sgd"))
+    optimizer: str = arg("adam", "Optimizer (adam is AdamW; muon orthogonalises the weight "
+                         "matrices' momentum, AdamW for the rest).", choices=_optimizers)
     lr: float = arg(1e-4, "Peak learning rate.")
     min_lr: float = arg(0.0, "Minimum learning rate.")
     lr_decay_style: str = arg("linear", "Learning-rate decay.",
@@ -36,6 +54,31 @@ class OptimConfig:
     adam_beta2: float = arg(0.999, "Adam beta2.")
     adam_eps: float = arg(1e-8, "Adam epsilon.")
     sgd_momentum: float = arg(0.9, "SGD momentum.")
+    muon_momentum: float = arg(0.95, "Muon's momentum (an EMA of the gradients).")
+    muon_nesterov: bool = arg(False, "Nesterov-style momentum in Muon.",
+                              aliases=("--muon-use-nesterov",))
+    muon_split_qkv: bool = arg(True, "Orthogonalise Q, K and V of a fused QKV weight as "
+                               "one matrix instead of each apart.",
+                               flag="--muon-no-split-qkv", action="store_false")
+    muon_num_ns_steps: int = arg(5, "Newton-Schulz steps of Muon.")
+    muon_coefficient_type: str = arg("quintic", "Newton-Schulz coefficient set of Muon.",
+                                     choices=_coefficient_types)
+    muon_scale_mode: str = arg("spectral", "Scale of Muon's orthogonalised update by the "
+                               "matrix shape.",
+                               choices=("spectral", "unit_rms_norm", "shape_scaling"))
+    muon_extra_scale_factor: float = arg(1.0, "Extra factor on Muon's update (0.2 matches "
+                                         "AdamW's update RMS under spectral scaling).")
+    muon_tp_mode: str = arg("duplicated", "How Muon orthogonalises a tensor-parallel "
+                            "matrix: duplicated (gather, orthogonalise on every tp rank), "
+                            "distributed (Newton-Schulz over the tp shards), blockwise "
+                            "(each shard apart: depends on tp).", choices=MUON_TP_MODES)
+    muon_scalar_optimizer: str = arg("adam", "Optimizer of the parameters Muon does not "
+                                     "orthogonalise (embeddings, output layer, norms, "
+                                     "biases, router).", choices=("adam",))
+    muon_fp32_matmul_prec: str = arg(
+        "medium", "Matmul precision of Muon's fp32 Newton-Schulz iteration.",
+        choices=("low", "medium", "high"),
+        no_effect="megalite runs the Newton-Schulz iteration in fp32 matmuls")
     clip_grad: float = arg(1.0, "Clip gradients to this global norm (0 disables).")
     loss_scale: float | None = arg(None, "Static loss scale (fp16); dynamic when unset.")
     initial_loss_scale: float = arg(2.0 ** 32, "Initial dynamic loss scale.")
@@ -83,6 +126,7 @@ class OptimConfig:
         require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
                  "adam betas must be in [0, 1)")
         require(self.clip_grad >= 0, "clip_grad must be >= 0 (0 disables clipping)")
+        self._check_muon()
         require(0.0 <= self.optimizer_offload_fraction <= 1.0,
                 "optimizer_offload_fraction must be in [0, 1], got "
                 f"{self.optimizer_offload_fraction}")
@@ -101,3 +145,19 @@ class OptimConfig:
         positive(self, "loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis",
                   "lr_decay_iters", "lr_wsd_decay_iters", "lr_decay_samples",
                   "lr_wsd_decay_samples")
+
+    def _check_muon(self) -> None:
+        from megalite.optim.newton_schulz import steps_problem
+
+        if self.optimizer != "muon":
+            changed = [f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+                       for f in dataclasses.fields(self) if f.name.startswith("muon_")
+                       and getattr(self, f.name) != f.default]
+            require(not changed, f"{changed[0] if changed else ''} has no effect with "
+                    f"--optimizer {self.optimizer}; use --optimizer muon or drop the Muon "
+                    "flags")
+            return
+        require(0 <= self.muon_momentum < 1,
+                f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        problem = steps_problem(self.muon_coefficient_type, self.muon_num_ns_steps)
+        require(problem is None, problem or "")

@@ -7,8 +7,11 @@ gradient/parameter buffers and their buckets; :mod:`~megalite.optim.data_paralle
 overlapped reduction over ``ps.dp_cp`` / ``ps.edp``), the optimizers
 (:mod:`~megalite.optim.optimizer` on fp32 masters, and
 :mod:`~megalite.optim.distributed_optimizer` sharding masters and state over data
-parallelism), gradient clipping and inf/nan checks (:mod:`~megalite.optim.clip_grads`),
-the loss scaler, learning-rate schedules, optimizer-state helpers and memory accounting.
+parallelism) around the ``--optimizer`` algorithms (:mod:`~megalite.optim.algorithms`, one
+file each; Muon's whole-matrix orthogonalisation over the layout in
+:mod:`~megalite.optim.muon_layout`), gradient clipping and inf/nan checks
+(:mod:`~megalite.optim.clip_grads`), the loss scaler, learning-rate schedules,
+optimizer-state helpers and memory accounting.
 DDP and the grad buffers stay here rather than in a separate ``distributed/`` folder
 because they exist to feed the optimizer (the distributed optimizer owns a shard of the
 same buffers), and they call no ``torch.distributed`` collective themselves: every

@@ -56,18 +56,21 @@ from megalite.config import OptimConfig
 from megalite.optim.clip_grads import clip_coefficient, sharded_grad_norm
 from megalite.optim.data_parallel import DataParallelGrads
 from megalite.optim.grad_buffer import Bucket
+from megalite.optim.algorithms import algorithm_of
+from megalite.optim.muon_layout import OwnerExchange
 from megalite.optim.optimizer import (
     LossScaledOptimizer,
     StepOutcome,
     build_torch_optimizer,
     param_groups,
+    rule_function,
 )
 from megalite.optim.optimizer_state import (
     init_state,
+    keys_by_name,
     named_trainable_params,
     per_param_from_torch,
     set_state,
-    state_keys,
     state_tensor,
 )
 from megalite.parallel import collectives
@@ -160,8 +163,16 @@ class DistributedOptimizer(LossScaledOptimizer):
             self.shards.append(self._shard(bucket, lo, hi, split, parts))
         self.offloaded_elements = offloaded
         self.pieces = [pc for sh in self.shards for pc in sh.pieces]
+        self.keys = keys_by_name(ocfg, self.names, self.params)
+        algorithm = algorithm_of(ocfg)
+        algorithm.check(ocfg, named)
         self.inner = self._build_inner([pc for pc in self.pieces if not pc.host])
         self.host_inner = self._build_inner([pc for pc in self.pieces if pc.host])
+        self.exchange = None
+        if algorithm.orthogonal:   # whole matrices: each gathered on one owner (muon_layout)
+            rule = rule_function(ocfg)
+            muon = {id(p) for n, p in named if rule(n, p) == "muon"}
+            self.exchange = OwnerExchange(grads.buffers, muon, name_of, ps, ocfg)
         self.num_steps = 0
 
     def _shard(self, bucket: Bucket, lo: int, hi: int, split: int, parts: list) -> _Shard:
@@ -187,7 +198,8 @@ class DistributedOptimizer(LossScaledOptimizer):
     def _build_inner(self, pieces: list):
         groups = param_groups([(pc.name, pc.param) for pc in pieces], self.ocfg.weight_decay,
                               updated=[pc.master for pc in pieces],
-                              decoupled_lr=self.ocfg.decoupled_lr is not None)
+                              decoupled_lr=self.ocfg.decoupled_lr is not None,
+                              rule_of=rule_function(self.ocfg))
         if not groups:
             return None
         inner = build_torch_optimizer(groups, self.ocfg)
@@ -220,12 +232,18 @@ class DistributedOptimizer(LossScaledOptimizer):
         for pc in self.pieces:
             g = pc.host_grad if pc.host else pc.grad
             pc.master.grad = g if g.dtype == torch.float32 else g.float()
-        if self.inner is not None:
-            self.inner.step()
-        if self.host_inner is not None:
-            if self.pinned:
-                torch.cuda.current_stream(self.ps.device).synchronize()
-            self.host_inner.step()
+        if self.pinned and self.host_inner is not None:
+            torch.cuda.current_stream(self.ps.device).synchronize()
+        inners = [inner for inner in (self.inner, self.host_inner) if inner is not None]
+        if self.exchange is None:
+            for inner in inners:
+                inner.step()
+        else:   # momentum on the pieces, orthogonalise whole matrices, update the pieces
+            piece_of = {id(pc.master): pc for pc in self.pieces}
+            pairs = [(piece_of[id(t)], u) for inner in inners for t, u in inner.updates()]
+            outs = self.exchange.run(pairs)
+            for inner in inners:
+                inner.apply({id(pc.master): o for (pc, _), o in zip(pairs, outs)})
         for pc in self.pieces:
             pc.master.grad = None
         for sh in self.shards:
@@ -280,14 +298,21 @@ class DistributedOptimizer(LossScaledOptimizer):
         any parameter all-gather in flight, so a checkpoint written next sees current
         parameters."""
         self.grads.finish_param_sync()
-        fields = state_keys(self.ocfg) + (("master",) if self.half else ())
+        half = ("master",) if self.half else ()
+        fields = tuple(dict.fromkeys(k for keys in self.keys.values() for k in keys)) + half
         out: dict[str, dict] = {n: {} for n in self.names}
         name_of = {id(p): n for n, p in zip(self.names, self.params)}
         for sh in self.shards:
             bucket, group = sh.bucket, sh.bucket.group
             for key in fields:
+                holders = {id(p) for p in bucket.params
+                           if key == "master" or key in self.keys[name_of[id(p)]]}
+                if not holders:
+                    continue
                 local = torch.zeros(sh.hi - sh.lo, dtype=torch.float32, device=self.ps.device)
                 for pc in sh.pieces:
+                    if key != "master" and key not in self.keys[pc.name]:
+                        continue
                     value = pc.master if key == "master" else state_tensor(
                         self._inner_of(pc), pc.master, key)
                     local[pc.lo - sh.lo:pc.hi - sh.lo] = value
@@ -296,7 +321,8 @@ class DistributedOptimizer(LossScaledOptimizer):
                     full = torch.empty(bucket.numel, dtype=torch.float32, device=local.device)
                     collectives.all_gather_into_tensor(full, local, group)
                 for p, (a, b) in zip(bucket.params, bucket.ranges):
-                    out[name_of[id(p)]][key] = full[a:b].view(p.shape).clone()
+                    if id(p) in holders:
+                        out[name_of[id(p)]][key] = full[a:b].view(p.shape).clone()
         return {"step": self.num_steps, "params": out}
 
     @torch.no_grad()
@@ -309,9 +335,9 @@ class DistributedOptimizer(LossScaledOptimizer):
         for pc in self.pieces:
             entry = saved[pc.name]
             sl = slice(pc.start, pc.start + pc.hi - pc.lo)
-            if step > 0 and keys:
-                set_state(self._inner_of(pc), pc.master, keys,
-                          {k: entry[k].reshape(-1)[sl] for k in keys}, step)
+            if step > 0 and keys[pc.name]:
+                set_state(self._inner_of(pc), pc.master, keys[pc.name],
+                          {k: entry[k].reshape(-1)[sl] for k in keys[pc.name]}, step)
         if self.half and not any("master" in saved[n] for n in self.names):
             self.reload_model_params()
         elif self.half:
@@ -339,6 +365,5 @@ class DistributedOptimizer(LossScaledOptimizer):
     def load_state_dict(self, state: dict) -> None:
         """Load :meth:`state_dict`, or a :class:`MixedPrecisionOptimizer` state dict."""
         if "per_param" not in state:
-            state = {"per_param": per_param_from_torch(state, state["names"],
-                                                       state_keys(self.ocfg))}
+            state = {"per_param": per_param_from_torch(state, state["names"], self.keys)}
         self.load_state_dict_per_param(state["per_param"])

@@ -1,5 +1,6 @@
-"""The optimizer: AdamW (or SGD) on fp32 master weights, loss-scale aware, with global-norm
-clipping and skipping of steps whose gradients are not finite.
+"""The optimizer: the ``--optimizer`` algorithm (:mod:`megalite.optim.algorithms`: AdamW,
+SGD, Muon) on fp32 master weights, loss-scale aware, with global-norm clipping and skipping
+of steps whose gradients are not finite.
 
 Precision handling:
 
@@ -28,15 +29,17 @@ import torch
 
 from megalite.config import OptimConfig
 from megalite.optim.clip_grads import clip_grads_, found_non_finite, global_grad_norm
+from megalite.optim.algorithms import algorithm_of
 from megalite.optim.optimizer_state import (
     check_per_param,
     init_state,
+    keys_by_name,
     named_trainable_params,
     per_param_from_torch,
     set_state,
-    state_keys,
     state_tensor,
 )
+from megalite.optim.muon_layout import matrices, orthogonalize_local
 from megalite.parallel.state import ParallelState
 
 
@@ -67,7 +70,7 @@ def is_embedding_or_output(name: str) -> bool:
 
 def param_groups(named_params: list, weight_decay: float,
                  updated: list[torch.Tensor] | None = None,
-                 decoupled_lr: bool = False) -> list[dict]:
+                 decoupled_lr: bool = False, rule_of=None) -> list[dict]:
     """Split ``[(name, parameter), ...]`` into a decayed and a non-decayed group (empty
     groups are dropped; :func:`uses_weight_decay` decides). The groups hold ``updated[i]``
     for ``named_params[i]``: the tensor the optimizer steps (default: the parameter
@@ -76,21 +79,38 @@ def param_groups(named_params: list, weight_decay: float,
 
     ``decoupled_lr`` (``--decoupled-lr`` set): the embedding and output parameters
     (:func:`is_embedding_or_output`) go to groups of their own, after the others, marked
-    ``decoupled_lr: True`` for :meth:`megalite.optim.lr_schedule.LRScheduler.apply`."""
+    ``decoupled_lr: True`` for :meth:`megalite.optim.lr_schedule.LRScheduler.apply`.
+
+    ``rule_of(name, param)`` (an algorithm with several update rules, Muon): the groups are
+    split by rule too, in order of first appearance, each marked ``rule``."""
     updated = [p for _, p in named_params] if updated is None else updated
     members = list(zip(named_params, updated))
+    rule = (lambda n, p: None) if rule_of is None else rule_of
+    rules = list(dict.fromkeys(rule(n, p) for n, p in named_params))
     groups = []
-    for decoupled in ((False, True) if decoupled_lr else (False,)):
-        for decay, wd in ((True, weight_decay), (False, 0.0)):
-            chosen = [(n, t) for (n, p), t in members if uses_weight_decay(n, p) == decay
-                      and (not decoupled_lr or is_embedding_or_output(n) == decoupled)]
-            if chosen:
-                group = {"params": [t for _, t in chosen], "weight_decay": wd,
-                         "names": [n for n, _ in chosen]}
-                if decoupled:
-                    group["decoupled_lr"] = True
-                groups.append(group)
+    for which in rules:
+        for decoupled in ((False, True) if decoupled_lr else (False,)):
+            for decay, wd in ((True, weight_decay), (False, 0.0)):
+                chosen = [(n, t) for (n, p), t in members if uses_weight_decay(n, p) == decay
+                          and (not decoupled_lr or is_embedding_or_output(n) == decoupled)
+                          and rule(n, p) == which]
+                if chosen:
+                    group = {"params": [t for _, t in chosen], "weight_decay": wd,
+                             "names": [n for n, _ in chosen]}
+                    if decoupled:
+                        group["decoupled_lr"] = True
+                    if which is not None:
+                        group["rule"] = which
+                    groups.append(group)
     return groups
+
+
+def rule_function(ocfg: OptimConfig):
+    """``rule_of`` for :func:`param_groups`: None for a one-rule algorithm."""
+    alg = algorithm_of(ocfg)
+    if len(set(alg.rules(ocfg))) == 1:
+        return None
+    return lambda name, param: alg.rule(ocfg, name, param)
 
 
 class LossScaledOptimizer:
@@ -105,10 +125,10 @@ class LossScaledOptimizer:
     params: list[torch.Tensor]
     half: bool
 
-    def _check_per_param(self, state: dict) -> tuple[str, ...]:
+    def _check_per_param(self, state: dict) -> dict[str, tuple[str, ...]]:
         """Check ``state`` (per-parameter form) against this optimizer's parameters;
-        returns the optimizer-state keys it must hold (e.g. exp_avg, exp_avg_sq)."""
-        keys = state_keys(self.ocfg)
+        returns the optimizer-state keys each must hold (e.g. exp_avg, exp_avg_sq)."""
+        keys = keys_by_name(self.ocfg, self.names, self.params)
         check_per_param(state, dict(zip(self.names, (p.shape for p in self.params))), keys,
                         self.half)
         return keys
@@ -155,11 +175,24 @@ class MixedPrecisionOptimizer(LossScaledOptimizer):
             self.masters = [p.detach().clone().float() for p in self.params]
         else:
             self.masters = self.params
-        groups = param_groups(list(zip(self.names, self.masters)), ocfg.weight_decay,
-                              decoupled_lr=ocfg.decoupled_lr is not None)
+        named = list(zip(self.names, self.params))
+        algorithm_of(ocfg).check(ocfg, named)
+        groups = param_groups(named, ocfg.weight_decay, updated=self.masters,
+                              decoupled_lr=ocfg.decoupled_lr is not None,
+                              rule_of=rule_function(ocfg))
         self.inner = build_torch_optimizer(groups, ocfg)
         init_state(self.inner, ocfg)
+        if algorithm_of(ocfg).orthogonal:
+            self._matrices = dict(zip(map(id, self.masters),
+                                      matrices(named, ps, ocfg)))
+            self.inner.orthogonalize = self._orthogonalize
         self.num_steps = 0
+
+    def _orthogonalize(self, pairs: list) -> list[torch.Tensor]:
+        """Every replica orthogonalises its whole (tp-local) masters' updates; collectives
+        over ``ps.tp`` / ``ps.etp`` (:mod:`megalite.optim.muon_layout`)."""
+        return orthogonalize_local([(self._matrices[id(m)], u) for m, u in pairs],
+                                   self.ocfg)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -221,10 +254,12 @@ class MixedPrecisionOptimizer(LossScaledOptimizer):
                              f"{_first_difference(state['names'], self.names)})")
         inner = state["optimizer"]
         for saved, live in zip(inner["param_groups"], self.inner.param_groups):
-            saved["names"] = live["names"]  # keep our bookkeeping key
+            saved["names"] = live["names"]  # keep our bookkeeping keys
+            if "rule" in live:
+                saved["rule"] = live["rule"]
         self.inner.load_state_dict(inner)
         self.num_steps = int(state.get("step", per_param_from_torch(
-            state, self.names, state_keys(self.ocfg))["step"]))
+            state, self.names, keys_by_name(self.ocfg, self.names, self.params))["step"]))
         masters = state.get("fp32_masters")
         if self.half:
             if masters is None:
@@ -235,10 +270,10 @@ class MixedPrecisionOptimizer(LossScaledOptimizer):
 
     def state_dict_per_param(self) -> dict:
         """The per-parameter form (:mod:`megalite.optim.optimizer_state`); no collective."""
-        keys = state_keys(self.ocfg)
+        keys = keys_by_name(self.ocfg, self.names, self.params)
         params = {}
         for name, master in zip(self.names, self.masters):
-            entry = {k: state_tensor(self.inner, master, k).clone() for k in keys}
+            entry = {k: state_tensor(self.inner, master, k).clone() for k in keys[name]}
             if self.half:
                 entry["master"] = master.detach().clone()
             params[name] = entry
@@ -251,8 +286,8 @@ class MixedPrecisionOptimizer(LossScaledOptimizer):
         step = int(state["step"])
         for name, p, master in zip(self.names, self.params, self.masters):
             entry = state["params"][name]
-            if step > 0 and keys:
-                set_state(self.inner, master, keys, entry, step)
+            if step > 0 and keys[name]:
+                set_state(self.inner, master, keys[name], entry, step)
             if self.half and "master" in entry:
                 master.copy_(entry["master"])
                 p.copy_(master)
@@ -260,19 +295,9 @@ class MixedPrecisionOptimizer(LossScaledOptimizer):
 
 
 def build_torch_optimizer(groups: list[dict], ocfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD over ``groups`` (each with its own ``weight_decay``), updating all the
-    (fp32 master) tensors in one call: the fused CUDA kernels when every tensor is on a
-    GPU, else the multi-tensor (``foreach``) implementation instead of a loop over
-    tensors. Both compute the single-tensor update's formula."""
-    devices = {p.device.type for group in groups for p in group["params"]}
-    impl = {"fused": True} if devices == {"cuda"} else {"foreach": True}
-    if ocfg.optimizer == "adam":
-        return torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.adam_beta1, ocfg.adam_beta2),
-                                 eps=ocfg.adam_eps, weight_decay=ocfg.weight_decay, **impl)
-    if ocfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=ocfg.lr, momentum=ocfg.sgd_momentum,
-                               weight_decay=ocfg.weight_decay, **impl)
-    raise ValueError(f"unknown --optimizer {ocfg.optimizer!r}")
+    """The ``--optimizer`` algorithm's torch optimizer over ``groups`` (each with its own
+    ``weight_decay``, and its ``rule`` under Muon), updating the (fp32 master) tensors."""
+    return algorithm_of(ocfg).build(groups, ocfg)
 
 
 def _first_difference(a: list, b: list) -> str:

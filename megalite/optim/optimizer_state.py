@@ -3,7 +3,9 @@ per-parameter state format of the checkpoint contract::
 
     {"step": int,                          # successful updates so far
      "params": {name: {"exp_avg": T, "exp_avg_sq": T,      # Adam (AdamW)
-                       "momentum_buffer": T,               # SGD with momentum
+                       "momentum_buffer": T,               # SGD with momentum; Muon's
+                                                           # matrices (its other
+                                                           # parameters: Adam's)
                        "master": T}}}                      # fp32 masters, bf16/fp16 only
 
 Every ``T`` is fp32 with the parameter's own (tensor-parallel local) shape; ``name`` is
@@ -16,17 +18,31 @@ from __future__ import annotations
 import torch
 
 from megalite.config import OptimConfig
+from megalite.optim.algorithms import algorithm_of
+from megalite.optim.algorithms.adam import ADAM_KEYS, fresh_adam_state, scalar_dtype
 from megalite.pipeline.layout import model_chunks
 
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+__all__ = ["ADAM_KEYS", "SGD_KEYS", "fresh_adam_state", "state_keys", "keys_by_name",
+           "named_trainable_params", "init_state", "set_state", "state_tensor",
+           "check_per_param", "per_param_from_torch"]
+
 SGD_KEYS = ("momentum_buffer",)
 
 
-def state_keys(ocfg: OptimConfig) -> tuple[str, ...]:
-    """Names of the per-element state tensors the optimizer keeps."""
-    if ocfg.optimizer == "adam":
-        return ADAM_KEYS
-    return SGD_KEYS if ocfg.sgd_momentum else ()
+def state_keys(ocfg: OptimConfig, name: str | None = None,
+               param: torch.Tensor | None = None) -> tuple[str, ...]:
+    """Names of the per-element state tensors the optimizer keeps for parameter ``name``
+    (its algorithm's rule for it: Muon keeps ``momentum_buffer`` for its matrices, Adam's
+    moments for the rest); without a parameter, those of the algorithm's main rule."""
+    alg = algorithm_of(ocfg)
+    rule = alg.rule(ocfg, name, param) if param is not None else alg.rules(ocfg)[0]
+    return alg.state_keys(ocfg, rule)
+
+
+def keys_by_name(ocfg: OptimConfig, names: list[str], params: list[torch.Tensor]
+                 ) -> dict[str, tuple[str, ...]]:
+    """name -> :func:`state_keys` of each parameter."""
+    return {n: state_keys(ocfg, n, p) for n, p in zip(names, params)}
 
 
 def named_trainable_params(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -48,24 +64,11 @@ def named_trainable_params(model) -> list[tuple[str, torch.nn.Parameter]]:
     return named
 
 
-def _scalar_dtype() -> torch.dtype:
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
 def init_state(optimizer: torch.optim.Optimizer, ocfg: OptimConfig) -> None:
-    """Create Adam's state up front (step 0, zero moments: exactly what torch would create
-    at the first step), so memory is allocated and measurable from the start."""
-    if ocfg.optimizer != "adam":
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not optimizer.state.get(p):
-                optimizer.state[p] = fresh_adam_state(p, 0)
-
-
-def fresh_adam_state(p: torch.Tensor, step: int) -> dict:
-    return {"step": torch.tensor(float(step), dtype=_scalar_dtype()),
-            "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    """Create the state up front where the algorithm does (Adam: step 0, zero moments,
+    exactly what torch would create at the first step), so memory is allocated and
+    measurable from the start."""
+    algorithm_of(ocfg).init_state(optimizer, ocfg)
 
 
 def set_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, keys: tuple[str, ...],
@@ -73,7 +76,7 @@ def set_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, keys: tuple[str
     """Install ``values[key]`` (any shape with ``p.numel()`` elements) as ``p``'s state."""
     state = {}
     if keys == ADAM_KEYS:
-        state["step"] = torch.tensor(float(step), dtype=_scalar_dtype())
+        state["step"] = torch.tensor(float(step), dtype=scalar_dtype())
     for key in keys:
         state[key] = values[key].detach().to(p.device, p.dtype).reshape(p.shape).clone()
     optimizer.state[p] = state
@@ -87,16 +90,18 @@ def state_tensor(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str) ->
     return value.detach().float()
 
 
-def check_per_param(state: dict, shapes: dict[str, tuple], keys: tuple[str, ...],
+def check_per_param(state: dict, shapes: dict[str, tuple], keys: dict[str, tuple[str, ...]],
                     half: bool) -> None:
     """Raise ValueError naming the first parameter missing from ``state`` or of another
-    shape; ``shapes``: name -> the parameter's local shape."""
+    shape; ``shapes``: name -> the parameter's local shape; ``keys``: name -> the state
+    names it must hold (:func:`keys_by_name`)."""
     saved = state["params"]
-    keys = keys if int(state["step"]) > 0 else ()  # before the first step: no moments
+    started = int(state["step"]) > 0   # before the first step: no moments
     for name, shape in shapes.items():
         if name not in saved:
             raise ValueError(f"the optimizer state has no entry for parameter {name!r}")
-        needed = keys + (("master",) if half and "master" in saved[name] else ())
+        needed = (keys[name] if started else ()) \
+            + (("master",) if half and "master" in saved[name] else ())
         for key in needed:
             if key not in saved[name]:
                 raise ValueError(f"the optimizer state of {name!r} has no {key!r}")
@@ -110,15 +115,17 @@ def check_per_param(state: dict, shapes: dict[str, tuple], keys: tuple[str, ...]
                          f"not have: {extra[:3]}")
 
 
-def per_param_from_torch(state: dict, names: list[str], keys: tuple[str, ...]) -> dict:
+def per_param_from_torch(state: dict, names: list[str], keys: dict[str, tuple[str, ...]]
+                         ) -> dict:
     """Convert :meth:`MixedPrecisionOptimizer.state_dict` (torch's format, with ``names``
-    per param group and ``fp32_masters`` in ``names`` order) to the per-parameter form."""
+    per param group and ``fp32_masters`` in ``names`` order) to the per-parameter form;
+    ``keys``: name -> its state names."""
     inner = state["optimizer"]
     by_name, step = {}, 0
     for group in inner["param_groups"]:
         for index, name in zip(group["params"], group["names"]):
             entry = inner["state"].get(index, {})
-            by_name[name] = {k: entry[k] for k in keys if entry.get(k) is not None}
+            by_name[name] = {k: entry[k] for k in keys[name] if entry.get(k) is not None}
             if "step" in entry:
                 step = max(step, int(entry["step"]))
     masters = state.get("fp32_masters")

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from megalite.config.layout import resolve_layout
 from megalite.config.shapes import (dense_layer_params, dense_mlp_params, is_moe_layer,
                                     moe_mlp_params, norm_params)
+from megalite.optim.algorithms import algorithm_of
 from megalite.optim.memory import expected_bytes_per_param
 from megalite.planner.schedule import peak_in_flight, stage_layers
 
@@ -286,8 +287,9 @@ def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
     lay = resolve_layout(cfg, world_size)
     half = m.bf16 or m.fp16
     grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
-    optim_bytes = (12 if half else 8) if o.optimizer == "adam" else (8 if half else 4)
-    host_bytes = 16 if o.optimizer == "adam" else 8   # + master (fp32 runs too) and grad
+    floats = algorithm_of(o).state_floats(o)     # fp32 state tensors per parameter
+    optim_bytes = 4 * floats + (4 if half else 0)
+    host_bytes = 4 * floats + 8   # + master (fp32 runs too) and grad
     offload = o.optimizer_offload_fraction if getattr(o, "optimizer_cpu_offload", False) \
         else 0.0
     out = dict.fromkeys(("params", "grads", "optimizer", "host", "full_grads"), 0.0)

@@ -83,7 +83,9 @@ def checkpoint_bytes(cfg: MegaliteConfig, model: torch.nn.Module, ps: ParallelSt
     param_bytes = next((p.element_size() for p in model.parameters()), 4)
     optim_bytes = 0
     if not cfg.checkpoint.no_save_optim:
-        moments = 2 if cfg.optim.optimizer == "adam" else 1
+        from megalite.optim.algorithms import algorithm_of
+
+        moments = algorithm_of(cfg.optim).state_floats(cfg.optim)
         main_params = 4 if param_bytes < 4 else 0  # fp32 master copy under bf16/fp16
         optim_bytes = 4 * moments + main_params
     return int(params * (param_bytes + optim_bytes))

@@ -3,7 +3,7 @@
 A draw picks a tiny model (GPT-2 or Llama style, 2-8 layers, hidden 32/64, 4 heads, GQA
 with 1 or 2 groups or none, vocabulary 50/60 padded per tp, tied or untied embeddings,
 recompute none/selective/full-uniform/full-block, dense or MoE with 4 experts top-2 and
-either dispatcher, fp32 or bf16), AdamW or SGD with gradient clipping on or off, and a
+either dispatcher, fp32 or bf16), AdamW, SGD or Muon with gradient clipping on or off, and a
 layout of 1 to 8 ranks (tp 1/2/4 with or without sequence parallelism, pp 1/2/4 with
 virtual stages or an uneven first/last stage, dp 1-4, ep and etp, the distributed
 optimizer, overlapped grad reduction and param gather, small buckets, and context
@@ -22,7 +22,9 @@ last, so the earlier draws of a seed are unchanged). Activation offload
 seeds from ``"act-offload-<seed>"``. Where the model is MoE, half the draws route the
 DeepSeek-V3 way from ``"route-<seed>"`` (sigmoid scores, the 4 experts in 2 groups of which
 a token uses one, the expert bias updated every step) and a quarter give
-``--moe-layer-freq`` as a list with the first layer dense.
+``--moe-layer-freq`` as a list with the first layer dense. Muon (``--optimizer muon``,
+instead of AdamW or SGD, with ``--muon-tp-mode`` duplicated or distributed and Nesterov
+momentum on or off) is drawn for a quarter of the AdamW draws from ``"optim-<seed>"``.
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -187,9 +189,20 @@ def _routing(rrng: random.Random, model: dict) -> None:
         model["moe_layer_freq"] = f"[0]+[1]*{model['num_layers'] - 1}"
 
 
+def _muon(orng: random.Random, optim: dict, split: bool) -> None:
+    """``--optimizer muon`` instead of AdamW (a quarter of the draws; SGD draws stay SGD,
+    whose update is linear in the gradient), into ``optim``; where a matrix is split over
+    tp or etp (``split``), in a layout-invariant tp mode (duplicated or distributed)."""
+    if orng.random() < 0.25 and optim.get("optimizer") != "sgd":
+        mode = orng.choice(("duplicated", "distributed"))
+        optim.update(optimizer="muon", muon_nesterov=orng.random() < 0.5)
+        if split and mode != "duplicated":
+            optim["muon_tp_mode"] = mode
+
+
 def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                srng: random.Random, arng: random.Random,
-               rrng: random.Random) -> Layout | None:
+               rrng: random.Random, orng: random.Random | None = None) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -201,11 +214,14 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
     _sharding(srng, short, optim)
     _activation_offload(arng, model)
     _routing(rrng, model)
+    if orng is not None:
+        _muon(orng, optim, short["tp"] > 1 or short.get("etp", 1) > 1)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model),
                              ("bias", model.get("moe_router_enable_expert_bias")),
                              ("bf16", model.get("bf16")),
                              ("sgd", optim.get("optimizer") == "sgd"),
+                             ("muon", optim.get("optimizer") == "muon"),
                              ("offload", optim.get("optimizer_cpu_offload")),
                              ("actoff", model.get("cpu_offloading"))) if on]
     if "cp" in short:
@@ -235,9 +251,9 @@ def draw_layout(seed: int) -> Layout:
     ranks and that megalite accepts."""
     rng, crng = random.Random(seed), random.Random(f"cp-{seed}")
     srng, arng = random.Random(f"shard-{seed}"), random.Random(f"act-offload-{seed}")
-    rrng = random.Random(f"route-{seed}")
+    rrng, orng = random.Random(f"route-{seed}"), random.Random(f"optim-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng, srng, arng, rrng)
+        layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng)
         if layout is not None and rejection(layout) is None:
             return layout
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")

@@ -31,7 +31,7 @@ from tests.fuzz.draw import draw_layout
 #  41  tp4 + sp x dp2, distributed optimizer, no clipping
 #  56  tp2 + sp x pp2 with an uneven last stage x dp2, distributed optimizer + overlap, bf16
 #  77  tp2 + sp x pp2 x dp2, MoE ep2 etp2 alltoall, distributed optimizer + overlap, bf16,
-#      the expert bias
+#      the expert bias, Muon (distributed tp mode)
 #  93  tp4 + sp x pp2 x vpp2, tied embeddings across stages
 # 143  tp2 + sp x cp2 (p2p ring), MoE ep2 etp1, distributed optimizer + overlap, SGD
 # Together they caught each of these planted bugs: a loss normalised by local token

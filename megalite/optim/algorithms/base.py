@@ -1,0 +1,64 @@
+"""The interface every optimizer algorithm implements (one file per ``--optimizer``).
+
+An :class:`Algorithm` says, for the optimizer wrappers of ``optim/``
+(:class:`~megalite.optim.optimizer.MixedPrecisionOptimizer` and the distributed optimizer),
+how to update the fp32 master tensors they hold:
+
+- ``rule(ocfg, name, param)``: which update rule a parameter follows (Muon keeps a second
+  rule, ``adam``, for the parameters it does not orthogonalise); parameters of one rule go
+  to param groups of their own, marked ``group["rule"]``;
+- ``state_keys(ocfg, rule)``: the names of the per-element state tensors of that rule
+  (``exp_avg``, ``momentum_buffer``, ...), which are the checkpoint's keys
+  (:mod:`megalite.optim.optimizer_state`);
+- ``build(groups, ocfg)``: the torch optimizer over those groups; ``init_state``: its
+  state created up front (measurable memory from the start);
+- ``state_floats(ocfg)``: fp32 state tensors per parameter, for the memory estimates;
+- ``orthogonal``: True when the update of a matrix needs the whole matrix (Muon). The
+  optimizer built then offers ``updates()`` / ``apply(outputs)`` around an orthogonalisation
+  the wrapper performs with the layout's collectives
+  (:mod:`megalite.optim.muon_layout`); an element-wise algorithm (``orthogonal`` False) is
+  exact on any 1-D piece of a tensor, which the distributed optimizer relies on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Algorithm:
+    """An optimizer algorithm; subclasses set ``name`` and implement the methods."""
+
+    name: str = ""
+    orthogonal: bool = False
+
+    def rule(self, ocfg, name: str, param: torch.Tensor) -> str:
+        """The update rule of parameter ``name`` (default: the algorithm's own)."""
+        return self.name
+
+    def rules(self, ocfg) -> tuple[str, ...]:
+        """Every rule this algorithm uses."""
+        return (self.name,)
+
+    def state_keys(self, ocfg, rule: str | None = None) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def build(self, groups: list[dict], ocfg) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def init_state(self, optimizer: torch.optim.Optimizer, ocfg) -> None:
+        """Create the state up front (default: lazily, by the first step)."""
+
+    def state_floats(self, ocfg) -> int:
+        """fp32 state tensors per parameter (the memory estimates' count)."""
+        return len(self.state_keys(ocfg))
+
+    def check(self, ocfg, named_params: list) -> None:
+        """Raise ValueError naming a parameter this algorithm cannot update."""
+
+
+def foreach_or_fused(groups: list[dict]) -> dict:
+    """The fused CUDA kernels when every tensor is on a GPU, else the multi-tensor
+    (``foreach``) implementation instead of a loop over tensors. Both compute the
+    single-tensor update's formula."""
+    devices = {p.device.type for group in groups for p in group["params"]}
+    return {"fused": True} if devices == {"cuda"} else {"foreach": True}

@@ -1,0 +1,157 @@
+"""``--optimizer muon``: momentum orthogonalised by Newton-Schulz for the weight matrices,
+AdamW (``--muon-scalar-optimizer adam``) for everything else.
+
+Which parameters are matrices (:func:`is_matrix`): the 2-D weights of the linear layers
+and the ``[E, ...]`` stacks of expert weights (orthogonalised one expert at a time); not
+the word or position embeddings, the output layer, the router, norms or biases, which
+follow the scalar optimizer (AdamW with --adam-beta1/2, --adam-eps).
+
+One step of a matrix ``W`` with gradient ``G`` (Megatron-LM's Muon, through NVIDIA's
+Emerging-Optimizers; ``beta`` = --muon-momentum)::
+
+    M <- beta M + (1 - beta) G                     (state "momentum_buffer", fp32)
+    U  = (1 - beta) G + beta M  with --muon-nesterov, else M
+    O  = orthogonalize(U) * scale(out, in) * --muon-extra-scale-factor
+    W <- W (1 - lr wd) - lr O                      (decoupled weight decay)
+
+``orthogonalize`` is :func:`megalite.optim.newton_schulz.orthogonalize` of the *whole*
+logical matrix (with --muon-split-qkv, each of Q, K and V of a fused QKV weight on its
+own; SwiGLU's fused [gate; up] is one matrix, as in Megatron-LM): the element-wise parts
+run on whatever this rank holds, and :meth:`MuonOptimizer.step` hands the ``U`` of its
+matrices to ``self.orthogonalize``, which the wrapper sets to the layout's collectives
+(:mod:`megalite.optim.muon_layout`: tensor-parallel shards gathered or the iteration
+distributed, data-parallel pieces sent to one owner per matrix).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.optim.algorithms.adam import ADAM_KEYS, build_adamw, init_adam_groups
+from megalite.optim.algorithms.base import Algorithm
+from megalite.parallel.params import param_meta
+
+MUON_KEYS = ("momentum_buffer",)
+NOT_MATRICES = ("embedding", "output_layer", "router")
+
+
+def is_matrix(name: str, param: torch.Tensor) -> bool:
+    """Whether Muon orthogonalises ``param``: a 2-D weight (a ``[E, a, b]`` expert stack)
+    that is not an embedding, the output layer or the router."""
+    want = 3 if param_meta(param).expert else 2
+    return param.dim() == want and not any(word in name for word in NOT_MATRICES)
+
+
+class MuonOptimizer(torch.optim.Optimizer):
+    """Muon over the groups marked ``rule: "muon"``, AdamW (a torch AdamW sharing these
+    group dicts and this state) over those marked ``rule: "adam"``.
+
+    ``orthogonalize(pairs)``: ``pairs`` ``[(tensor, U)]`` for every Muon tensor of this
+    optimizer, returns the orthogonalised and scaled ``O`` of each (same shapes); set by the
+    wrapper. ``step()`` = :meth:`updates`, ``orthogonalize``, :meth:`apply`; the distributed
+    optimizer calls the three itself, to orthogonalise the tensors of two of these (device
+    and host) in one exchange."""
+
+    def __init__(self, groups: list[dict], ocfg):
+        defaults = {"lr": ocfg.lr, "weight_decay": ocfg.weight_decay,
+                    "momentum": ocfg.muon_momentum, "nesterov": ocfg.muon_nesterov}
+        super().__init__(groups, defaults)
+        self.ocfg = ocfg
+        self.orthogonalize = None
+        self._link_adam()
+
+    def _link_adam(self) -> None:
+        adam_groups = [g for g in self.param_groups if g.get("rule") == "adam"]
+        self.adam = build_adamw(adam_groups, self.ocfg) if adam_groups else None
+        if self.adam is not None:
+            self.adam.param_groups = adam_groups   # the same dicts: the lr schedule's
+            self.adam.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link_adam()
+
+    def muon_tensors(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups if g.get("rule") == "muon" for p in g["params"]]
+
+    @torch.no_grad()
+    def updates(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Advance the momentum of every Muon tensor with a gradient; ``[(tensor, U)]``."""
+        out = []
+        for group in self.param_groups:
+            if group.get("rule") != "muon":
+                continue
+            beta = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - beta)
+                out.append((p, p.grad.lerp(buf, beta) if group["nesterov"] else buf.clone()))
+        return out
+
+    @torch.no_grad()
+    def apply(self, outputs: dict[int, torch.Tensor]) -> None:
+        """``W <- W (1 - lr wd) - lr O`` for the Muon tensors (``outputs``: id(tensor) ->
+        ``O``), then the AdamW step of the others."""
+        for group in self.param_groups:
+            if group.get("rule") != "muon":
+                continue
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if id(p) not in outputs:
+                    continue
+                if wd:
+                    p.mul_(1 - lr * wd)
+                p.add_(outputs[id(p)].to(p.dtype), alpha=-lr)
+        if self.adam is not None:
+            self.adam.step()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        pairs = self.updates()
+        if pairs and self.orthogonalize is None:
+            raise RuntimeError("MuonOptimizer.orthogonalize is not set: the optimizer "
+                               "wrapper provides the layout's orthogonalisation")
+        outs = self.orthogonalize(pairs) if pairs else []
+        self.apply({id(p): o for (p, _), o in zip(pairs, outs)})
+
+
+class Muon(Algorithm):
+    name = "muon"
+    orthogonal = True
+
+    def rule(self, ocfg, name, param):
+        return "muon" if is_matrix(name, param) else ocfg.muon_scalar_optimizer
+
+    def rules(self, ocfg):
+        return ("muon", ocfg.muon_scalar_optimizer)
+
+    def state_keys(self, ocfg, rule=None):
+        return MUON_KEYS if rule == "muon" else ADAM_KEYS
+
+    def build(self, groups, ocfg):
+        return MuonOptimizer(groups, ocfg)
+
+    def init_state(self, optimizer, ocfg):
+        init_adam_groups(optimizer, [g for g in optimizer.param_groups
+                                     if g.get("rule") == "adam"])
+        for p in optimizer.muon_tensors():
+            if not optimizer.state.get(p):
+                optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+
+    def state_floats(self, ocfg):
+        return 1   # the matrices' momentum; the scalar parameters' two Adam moments are few
+
+    def check(self, ocfg, named_params):
+        from megalite.optim.muon_layout import check_matrix
+
+        for name, p in named_params:
+            if is_matrix(name, p):
+                check_matrix(name, p, ocfg)
+
+
+ALGORITHM = Muon()

@@ -1,0 +1,127 @@
+"""Newton-Schulz orthogonalisation, Muon's core: ``X -> U V^T`` (approximately) for
+``X = U S V^T``, by an odd matrix polynomial applied a few times.
+
+One step on ``X`` ``[m, n]`` (``m <= n``, so that the Gram matrix is the small one)::
+
+    A = X X^T                  [m, m]
+    X <- a X + (b A + c A A) X
+
+after ``X`` was divided by its Frobenius norm (so every singular value is at most 1).
+Each step maps every singular value ``s`` to ``a s + b s^3 + c s^5`` and leaves the
+singular vectors alone, which is why orthogonalising ``X^T`` gives the transpose of the
+result, and orthogonalising ``P X`` (rows permuted) gives ``P`` times it.
+
+Coefficient sets (``--muon-coefficient-type``), with the meanings of Megatron-LM's flag
+(the tables of NVIDIA's Emerging-Optimizers, which Megatron-LM calls):
+
+- ``simple``: one triple, (3.4445, -4.7750, 2.0315), every step (K. Jordan's Muon: the
+  quintic whose slope at 0 is maximised; singular values end in a band around 1, roughly
+  [0.7, 1.2], not at 1);
+- ``quintic``: five triples, one per step (tuned per iteration, as in modded-nanogpt),
+  repeated when ``--muon-num-ns-steps`` is a multiple of 5 above it;
+- ``polar_express``: the eight per-iteration triples of the Polar Express method (Amsel,
+  Persson, Musco and Gower, "The Polar Express: Optimal Matrix Sign Methods and Their
+  Application to the Muon Algorithm", 2025), at least 8 steps, the last triple repeated
+  beyond 8; it converges towards 1 much more tightly.
+
+Distributed (``--muon-tp-mode distributed``): when the columns of ``X`` are split over a
+group of ranks, ``X X^T`` and the norm are sums over the column blocks, so one all-reduce
+per step (``[m, m]``, SUM over the group) lets every rank advance its own columns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megalite.parallel import collectives
+
+EPS = 1e-7
+
+COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
+    "simple": ((3.4445, -4.7750, 2.0315),),
+    "quintic": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377),
+                (3.7418, -5.5913, 2.3037), (2.8769, -3.1427, 1.2046),
+                (2.8366, -3.0525, 1.2012)),
+    "polar_express": ((8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184),
+                      (3.9096, -2.8234, 0.5250), (3.2856, -2.4153, 0.4853),
+                      (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
+                      (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750)),
+}
+COEFFICIENT_TYPES = tuple(COEFFICIENTS)
+
+
+def steps_problem(kind: str, steps: int) -> str | None:
+    """Why ``steps`` Newton-Schulz steps do not fit coefficient set ``kind`` (None: fine)."""
+    n = len(COEFFICIENTS[kind])
+    if steps < 1:
+        return f"--muon-num-ns-steps must be at least 1, got {steps}"
+    if kind == "quintic" and steps % n:
+        return (f"--muon-coefficient-type quintic has {n} per-step coefficient sets, so "
+                f"--muon-num-ns-steps must be a multiple of {n}; got {steps}")
+    if kind == "polar_express" and steps < n:
+        return (f"--muon-coefficient-type polar_express has {n} per-step coefficient sets, "
+                f"so --muon-num-ns-steps must be at least {n}; got {steps}")
+    return None
+
+
+def coefficients(kind: str, steps: int) -> list[tuple[float, float, float]]:
+    """The ``(a, b, c)`` of each of ``steps`` steps."""
+    problem = steps_problem(kind, steps)
+    if problem:
+        raise ValueError(problem)
+    table = list(COEFFICIENTS[kind])
+    if kind == "polar_express":
+        return table + [table[-1]] * (steps - len(table))
+    return (table * math.ceil(steps / len(table)))[:steps]
+
+
+def newton_schulz(x: torch.Tensor, steps: int, kind: str = "quintic",
+                  group=None) -> torch.Tensor:
+    """Orthogonalise ``x`` ``[..., m, n]`` (fp32; a batch of matrices) along its last two
+    dimensions, as given (no transpose: pass ``m <= n`` for the cheap side).
+
+    ``group`` (a :class:`~megalite.parallel.state.Group`, or None): ``x`` holds this rank's
+    columns of each matrix; the squared norms ``[...]`` and the Gram matrices
+    ``[..., m, m]`` are all-reduced (SUM) over ``group`` (collective over it)."""
+    sq = x.square().sum(dim=(-2, -1), keepdim=True)
+    if group is not None:
+        collectives.all_reduce(sq, group)
+    x = x / sq.sqrt().clamp_min(EPS)
+    for a, b, c in coefficients(kind, steps):
+        gram = x @ x.mT
+        if group is not None:
+            collectives.all_reduce(gram, group)
+        poly = b * gram + c * (gram @ gram)
+        x = a * x + poly @ x
+    return x
+
+
+def orthogonalize(x: torch.Tensor, steps: int, kind: str = "quintic") -> torch.Tensor:
+    """:func:`newton_schulz` of whole matrices ``[..., m, n]`` on one rank, on the side
+    with the smaller Gram matrix (transposed when ``m > n``)."""
+    if x.shape[-2] > x.shape[-1]:
+        return newton_schulz(x.mT, steps, kind).mT
+    return newton_schulz(x, steps, kind)
+
+
+def scale_factor(size_out: int, size_in: int, mode: str) -> float:
+    """The factor the orthogonalised update of an ``[out, in]`` matrix is multiplied by
+    (``--muon-scale-mode``, Megatron-LM's meanings): ``spectral`` sqrt(max(out, in))
+    (Moonlight's, matching AdamW's update RMS with --muon-extra-scale-factor 0.2),
+    ``unit_rms_norm`` sqrt(out / in), ``shape_scaling`` sqrt(max(1, out / in)) (Jordan)."""
+    if mode == "spectral":
+        return max(size_out, size_in) ** 0.5
+    if mode == "unit_rms_norm":
+        return (size_out / size_in) ** 0.5
+    if mode == "shape_scaling":
+        return max(1.0, size_out / size_in) ** 0.5
+    raise ValueError(f"unknown --muon-scale-mode {mode!r}")
+
+
+def ns_flops(m: int, n: int, steps: int) -> float:
+    """Multiply-add FLOPs of ``steps`` steps on an ``[m, n]`` matrix (``m <= n`` after the
+    transpose): ``X X^T``, ``A A`` and ``B X`` per step."""
+    m, n = min(m, n), max(m, n)
+    return steps * (4.0 * m * m * n + 2.0 * m ** 3)
