@@ -110,6 +110,14 @@ def own_addresses() -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def _addresses_of(host: str) -> list[str]:
+    """The addresses ``host`` resolves to ([] when it does not)."""
+    try:
+        return [host] + [info[4][0] for info in socket.getaddrinfo(host, None)]
+    except OSError:
+        return [host]
+
+
 def _proc_state(pid: int) -> str | None:
     """``"gone"``, ``"stopped"`` or ``"running"`` for a process on this host (from
     /proc), None where /proc says nothing."""
@@ -222,9 +230,15 @@ class FlightRecorder:
         missing = []
         for r in peers:
             if r not in recs and problem:
-                missing.append(f"rank {r} is not responding (the job's store, which it "
-                               "serves, did not answer either)" if r == 0 else
-                               f"rank {r}: unknown ({problem})")
+                master = os.environ.get("MASTER_ADDR", "")
+                if r == 0 and reset_by is not None and reset_by in _addresses_of(master):
+                    missing.append(f"rank 0 on host {master} is gone (its connection from "
+                                   f"{reset_by} was reset, and the job's store, which it "
+                                   "served, with it)")
+                else:
+                    missing.append(f"rank {r} is not responding (the job's store, which it "
+                                   "serves, did not answer either)" if r == 0 else
+                                   f"rank {r}: unknown ({problem})")
                 problem = None if r == 0 else problem
                 continue
             why = self._describe(r, recs.get(r), entry, now, reset_by)

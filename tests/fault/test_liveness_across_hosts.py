@@ -118,3 +118,21 @@ def test_a_peer_elsewhere_silent_for_over_three_intervals_is_gone(tmp_path):
     assert ("did not complete within" in text and "rank 1 on host node1 is gone (no heartbeat "
             "for 18.1 s, over 3 of its 5 s intervals; its last heartbeat had dp #0 done)"
             in text), text
+
+
+class GoneStore(DictStore):
+    def check(self, keys):
+        raise RuntimeError("Connection refused")
+
+
+def test_rank_0_whose_host_reset_the_connection_is_gone_with_its_store(tmp_path,
+                                                                       monkeypatch):
+    """The store lives in rank 0's process: when rank 0's host is lost, no heartbeat can
+    be read, but the reset came from MASTER_ADDR's address."""
+    monkeypatch.setenv("MASTER_ADDR", "10.77.0.2")
+    rec = _recorder(tmp_path, GoneStore())
+    rec.rank = 1
+    entry = rec.begin("dp", [0, 1], "all_reduce", [[4]])
+    text = str(rec.fault(entry, RESET))
+    assert ("rank 0 on host 10.77.0.2 is gone (its connection from 10.77.0.2 was reset, "
+            "and the job's store, which it served, with it)") in text, text

@@ -150,7 +150,7 @@ def test_losing_rank_0s_node_with_an_outside_rendezvous(cluster, reference, tmp_
                                             **settings)
     codes = [procs[1].wait(timeout=300), procs[-1].wait(timeout=300)]
     assert codes == [0, 0], cr.tail(tmp_path, "node0.log", "node1.log")
-    assert "rank 0" in line, line
+    assert "rank 0 on host node0 is gone" in line, line
     assert cr.curve(tmp_path) == reference
     _report("replace node0 (outside rendezvous)", detect_s=detect, recover_s=recover,
             error=repr(line[:300]))
@@ -181,6 +181,7 @@ def test_an_elastic_job_shrinks_to_the_node_left(cluster, tmp_path):
     detect, recover, line = _kill_and_watch(cluster, out, "node0", "node1", procs,
                                             replace=False, RDZV_ID="shrink", **settings)
     assert procs[1].wait(timeout=300) == 0, cr.tail(out, "node1.log")
+    assert "rank 0 on host node0 is gone" in line, line
     log = (out / "node1.log").read_text(errors="replace")
     assert "taking over the lock" in log and "of host node0" in log, cr.tail(out, "node1.log")
     got = cr.curve(out)
