@@ -105,3 +105,31 @@ def test_the_launcher_turns_off_the_shared_rendezvous_store():
                          env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1", "False"], out.stdout
+
+
+def test_the_rendezvous_server_serves_a_store_until_stopped():
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from megalite import rendezvous_server
+
+    ports, stop = [], threading.Event()
+    server = threading.Thread(target=rendezvous_server.serve, args=(0, ports.append, stop))
+    server.start()
+    try:
+        deadline = 30
+        while not ports and deadline > 0:
+            server.join(0.1)
+            deadline -= 0.1
+        client = dist.TCPStore("127.0.0.1", ports[0], is_master=False,
+                               timeout=datetime.timedelta(seconds=10))
+        client.set("/torch.rendezvous.job/state", "x")
+        other = dist.TCPStore("127.0.0.1", ports[0], is_master=False,
+                              timeout=datetime.timedelta(seconds=10))
+        assert other.get("/torch.rendezvous.job/state") == b"x"
+    finally:
+        stop.set()
+        server.join(10)
+    assert not server.is_alive()
