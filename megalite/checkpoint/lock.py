@@ -125,15 +125,19 @@ def live_holder(directory: str, stale_after: float | None = None) -> dict | None
     return info
 
 
-def _await_late_holder(path: str, stale_after: float | None, log) -> dict:
+def _await_late_holder(path: str, stale_after: float | None, log,
+                       max_wait: float | None = None) -> dict:
     """The lock's fields, once its holder is either on time or stale: a heartbeat late by
     over ``LATE_INTERVALS`` intervals (its holder probably died moments ago) is watched
-    until it beats again or goes stale, at most ``STALE_INTERVALS`` intervals."""
+    until it beats again or goes stale, at most ``STALE_INTERVALS`` intervals (and at
+    most ``max_wait`` seconds: the other ranks wait in a collective meanwhile)."""
     info = _read(path)
     interval = holder_interval(info)
     limit = stale_after_of(info) if stale_after is None else stale_after
     age = time.time() - float(info.get("heartbeat", 0))
     if not (LATE_INTERVALS * interval < age <= limit) or stale_reason(info, stale_after):
+        return info
+    if max_wait is not None and limit - age > max_wait:
         return info
     log(f" the lock {path} of host {info.get('host', '?')} pid {info.get('pid', '?')} "
         f"has had no heartbeat for {age:.0f}s (interval {interval:g}s): waiting up to "
@@ -160,18 +164,20 @@ class SaveLock:
 
     @classmethod
     def acquire(cls, directory: str, *, stale_after: float | None = None,
-                heartbeat_seconds: float = HEARTBEAT_SECONDS, log=print) -> SaveLock:
+                heartbeat_seconds: float = HEARTBEAT_SECONDS, log=print,
+                max_wait: float | None = None) -> SaveLock:
         """Take the lock of ``directory`` (created if missing) or raise
         :class:`CheckpointError` naming the live job that holds it. ``stale_after``:
         seconds without heartbeat that make a lock stale (default: ``STALE_INTERVALS``
-        of the interval the lock records)."""
+        of the interval the lock records); ``max_wait``: the longest wait for a late
+        holder to go stale (None: as long as that takes)."""
         os.makedirs(directory, exist_ok=True)
         lock = cls(directory, heartbeat_seconds)
         for _ in range(3):
             try:
                 fd = os.open(lock.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                info = _await_late_holder(lock.path, stale_after, log)
+                info = _await_late_holder(lock.path, stale_after, log, max_wait)
                 reason = stale_reason(info, stale_after)
                 if reason is None:
                     age = time.time() - float(info.get("heartbeat", 0))
@@ -333,10 +339,15 @@ def acquire_save_lock(directory: str, ps, log=print, *, load: str | None = None,
     (``--overwrite-checkpoints``) deletes them instead."""
     from megalite.checkpoint.save import raise_if_any
 
+    from megalite.parallel.watchdog import RECORDER
+
     lock, error = None, None
+    # the other ranks wait in a collective while rank 0 waits for a late lock: stay within
+    # --distributed-timeout-minutes
+    max_wait = None if RECORDER.timeout_s is None else 0.8 * RECORDER.timeout_s
     if ps.rank == 0:
         try:
-            lock = SaveLock.acquire(directory, log=log)
+            lock = SaveLock.acquire(directory, log=log, max_wait=max_wait)
             _check_fresh_run(directory, load, overwrite, log)
         except (CheckpointError, OSError) as exc:
             error = str(exc)

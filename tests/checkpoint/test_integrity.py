@@ -331,6 +331,13 @@ def test_a_late_lock_is_waited_for_until_stale_or_beating(tmp_path):
     assert "of host node0 pid 18378: its heartbeat is 3s old" in said[1], said
     lock.release()
 
+    # the other ranks would time out in their collective first: no wait, exit 4 as before
+    _write_lock(root, 18378, host="node0", age=1.7, interval=1.0)
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"in use by another job \(host node0"):
+        SaveLock.acquire(root, log=said.append, max_wait=0.5)
+    assert time.monotonic() - started < 0.5
+
     path = _write_lock(root, 18378, host="node0", age=1.7, interval=1.0)
 
     def beat():
