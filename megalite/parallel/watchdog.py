@@ -270,10 +270,12 @@ class FlightRecorder:
 
     def _second_look(self, entry: dict, recs: dict, now: float, budget: float,
                      reset_by: str | None) -> dict:
-        """After a broken connection: the peers on other hosts that did not reach
-        ``entry`` and whose heartbeat still looks fresh (it may predate their death by up
-        to an interval) are read again once two intervals passed since their last beat; a
-        record whose heartbeat did not advance is marked ``"silent"``."""
+        """After a broken connection: the peers that did not reach ``entry`` and whose
+        heartbeat still looks fresh (it may predate their death by up to an interval) --
+        on other hosts, or here with their process still running (a killed process takes
+        a moment to exit on a loaded machine) -- are read again once two intervals passed
+        since their last beat; a record whose heartbeat did not advance is marked
+        ``"silent"``."""
         here = socket.gethostname()
         watch = {}
         for r, rec in recs.items():
@@ -281,8 +283,10 @@ class FlightRecorder:
                 continue
             hb = json.loads(rec["hb"])
             interval = float(hb.get("interval", self.interval))
-            if (hb["host"] != here and not self._reached(hb, entry)
-                    and reset_by not in hb.get("addrs", [])
+            elsewhere = hb["host"] != here
+            unclear = (reset_by not in hb.get("addrs", []) if elsewhere
+                       else _proc_state(hb["pid"]) == "running")   # may be exiting still
+            if (unclear and not self._reached(hb, entry)
                     and now - hb["time"] <= max(STALE_BEATS * interval, 2.0)):
                 watch[r] = (hb["time"], hb["time"] + 2 * interval + 0.5)
         if not watch:

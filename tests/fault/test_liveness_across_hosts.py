@@ -136,3 +136,28 @@ def test_rank_0_whose_host_reset_the_connection_is_gone_with_its_store(tmp_path,
     text = str(rec.fault(entry, RESET))
     assert ("rank 0 on host 10.77.0.2 is gone (its connection from 10.77.0.2 was reset, "
             "and the job's store, which it served, with it)") in text, text
+
+
+def test_a_peer_here_still_exiting_when_the_reset_comes_is_gone(tmp_path):
+    """On this host a killed peer's sockets close before its process has left /proc (a
+    loaded machine): it is looked at again, and is gone by then."""
+    import socket
+    import subprocess
+
+    peer = subprocess.Popen(["sleep", "60"])
+    store = DictStore()
+    store.set("hb/1", json.dumps({
+        "time": time.time(), "pid": peer.pid, "host": socket.gethostname(),
+        "addrs": ["127.0.0.1"], "interval": 0.5, "done": {}, "inflight": []}))
+    killer = threading.Timer(0.3, peer.kill)
+    killer.start()
+    try:
+        rec = _recorder(tmp_path, store)
+        entry = rec.begin("pp", [0, 1], "p2p recv<-1", [[4]], key="p2p")
+        entry["peers"] = [1]
+        text = str(rec.fault(entry, RuntimeError(
+            "Read error [127.0.0.1]:8088: Connection reset by peer")))
+    finally:
+        killer.join()
+        peer.wait()
+    assert f"rank 1 is gone (process {peer.pid} exited; its last heartbeat" in text, text
