@@ -11,7 +11,7 @@ ring buffer of the last :data:`RING_SIZE` collectives. That is all the hot path 
 :func:`start` (the entrypoint, once torch.distributed is up) adds a daemon thread that
 publishes, every few seconds, this rank's progress to the job's c10d store (the default
 group's store, under ``megalite/watchdog/``): the last completed sequence number per group,
-the collectives in flight, its pid and host, and the time.
+the collectives in flight, its pid, host and addresses, its interval, and the time.
 
 The heartbeat interval scales with the timeout (:func:`heartbeat_interval`: 5 s under the
 default 10 minutes, 0.5 s at a few seconds): a heartbeat older than ``STALE_BEATS``
