@@ -70,7 +70,7 @@ run_forwarding_sigterm() {
   done
   trap - TERM INT
   if [ "$rc" -ne 0 ]; then
-    workers=$(_megalite_workers_code "$codes" "$(_megalite_nproc "$@")")
+    workers=$(_megalite_workers_code "$codes" "$(_megalite_nproc "$@")") || true
     if [ -n "$workers" ]; then
       echo "megalite: torchrun exited $rc; the workers' exit code is $workers" >&2
       rc=$workers

@@ -3,14 +3,19 @@
 Rank 0 of a job that saves creates the lock atomically (``O_CREAT | O_EXCL``) with its
 host, pid, start time and a heartbeat, which a daemon thread rewrites every
 ``HEARTBEAT_SECONDS`` (a thread rather than the training loop: a step or an evaluation
-can outlast any interval, and the heartbeat only says the process is alive). A second
-job finds the lock and stops with one sentence naming the holder, unless the lock is
-stale -- its heartbeat older than ``STALE_SECONDS``, or its pid gone on this host -- in
-which case it is taken over with a log line. :meth:`SaveLock.release` removes it at
-every exit the process sees: a clean one, an error (``build_components`` and the
-entrypoint release it on their way out), SIGTERM (the lock's handler, installed while the
-default one is in place, releases it and then dies of the signal as before); only a job
-killed outright (SIGKILL, a lost node) leaves it behind, stale.
+can outlast any interval, and the heartbeat only says the process is alive); the lock
+records that interval. A second job finds the lock and stops with one sentence naming the
+holder, unless the lock is stale -- its heartbeat older than ``STALE_INTERVALS`` of the
+holder's intervals (30 s by default), whatever the host, or its pid gone on this host --
+in which case it is taken over with a log line saying why. A holder whose heartbeat is
+already late (over 1.5 intervals: a node that died moments ago, which a restarted job
+meets when its new rank 0 is on another host) is waited for until it is stale or beats
+again, so the restart takes the lock over instead of stopping.
+:meth:`SaveLock.release` removes it at every exit the process sees: a clean one, an error
+(``build_components`` and the entrypoint release it on their way out), SIGTERM (the lock's
+handler, installed while the default one is in place, releases it and then dies of the
+signal as before); only a job killed outright (SIGKILL, a lost node) leaves it behind,
+stale.
 
 The same step refuses a fresh run in a directory that holds another run's checkpoints
 (:func:`acquire_save_lock` with ``load`` elsewhere or unset): it would overwrite them, and
@@ -49,8 +54,9 @@ from megalite.checkpoint.files import (
 )
 
 LOCK = ".megalite.lock"
-HEARTBEAT_SECONDS = 60.0
-STALE_SECONDS = 600.0
+HEARTBEAT_SECONDS = 10.0
+STALE_INTERVALS = 3      # a lock whose heartbeat is older than this many intervals is stale
+LATE_INTERVALS = 1.5     # ... and one older than this is waited for until stale or beating
 
 
 def _pid_alive(pid: int) -> bool:
@@ -75,11 +81,28 @@ def _read(path: str) -> dict:
             return {}
 
 
-def stale_reason(info: dict, stale_after: float = STALE_SECONDS) -> str | None:
-    """Why the lock ``info`` may be taken over, or None while its holder looks alive."""
+def holder_interval(info: dict) -> float:
+    """The heartbeat interval the lock ``info`` records (older locks: the default)."""
+    try:
+        return max(float(info.get("interval", HEARTBEAT_SECONDS)), 0.1)
+    except (TypeError, ValueError):
+        return HEARTBEAT_SECONDS
+
+
+def stale_after_of(info: dict) -> float:
+    """Seconds without a heartbeat after which the lock ``info`` is stale."""
+    return STALE_INTERVALS * holder_interval(info)
+
+
+def stale_reason(info: dict, stale_after: float | None = None) -> str | None:
+    """Why the lock ``info`` may be taken over, or None while its holder looks alive.
+    ``stale_after``: seconds without heartbeat (default: :func:`stale_after_of`)."""
+    limit = stale_after_of(info) if stale_after is None else stale_after
     age = time.time() - float(info.get("heartbeat", 0))
-    if age > stale_after:
-        return f"its heartbeat is {age:.0f}s old (over {stale_after:.0f}s)"
+    if age > limit:
+        return (f"its heartbeat is {age:.0f}s old (over {limit:.0f}s, "
+                f"{limit / holder_interval(info):g} of its {holder_interval(info):g}s "
+                "intervals): the holder is gone")
     if info.get("host") == socket.gethostname() and "pid" in info:
         if info["pid"] == os.getpid():
             return "it was left by an earlier run in this process"
@@ -88,7 +111,7 @@ def stale_reason(info: dict, stale_after: float = STALE_SECONDS) -> str | None:
     return None
 
 
-def live_holder(directory: str, stale_after: float = STALE_SECONDS) -> dict | None:
+def live_holder(directory: str, stale_after: float | None = None) -> dict | None:
     """The lock fields of the live job (another process) saving to ``directory``, or
     None: no lock, a stale one, or this process's own."""
     path = os.path.join(directory, LOCK)
@@ -102,39 +125,69 @@ def live_holder(directory: str, stale_after: float = STALE_SECONDS) -> dict | No
     return info
 
 
+def _await_late_holder(path: str, stale_after: float | None, log,
+                       max_wait: float | None = None) -> dict:
+    """The lock's fields, once its holder is either on time or stale: a heartbeat late by
+    over ``LATE_INTERVALS`` intervals (its holder probably died moments ago) is watched
+    until it beats again or goes stale, at most ``STALE_INTERVALS`` intervals (and at
+    most ``max_wait`` seconds: the other ranks wait in a collective meanwhile)."""
+    info = _read(path)
+    interval = holder_interval(info)
+    limit = stale_after_of(info) if stale_after is None else stale_after
+    age = time.time() - float(info.get("heartbeat", 0))
+    if not (LATE_INTERVALS * interval < age <= limit) or stale_reason(info, stale_after):
+        return info
+    if max_wait is not None and limit - age > max_wait:
+        return info
+    log(f" the lock {path} of host {info.get('host', '?')} pid {info.get('pid', '?')} "
+        f"has had no heartbeat for {age:.0f}s (interval {interval:g}s): waiting up to "
+        f"{limit - age:.0f}s more for it to beat or go stale")
+    while True:
+        time.sleep(min(interval / 4, 1.0))
+        now = _read(path)
+        if now != info or stale_reason(now, stale_after) is not None:
+            return now
+
+
 class SaveLock:
     """The held lock of ``directory``; :meth:`acquire` it, :meth:`release` at exit."""
 
     def __init__(self, directory: str, heartbeat_seconds: float = HEARTBEAT_SECONDS):
         self.path = os.path.join(directory, LOCK)
         self.info = {"host": socket.gethostname(), "pid": os.getpid(),
-                     "started": time.time(), "heartbeat": time.time()}
+                     "started": time.time(), "heartbeat": time.time(),
+                     "interval": heartbeat_seconds}
         self._stop = threading.Event()
         self._interval = heartbeat_seconds
         self._thread: threading.Thread | None = None
         self._sigterm_installed = False
 
     @classmethod
-    def acquire(cls, directory: str, *, stale_after: float = STALE_SECONDS,
-                heartbeat_seconds: float = HEARTBEAT_SECONDS, log=print) -> SaveLock:
+    def acquire(cls, directory: str, *, stale_after: float | None = None,
+                heartbeat_seconds: float = HEARTBEAT_SECONDS, log=print,
+                max_wait: float | None = None) -> SaveLock:
         """Take the lock of ``directory`` (created if missing) or raise
-        :class:`CheckpointError` naming the live job that holds it."""
+        :class:`CheckpointError` naming the live job that holds it. ``stale_after``:
+        seconds without heartbeat that make a lock stale (default: ``STALE_INTERVALS``
+        of the interval the lock records); ``max_wait``: the longest wait for a late
+        holder to go stale (None: as long as that takes)."""
         os.makedirs(directory, exist_ok=True)
         lock = cls(directory, heartbeat_seconds)
         for _ in range(3):
             try:
                 fd = os.open(lock.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                info = _read(lock.path)
+                info = _await_late_holder(lock.path, stale_after, log, max_wait)
                 reason = stale_reason(info, stale_after)
                 if reason is None:
                     age = time.time() - float(info.get("heartbeat", 0))
+                    limit = stale_after_of(info) if stale_after is None else stale_after
                     raise CheckpointError(
                         f"--save {directory} is in use by another job (host "
                         f"{info.get('host', '?')}, pid {info.get('pid', '?')}, heartbeat "
                         f"{age:.0f}s ago): stop it or save elsewhere; if it is gone, delete "
                         f"{lock.path} (a lock is taken over by itself after "
-                        f"{stale_after:.0f}s without heartbeat)") from None
+                        f"{limit:.0f}s without heartbeat)") from None
                 lock._take_over(info, reason, log)
                 continue
             with os.fdopen(fd, "w") as f:
@@ -286,10 +339,15 @@ def acquire_save_lock(directory: str, ps, log=print, *, load: str | None = None,
     (``--overwrite-checkpoints``) deletes them instead."""
     from megalite.checkpoint.save import raise_if_any
 
+    from megalite.parallel.watchdog import RECORDER
+
     lock, error = None, None
+    # the other ranks wait in a collective while rank 0 waits for a late lock: stay within
+    # --distributed-timeout-minutes
+    max_wait = None if RECORDER.timeout_s is None else 0.8 * RECORDER.timeout_s
     if ps.rank == 0:
         try:
-            lock = SaveLock.acquire(directory, log=log)
+            lock = SaveLock.acquire(directory, log=log, max_wait=max_wait)
             _check_fresh_run(directory, load, overwrite, log)
         except (CheckpointError, OSError) as exc:
             error = str(exc)

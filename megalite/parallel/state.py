@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from megalite.config import ParallelConfig
 from megalite.config.parallel import data_parallel_size, expert_data_parallel_size
-from megalite.parallel.device import select_backend, select_device
+from megalite.parallel.device import DeviceSetupError, select_backend, select_device
+from megalite.parallel.network import worker_check
 from megalite.parallel.rendezvous import attempt_store, uses_agent_store
 
 GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "tp_cp", "ep", "etp", "edp",
@@ -222,8 +223,10 @@ def init_distributed(backend: str = "auto", timeout_minutes: float = 10,
     ``--distributed-backend`` (``auto``: nccl on a CUDA device, else gloo); both are
     resolved by :mod:`megalite.parallel.device`, which raises
     :class:`~megalite.parallel.device.DeviceSetupError` before any process group exists
-    when they cannot run here (more ranks than GPUs, nccl without CUDA). On CUDA the
-    rank's GPU becomes the current device. Returns (rank, world_size).
+    when they cannot run here (more ranks than GPUs, nccl without CUDA), as it does for a
+    gloo job across hosts whose host name resolves to loopback
+    (:func:`megalite.parallel.network.worker_check`). On CUDA the rank's GPU becomes the
+    current device. Returns (rank, world_size).
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -233,6 +236,9 @@ def init_distributed(backend: str = "auto", timeout_minutes: float = 10,
         torch.cuda.set_device(chosen)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and "MASTER_ADDR" not in os.environ:
         return 0, 1
+    trap = worker_check() if backend == "gloo" else None
+    if trap is not None:   # before the process group: it would hang for the whole timeout
+        raise DeviceSetupError(trap)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if uses_agent_store():   # torchrun: a store of this attempt, not the one restarts share
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -11,7 +11,16 @@ ring buffer of the last :data:`RING_SIZE` collectives. That is all the hot path 
 :func:`start` (the entrypoint, once torch.distributed is up) adds a daemon thread that
 publishes, every few seconds, this rank's progress to the job's c10d store (the default
 group's store, under ``megalite/watchdog/``): the last completed sequence number per group,
-the collectives in flight, its pid and host, and the time.
+the collectives in flight, its pid, host and addresses, its interval, and the time.
+
+The heartbeat interval scales with the timeout (:func:`heartbeat_interval`: 5 s under the
+default 10 minutes, 0.5 s at a few seconds): a heartbeat older than ``STALE_BEATS``
+intervals means the rank stopped. On this host a peer's process is looked up in /proc;
+on another host (cluster nodes) there is no /proc to read, so a peer whose host reset the
+connection (gloo names the address in its error; each heartbeat carries the rank's
+addresses) is named as gone, and after a reset a peer elsewhere whose heartbeat still
+looks fresh is watched for two more intervals: a heartbeat that does not advance means it
+is gone.
 
 When a collective fails (gloo raises after ``--distributed-timeout-minutes`` without the
 peers, or at once with "Connection reset/closed by peer" when a peer process died),
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -40,9 +50,11 @@ import torch.distributed as dist
 from megalite.errors import EXIT_DISTRIBUTED, KnownError
 
 RING_SIZE = 64
+STALE_BEATS = 3          # heartbeats missed before a rank counts as stopped
 PREFIX = "megalite/watchdog/"
 DIR_ENV = "MEGALITE_FLIGHT_RECORDER_DIR"
 _TIMEOUT_WORDS = ("timed out", "timeout")
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")
 _GONE_WORDS = ("connection reset", "connection closed", "closed by peer", "broken pipe",
                "connection refused", "pair closure", "socket closed", "end of file")
 
@@ -62,6 +74,48 @@ def fault_kind(exc: BaseException) -> str | None:
     if any(w in text for w in _TIMEOUT_WORDS):
         return "timeout"
     return None
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """Seconds between heartbeats under a collective timeout of ``timeout_s``: 1/120 of it,
+    within 0.5-5 s (5 s at the default 10 minutes; a dead rank elsewhere is then told
+    from a slow one ``STALE_BEATS`` intervals after its last beat, long before the
+    timeout)."""
+    return min(max(timeout_s / 120.0, 0.5), 5.0)
+
+
+def peer_address(exc: BaseException) -> str | None:
+    """The peer address gloo names in a broken-connection error (``Connection closed by
+    peer [10.0.0.2]:43210``), or None."""
+    found = _PEER_ADDRESS.search(str(exc))
+    return found.group(1) if found else None
+
+
+def own_addresses() -> list[str]:
+    """The addresses peers may see this rank at: the one on the route to ``MASTER_ADDR``
+    and the one this host's name resolves to."""
+    found = []
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+                found.append(probe.getsockname()[0])
+        except OSError:
+            pass
+    try:
+        found.append(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        pass
+    return list(dict.fromkeys(found))
+
+
+def _addresses_of(host: str) -> list[str]:
+    """The addresses ``host`` resolves to ([] when it does not)."""
+    try:
+        return [host] + [info[4][0] for info in socket.getaddrinfo(host, None)]
+    except OSError:
+        return [host]
 
 
 def _proc_state(pid: int) -> str | None:
@@ -96,6 +150,7 @@ class FlightRecorder:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.interval = 1.0
+        self.addresses: list[str] = []
 
     # -- the hot path --------------------------------------------------------------------
     def begin(self, group: str, ranks, op: str, shapes, key: str = "") -> dict:
@@ -123,6 +178,7 @@ class FlightRecorder:
         inflight = [{k: e.get(k) for k in ("group", "ranks", "peers", "op", "seq", "start")}
                     for e in list(self.ring) if e["end"] is None]
         return {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
+                "addrs": self.addresses, "interval": self.interval,
                 "done": dict(self.done), "inflight": inflight}
 
     def _beat(self) -> None:
@@ -161,21 +217,31 @@ class FlightRecorder:
             return out, "the store (served by rank 0) did not answer"
         return out, result.get("problem")
 
-    def _explain(self, entry: dict, now: float, budget: float, depth: int = 0) -> list[str]:
+    def _explain(self, entry: dict, now: float, budget: float, depth: int = 0,
+                 reset_by: str | None = None, kind: str | None = None) -> list[str]:
         """Why the other members of ``entry`` (a collective of this rank, or one a peer is
         stuck in) did not complete it: one phrase per member that never arrived; a member
-        stuck in another collective is followed one level further."""
+        stuck in another collective is followed one level further. ``kind`` ``"gone"``: a
+        peer closed the connection (``reset_by``: its address, from gloo's error)."""
         peers = [r for r in (entry.get("peers") or entry["ranks"]) if r != self.rank]
         recs, problem = self._read_peers(peers, budget)
+        if kind == "gone":
+            recs = self._second_look(entry, recs, now, budget, reset_by)
         missing = []
         for r in peers:
             if r not in recs and problem:
-                missing.append(f"rank {r} is not responding (the job's store, which it "
-                               "serves, did not answer either)" if r == 0 else
-                               f"rank {r}: unknown ({problem})")
+                master = os.environ.get("MASTER_ADDR", "")
+                if r == 0 and reset_by is not None and reset_by in _addresses_of(master):
+                    missing.append(f"rank 0 on host {master} is gone (its connection from "
+                                   f"{reset_by} was reset, and the job's store, which it "
+                                   "served, with it)")
+                else:
+                    missing.append(f"rank {r} is not responding (the job's store, which it "
+                                   "serves, did not answer either)" if r == 0 else
+                                   f"rank {r}: unknown ({problem})")
                 problem = None if r == 0 else problem
                 continue
-            why = self._describe(r, recs.get(r), entry, now)
+            why = self._describe(r, recs.get(r), entry, now, reset_by)
             if why is None:
                 continue
             if isinstance(why, dict):   # stuck in another collective: who is it waiting for?
@@ -192,7 +258,53 @@ class FlightRecorder:
             missing.append(problem)
         return missing
 
-    def _describe(self, peer: int, rec: dict | None, entry: dict, now: float):
+    def _reached(self, hb: dict, entry: dict) -> bool:
+        """Whether the heartbeat ``hb`` shows its rank at or past ``entry`` (for p2p:
+        never decided here)."""
+        if entry["op"].startswith("p2p"):
+            return False
+        if hb["done"].get(entry["group"], 0) >= entry["seq"]:
+            return True
+        return any(e["group"] == entry["group"] and e["seq"] == entry["seq"]
+                   for e in hb["inflight"])
+
+    def _second_look(self, entry: dict, recs: dict, now: float, budget: float,
+                     reset_by: str | None) -> dict:
+        """After a broken connection: the peers that did not reach ``entry`` and whose
+        heartbeat still looks fresh (it may predate their death by up to an interval) --
+        on other hosts, or here with their process still running (a killed process takes
+        a moment to exit on a loaded machine) -- are read again once two intervals passed
+        since their last beat; a record whose heartbeat did not advance is marked
+        ``"silent"``."""
+        here = socket.gethostname()
+        watch = {}
+        for r, rec in recs.items():
+            if "hb" not in rec or "fault" in rec:
+                continue
+            hb = json.loads(rec["hb"])
+            interval = float(hb.get("interval", self.interval))
+            elsewhere = hb["host"] != here
+            unclear = (reset_by not in hb.get("addrs", []) if elsewhere
+                       else _proc_state(hb["pid"]) == "running")   # may be exiting still
+            if (unclear and not self._reached(hb, entry)
+                    and now - hb["time"] <= max(STALE_BEATS * interval, 2.0)):
+                watch[r] = (hb["time"], hb["time"] + 2 * interval + 0.5)
+        if not watch:
+            return recs
+        wait = min(max(until for _, until in watch.values()) - time.time(), budget)
+        if wait > 0:
+            time.sleep(wait)
+        again, _ = self._read_peers(list(watch), budget)
+        for r, (beat, _) in watch.items():
+            rec = again.get(r)
+            if rec and "hb" in rec and json.loads(rec["hb"])["time"] == beat:
+                recs[r] = dict(rec, silent="1", reread="1")
+            elif rec:
+                recs[r] = dict(rec, reread="1")
+        return recs
+
+    def _describe(self, peer: int, rec: dict | None, entry: dict, now: float,
+                  reset_by: str | None = None):
         """Why ``peer`` did not complete ``entry``: a phrase, the in-flight entry it is
         stuck in (a dict), or None when it did reach it (it waits in the same
         collective)."""
@@ -204,19 +316,28 @@ class FlightRecorder:
             return f"rank {peer} never sent a heartbeat"
         hb = json.loads(rec["hb"])
         p2p = entry["op"].startswith("p2p")
-        if not p2p and hb["done"].get(entry["group"], 0) >= entry["seq"]:
+        if self._reached(hb, entry):
             return None
-        same = [e for e in hb["inflight"] if e["group"] == entry["group"]]
-        if not p2p and any(e["seq"] == entry["seq"] for e in same):
-            return None
-        state = _proc_state(hb["pid"]) if hb["host"] == socket.gethostname() else None
-        age = now - hb["time"]
+        elsewhere = hb["host"] != socket.gethostname()
+        state = None if elsewhere else _proc_state(hb["pid"])
+        age = (time.time() if "reread" in rec else now) - hb["time"]
         last = hb["done"].get(entry["group"], 0)
         where = (f"its last heartbeat {age:.1f} s ago" if p2p
                  else f"its last heartbeat had {entry['group']} #{last} done")
         if state == "gone":
             return f"rank {peer} is gone (process {hb['pid']} exited; {where})"
-        if state == "stopped" or age > max(3 * self.interval, 2.0):
+        if elsewhere and reset_by is not None and reset_by in hb.get("addrs", []):
+            return (f"rank {peer} on host {hb['host']} is gone (its connection from "
+                    f"{reset_by} was reset; {where})")
+        if "silent" in rec:
+            return (f"rank {peer} on host {hb['host']} is gone (the connection was reset "
+                    f"and its heartbeat stopped {age:.1f} s ago; {where})")
+        interval = float(hb.get("interval", self.interval))
+        if state == "stopped" or age > max(STALE_BEATS * interval, 2.0):
+            if elsewhere:   # no /proc to tell a hung process from a dead one: gone
+                return (f"rank {peer} on host {hb['host']} is gone (no heartbeat for "
+                        f"{age:.1f} s, over {STALE_BEATS} of its {interval:g} s intervals; "
+                        f"{where})")
             how = "stopped" if state == "stopped" else "not responding"
             return f"rank {peer} is {how} (no heartbeat for {age:.1f} s; {where})"
         stuck = [e for e in hb["inflight"] if not (p2p and e["group"] == entry["group"])]
@@ -240,7 +361,7 @@ class FlightRecorder:
         now = time.time()
         elapsed = now - entry["start"]
         budget = 3.0 if self.timeout_s is None else min(10.0, max(2.0, self.timeout_s / 3))
-        missing = self._explain(entry, now, budget)
+        missing = self._explain(entry, now, budget, reset_by=peer_address(exc), kind=kind)
         if not missing:
             missing = [f"every member reached it ({str(exc).strip()[:160]})"]
         what = (f"did not complete within {elapsed:.1f} s"
@@ -301,7 +422,8 @@ def start(timeout_minutes: float, dump_dir: str | None = None) -> None:
         return
     rec.rank = dist.get_rank()
     rec.store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
-    rec.interval = min(max(rec.timeout_s / 8, 0.5), 30.0)
+    rec.interval = heartbeat_interval(rec.timeout_s)
+    rec.addresses = own_addresses()
     rec._stop.clear()
     rec._thread = threading.Thread(target=rec._beat, name="megalite-watchdog", daemon=True)
     rec._thread.start()

@@ -6,6 +6,7 @@ import os
 import re
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -242,13 +243,17 @@ def test_a_truncated_shard_is_named_on_both_ranks(saved2, tmp_path):
 
 
 # -- one job per --save directory ------------------------------------------------------------
-def _write_lock(root: str, pid: int, host: str | None = None, age: float = 0.0) -> str:
+def _write_lock(root: str, pid: int, host: str | None = None, age: float = 0.0,
+                interval: float | None = None) -> str:
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, LOCK)
     now = time.time()
+    info = {"host": host or socket.gethostname(), "pid": pid, "started": now - age,
+            "heartbeat": now - age}
+    if interval is not None:
+        info["interval"] = interval
     with open(path, "w") as f:
-        json.dump({"host": host or socket.gethostname(), "pid": pid, "started": now - age,
-                   "heartbeat": now - age}, f)
+        json.dump(info, f)
     return path
 
 
@@ -286,6 +291,68 @@ def test_stale_locks_are_taken_over_and_a_clean_exit_removes_the_lock(tmp_path, 
     lock.refresh()
     lock.release()
     assert not os.path.exists(os.path.join(root, LOCK))
+
+
+def test_a_lock_of_a_lost_node_is_taken_over_after_a_few_of_its_intervals(tmp_path):
+    """Another host's lock (its pid cannot be checked from here) whose heartbeat stopped
+    for over 3 of its intervals is taken over at once, and the log says so; a fresher one
+    is refused, naming the holder."""
+    from megalite.checkpoint.lock import HEARTBEAT_SECONDS, STALE_INTERVALS
+
+    root = str(tmp_path / "ckpt")
+    _write_lock(root, 18378, host="node0", age=STALE_INTERVALS * HEARTBEAT_SECONDS + 5)
+    said = []
+    started = time.monotonic()
+    lock = SaveLock.acquire(root, log=said.append)
+    assert time.monotonic() - started < 2.0
+    assert len(said) == 1 and said[0].startswith(
+        f" taking over the lock {root}/{LOCK} of host node0 pid 18378: its heartbeat is 35s "
+        f"old (over 30s, 3 of its 10s intervals): the holder is gone"), said
+    assert json.load(open(os.path.join(root, LOCK)))["interval"] == HEARTBEAT_SECONDS
+    lock.release()
+    _write_lock(root, 18378, host="node0", age=5)      # on time: a live job elsewhere
+    with pytest.raises(CheckpointError, match=r"in use by another job \(host node0, pid 18378, "
+                                              r"heartbeat 5s ago\).*after 30s without"):
+        SaveLock.acquire(root, log=said.append)
+
+
+def test_a_late_lock_is_waited_for_until_stale_or_beating(tmp_path):
+    """A restarted job whose new rank 0 is on another host meets the lock of the rank 0
+    that died moments ago: late (over 1.5 intervals) but not stale yet. It waits and takes
+    it over once stale; a holder that beats again in the meantime keeps it."""
+    root = str(tmp_path / "ckpt")
+    _write_lock(root, 18378, host="node0", age=1.7, interval=1.0)   # stale after 3 s
+    said = []
+    started = time.monotonic()
+    lock = SaveLock.acquire(root, log=said.append)
+    waited = time.monotonic() - started
+    assert 1.0 < waited < 3.0, waited
+    assert "has had no heartbeat for 2s (interval 1s): waiting up to 1s more" in said[0], said
+    assert "of host node0 pid 18378: its heartbeat is 3s old" in said[1], said
+    lock.release()
+
+    # the other ranks would time out in their collective first: no wait, exit 4 as before
+    _write_lock(root, 18378, host="node0", age=1.7, interval=1.0)
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"in use by another job \(host node0"):
+        SaveLock.acquire(root, log=said.append, max_wait=0.5)
+    assert time.monotonic() - started < 0.5
+
+    path = _write_lock(root, 18378, host="node0", age=1.7, interval=1.0)
+
+    def beat():
+        time.sleep(0.5)
+        info = json.load(open(path))
+        info["heartbeat"] = time.time()
+        with open(path + ".tmp", "w") as f:
+            json.dump(info, f)
+        os.replace(path + ".tmp", path)
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    with pytest.raises(CheckpointError, match=r"in use by another job \(host node0"):
+        SaveLock.acquire(root, log=said.append)
+    beating.join()
 
 
 def test_a_lock_taken_over_is_not_refreshed_or_removed_by_its_old_holder(tmp_path):
