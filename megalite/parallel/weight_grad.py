@@ -118,4 +118,7 @@ def apply(queue: list[WeightGrad]) -> None:
         if left[key]:
             partial[key] = grad
             continue
-        torch.autograd.backward(item.weight, grad)
+        # the engine itself, as torch.autograd.backward would call it (whose argument
+        # checks import sympy on first use: over a second, once per process)
+        torch.autograd.Variable._execution_engine.run_backward(
+            (item.weight,), (grad,), False, False, (), True, True)
