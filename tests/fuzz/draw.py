@@ -19,7 +19,9 @@ and a third offload half or all of the optimizer state to the host; half of the
 optim_grads draws then shard the parameters too (``optim_grads_params``, ZeRO-3; drawn
 last, so the earlier draws of a seed are unchanged). Activation offload
 (``--cpu-offloading``, 1 to num_layers - 1 layers per chunk) is drawn for a quarter of the
-seeds from ``"act-offload-<seed>"``.
+seeds from ``"act-offload-<seed>"``, and the pipeline schedule from ``"schedule-<seed>"``:
+a third of the draws without virtual stages run zero bubble (``--pipeline-schedule
+zb_h1``: each backward split into B and the deferred weight gradients W; also at pp 1).
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -171,8 +173,15 @@ def _activation_offload(arng: random.Random, model: dict) -> None:
                      cpu_offloading_num_layers=arng.randint(1, model["num_layers"] - 1))
 
 
+def _schedule(zrng: random.Random, short: dict) -> None:
+    """``--pipeline-schedule zb_h1`` for a third of the draws without virtual stages."""
+    if "vpp" not in short and zrng.random() < 1 / 3:
+        short["schedule"] = "zb_h1"
+
+
 def _draw_once(rng: random.Random, seed: int, crng: random.Random,
-               srng: random.Random, arng: random.Random) -> Layout | None:
+               srng: random.Random, arng: random.Random,
+               zrng: random.Random) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -183,6 +192,7 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
     world *= _context_parallel(crng, short, model, world)
     _sharding(srng, short, optim)
     _activation_offload(arng, model)
+    _schedule(zrng, short)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model), ("bf16", model.get("bf16")),
                              ("sgd", optim.get("optimizer") == "sgd"),
@@ -215,8 +225,9 @@ def draw_layout(seed: int) -> Layout:
     ranks and that megalite accepts."""
     rng, crng = random.Random(seed), random.Random(f"cp-{seed}")
     srng, arng = random.Random(f"shard-{seed}"), random.Random(f"act-offload-{seed}")
+    zrng = random.Random(f"schedule-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng, srng, arng)
+        layout = _draw_once(rng, seed, crng, srng, arng, zrng)
         if layout is not None and rejection(layout) is None:
             return layout
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")
