@@ -6,19 +6,20 @@ previous stage waits for, and **W** the weight-gradient GEMMs, which nobody wait
 which fill the pipeline's idle time. Two switches, module state shared by every thread
 (on a GPU the autograd engine runs backward functions on its own device thread):
 
-* :func:`splittable` (around a forward): the linear layers (``megalite.layers.linear``)
-  build their graph from autograd functions whose backward can leave out the weight
-  gradient. Outside it they use their usual functions, so nothing changes for a schedule
-  without W steps.
+* :func:`splittable` (around a forward): the linear layers (``megalite.layers.linear``),
+  the experts' grouped GEMM (``megalite.moe.experts``) and the word embedding's lookup
+  (``megalite.layers.embedding``) build their graph from autograd functions whose
+  backward can leave out the weight gradient. Outside it they use their usual functions,
+  so nothing changes for a schedule without W steps.
 * :func:`deferring` (around a backward): such a backward returns the input gradient (and
-  the bias's, and autograd computes every other parameter's: norms, embeddings, the
-  router, the experts' stacked weights) and queues a :class:`WeightGrad` per weight GEMM,
-  in the order the fused backward would have formed them. The sequence-parallel
-  all-gather of a column-parallel layer's input (over ``ps.tp``) then runs in W, beside
-  the GEMM that needs it.
+  the bias's; autograd computes every other parameter's: norms, the learned position
+  embedding, the router) and queues a :class:`WeightGrad` per weight GEMM and for the
+  word embedding's table, in the order the fused backward would have formed them. The
+  sequence-parallel all-gather of a column-parallel layer's input (over ``ps.tp``) then
+  runs in W, beside the GEMM that needs it.
 
 :func:`apply` runs a queue (the W step): each entry's GEMM, then autograd's own
-accumulation of that parameter (``torch.autograd.backward`` on the tensor the layer used
+accumulation of that parameter (the autograd engine run from the tensor the layer used
 as its weight), so ``param.grad`` accumulates and the post-accumulate-grad hooks fire --
 the gradient buffers' ``main_grad`` sum, the overlapped bucket reduction, the distributed
 optimizer's -- exactly as in the fused backward. The products are the fused backward's

@@ -17,7 +17,7 @@ from megalite.models.gpt import GPTModel
 from megalite.optim.data_parallel import DataParallelGrads
 from megalite.parallel import weight_grad
 from tests.distributed.harness import parallel_state, run_distributed
-from tests.model.common import batch, gpt2_config, llama_config
+from tests.model.common import batch, gpt2_config, llama_config, mixtral_config
 
 
 def _grads(model, ids_labels, mode, buffers=False):
@@ -73,16 +73,18 @@ def _microbatches(cfg, n):
 
 
 @pytest.mark.parametrize("buffers", [False, True], ids=["grad", "main_grad"])
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
 def test_split_backward_is_bitwise_tp1(family, buffers):
-    cfg = {"gpt2": gpt2_config, "llama": llama_config}[family]()
+    cfg = {"gpt2": gpt2_config, "llama": llama_config, "mixtral": mixtral_config}[family]()
     with parallel_state() as ps:
         _compare(lambda: GPTModel(cfg, ps, seed=1), _microbatches(cfg, 2), buffers)
 
 
-def test_weights_are_deferred():
-    """B leaves every linear weight without a gradient; W gives it."""
-    cfg = llama_config()
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_weights_are_deferred(family):
+    """B leaves every linear weight (and the experts' stacked ones) without a gradient;
+    W gives it."""
+    cfg = {"llama": llama_config, "mixtral": mixtral_config}[family]()
     with parallel_state() as ps:
         model = GPTModel(cfg, ps, seed=1)
         ids, labels = batch(cfg)
@@ -91,8 +93,14 @@ def test_weights_are_deferred():
         with weight_grad.deferring() as queue:
             loss.backward()
         missing = {n for n, p in model.named_parameters() if p.grad is None}
-        assert missing and all(n.endswith("weight") for n in missing)
-        assert "decoder.layers.0.mlp.linear_fc1.weight" in missing
+        assert missing and all(n.endswith(("weight", "fc1", "fc2")) for n in missing)
+        assert "decoder.layers.0.self_attention.linear_qkv.weight" in missing
+        if family == "mixtral":
+            assert {"decoder.layers.0.mlp.experts.fc1", "decoder.layers.0.mlp.experts.fc2",
+                    } <= missing
+            assert "decoder.layers.0.mlp.router.weight" not in missing   # in B
+        else:
+            assert "decoder.layers.0.mlp.linear_fc1.weight" in missing
         assert len(queue) == len(missing)
         weight_grad.apply(queue)
         assert all(p.grad is not None for p in model.parameters())
