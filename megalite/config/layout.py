@@ -164,8 +164,11 @@ class ResolvedLayout:
                    (tokens, model_cfg.hidden_size, vocab // self.tp, 1)))
 
     def describe(self) -> str:
-        """``tp 2 cp 1 pp 2 (vpp 2) dp 4 ep 2 etp 2 edp 2 | 8 micro-batches of 2``."""
+        """``tp 2 cp 1 pp 2 (vpp 2) dp 4 ep 2 etp 2 edp 2 | 8 micro-batches of 2``; a
+        zero-bubble schedule is named after the pipeline size (``pp 4 (zb_h1)``)."""
         vpp = f" (vpp {self.vpp})" if self.interleaved else ""
+        if self.pipeline_schedule == "zb_h1":
+            vpp = f" ({self.pipeline_schedule})"
         return (f"tp {self.tp} cp {self.cp} pp {self.pp}{vpp} dp {self.dp} ep {self.ep} "
                 f"etp {self.etp} edp {self.edp} | {self.num_microbatches} micro-batches of "
                 f"{self.micro_batch_size}")
