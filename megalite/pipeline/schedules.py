@@ -19,11 +19,13 @@ deferred. A schedule function returns the ordered steps of one pipeline rank:
 :func:`run_schedule` executes the steps: run the caller's forward on the input activation
 (none on the first piece of the model) and send the output on (unless this is the last
 piece); for a backward, back-propagate the output gradient (none on the last piece) and
-send the input gradient back. When each transfer is posted -- and so the order of the
-messages between two ranks, which NCCL matches by order alone -- comes from every rank's
-step list (:mod:`megalite.pipeline.plan`). Outputs already sent are deallocated (their
-data replaced by a one-element tensor) so a rank holds at most the 1F1B bound of
-activations, not GPipe's.
+send the input gradient back. In a schedule with W steps the forwards build deferrable
+graphs, a B step back-propagates with the weight gradients deferred
+(:mod:`megalite.parallel.weight_grad`) and its W step runs them. When each transfer is
+posted -- and so the order of the messages between two ranks, which NCCL matches by order
+alone -- comes from every rank's step list (:mod:`megalite.pipeline.plan`). Outputs
+already sent are deallocated (their data replaced by a one-element tensor) so a rank holds
+at most the 1F1B bound of activations, not GPipe's.
 """
 
 from __future__ import annotations
