@@ -33,16 +33,18 @@ class _EmbeddingLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, weight, buffer):
-        ctx.save_for_backward(ids, weight)
-        ctx.buffer = buffer
+        ctx.save_for_backward(ids)
+        # the weight itself (not its values: no saved-tensor version check) for a W step
+        # to accumulate into
+        ctx.buffer, ctx.weight = buffer, weight
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, grad):
-        ids, weight = ctx.saved_tensors
+        (ids,) = ctx.saved_tensors
         if not ctx.needs_input_grad[1]:
             return None, None, None
-        buffer = ctx.buffer
+        buffer, weight = ctx.buffer, ctx.weight
 
         def compute():
             shape = (weight.shape, grad.dtype, grad.device)
