@@ -62,7 +62,8 @@ def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor,
     its storage (see :class:`ReusedGradBuffer`). Under ``torch.compile`` or double
     backward it is plain ``F.embedding``; inside ``weight_grad.splittable()`` (a
     zero-bubble schedule's forward) its gradient may be deferred to a W step."""
-    if ((buffer is None and not weight_grad.split_enabled()) or not weight.requires_grad
+    if ((buffer is None and not weight_grad.split_enabled(weight.device.type))
+            or not weight.requires_grad
             or torch.compiler.is_compiling() or not torch.is_grad_enabled()):
         return F.embedding(ids, weight)
     return _EmbeddingLookup.apply(ids, weight, buffer)

@@ -97,7 +97,7 @@ class _DeferrableLinear(torch.autograd.Function):
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             ) -> torch.Tensor:
     """``F.linear``, or inside ``weight_grad.splittable()`` its deferrable twin."""
-    if weight_grad.split_enabled() and x.dtype == weight.dtype:
+    if weight_grad.split_enabled(x.device.type) and x.dtype == weight.dtype:
         return _DeferrableLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -73,7 +73,7 @@ class _DeferrableBmm(torch.autograd.Function):
 
 
 def _bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if weight_grad.split_enabled() and x.dtype == w.dtype:
+    if weight_grad.split_enabled(x.device.type) and x.dtype == w.dtype:
         return _DeferrableBmm.apply(x, w)
     return torch.bmm(x, w)
 

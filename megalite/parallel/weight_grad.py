@@ -61,12 +61,12 @@ def splittable() -> Iterator[None]:
         _split = prev
 
 
-def split_enabled() -> bool:
-    """Whether a layer's forward should use its deferrable autograd function (inside
-    :func:`splittable`, with autograd recording, outside ``torch.compile`` and autocast,
-    whose graphs keep their own functions)."""
+def split_enabled(device_type: str) -> bool:
+    """Whether a layer's forward on ``device_type`` (``"cpu"``, ``"cuda"``) should use its
+    deferrable autograd function (inside :func:`splittable`, with autograd recording,
+    outside ``torch.compile`` and autocast, whose graphs keep their own functions)."""
     return (_split and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and not torch.is_autocast_enabled())
+            and not torch.is_autocast_enabled(device_type))
 
 
 @contextlib.contextmanager
