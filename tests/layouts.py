@@ -165,6 +165,11 @@ _MOE_TRAINING = [
     row("moe-training", 4, model={"num_experts": 4, "num_layers": 4, "moe_layer_freq": 2,
                                   "moe_token_dispatcher_type": "alltoall"},
         pp=2, vpp=2, tp=2, sp=True, ep=2, etp=1),
+    # zero bubble: the experts' grouped-GEMM weight gradients wait for the W steps
+    row("moe-training", 4, model={"num_experts": 4}, pp=2, tp=2, sp=True, ep=2, etp=1,
+        schedule="zb_h1"),
+    row("moe-training", 4, model={"num_experts": 4}, ep=2, distopt=True, overlap_grad=True,
+        schedule="zb_h1"),
 ]
 
 # -- optim: each layout x (plain | distributed optimizer | sharded gradients) x (overlap off

@@ -1,5 +1,6 @@
 """End-to-end training equivalence of a tiny Mixtral: ep x tp(+SP) x dispatcher, plus one
-row with the distributed optimizer and one with pp 2 x vpp 2 (4 layers, MoE every other).
+row with the distributed optimizer, one with pp 2 x vpp 2 (4 layers, MoE every other) and
+two under the zero-bubble schedule (the experts' weight gradients in W steps).
 
 Every layout trains the same model (fp32, dropout 0, dropless, aux loss 0.01, z loss
 0.001) on the same mock data for ``ITERS`` iterations through the real loop
