@@ -45,6 +45,7 @@ from megalite.config.parallel import data_parallel_size
 # short names used in the table -> ParallelConfig fields, in the order names list them
 SHORT = {"tp": "tensor_model_parallel_size", "sp": "sequence_parallel",
          "pp": "pipeline_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size",
+         "schedule": "pipeline_schedule",
          "first": "decoder_first_pipeline_num_layers",
          "last": "decoder_last_pipeline_num_layers", "cp": "context_parallel_size",
          "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size",
@@ -92,7 +93,7 @@ def slug(world_size: int, parallel: dict) -> str:
     for s, value in short.items():
         if s in _FLAG_NAMES:
             parts += [_FLAG_NAMES[s]] if value else []
-        elif s == "strategy":
+        elif s in ("strategy", "schedule"):
             parts.append(value)
         elif s != "bucket" and value is not None and (value > 1 or s in ("etp", "first",
                                                                           "last")):
@@ -168,6 +169,11 @@ _MOE_TRAINING = [
     row("moe-training", 4, model={"num_experts": 4, "num_layers": 4, "moe_layer_freq": 2,
                                   "moe_token_dispatcher_type": "alltoall"},
         pp=2, vpp=2, tp=2, sp=True, ep=2, etp=1),
+    # zero bubble: the experts' grouped-GEMM weight gradients wait for the W steps
+    row("moe-training", 4, model={"num_experts": 4}, pp=2, tp=2, sp=True, ep=2, etp=1,
+        schedule="zb_h1"),
+    row("moe-training", 4, model={"num_experts": 4}, ep=2, distopt=True, overlap_grad=True,
+        schedule="zb_h1"),
 ]
 
 # -- DeepSeek-V3 routing: sigmoid, 8 experts in 4 groups (top-2 of 2 groups), the expert
@@ -268,6 +274,15 @@ _PIPELINE = [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **size
                  (4, {"pp": 2, "tp": 2, "sp": True, "vpp": 2}), (4, {"pp": 2, "vpp": 2}),
                  (8, {"pp": 2, "tp": 2, "sp": True, "vpp": 2}), (8, {"pp": 4, "tp": 2}),
                  (8, {"pp": 4, "vpp": 2}), (8, {"pp": 2, "tp": 2, "vpp": 4}))]
+# zero bubble (split backward: B, then the deferred weight gradients in W)
+_ZB = {"schedule": "zb_h1"}
+_PIPELINE += [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **sizes, **_ZB)
+              for world, sizes in (
+                  (2, {"pp": 2}), (4, {"pp": 4}), (4, {"pp": 2, "tp": 2, "sp": True}),
+                  (4, {"pp": 2, "distopt": True, "overlap_grad": True}),
+                  (4, {"pp": 2, **ZERO3}))]
+_PIPELINE += [row("pipeline", 2, "recompute", model={**_PIPE_MODEL, **RECOMPUTE["full-uniform"]},
+                  train=_PIPE_TRAIN, pp=2, **_ZB)]
 
 # -- training: tp 2 (+ sp) x dp 2 against one process -------------------------------------
 _TRAINING = [row("training", 4, tp=2, sp=True)]

@@ -13,7 +13,8 @@ in it; layout flags are ignored, unknown ones skipped with a note). The cluster 
 preset (``--preset h100|h200|a100`` x ``--nodes``) or given in full (``--gpus-per-node``,
 ``--gpu-memory-gib``, ``--peak-tflops``, ``--intra-node-gbps``, ``--inter-node-gbps``, GB/s
 per GPU one way). ``--tp/--pp/--vpp/--cp/--ep N ...``, ``--strategies``, ``--recompute``,
-``--micro-batch-sizes`` and ``--offload-fractions`` narrow the search (e.g. to one published
+``--micro-batch-sizes``, ``--offload-fractions`` and ``--pipeline-schedules`` (1f1b, zb_h1:
+the schedules tried with one model chunk per pipeline rank) narrow the search (e.g. to one published
 layout: ``examples/planner/``). Prints the best ``--top`` feasible layouts with memory per
 rank by term, compute, communication time and bytes per parallelism, bubble and MFU; then the best
 layout's flags ready to paste; ``--show-infeasible N`` lists rejected layouts and the limit
@@ -36,7 +37,13 @@ from megalite.arguments import build_parser, parse_args  # noqa: E402
 from megalite.config.fields import ConfigError  # noqa: E402
 from megalite.errors import EXIT_CONFIG, report_tool_error  # noqa: E402
 from megalite.planner.cluster import GIB, PRESETS, Cluster, preset  # noqa: E402
-from megalite.planner.search import RECOMPUTE, STRATEGIES, make_config, search  # noqa: E402
+from megalite.planner.search import (  # noqa: E402
+    RECOMPUTE,
+    SCHEDULES,
+    STRATEGIES,
+    make_config,
+    search,
+)
 from megalite.planner.time import OVERLAP_EXPOSED  # noqa: E402
 
 PROG = "plan_layout.py"
@@ -47,7 +54,7 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size"
                 "--expert-model-parallel-size", "--expert-tensor-parallel-size",
                 "--micro-batch-size", "--recompute-granularity", "--recompute-method",
                 "--recompute-num-layers", "--data-parallel-sharding-strategy",
-                "--optimizer-offload-fraction"}
+                "--optimizer-offload-fraction", "--pipeline-schedule"}
 # (the overlap flags are searched with the sharding strategy: --overlap-param-gather needs
 # the distributed optimizer, which the search chooses)
 LAYOUT_SWITCHES = {"--sequence-parallel", "--use-distributed-optimizer", "--optimizer-cpu-offload",
@@ -272,6 +279,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-sizes", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
     parser.add_argument("--recompute", nargs="*", default=list(RECOMPUTE))
+    parser.add_argument("--pipeline-schedules", nargs="*", default=list(SCHEDULES),
+                        choices=SCHEDULES,
+                        help="--pipeline-schedule values to try with one model chunk per "
+                             "pipeline rank (more chunks run interleaved_1f1b)")
     parser.add_argument("--offload-fractions", type=float, nargs="*", default=[0.0, 1.0],
                         help="--optimizer-offload-fraction values to try (0: no offload)")
     for dim in ("tp", "pp", "vpp", "cp", "ep"):
@@ -324,7 +335,8 @@ def plan(argv: list[str]):
     candidates = search(base, cluster, strategies=tuple(args.strategies),
                         recomputes=tuple(args.recompute),
                         micro_batch_sizes=tuple(args.micro_batch_sizes),
-                        offloads=tuple(args.offload_fractions), tp=args.tp, pp=args.pp,
+                        offloads=tuple(args.offload_fractions),
+                        schedules=tuple(args.pipeline_schedules), tp=args.tp, pp=args.pp,
                         vpp=args.vpp, cp=args.cp, ep=args.ep, progress=True)
     return candidates, cluster, args
 

@@ -7,7 +7,8 @@
 # NVIDIA/Megatron-LM's README of April 2021, images/cases_april2021.png at commit 50a4b5f).
 # Compared in docs/planner.md.
 cd "$(dirname "$0")/../.." && exec .venv/bin/python tools/plan_layout.py --preset a100 --nodes 192 \
-    --tp 8 --pp 8 --vpp 1 --micro-batch-sizes 1 --recompute full --strategies no_shard \
+    --tp 8 --pp 8 --vpp 1 --pipeline-schedules 1f1b --micro-batch-sizes 1 --recompute full \
+    --strategies no_shard \
     --offload-fractions 0 --top 1 --show-infeasible 1 -- \
     --num-layers 80 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 \
     --max-position-embeddings 2048 --vocab-size 51200 --global-batch-size 2304 --fp16 \

@@ -6,7 +6,8 @@
 # assumptions; without recomputation megalite's layers would not fit (listed as infeasible),
 # so full recomputation is offered too. Compared in docs/planner.md.
 cd "$(dirname "$0")/../.." && exec .venv/bin/python tools/plan_layout.py --preset h100 --nodes 1024 \
-    --tp 8 --pp 16 --vpp 1 --cp 1 --micro-batch-sizes 1 --recompute none full --strategies optim \
+    --tp 8 --pp 16 --vpp 1 --pipeline-schedules 1f1b --cp 1 --micro-batch-sizes 1 \
+    --recompute none full --strategies optim \
     --offload-fractions 0 --top 1 --show-infeasible 1 -- \
     --num-layers 126 --hidden-size 16384 --ffn-hidden-size 53248 --num-attention-heads 128 \
     --group-query-attention --num-query-groups 8 --swiglu --normalization RMSNorm \

@@ -11,7 +11,11 @@ from megalite.config.fields import ConfigError, require
 from megalite.config.layout import ResolvedLayout, resolve_layout
 from megalite.config.model import ModelConfig
 from megalite.config.optim import OptimConfig
-from megalite.config.parallel import ParallelConfig, expert_data_parallel_size
+from megalite.config.parallel import (
+    ParallelConfig,
+    check_pipeline_schedule,
+    expert_data_parallel_size,
+)
 from megalite.config.run import CheckpointConfig, LoggingConfig, TrainConfig
 
 SECTIONS = {
@@ -161,6 +165,7 @@ class MegaliteConfig:
             p.virtual_pipeline_model_parallel_size = (
                 per_stage // p.num_layers_per_virtual_pipeline_stage)
         vpp = p.virtual_pipeline_model_parallel_size
+        check_pipeline_schedule(p.pipeline_schedule, vpp)
         if vpp is not None and first is None and last is None:
             require(m.num_layers % (pp * vpp) == 0,
                      f"num_layers ({m.num_layers}) must be divisible by "

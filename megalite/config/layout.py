@@ -32,7 +32,7 @@ import torch
 from megalite.config import shapes
 from megalite.config.batch_schedule import BatchSchedule
 from megalite.config.fields import ConfigError
-from megalite.config.parallel import expert_data_parallel_size
+from megalite.config.parallel import check_pipeline_schedule, expert_data_parallel_size
 
 
 def layers_per_stage(num_layers: int, pp: int, first: int | None = None,
@@ -109,6 +109,7 @@ class ResolvedLayout:
     # (tokens, in, out, count) of one micro-batch's linear layers on one rank of the
     # stage with the most layers: qkv, projection, the dense layers' fc1 and fc2 (MoE
     # experts not included), and the output layer
+    pipeline_schedule: str | None = None  # --pipeline-schedule, resolved (None: by vpp)
 
     @property
     def interleaved(self) -> bool:
@@ -163,8 +164,11 @@ class ResolvedLayout:
                    (tokens, model_cfg.hidden_size, vocab // self.tp, 1)))
 
     def describe(self) -> str:
-        """``tp 2 cp 1 pp 2 (vpp 2) dp 4 ep 2 etp 2 edp 2 | 8 micro-batches of 2``."""
+        """``tp 2 cp 1 pp 2 (vpp 2) dp 4 ep 2 etp 2 edp 2 | 8 micro-batches of 2``; a
+        zero-bubble schedule is named after the pipeline size (``pp 4 (zb_h1)``)."""
         vpp = f" (vpp {self.vpp})" if self.interleaved else ""
+        if self.pipeline_schedule == "zb_h1":
+            vpp = f" ({self.pipeline_schedule})"
         return (f"tp {self.tp} cp {self.cp} pp {self.pp}{vpp} dp {self.dp} ep {self.ep} "
                 f"etp {self.etp} edp {self.edp} | {self.num_microbatches} micro-batches of "
                 f"{self.micro_batch_size}")
@@ -191,5 +195,6 @@ def resolve_layout(cfg, world_size: int) -> ResolvedLayout:
         batch_schedule=schedule,
         stage_chunks=tuple(tuple(stage) for stage in chunks),
         strategy=p.data_parallel_sharding_strategy, dtype=m.params_dtype,
-        seq_length=m.seq_length)
+        seq_length=m.seq_length,
+        pipeline_schedule=check_pipeline_schedule(p.pipeline_schedule, vpp))
     return layout.with_vocab(m) if m.vocab_size is not None else layout

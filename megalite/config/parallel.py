@@ -9,6 +9,34 @@ from megalite.config.fields import arg, check_choices, positive, require
 # --data-parallel-sharding-strategy: what data parallelism shards, from nothing to everything
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
+# --pipeline-schedule, with torchtitan's names (Megatron-LM has no such flag: it runs 1F1B,
+# interleaved when there are virtual stages); the step lists are megalite.pipeline's
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1")
+MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b",)   # need virtual pipeline stages (vpp > 1)
+
+
+def default_pipeline_schedule(vpp: int | None) -> str:
+    """The schedule without ``--pipeline-schedule``: Megatron-LM's choice by ``vpp``."""
+    return "interleaved_1f1b" if (vpp or 1) > 1 else "1f1b"
+
+
+def check_pipeline_schedule(schedule: str | None, vpp: int | None) -> str:
+    """``schedule`` (None: the default) resolved for ``vpp`` model chunks per pipeline
+    rank; one ConfigError line when the two do not fit."""
+    schedule = schedule or default_pipeline_schedule(vpp)
+    multi = (vpp or 1) > 1
+    if schedule in MULTI_CHUNK_SCHEDULES:
+        require(multi, f"--pipeline-schedule {schedule} runs several model chunks per "
+                       "pipeline rank: give --virtual-pipeline-model-parallel-size > 1 (or "
+                       "--num-layers-per-virtual-pipeline-stage), or use 1f1b / zb_h1")
+    else:
+        require(not multi, f"--pipeline-schedule {schedule} runs one model chunk per "
+                           f"pipeline rank, not {vpp}: drop "
+                           "--virtual-pipeline-model-parallel-size / "
+                           "--num-layers-per-virtual-pipeline-stage, or use "
+                           "interleaved_1f1b")
+    return schedule
+
 
 def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
     """``world / (tp x pp x cp)``: what is left of the world for data parallelism."""
@@ -38,6 +66,13 @@ class ParallelConfig:
         None, "Model chunks per pipeline rank (interleaved 1F1B).")
     num_layers_per_virtual_pipeline_stage: int | None = arg(
         None, "Layers per virtual pipeline stage (sets the virtual size).")
+    pipeline_schedule: str | None = arg(
+        None, "Pipeline schedule: 1f1b, interleaved_1f1b (needs virtual pipeline stages), "
+        "zb_h1 (zero bubble H1: each backward split into the input-gradient part, which "
+        "the previous stage waits for, and the weight-gradient GEMMs, run later to fill the "
+        "bubble; 1F1B's activation memory, about a third of its bubble). Unset: "
+        "interleaved_1f1b with virtual pipeline stages, else 1f1b.",
+        choices=PIPELINE_SCHEDULES)
     decoder_first_pipeline_num_layers: int | None = arg(None, "Layers on the first stage.")
     decoder_last_pipeline_num_layers: int | None = arg(None, "Layers on the last stage.")
     sequence_parallel: bool = arg(False, "Shard norms/dropout activations along the sequence "

@@ -19,6 +19,7 @@ from megalite.layers.linear import _divide
 from megalite.layers.reused_buffer import ReusedGradBuffer
 from megalite.parallel.params import mark_param
 from megalite.parallel import mappings
+from megalite.parallel import weight_grad
 
 
 def vocab_range(padded_vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -33,7 +34,9 @@ class _EmbeddingLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight, buffer):
         ctx.save_for_backward(ids)
-        ctx.buffer, ctx.weight_shape = buffer, weight.shape
+        # the weight itself (not its values: no saved-tensor version check) for a W step
+        # to accumulate into
+        ctx.buffer, ctx.weight = buffer, weight
         return F.embedding(ids, weight)
 
     @staticmethod
@@ -41,9 +44,15 @@ class _EmbeddingLookup(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         if not ctx.needs_input_grad[1]:
             return None, None, None
-        dense = ctx.buffer.zeros(ctx.weight_shape, grad.dtype, grad.device)
-        dense.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]))
-        return None, dense, None
+        buffer, weight = ctx.buffer, ctx.weight
+
+        def compute():
+            shape = (weight.shape, grad.dtype, grad.device)
+            dense = buffer.zeros(*shape) if buffer is not None else torch.zeros(*shape)
+            return dense.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]))
+        # a split backward (zero-bubble schedules) defers it to the W step, after the
+        # output layer's gradient of the same weight when the two are tied, as fused
+        return None, weight_grad.weight_grad(weight, compute), None
 
 
 def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor,
@@ -51,9 +60,11 @@ def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor,
     """Rows of ``weight`` ``[V, h]`` at ``ids`` ``[...]`` -> ``[..., h]``, equal to
     ``F.embedding`` in values and gradient; with ``buffer`` the weight gradient reuses
     its storage (see :class:`ReusedGradBuffer`). Under ``torch.compile`` or double
-    backward it is plain ``F.embedding``."""
-    if (buffer is None or torch.compiler.is_compiling() or not weight.requires_grad
-            or not torch.is_grad_enabled()):
+    backward it is plain ``F.embedding``; inside ``weight_grad.splittable()`` (a
+    zero-bubble schedule's forward) its gradient may be deferred to a W step."""
+    if ((buffer is None and not weight_grad.split_enabled(weight.device.type))
+            or not weight.requires_grad
+            or torch.compiler.is_compiling() or not torch.is_grad_enabled()):
         return F.embedding(ids, weight)
     return _EmbeddingLookup.apply(ids, weight, buffer)
 

@@ -22,6 +22,7 @@ from megalite.layers.reused_buffer import ReusedGradBuffer, reused_linear
 from megalite.parallel.params import mark_param
 from megalite.parallel import collectives as C
 from megalite.parallel import mappings
+from megalite.parallel import weight_grad
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
@@ -43,18 +44,62 @@ class _SequenceParallelLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         x = x.contiguous()
-        full = x.new_empty((x.shape[0] * ctx.group.size, *x.shape[1:]))
-        work = C.all_gather_into_tensor(full, x, ctx.group, async_op=True)
+        group = ctx.group
         g2 = grad.reshape(-1, grad.shape[-1])
-        dx = g2.mm(weight).view(full.shape)           # while the input is gathered
-        if work is not None:
-            work.wait()
         dw = db = None
-        if ctx.needs_input_grad[1]:
-            dw = g2.t().mm(full.view(-1, full.shape[-1]))
+        if ctx.needs_input_grad[1] and weight_grad.deferring_now():
+            # split backward: the gather and the GEMM both run in the W step
+            def compute():
+                full = C.all_gather_dim0(x, group)
+                return g2.t().mm(full.view(-1, full.shape[-1]))
+            weight_grad.weight_grad(weight, compute)
+            dx = g2.mm(weight).view(x.shape[0] * group.size, *x.shape[1:])
+        else:
+            full = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
+            work = C.all_gather_into_tensor(full, x, group, async_op=True)
+            dx = g2.mm(weight).view(full.shape)           # while the input is gathered
+            if work is not None:
+                work.wait()
+            if ctx.needs_input_grad[1]:
+                dw = g2.t().mm(full.view(-1, full.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.sum(0)
-        return C.reduce_scatter_dim0(dx, ctx.group), dw, db, None
+        return C.reduce_scatter_dim0(dx, group), dw, db, None
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` (``[..., in] -> [..., out]``) whose weight gradient
+    may be deferred to a W step (:mod:`megalite.parallel.weight_grad`); its gradients are
+    the products autograd forms for ``F.linear`` (``dx = g W``, ``dW = g^T x``,
+    ``db = sum g``), bit for bit. Used only inside ``weight_grad.splittable()``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = g2.mm(weight).view(*x.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            dw = weight_grad.weight_grad(
+                weight, lambda: g2.t().mm(x.reshape(-1, x.shape[-1])))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g2.sum(0)
+        return dx, dw, db
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """``F.linear``, or inside ``weight_grad.splittable()`` its deferrable twin."""
+    if weight_grad.split_enabled(x.device.type) and x.dtype == weight.dtype:
+        return _DeferrableLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -119,7 +164,7 @@ class ColumnParallelLinear(torch.nn.Module):
             if self._reused is not None:
                 y = reused_linear(x, weight, *self._reused)
             else:
-                y = F.linear(x, weight, self.bias)
+                y = _linear(x, weight, self.bias)
         if self.gather_output:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y
@@ -156,8 +201,8 @@ class RowParallelLinear(torch.nn.Module):
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_model_parallel_region(x, self.tp_group)
         if self.tp_group.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return _linear(x, self.weight, self.bias)
+        y = _linear(x, self.weight)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from megalite.parallel import weight_grad
+
 
 class ReusedGradBuffer:
     """A buffer handed out again once its previous user dropped it.
@@ -62,8 +64,12 @@ class _ReusedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = g2.mm(weight).view(x.shape)
         if ctx.needs_input_grad[1]:
-            dw = ctx.grad_buffer.empty(weight.shape, weight.dtype, weight.device)
-            torch.mm(g2.t(), x.reshape(-1, x.shape[-1]), out=dw)
+            grad_buffer = ctx.grad_buffer
+
+            def compute():
+                out = grad_buffer.empty(weight.shape, weight.dtype, weight.device)
+                return torch.mm(g2.t(), x.reshape(-1, x.shape[-1]), out=out)
+            dw = weight_grad.weight_grad(weight, compute)   # None: deferred to a W step
         return dx, dw, None, None
 
 

@@ -15,7 +15,8 @@ tensor-parallel MLP: each etp rank returns a partial sum that the dispatcher red
 (its gradient is summed over tp, which must then equal etp).
 
 The grouped GEMM pads each expert's tokens to the largest count and runs ``torch.bmm``
-(no Python loop over experts). The per-expert loop it replaces lives in the tests.
+(no Python loop over experts); under a zero-bubble schedule its weight gradients wait for
+the W step (``megalite.parallel.weight_grad``). The per-expert loop it replaces lives in the tests.
 
 Every parameter is marked ``expert`` (:class:`~megalite.parallel.params.ParamMeta`, with
 the global index of its first expert): its gradient is reduced over ``ps.edp``, not
@@ -30,6 +31,7 @@ import torch
 
 from megalite.layers.activations import activation
 from megalite.layers.sharding import gather_full, initialize_params, shard
+from megalite.parallel import weight_grad
 from megalite.parallel.collectives import all_gather_list
 from megalite.parallel.params import mark_param, update_meta
 
@@ -48,6 +50,34 @@ def padded_index(tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, int]:
     return torch.arange(total) + shift, cap
 
 
+class _DeferrableBmm(torch.autograd.Function):
+    """``torch.bmm(x, w)`` (``[E, C, a] x [E, a, b] -> [E, C, b]``) whose weight gradient
+    ``x^T g`` may be deferred to a zero-bubble W step (:mod:`megalite.parallel.weight_grad`);
+    the gradients are the products autograd forms for ``torch.bmm``, bit for bit. Used
+    only inside ``weight_grad.splittable()``."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.bmm(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = grad.bmm(w.transpose(1, 2))
+        if ctx.needs_input_grad[1]:
+            dw = weight_grad.weight_grad(w, lambda: x.transpose(1, 2).bmm(grad))
+        return dx, dw
+
+
+def _bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if weight_grad.split_enabled(x.device.type) and x.dtype == w.dtype:
+        return _DeferrableBmm.apply(x, w)
+    return torch.bmm(x, w)
+
+
 def grouped_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Tensor,
                 fc2: torch.Tensor, *, swiglu: bool, fc1_bias=None, fc2_bias=None
                 ) -> torch.Tensor:
@@ -59,11 +89,11 @@ def grouped_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Ten
     index, cap = padded_index(tokens_per_expert)
     index = index.to(x.device)
     padded = x.new_zeros(num_experts * cap, h).index_copy(0, index, x)
-    hidden = torch.bmm(padded.view(num_experts, cap, h), fc1)  # [E_l, C, f1]
+    hidden = _bmm(padded.view(num_experts, cap, h), fc1)  # [E_l, C, f1]
     if fc1_bias is not None:
         hidden = hidden + fc1_bias.unsqueeze(1)
     hidden = activation(hidden, swiglu)
-    out = torch.bmm(hidden, fc2)  # [E_l, C, h]
+    out = _bmm(hidden, fc2)  # [E_l, C, h]
     if fc2_bias is not None:
         out = out + fc2_bias.unsqueeze(1)
     return out.reshape(num_experts * cap, out.shape[-1]).index_select(0, index)

@@ -304,7 +304,11 @@ class DataParallelGrads:
     # -- hooks -------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: fold ``param.grad`` into ``main_grad``; launch the
-        bucket's reduction when overlapping and the gradient is final."""
+        bucket's reduction when overlapping and the gradient is final. A backward whose
+        weight gradients are deferred (a zero-bubble B step, ``parallel.weight_grad``)
+        runs the hook with no gradient: it arrives in the W step."""
+        if param.grad is None:
+            return
         chunk, b, bucket = self._where[id(param)]
         if bucket.grad_sync_launched:
             raise RuntimeError(

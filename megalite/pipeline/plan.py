@@ -21,14 +21,16 @@ received in the order they were sent (no tags needed). A rank posts its rounds i
 rounds where it neither computes nor communicates are left out of its list.
 
 Each rank runs its own steps in its own order, so the arithmetic is the same as without
-the plan; only where a rank waits changes.
+the plan; only where a rank waits changes. A W step (a deferred weight gradient of the
+zero-bubble schedules, :mod:`megalite.pipeline.zero_bubble`) neither waits for nor sends
+anything: it takes a round of its rank and no transfer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-Step = tuple[str, int, int]  # ("F" | "B", chunk, microbatch)
+Step = tuple[str, int, int]  # ("F" | "B" | "W", chunk, microbatch)
 
 
 class ScheduleError(RuntimeError):
@@ -56,6 +58,8 @@ def _destination(step: Step, rank: int, pp: int, vpp: int) -> tuple[int, Step] |
     """(rank, step) consuming the output of ``step`` run on ``rank``, or None (the output
     is the loss of the last piece, or the gradient of the first piece's input)."""
     kind, chunk, mb = step
+    if kind == "W":  # a deferred weight gradient: nothing leaves the rank
+        return None
     piece = chunk * pp + rank  # position of this model piece in the whole model
     target = piece + 1 if kind == "F" else piece - 1
     if not 0 <= target < pp * vpp:
@@ -65,6 +69,8 @@ def _destination(step: Step, rank: int, pp: int, vpp: int) -> tuple[int, Step] |
 
 def _needs_input(step: Step, rank: int, pp: int, vpp: int) -> bool:
     kind, chunk, _ = step
+    if kind == "W":  # its input is this rank's own B step, run before it
+        return False
     piece = chunk * pp + rank
     return piece > 0 if kind == "F" else piece < pp * vpp - 1
 

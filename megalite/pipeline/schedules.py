@@ -1,27 +1,36 @@
 """Pipeline schedules: each is a list of steps, run by one executor.
 
-A step is ``("F", chunk, microbatch)`` or ``("B", chunk, microbatch)``. A schedule
-function returns the ordered steps of one pipeline rank:
+A step is ``("F", chunk, microbatch)``, ``("B", chunk, microbatch)`` or, in the
+zero-bubble schedules (:mod:`megalite.pipeline.zero_bubble`), ``("W", chunk,
+microbatch)``: there B computes the input gradient only and W the weight gradients it
+deferred. A schedule function returns the ordered steps of one pipeline rank:
 
 * :func:`one_f_one_b` -- warm-up forwards, then one forward / one backward, then the
   remaining backwards. With one stage it is plain gradient accumulation (F, B, F, B ...).
 * :func:`interleaved_one_f_one_b` -- the same over ``v`` model chunks per rank, in
   Megatron-LM's order: groups of ``p`` micro-batches walk chunk 0, 1, ..., v-1 forward and
   chunk v-1, ..., 0 backward. Needs ``m % p == 0``.
+* :func:`~megalite.pipeline.zero_bubble.zb_h1` -- ZB-H1: 1F1B with each backward split
+  into B and W, the W steps delayed into the bubble.
 * :func:`forward_only` -- every forward, for evaluation.
+
+:data:`PIPELINE_SCHEDULES` (``--pipeline-schedule``) names them, after torchtitan.
 
 :func:`run_schedule` executes the steps: run the caller's forward on the input activation
 (none on the first piece of the model) and send the output on (unless this is the last
 piece); for a backward, back-propagate the output gradient (none on the last piece) and
-send the input gradient back. When each transfer is posted -- and so the order of the
-messages between two ranks, which NCCL matches by order alone -- comes from every rank's
-step list (:mod:`megalite.pipeline.plan`). Outputs already sent are deallocated (their
-data replaced by a one-element tensor) so a rank holds at most the 1F1B bound of
-activations, not GPipe's.
+send the input gradient back. In a schedule with W steps the forwards build deferrable
+graphs, a B step back-propagates with the weight gradients deferred
+(:mod:`megalite.parallel.weight_grad`) and its W step runs them. When each transfer is
+posted -- and so the order of the messages between two ranks, which NCCL matches by order
+alone -- comes from every rank's step list (:mod:`megalite.pipeline.plan`). Outputs
+already sent are deallocated (their data replaced by a one-element tensor) so a rank holds
+at most the 1F1B bound of activations, not GPipe's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -30,8 +39,12 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite.config.batch_schedule import check_interleaved
+from megalite.config.fields import require
+from megalite.config.parallel import PIPELINE_SCHEDULES, check_pipeline_schedule
+from megalite.parallel import weight_grad
 from megalite.pipeline.p2p import Incoming, PipeComm
 from megalite.pipeline.plan import Step, plan_rounds
+from megalite.pipeline.zero_bubble import zb_h1
 
 
 def one_f_one_b(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Step]:
@@ -88,28 +101,37 @@ def all_forward_then_backward(num_microbatches: int) -> list[Step]:
 
 
 def build_schedule(pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1,
-                   train: bool = True) -> list[Step]:
-    """The steps of pipeline rank ``pp_rank``: 1F1B, interleaved 1F1B (``vpp > 1``), or
+                   train: bool = True, schedule: str | None = None) -> list[Step]:
+    """The steps of pipeline rank ``pp_rank`` under ``schedule`` (a name of
+    :data:`PIPELINE_SCHEDULES`; default: 1F1B, or interleaved 1F1B when ``vpp > 1``), or
     every forward (``train=False``)."""
     if not train:
         return forward_only(num_microbatches, vpp, pp_size)
-    if vpp > 1:
+    require(schedule is None or schedule in PIPELINE_SCHEDULES,
+            f"unknown pipeline schedule {schedule!r}; choose from "
+            f"{', '.join(PIPELINE_SCHEDULES)}")
+    schedule = check_pipeline_schedule(schedule, vpp)
+    if schedule == "interleaved_1f1b":
         return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, vpp)
+    if schedule == "zb_h1":
+        return zb_h1(pp_size, pp_rank, num_microbatches)
     return one_f_one_b(pp_size, pp_rank, num_microbatches)
 
 
 def build_schedules(pp_size: int, num_microbatches: int, vpp: int = 1,
-                    train: bool = True) -> list[list[Step]]:
+                    train: bool = True, schedule: str | None = None) -> list[list[Step]]:
     """The steps of every pipeline rank (index: pipeline rank), for :func:`run_schedule`."""
-    return [build_schedule(pp_size, r, num_microbatches, vpp, train) for r in range(pp_size)]
+    return [build_schedule(pp_size, r, num_microbatches, vpp, train, schedule)
+            for r in range(pp_size)]
 
 
 def layout_schedules(layout, num_microbatches: int | None = None,
                      train: bool = True) -> list[list[Step]]:
     """Every pipeline rank's steps for a resolved ``layout`` (``megalite.config.layout``)
-    at ``num_microbatches`` per step (default: the layout's, of the final global batch)."""
+    at ``num_microbatches`` per step (default: the layout's, of the final global batch),
+    under its ``pipeline_schedule``."""
     return build_schedules(layout.pp, num_microbatches or layout.num_microbatches,
-                           layout.vpp, train)
+                           layout.vpp, train, layout.pipeline_schedule)
 
 
 @functools.lru_cache(maxsize=16)
@@ -126,6 +148,7 @@ class ScheduleStats:
     waiting: float = 0.0
     peak_live_outputs: int = 0
     peak_activation_bytes: int = 0
+    peak_pending_weight_grads: int = 0   # forwards whose W (else: B) has not run yet
     events: list = field(default_factory=list)
 
 
@@ -164,6 +187,11 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
     arrived: dict[Step, Incoming] = {}  # posted receives of later steps' inputs
     inputs: dict[tuple[int, int], torch.Tensor | None] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
+    # split backward (W steps in the schedule): forwards build deferrable graphs, a B step
+    # queues its weight gradients here and its W step runs them
+    split = train and any(s[0] == "W" for s in rank_steps[rank])
+    splittable = weight_grad.splittable if split else contextlib.nullcontext
+    deferred: dict[tuple[int, int], list] = {}
     for rnd in _plan(tuple(map(tuple, rank_steps)), vpp)[rank]:
         t0 = time.perf_counter()
         waited0 = comm.wait_seconds if comm else 0.0
@@ -173,15 +201,22 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
             incoming = arrived.pop(rnd.step, None)  # None: first / last piece
             received = comm.take(incoming) if incoming is not None else None
             if kind == "F":
-                with torch.set_grad_enabled(train):
+                with torch.set_grad_enabled(train), splittable():
                     y = forward_step(chunk, mb, received)
                 send = ("F", y)
                 if train:
                     inputs[(chunk, mb)], outputs[(chunk, mb)] = received, y
-            else:
+            elif kind == "B":
                 x, y = inputs.pop((chunk, mb)), outputs.pop((chunk, mb))
-                _backward(y, received)
+                if split:   # recomputed forwards inside the backward defer too
+                    with splittable(), weight_grad.deferring() as queue:
+                        _backward(y, received)
+                    deferred[(chunk, mb)] = queue
+                else:
+                    _backward(y, received)
                 send = ("B", x.grad) if x is not None else None
+            else:
+                weight_grad.apply(deferred.pop((chunk, mb)))
         if rnd.sends or rnd.recvs:
             got = comm.exchange(send if rnd.sends else None, [s[0] for s in rnd.recvs])
             arrived.update(zip(rnd.recvs, got))
@@ -196,6 +231,8 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
             if rnd.step is not None:
                 stats.events.append((*rnd.step, t0, elapsed, waited))
             stats.peak_live_outputs = max(stats.peak_live_outputs, len(outputs))
+            stats.peak_pending_weight_grads = max(stats.peak_pending_weight_grads,
+                                                  len(outputs) + len(deferred))
             live = sum(x.numel() * x.element_size() for x in inputs.values() if x is not None)
             stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
     if comm is not None:

@@ -80,7 +80,8 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
         f"  config: valid for {world_size} ranks: {layout.describe()} per step",
         f"  parameters on this rank: {n_params:,} (dense {dense:,}, experts {expert:,}; "
         f"built on the meta device)",
-        f"  pipeline schedule: {len(steps[ps_pp_rank(coords)])} steps on this rank, "
+        f"  pipeline schedule {layout.pipeline_schedule}: "
+        f"{len(steps[ps_pp_rank(coords)])} steps on this rank, "
         f"{len(rounds[0]) if rounds else 0} transfer rounds matched over "
         f"{layout.pp} stages; {mem.in_flight} micro-batch chunks "
         f"in flight at the peak",

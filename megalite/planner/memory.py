@@ -239,7 +239,8 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     else:
         saved, recompute = sum(layer_bytes), 0
     chunk_bytes = saved / vpp          # one (micro-batch, chunk) pair
-    in_flight = peak_in_flight(pp, pp_rank, lay.num_microbatches, vpp)
+    in_flight = peak_in_flight(pp, pp_rank, lay.num_microbatches, vpp,
+                               lay.pipeline_schedule)
     activations = chunk_bytes * in_flight
     first, last = pp_rank == 0, pp_rank == pp - 1
     vocab = lay.padded_vocab_size

@@ -11,6 +11,7 @@ import functools
 
 from megalite.config.layout import chunk_layer_ranges
 from megalite.pipeline.schedules import build_schedule
+from megalite.pipeline.zero_bubble import simulate
 
 
 def stage_layers(m, p, pp_rank: int) -> list[int]:
@@ -24,19 +25,34 @@ def stage_layers(m, p, pp_rank: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def peak_in_flight(pp: int, pp_rank: int, num_microbatches: int, vpp: int = 1) -> int:
+def peak_in_flight(pp: int, pp_rank: int, num_microbatches: int, vpp: int = 1,
+                   schedule: str | None = None) -> int:
     """Peak number of (micro-batch, chunk) forwards whose backward has not run yet on
     ``pp_rank``: the activations it holds at once, in units of one chunk's activations
     for one micro-batch (1F1B: ``min(pp - pp_rank, m)``; interleaved: more, in smaller
-    chunks)."""
+    chunks). Under a zero-bubble schedule (``zb_h1``) a micro-batch counts until its W
+    step, which still needs the saved inputs of the weight GEMMs (an upper bound: B
+    frees the rest): ZB-H1 holds ``min(pp, m)`` on every rank, 1F1B's rank-0 peak."""
+    steps = build_schedule(pp, pp_rank, num_microbatches, vpp, schedule=schedule)
+    done = "W" if any(kind == "W" for kind, _, _ in steps) else "B"
     live = peak = 0
-    for kind, _chunk, _mb in build_schedule(pp, pp_rank, num_microbatches, vpp):
-        live += 1 if kind == "F" else -1
+    for kind, _chunk, _mb in steps:
+        live += 1 if kind == "F" else -1 if kind == done else 0
         peak = max(peak, live)
     return peak
 
 
-def bubble_fraction(pp: int, num_microbatches: int, vpp: int = 1) -> float:
-    """Idle fraction of the pipeline's ideal time: ``(pp - 1) / (vpp m)`` (Megatron-LM's
-    bubble of 1F1B and its interleaved variant)."""
-    return (pp - 1) / (vpp * num_microbatches)
+@functools.lru_cache(maxsize=4096)
+def bubble_fraction(pp: int, num_microbatches: int, vpp: int = 1,
+                    schedule: str | None = None) -> float:
+    """Idle fraction of the pipeline's ideal time. 1F1B and its interleaved variant:
+    ``(pp - 1) / (vpp m)`` (Megatron-LM's). A zero-bubble schedule: its step lists played
+    with a backward twice the forward, split evenly into B and W
+    (:func:`megalite.pipeline.zero_bubble.simulate`): ZB-H1 gives ``(pp - 1) / (3 m)``
+    for ``m >= pp``, a third of 1F1B's."""
+    if schedule is None or schedule in ("1f1b", "interleaved_1f1b"):
+        return (pp - 1) / (vpp * num_microbatches)
+    steps = [build_schedule(pp, r, num_microbatches, vpp, schedule=schedule)
+             for r in range(pp)]
+    _, idle = simulate(steps, vpp, forward=1.0, backward=2.0, weight=1.0)
+    return sum(idle) / pp

@@ -1,6 +1,7 @@
 """Enumerate layouts for a model on a cluster, keep the legal ones that fit, rank by time.
 
 A candidate sets tp x pp x vpp x cp x ep (dp is what is left of the world), the
+pipeline schedule (1F1B or ZB-H1 with one chunk per rank, interleaved 1F1B with more), the
 data-parallel sharding strategy, recomputation and the micro-batch size on a copy of the
 user's config; megalite's own validation (``MegaliteConfig.validate``, which calls
 ``ModelConfig.check_layout``) decides whether it is legal, so the planner never proposes a
@@ -28,6 +29,9 @@ RECOMPUTE = {"none": {"recompute_granularity": None, "recompute_method": None,
                       "recompute_num_layers": 1}}
 # --data-parallel-sharding-strategy values the planner proposes: all of them
 STRATEGIES = SHARDING_STRATEGIES
+# --pipeline-schedule values the planner proposes for one chunk per pipeline rank (more
+# chunks: interleaved_1f1b, the only schedule for them)
+SCHEDULES = ("1f1b", "zb_h1")
 
 
 @dataclass
@@ -41,6 +45,7 @@ class Candidate:
     offload: float = 0.0               # --optimizer-offload-fraction (0: no offload)
     overlap: bool = False              # --overlap-grad-reduce (and --overlap-param-gather
                                        # under a sharded strategy)
+    schedule: str | None = None        # --pipeline-schedule (None: the default by vpp)
     cfg: object = None
     memory: MemoryEstimate | None = None
     time: TimeEstimate | None = None
@@ -56,6 +61,8 @@ class Candidate:
         parts = [f"tp{s['tp']}", f"pp{s['pp']}"]
         if s["vpp"] > 1:
             parts.append(f"vpp{s['vpp']}")
+        if self.schedule == "zb_h1":
+            parts.append("zb_h1")
         parts += [f"cp{s['cp']}"] if s["cp"] > 1 else []
         parts += [f"ep{s['ep']}"] if s["ep"] > 1 else []
         parts += [f"dp{s['dp']}", self.strategy + (f"+off{self.offload:g}" if self.offload
@@ -70,6 +77,8 @@ class Candidate:
                   "--pipeline-model-parallel-size", str(s["pp"])]
         if s["vpp"] > 1:
             flags += ["--virtual-pipeline-model-parallel-size", str(s["vpp"])]
+        if self.schedule == "zb_h1":
+            flags += ["--pipeline-schedule", "zb_h1"]
         if s["tp"] > 1:
             flags.append("--sequence-parallel")
         if s["cp"] > 1:
@@ -100,10 +109,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def make_config(base, world: int, sizes: dict, strategy: str, recompute: str, mbs: int,
-                offload: float = 0.0, overlap: bool = False):
+                offload: float = 0.0, overlap: bool = False, schedule: str | None = None):
     """A validated copy of ``base`` with the layout applied (raises ConfigError)."""
     cfg = copy.deepcopy(base)
     p, m, t = cfg.parallel, cfg.model, cfg.train
+    p.pipeline_schedule = schedule
     p.overlap_grad_reduce = overlap
     p.overlap_param_gather = overlap and strategy != "no_shard"
     cfg.optim.optimizer_cpu_offload = offload > 0
@@ -128,11 +138,12 @@ def make_config(base, world: int, sizes: dict, strategy: str, recompute: str, mb
 
 def evaluate(base, world: int, cluster: Cluster, sizes: dict, strategy: str,
              recompute: str, mbs: int, offload: float = 0.0,
-             overlap: bool = False) -> Candidate:
+             overlap: bool = False, schedule: str | None = None) -> Candidate:
     """One candidate: validated, its memory and time estimated, feasibility decided."""
-    c = Candidate(dict(sizes), strategy, recompute, mbs, offload, overlap)
+    c = Candidate(dict(sizes), strategy, recompute, mbs, offload, overlap, schedule)
     try:
-        c.cfg = make_config(base, world, sizes, strategy, recompute, mbs, offload, overlap)
+        c.cfg = make_config(base, world, sizes, strategy, recompute, mbs, offload, overlap,
+                            schedule)
     except (ConfigError, ValueError) as e:
         c.error = f"config: {e}"
         return c
@@ -148,14 +159,16 @@ def evaluate(base, world: int, cluster: Cluster, sizes: dict, strategy: str,
 def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=None,
            strategies=STRATEGIES, recomputes=tuple(RECOMPUTE), micro_batch_sizes=(1, 2, 4, 8),
            offloads=(0.0, 1.0), overlaps=(False, True),
-           progress: bool = False) -> list[Candidate]:
+           schedules=SCHEDULES, progress: bool = False) -> list[Candidate]:
     """Every candidate for ``base`` (a MegaliteConfig: model, global batch, precision) on
     ``cluster``: feasible ones first, by estimated step time, then the infeasible ones.
     Size lists default to the divisors that can work (tp within a node); ``offloads``:
     ``--optimizer-offload-fraction`` values to try (0: none; offload needs a sharded
     strategy); ``overlaps``: with and without ``--overlap-grad-reduce`` (and
     ``--overlap-param-gather`` under a sharded strategy), the user's own overlap flags set
-    aside (tried only where there is data parallelism to overlap). ``progress``: count
+    aside (tried only where there is data parallelism to overlap); ``schedules``: the
+    pipeline schedules tried with one chunk per pipeline rank and pp > 1 (of
+    :data:`SCHEDULES`; several chunks run interleaved 1F1B). ``progress``: count
     the candidates evaluated on stderr (:mod:`megalite.progress`)."""
     m = base.model
     world = cluster.world_size
@@ -173,15 +186,17 @@ def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=No
             continue
         sizes = {"tp": t_, "pp": p_, "vpp": v_, "cp": c_, "ep": e_,
                  "dp": data_parallel_size(world, t_, p_, c_)}
-        for strategy, rc, mbs, off, ov in itertools.product(
-                strategies, recomputes, micro_batch_sizes, offloads, overlaps):
+        scheds = schedules if p_ > 1 and v_ == 1 else (None,)
+        for strategy, rc, mbs, off, ov, sched in itertools.product(
+                strategies, recomputes, micro_batch_sizes, offloads, overlaps, scheds):
             if strategy != "no_shard" and sizes["dp"] * c_ == 1:
                 continue  # nothing to shard
             if off and strategy == "no_shard":
                 continue  # offload moves the distributed optimizer's shard
             if ov and sizes["dp"] * c_ == 1 and len(overlaps) > 1:
                 continue  # nothing to overlap: the same candidate as without
-            todo.append((sizes, strategy, rc, mbs, off, ov))
+            todo.append((sizes, strategy, rc, mbs, off, ov,
+                         None if sched == "1f1b" else sched))
     from megalite.progress import Progress
 
     out = [evaluate(base, world, cluster, *one) for one in

@@ -42,7 +42,9 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   hide all but the last bucket (``OVERLAP_EXPOSED`` of it left). Plus the step's two scalar
   all-reduces over the world (the loss and the gradient norm; latency only, a tree).
 * **bubble** -- ``(pp - 1) / (vpp m)`` of the per-micro-batch path (compute, tp, cp, ep,
-  pp transfers; not the once-per-step reductions).
+  pp transfers; not the once-per-step reductions); under ``--pipeline-schedule zb_h1`` the
+  schedule's own (:func:`megalite.planner.schedule.bubble_fraction`: ``(pp - 1) / (3 m)``
+  for ``m >= pp``).
   Under optim_grads_params each unit's parameters are all-gathered before every forward
   and backward (``passes x m`` gathers of the stage's parameters), exposed.
 * **optimizer** -- the step reads and writes the local optimizer state at memory bandwidth;
@@ -341,7 +343,8 @@ def estimate_time(cfg, world_size: int, cluster: Cluster) -> TimeEstimate:
     path = compute
     for c in costs.values():
         path += c.path
-    bubble = bubble_fraction(lay.pp, lay.num_microbatches, lay.vpp) * path \
+    bubble = bubble_fraction(lay.pp, lay.num_microbatches, lay.vpp,
+                             lay.pipeline_schedule) * path \
         if lay.pp > 1 else 0.0
     optimizer = optimizer_seconds(ctx)
     step = path + bubble

@@ -25,6 +25,9 @@ a token uses one, the expert bias updated every step) and a quarter give
 ``--moe-layer-freq`` as a list with the first layer dense. Muon (``--optimizer muon``,
 instead of AdamW or SGD, with ``--muon-tp-mode`` duplicated or distributed and Nesterov
 momentum on or off) is drawn for a quarter of the AdamW draws from ``"optim-<seed>"``.
+The pipeline schedule comes from ``"schedule-<seed>"``: a third of the draws without
+virtual stages run zero bubble (``--pipeline-schedule zb_h1``: each backward split into B
+and the deferred weight gradients W; also at pp 1).
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -200,9 +203,16 @@ def _muon(orng: random.Random, optim: dict, split: bool) -> None:
             optim["muon_tp_mode"] = mode
 
 
+def _schedule(zrng: random.Random, short: dict) -> None:
+    """``--pipeline-schedule zb_h1`` for a third of the draws without virtual stages."""
+    if "vpp" not in short and zrng.random() < 1 / 3:
+        short["schedule"] = "zb_h1"
+
+
 def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                srng: random.Random, arng: random.Random,
-               rrng: random.Random, orng: random.Random | None = None) -> Layout | None:
+               rrng: random.Random, orng: random.Random | None = None,
+               zrng: random.Random | None = None) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -216,6 +226,8 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
     _routing(rrng, model)
     if orng is not None:
         _muon(orng, optim, short["tp"] > 1 or short.get("etp", 1) > 1)
+    if zrng is not None:
+        _schedule(zrng, short)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model),
                              ("bias", model.get("moe_router_enable_expert_bias")),
@@ -252,8 +264,9 @@ def draw_layout(seed: int) -> Layout:
     rng, crng = random.Random(seed), random.Random(f"cp-{seed}")
     srng, arng = random.Random(f"shard-{seed}"), random.Random(f"act-offload-{seed}")
     rrng, orng = random.Random(f"route-{seed}"), random.Random(f"optim-{seed}")
+    zrng = random.Random(f"schedule-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng)
+        layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng)
         if layout is not None and rejection(layout) is None:
             return layout
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")

@@ -29,11 +29,13 @@ from tests.fuzz.draw import draw_layout
 #   5  tp2 x pp2 x dp2, MoE ep4 etp1 allgather, tied embeddings across stages, full
 #      recompute, DeepSeek-V3 routing with the expert bias
 #  41  tp4 + sp x dp2, distributed optimizer, no clipping
-#  56  tp2 + sp x pp2 with an uneven last stage x dp2, distributed optimizer + overlap, bf16
+#  56  tp2 + sp x pp2 (ZB-H1) with an uneven last stage x dp2, distributed optimizer +
+#      overlap, bf16, optimizer offload
 #  77  tp2 + sp x pp2 x dp2, MoE ep2 etp2 alltoall, distributed optimizer + overlap, bf16,
 #      the expert bias, Muon (distributed tp mode)
 #  93  tp4 + sp x pp2 x vpp2, tied embeddings across stages
-# 143  tp2 + sp x cp2 (p2p ring), MoE ep2 etp1, distributed optimizer + overlap, SGD
+# 143  tp2 + sp x cp2 (p2p ring), MoE ep2 etp1, distributed optimizer + overlap, SGD, split
+#      backward (ZB-H1 at pp 1)
 # Together they caught each of these planted bugs: a loss normalised by local token
 # counts, expert grads reduced over dp instead of edp, the tied embedding's grad not summed
 # or summed twice across stages, sequence-parallel norm grads not summed over tp (with
@@ -84,8 +86,9 @@ def test_default_draws_cover_every_parallelism():
             ("distopt", lay.get("distopt")), ("overlap", lay.get("overlap_param")),
             ("bf16", m.get("bf16")), ("cp", lay.get("cp") > 1),
             ("expert bias", m.get("moe_router_enable_expert_bias")),
+            ("zb pp", lay.get("pp") > 1 and lay.get("schedule") == "zb_h1"),
             *((f"ep {m.get('moe_token_dispatcher_type')}", lay.get("ep") > 1),)) if on}
     assert covered == {"tp+sp", "vpp", "uneven", "dp", "ep", "etp!=tp", "tied pp", "distopt",
                        "overlap", "bf16", "ep alltoall", "ep allgather", "cp",
-                       "expert bias"}, covered
+                       "expert bias", "zb pp"}, covered
     assert all(lay.world_size in (4, 8) for lay in draws)

@@ -1,6 +1,7 @@
 """End-to-end training equivalence of a tiny Mixtral: ep x tp(+SP) x dispatcher, plus one
-row with the distributed optimizer and one with pp 2 x vpp 2 (4 layers, MoE every other);
-and DeepSeek-V3 routing (sigmoid, group-limited, the expert bias updated every step, the
+row with the distributed optimizer, one with pp 2 x vpp 2 (4 layers, MoE every other) and
+two under the zero-bubble schedule (the experts' weight gradients in W steps); and
+DeepSeek-V3 routing (sigmoid, group-limited, the expert bias updated every step, the
 first layer dense) at ep 2, ep 2 x tp 2 + SP, pp 2 and the distributed optimizer, whose
 per-layer expert loads (``expert_load``) must equal the single-process run's too.
 

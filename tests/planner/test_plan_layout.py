@@ -8,7 +8,8 @@ import pytest
 
 from megalite.arguments import parse_args
 from megalite.planner.cluster import GIB, Cluster, preset
-from megalite.planner.schedule import peak_in_flight
+from megalite.planner.memory import estimate_memory
+from megalite.planner.schedule import bubble_fraction, peak_in_flight
 from megalite.planner.search import search
 from tests.tools import load_tool
 
@@ -23,6 +24,31 @@ def test_peak_in_flight_follows_the_schedules():
     assert peak_in_flight(1, 0, 8) == 1                 # gradient accumulation
     # interleaved: more (micro-batch, chunk) pairs, each half the layers
     assert peak_in_flight(2, 0, 4, vpp=2) > peak_in_flight(2, 0, 4)
+
+
+def test_zero_bubble_terms_follow_the_schedule():
+    """ZB-H1: every rank holds 1F1B's rank-0 peak (until its W steps), and a third of
+    1F1B's bubble once m >= p."""
+    assert [peak_in_flight(4, r, 8, schedule="zb_h1") for r in range(4)] == [4] * 4
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 8)
+    assert bubble_fraction(4, 8, schedule="zb_h1") == pytest.approx(3 / 24)
+    assert bubble_fraction(8, 16, schedule="zb_h1") == pytest.approx(7 / 48)
+
+
+def test_search_ranks_the_pipeline_schedules():
+    """With one chunk per rank the search tries 1F1B and ZB-H1: ZB-H1 at the same
+    busiest-rank memory and a smaller bubble ranks first; its flags select it."""
+    base = parse_args(SMALL)
+    cands = search(base, preset("h100", 1), tp=[1], pp=[4], vpp=[1], micro_batch_sizes=(1,),
+                   strategies=("no_shard",), recomputes=("none",), overlaps=(False,))
+    assert [c.schedule for c in cands] == ["zb_h1", None]
+    zb, ofob = cands
+    assert zb.time.bubble == pytest.approx(ofob.time.bubble / 3)
+    assert zb.time.step < ofob.time.step
+    assert estimate_memory(zb.cfg, 8, 0).total == estimate_memory(ofob.cfg, 8, 0).total
+    assert "--pipeline-schedule" in zb.launch_flags() and "zb_h1" in zb.name()
+    assert parse_args(SMALL + zb.launch_flags()).validate(8).parallel.pipeline_schedule \
+        == "zb_h1"
 
 
 def test_search_proposes_only_layouts_megalite_accepts():

@@ -1,21 +1,28 @@
-"""Pipeline bubble and activation memory: measured vs theory.
+"""Pipeline bubble and activation memory of every schedule: measured vs theory.
 
 ``python tools/benchmark.py pipeline [--pipeline-model-parallel-size 4] [--microbatches 4 8 16]
-[--virtual-pipeline-model-parallel-size 1 2] [--forward-ms 30] [--compute sleep|matmul]``
+[--schedules 1f1b interleaved_1f1b zb_h1] [--virtual-pipeline-model-parallel-size 2]
+[--forward-ms 30] [--compute sleep|matmul]``
 
 Runs the real schedules (megalite.pipeline.schedules, gloo p2p) on ``p`` ranks. Each
 micro-batch's forward through a whole stage costs ``--forward-ms`` and its backward twice
-that, split evenly over the stage's ``v`` chunks. With ``--compute sleep`` (default) that
+that, split evenly over the stage's ``v`` chunks (``--virtual-pipeline-model-parallel-size``,
+for interleaved_1f1b). The backward is half input gradient, half weight gradient: a
+zero-bubble schedule (zb_h1) runs the second half as its W step, through megalite's own
+deferral (:mod:`megalite.parallel.weight_grad`). With ``--compute sleep`` (default) each
 cost is a sleep, so ``p`` ranks on a 2-core machine do not slow each other down and the
 measurement isolates the schedule; ``--compute matmul`` burns real FLOPs instead (then
 ranks compete for cores once p > cores, which inflates the busy time).
 
-Reported per (m, v): the bubble as (step time - busy time) / busy time, averaged over
-ranks (Megatron's
-definition: theory (p-1)/m for 1F1B and (p-1)/(v*m) interleaved), and the peak number of
-micro-batches whose activations a rank holds, measured for 1F1B (theory: p - rank) and for
-all-forward-then-backward (GPipe, theory: m), with the bytes of the stage-boundary
-activations ``[s, b, h]`` that rank 0 keeps alive.
+Reported per (m, schedule): the bubble as (step time - busy time) / busy time, averaged
+over ranks (Megatron's definition), against the schedule's theory
+(:func:`megalite.planner.schedule.bubble_fraction`: (p-1)/m for 1F1B, (p-1)/(v m)
+interleaved, (p-1)/(3m) for ZB-H1 at m >= p); the step time; and per rank the peak number
+of micro-batches whose activations it holds (forward run, backward -- under a zero-bubble
+schedule its W step -- not yet), measured and in theory
+(:func:`megalite.planner.schedule.peak_in_flight`), with the bytes of the stage-boundary
+activations ``[s, b, h]`` rank 0 keeps alive; GPipe (all forwards, then all backwards:
+m) as the memory baseline.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from tools.bench import _ranks
 
 def _schedules_on_rank(rank, world, cases, args):
     from megalite.config import ParallelConfig
+    from megalite.parallel import weight_grad
     from megalite.parallel.state import ParallelState
     from megalite.pipeline.p2p import PipeComm
     from megalite.pipeline.schedules import (
@@ -59,21 +67,28 @@ def _schedules_on_rank(rank, world, cases, args):
                 x @ weight
 
     class Cost(torch.autograd.Function):
+        """Forward ``ms``; backward ``ms`` for the input gradient and ``ms`` for the
+        weight gradient of ``w`` (a W step's, when the backward defers it)."""
+
         @staticmethod
-        def forward(ctx, x, ms):
+        def forward(ctx, x, w, ms):
             ctx.ms = ms
             spend(ms)
             return x * 1.0
 
         @staticmethod
         def backward(ctx, g):
-            spend(2 * ctx.ms)
-            return g * 1.0, None
+            spend(ctx.ms)
+            ms = ctx.ms
 
+            def weight_gradient():
+                spend(ms)
+                return torch.zeros(1)
+            return g * 1.0, weight_grad.weight_grad(w, weight_gradient), None
+
+    w = torch.zeros(1, requires_grad=True)
     results = []
-    for m, v in cases + [(m, "gpipe") for m in sorted({m for m, _ in cases})]:
-        gpipe = v == "gpipe"
-        v = 1 if gpipe else v
+    for m, schedule, v in cases + [(m, "gpipe", 1) for m in sorted({c[0] for c in cases})]:
         pcfg = ParallelConfig(pipeline_model_parallel_size=world,
                               virtual_pipeline_model_parallel_size=v if v > 1 else None)
         ps = ParallelState.build(pcfg)
@@ -81,7 +96,7 @@ def _schedules_on_rank(rank, world, cases, args):
 
         def forward_step(chunk, mb, x, ps=ps, ms=ms):
             h = torch.zeros(shape, requires_grad=True) if x is None else x
-            h = Cost.apply(h, ms)
+            h = Cost.apply(h, w, ms)
             if ps.is_pipeline_last_stage(chunk):
                 return h.sum()
             return h
@@ -90,25 +105,31 @@ def _schedules_on_rank(rank, world, cases, args):
         stats = ScheduleStats()
         dist.barrier()
         t0 = time.perf_counter()
-        steps = ([all_forward_then_backward(m)] * world if gpipe
-                 else build_schedules(world, m, v))
+        steps = ([all_forward_then_backward(m)] * world if schedule == "gpipe"
+                 else build_schedules(world, m, v, schedule=schedule))
         run_schedule(steps, forward_step=forward_step,
                      ps=ps, vpp=v, comm=comm, stats=stats)
         total = time.perf_counter() - t0
         dist.barrier()
-        results.append((m, v, total, stats.busy, stats.waiting, stats.peak_live_outputs))
+        results.append((m, schedule, v, total, stats.busy, stats.peak_pending_weight_grads))
         ps.destroy()
     return results
 
 
 def main(argv=None) -> dict:
-    """Print the table; return its rows, ``{(m, v): {"bubble", "theory", "step": seconds,
-    "live": peak live micro-batches per rank, "gpipe_live": the same under GPipe}}``."""
+    """Print the table; return its rows, ``{(m, schedule, v): {"bubble", "theory",
+    "step": seconds, "live": peak live micro-batches per rank, "live_theory",
+    "gpipe_live": the same under GPipe}}``."""
+    from megalite.config.parallel import MULTI_CHUNK_SCHEDULES, PIPELINE_SCHEDULES
+    from megalite.planner.schedule import bubble_fraction, peak_in_flight
+
     parser = argparse.ArgumentParser(prog="benchmark.py pipeline")
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="*", default=[4, 8, 16])
+    parser.add_argument("--schedules", nargs="*", choices=PIPELINE_SCHEDULES,
+                        default=list(PIPELINE_SCHEDULES))
     parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, nargs="*",
-                        default=[1, 2])
+                        default=[2], help="model chunks per rank of interleaved_1f1b")
     parser.add_argument("--forward-ms", type=float, default=30.0)
     parser.add_argument("--compute", choices=("sleep", "matmul"), default="sleep")
     parser.add_argument("--seq-length", type=int, default=256)
@@ -116,29 +137,38 @@ def main(argv=None) -> dict:
     parser.add_argument("--hidden-size", type=int, default=512)
     args = parser.parse_args(argv)
     p = args.pipeline_model_parallel_size
-    cases = [(m, v) for v in args.virtual_pipeline_model_parallel_size
-             for m in args.microbatches if m % p == 0 or v == 1]
+    cases = []
+    for schedule in args.schedules:
+        if schedule in MULTI_CHUNK_SCHEDULES:
+            cases += [(m, schedule, v) for v in args.virtual_pipeline_model_parallel_size
+                      for m in args.microbatches if v > 1 and m % p == 0]
+        else:
+            cases += [(m, schedule, 1) for m in args.microbatches]
     by_rank = _ranks.run_on_ranks(_schedules_on_rank, p, cases, args)
     act_bytes = args.seq_length * args.micro_batch_size * args.hidden_size * 4
     print(f"pipeline bubble, p={p}, forward {args.forward_ms} ms + backward "
-          f"{2 * args.forward_ms} ms per micro-batch per stage, compute={args.compute}")
+          f"{2 * args.forward_ms} ms (input gradient + weight gradient) per micro-batch per "
+          f"stage, compute={args.compute}")
     gpipe_live = {by_rank[0][n][0]: [by_rank[r][n][5] for r in range(p)]
                   for n in range(len(cases), len(by_rank[0]))}
-    print(f"{'m':>4} {'v':>3} {'bubble meas':>12} {'theory':>8} {'step ms':>9} "
-          f"{'ideal ms':>9} {'peak live mb (rank0..)':>24} {'GPipe meas':>14} "
+    print(f"{'m':>4} {'schedule':>18} {'bubble meas':>12} {'theory':>8} {'step ms':>9} "
+          f"{'ideal ms':>9} {'peak live mb (rank0..)':>24} {'theory':>14} "
           f"{'act MB r0':>10} {'GPipe MB r0':>12}")
     out = {}
-    for n, (m, v) in enumerate(cases):
+    for n, (m, schedule, v) in enumerate(cases):
         rows = [by_rank[r][n] for r in range(p)]
-        total = max(r[2] for r in rows)  # the step's wall time: the slowest rank's
-        bubble = sum((total - busy) / busy for _, _, _, busy, _, _ in rows) / p
-        theory = (p - 1) / (v * m)
+        total = max(r[3] for r in rows)  # the step's wall time: the slowest rank's
+        bubble = sum((total - r[4]) / r[4] for r in rows) / p
+        theory = bubble_fraction(p, m, v, schedule)
         ideal = m * 3 * args.forward_ms
         live = [r[5] for r in rows]
-        print(f"{m:>4} {v:>3} {bubble:>12.3f} {theory:>8.3f} {total * 1e3:>9.1f} "
-              f"{ideal:>9.1f} {live!s:>24} {gpipe_live[m]!s:>14} "
+        live_theory = [peak_in_flight(p, r, m, v, schedule) for r in range(p)]
+        name = schedule + (f" v{v}" if v > 1 else "")
+        print(f"{m:>4} {name:>18} {bubble:>12.3f} {theory:>8.3f} {total * 1e3:>9.1f} "
+              f"{ideal:>9.1f} {live!s:>24} {live_theory!s:>14} "
               f"{live[0] * act_bytes / 2**20 / v:>10.2f} "
               f"{gpipe_live[m][0] * act_bytes / 2**20:>12.2f}")
-        out[(m, v)] = {"bubble": bubble, "theory": theory, "step": total, "live": live,
-                       "gpipe_live": gpipe_live[m]}
+        out[(m, schedule, v)] = {"bubble": bubble, "theory": theory, "step": total,
+                                 "live": live, "live_theory": live_theory,
+                                 "gpipe_live": gpipe_live[m]}
     return out
