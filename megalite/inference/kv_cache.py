@@ -115,4 +115,4 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         blocked = (blocked.view(1, s, S) | (pad_key.view(b, 1, S) & ~own)).view(b, 1, s, S)
     probs = scores.masked_fill(blocked, float("-inf")).softmax(dim=-1)
     ctx = torch.matmul(probs.to(vb.dtype), vb)  # [b, nh, s, d]
-    return ctx.permute(2, 0, 1, 3).reshape(s, b, nh * d)
+    return ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, nh * dv]

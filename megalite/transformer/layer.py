@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from megalite.moe.layer import MoELayer, moe_layer_pattern
 from megalite.parallel.random import REPLICATED, TENSOR_PARALLEL
 from megalite.transformer.attention import SelfAttention
+from megalite.transformer.mla import MLASelfAttention
 from megalite.transformer.mlp import MLP
 from megalite.transformer.norms import build_norm
 
@@ -43,8 +44,11 @@ class TransformerLayer(torch.nn.Module):
         norm = dict(zero_centered=cfg.apply_layernorm_1p, **kw)
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
                                           cfg.norm_epsilon, **norm)
-        self.self_attention = SelfAttention(
-            cfg, ps, rng=rng, recompute_core=cfg.recompute_granularity == "selective", **par)
+        if cfg.multi_latent_attention:
+            self.self_attention = MLASelfAttention(cfg, ps, rng=rng, **par)
+        else:
+            self.self_attention = SelfAttention(
+                cfg, ps, rng=rng, recompute_core=cfg.recomputes("core_attn"), **par)
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
                                             cfg.norm_epsilon, **norm)
         self.is_moe = moe_layer_pattern(cfg)[layer_number]
