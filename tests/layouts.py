@@ -125,6 +125,27 @@ _MODEL = [row("model", tp, kind, model=RECOMPUTE[kind], tp=tp, sp=sp)
           for tp in (1, 2, 4) for sp in ((False,) if tp == 1 else (False, True))
           for kind in RECOMPUTE if (tp, kind) != (1, "none")]   # tp1 / none: the reference
 
+# multi-latent attention (DeepSeek-V3's shape, tiny: both latents, a RoPE part of 4, values
+# narrower than keys, YaRN) and QK norm; each row against tp 1 of its own model
+MLA = {"multi_latent_attention": True, "qk_layernorm": True, "q_lora_rank": 16,
+       "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 6,
+       "rotary_scaling_factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+       "original_max_position_embeddings": 8, "group_query_attention": False,
+       "num_query_groups": None}
+MLA_RECOMPUTE = {"recompute_granularity": "selective",
+                 "recompute_modules": ["core_attn", "mla_up_proj"]}
+QK_NORM = {"qk_layernorm": True}
+_MODEL += [
+    row("model", 2, "mla", model=MLA, tp=2, sp=False),
+    row("model", 2, "mla", model=MLA, tp=2, sp=True),
+    row("model", 2, "mla-no-q-lora", model={**MLA, "q_lora_rank": None}, tp=2, sp=True),
+    row("model", 1, "mla-up-proj", model={**MLA, "recompute_granularity": "selective",
+                                          "recompute_modules": ["mla_up_proj"]}),
+    row("model", 2, "mla-selective", model={**MLA, **MLA_RECOMPUTE}, tp=2, sp=True),
+    row("model", 2, "qk-norm", model=QK_NORM, tp=2, sp=False),
+    row("model", 2, "qk-norm", model=QK_NORM, tp=2, sp=True),
+]
+
 # -- mixtral: logits against transformers on 4 ranks, dp = 4 / tp ------------------------
 _MIXTRAL_MODEL = {"num_experts": 4}
 _MIXTRAL = [row("mixtral", 4, model=_MIXTRAL_MODEL, tp=2, sp=False, ep=2, etp=2),
