@@ -181,6 +181,9 @@ _MOE_TRAINING = [
         optim={"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}),
     # ZeRO-3: expert parameters sharded and gathered over edp 2, dense ones over dp 4
     row("moe-training", 4, model={"num_experts": 4}, ep=2, strategy="optim_grads_params"),
+    # multi-latent attention in front of the experts
+    row("moe-training", 4, "mla", model={"num_experts": 4, **MLA}, tp=2, sp=True, ep=2,
+        etp=1),
     # 4 layers, MoE every other one: with pp 2 x vpp 2 the second stage holds no MoE layer
     row("moe-training", 4, model={"num_experts": 4, "num_layers": 4, "moe_layer_freq": 2,
                                   "moe_token_dispatcher_type": "alltoall"},
@@ -224,13 +227,19 @@ _OPTIM_ZERO3 = [
     row("optim", 4, "offload1", optim={**OFFLOAD, "optimizer_offload_fraction": 1.0},
         tags=_SLOW, tp=2, sp=True, **ZERO3),
 ]
+# multi-latent attention: pp 2 x vpp 2 with the distributed optimizer over dp 2, and
+# ZeRO-3 over dp 2 with tp 2 + sp
+_OPTIM_MLA = [
+    row("optim", 4, "mla", model={**MLA, "num_layers": 4}, pp=2, vpp=2, distopt=True),
+    row("optim", 4, "mla", model=MLA, tp=2, sp=True, **ZERO3),
+]
 _OPTIM = [*(row("optim", world, model=model, **sizes, **flags)
             for world, sizes, model in _OPTIM_LAYOUTS for flags in OPTIM_VARIANTS.values()),
           *(row("optim", world, variant if "offload" in variant else "", model=model,
                 optim=optim, **sizes, **flags)
             for world, sizes, model in OPTIM_EXTRA_LAYOUTS
             for variant, (flags, optim) in OPTIM_EXTRA.items()),
-          *_OPTIM_ZERO3]
+          *_OPTIM_ZERO3, *_OPTIM_MLA]
 
 # -- pipeline: an 8-layer GPT, micro-batch 1, global batch 8 ------------------------------
 _PIPE_MODEL, _PIPE_TRAIN = {"num_layers": 8}, {"micro_batch_size": 1, "global_batch_size": 8}
@@ -291,6 +300,12 @@ _CP = [
     _cp_row(2, "a2a", model=RECOMPUTE["full-uniform"], variant="full", cp=2),
     # document masks: also trained on data with many documents (test_documents.py)
     dataclasses.replace(_cp_row(2, "p2p", variant="docs", cp=2), data=CP_DOCUMENTS),
+    # multi-latent attention: values narrower than keys through every exchange, with tp 2 +
+    # sp, and its up projections recomputed with the kernel
+    *(_cp_row(2, comm, model=MLA, variant="mla", cp=2) for comm in ("p2p", "allgather",
+                                                                      "a2a")),
+    _cp_row(4, "p2p", model=MLA, variant="mla", tp=2, sp=True, cp=2),
+    _cp_row(2, "a2a", model={**MLA, **MLA_RECOMPUTE}, variant="mla-selective", cp=2),
 ]
 
 # -- activation-offload: --cpu-offloading against the same layout without it (bitwise) ---

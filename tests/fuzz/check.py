@@ -43,8 +43,8 @@ EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 # optimizer CPU offload neither (and needs a sharded optimizer, which one process lacks)
 OPTIM_DROPS = ("optimizer_cpu_offload", "optimizer_offload_fraction")
 REFERENCE_DROPS = ("recompute_granularity", "recompute_method", "recompute_num_layers",
-                   "moe_token_dispatcher_type", "cp_comm_type", "cpu_offloading",
-                   "cpu_offloading_num_layers")
+                   "recompute_modules", "moe_token_dispatcher_type", "cp_comm_type",
+                   "cpu_offloading", "cpu_offloading_num_layers")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,10 @@ and a third offload half or all of the optimizer state to the host; half of the
 optim_grads draws then shard the parameters too (``optim_grads_params``, ZeRO-3; drawn
 last, so the earlier draws of a seed are unchanged). Activation offload
 (``--cpu-offloading``, 1 to num_layers - 1 layers per chunk) is drawn for a quarter of the
-seeds from ``"act-offload-<seed>"``.
+seeds from ``"act-offload-<seed>"``, and the attention variant from ``"attention-<seed>"``:
+multi-latent attention for a quarter of the seeds (with or without a query latent, value
+heads as wide as the keys or narrower, YaRN or plain RoPE, its up projections recomputed
+where selective recomputation was drawn), QK norm for another sixth.
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -171,8 +174,29 @@ def _activation_offload(arng: random.Random, model: dict) -> None:
                      cpu_offloading_num_layers=arng.randint(1, model["num_layers"] - 1))
 
 
+def _attention_variant(vrng: random.Random, model: dict) -> None:
+    """Multi-latent attention (a quarter of the draws) or QK norm (a sixth), into
+    ``model``."""
+    x = vrng.random()
+    if x < 0.25:
+        model.update(multi_latent_attention=True, qk_layernorm=vrng.random() < 0.75,
+                     q_lora_rank=vrng.choice((None, 16)), kv_lora_rank=16, qk_head_dim=8,
+                     qk_pos_emb_head_dim=4, v_head_dim=vrng.choice((6, 12)),
+                     rotary_scaling_factor=vrng.choice((1.0, 4.0)),
+                     mscale_all_dim=vrng.choice((0.0, 1.0)),
+                     original_max_position_embeddings=8)
+        model.pop("num_query_groups", None)
+        model["group_query_attention"] = False
+        if model.get("recompute_granularity") == "selective" and vrng.random() < 0.5:
+            model["recompute_modules"] = vrng.choice((["mla_up_proj"],
+                                                      ["core_attn", "mla_up_proj"]))
+    elif x < 0.25 + 1 / 6:
+        model["qk_layernorm"] = True
+
+
 def _draw_once(rng: random.Random, seed: int, crng: random.Random,
-               srng: random.Random, arng: random.Random) -> Layout | None:
+               srng: random.Random, arng: random.Random,
+               vrng: random.Random) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -183,11 +207,15 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
     world *= _context_parallel(crng, short, model, world)
     _sharding(srng, short, optim)
     _activation_offload(arng, model)
+    _attention_variant(vrng, model)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model), ("bf16", model.get("bf16")),
                              ("sgd", optim.get("optimizer") == "sgd"),
                              ("offload", optim.get("optimizer_cpu_offload")),
-                             ("actoff", model.get("cpu_offloading"))) if on]
+                             ("actoff", model.get("cpu_offloading")),
+                             ("mla", model.get("multi_latent_attention")),
+                             ("qknorm", model.get("qk_layernorm")
+                              and not model.get("multi_latent_attention"))) if on]
     if "cp" in short:
         marks.insert(0, model["cp_comm_type"])
     name = "-".join([f"fuzz{seed}", slug(world, parallel), *marks])
@@ -215,8 +243,9 @@ def draw_layout(seed: int) -> Layout:
     ranks and that megalite accepts."""
     rng, crng = random.Random(seed), random.Random(f"cp-{seed}")
     srng, arng = random.Random(f"shard-{seed}"), random.Random(f"act-offload-{seed}")
+    vrng = random.Random(f"attention-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng, srng, arng)
+        layout = _draw_once(rng, seed, crng, srng, arng, vrng)
         if layout is not None and rejection(layout) is None:
             return layout
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")
