@@ -44,10 +44,11 @@ class LayerKVCache:
         if end > self.parent.max_len:
             raise InferenceCacheError(
                 f"the KV cache holds {self.parent.max_len} tokens; {end} requested")
-        if self.k is None:
-            shape = (self.parent.max_len, *k.shape[1:])
-            self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
+        if self.k is None:   # v's head dim may differ from k's (multi-latent attention)
+            self.k = torch.empty((self.parent.max_len, *k.shape[1:]), dtype=k.dtype,
+                                 device=k.device)
+            self.v = torch.empty((self.parent.max_len, *v.shape[1:]), dtype=v.dtype,
+                                 device=v.device)
         self.k[start:end] = k
         self.v[start:end] = v
         return self.k[:end], self.v[:end]

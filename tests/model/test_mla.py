@@ -175,3 +175,34 @@ def test_flash_refuses_a_different_value_head_dim(monkeypatch):
                                     same_head_dims=False) == "sdpa"
     with pytest.raises(ConfigError, match="--attention-backend flash needs value heads"):
         select_attention_backend("flash", "cpu", torch.bfloat16, same_head_dims=False)
+
+
+def test_kv_cache_decoding_matches_one_forward():
+    """Token-by-token decoding through the KV cache (full keys and values of width
+    qk_head_dim + qk_pos_emb_head_dim and v_head_dim) gives the logits of one forward."""
+    from tests.inference.common import sequence_logits
+
+    model = GPTModel(mla_config(num_layers=2, vocab_size=50), single_process_state(), seed=5)
+    tokens = [3, 17, 8, 41, 0, 22, 9]
+    full = sequence_logits(model, tokens, use_cache=False)
+    cached = sequence_logits(model, tokens, use_cache=True)
+    torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
+
+
+def test_launch_flags_of_deepseek_v3_parse():
+    """The attention flags of a Megatron-LM DeepSeek-V3 launch script, as written."""
+    from megalite.arguments import parse_args
+
+    cfg = parse_args(
+        "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 "
+        "--qk-pos-emb-head-dim 64 --v-head-dim 128 --rotary-scaling-factor 40 --mscale 1.0 "
+        "--mscale-all-dim 1.0 --qk-layernorm --recompute-granularity selective "
+        "--recompute-modules mla_up_proj core_attn --num-layers 2 --hidden-size 64 "
+        "--num-attention-heads 4 --seq-length 32 --vocab-size 100 --tokenizer-type "
+        "NullTokenizer --position-embedding-type rope --normalization RMSNorm".split())
+    m = cfg.model
+    assert (m.q_lora_rank, m.kv_lora_rank, m.mla_q_head_dim, m.v_head_dim) == (1536, 512,
+                                                                                192, 128)
+    assert m.original_max_position_embeddings == 4096      # Megatron-Core's MLA default
+    assert m.recomputes("mla_up_proj") and m.recomputes("core_attn")
+    assert mla_softmax_scale(m) == pytest.approx((0.1 * math.log(40) + 1) ** 2 / 192 ** 0.5)
