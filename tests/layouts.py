@@ -142,6 +142,9 @@ _MODEL += [
     row("model", 1, "mla-up-proj", model={**MLA, "recompute_granularity": "selective",
                                           "recompute_modules": ["mla_up_proj"]}),
     row("model", 2, "mla-selective", model={**MLA, **MLA_RECOMPUTE}, tp=2, sp=True),
+    row("model", 2, "mla-mlp", model={**MLA, "recompute_granularity": "selective",
+                                      "recompute_modules": ["mlp", "mla_up_proj"]},
+        tp=2, sp=True),
     row("model", 2, "qk-norm", model=QK_NORM, tp=2, sp=False),
     row("model", 2, "qk-norm", model=QK_NORM, tp=2, sp=True),
 ]

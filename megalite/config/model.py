@@ -24,7 +24,7 @@ def _kernel_names(field: str) -> tuple[str, ...]:
 
     return (*CP_KERNELS, "a2a+p2p")
 
-RECOMPUTE_MODULES = ("core_attn", "mla_up_proj")
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 
@@ -126,8 +126,8 @@ class ModelConfig:
                                               "recomputed layers per stage (block).")
     recompute_modules: list[str] | None = arg(
         None, "What --recompute-granularity selective recomputes: core_attn (the attention "
-        "kernel; the default) and/or mla_up_proj (multi-latent attention's up projections "
-        "and RoPE).", nargs="*")
+        "kernel; the default), mla_up_proj (multi-latent attention's up projections and "
+        "RoPE), mlp (the dense MLPs).", nargs="*")
     cpu_offloading: bool = arg(False, "Offload the saved activations of the first "
                                "--cpu-offloading-num-layers layers of each model chunk to "
                                "host memory during forward, brought back in backward.")
@@ -300,8 +300,8 @@ class ModelConfig:
                 "--recompute-modules needs --recompute-granularity selective")
         unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
         require(not unknown, f"--recompute-modules {' '.join(unknown)}: megalite recomputes "
-                f"{' and '.join(RECOMPUTE_MODULES)} (or whole layers with "
-                "--recompute-granularity full)")
+                f"{', '.join(RECOMPUTE_MODULES)} (or whole layers with "
+                "--recompute-granularity full); drop the others")
         require("mla_up_proj" not in self.recompute_modules or self.multi_latent_attention,
                 "--recompute-modules mla_up_proj needs --multi-latent-attention")
 

@@ -178,6 +178,8 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
         act += 2 * tokens * h // sp // m.params_dtype.itemsize  # bool masks, 1 byte
     if not moe:
         f = m.ffn_hidden_size // tp
+        if m.recomputes("mlp"):       # only its input is kept (counted above)
+            return {"act": act, "fp32": fp32}
         act += tokens * f * (3 if m.swiglu else 2)            # fc1 out, fc2 in
         return {"act": act, "fp32": fp32}
     # MoE: tokens split over tp inside the layer, routed top-k to local experts

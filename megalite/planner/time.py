@@ -64,6 +64,7 @@ from megalite.config.layout import ResolvedLayout, resolve_layout
 from megalite.config.shapes import (
     active_layer_params,
     attention_head_dims,
+    dense_mlp_params,
     mla_up_proj_params,
     moe_layer_count,
 )
@@ -164,6 +165,9 @@ def compute_seconds(ctx: StepContext) -> float:
         if m.recomputes("mla_up_proj"):
             per_token += 2.0 * mla_up_proj_params(m)
         extra = m.num_layers * per_token * all_tokens
+        if m.recomputes("mlp"):
+            dense = m.num_layers - moe_layer_count(m)
+            extra += 2.0 * dense * dense_mlp_params(m, 1) * all_tokens
     compute = (lay.model_flops_per_step + extra) / lay.world_size / (
         cluster.peak_flops * cluster.matmul_efficiency)
     # memory-bound work (norms, activations, softmax, residual adds, copies): each element

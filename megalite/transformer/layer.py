@@ -6,6 +6,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from megalite.moe.layer import MoELayer, moe_layer_pattern
 from megalite.parallel.random import REPLICATED, TENSOR_PARALLEL
@@ -26,9 +27,10 @@ class TransformerLayer(torch.nn.Module):
     ``layer_number`` is the global (0-based) index in the whole model. The MLP is an
     :class:`~megalite.moe.layer.MoELayer` (Mixtral) when ``cfg.num_experts`` is set and
     ``moe_layer_pattern(cfg)`` selects this layer (it draws its own parameters from
-    ``seed``). ``ps`` is the ParallelState every sub-layer picks its groups from. Residual-branch
-    dropout draws from the replicated RNG stream (identical on TP ranks, which hold the
-    same activations) or, under sequence parallelism, the tensor-parallel stream (each rank
+    ``seed``); ``--recompute-modules mlp`` checkpoints a dense MLP. ``ps`` is the
+    ParallelState every sub-layer picks its groups from. Residual-branch dropout draws
+    from the replicated RNG stream (identical on TP ranks, which hold the same
+    activations) or, under sequence parallelism, the tensor-parallel stream (each rank
     holds a different chunk of the sequence).
     """
 
@@ -57,6 +59,7 @@ class TransformerLayer(torch.nn.Module):
                                 sequence_parallel=sequence_parallel)
         else:
             self.mlp = MLP(cfg, ps, **par)
+        self.recompute_mlp = cfg.recomputes("mlp") and not self.is_moe
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0.0:
@@ -74,4 +77,9 @@ class TransformerLayer(torch.nn.Module):
         kv = None if inference_cache is None else inference_cache.layer(self.layer_number)
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary,
                                                   document_ids, kv_cache=kv))
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        if self.recompute_mlp and self.training and torch.is_grad_enabled():
+            out = checkpoint(self.mlp, self.pre_mlp_layernorm(x), use_reentrant=False,
+                             context_fn=self.rng.recompute_context_fn)
+        else:
+            out = self.mlp(self.pre_mlp_layernorm(x))
+        return x + self._dropout(out)

@@ -155,8 +155,8 @@ NO_MLA = {"multi_latent_attention": False, "kv_lora_rank": None, "q_lora_rank": 
     ({"group_query_attention": True, "num_query_groups": 2}, "cannot be combined"),
     ({**NO_MLA, "rotary_scaling_factor": 40.0}, "YaRN"),
     ({"recompute_modules": ["mla_up_proj"]}, "needs --recompute-granularity selective"),
-    ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
-     "megalite recomputes core_attn and mla_up_proj"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe", "layernorm"]},
+     "moe layernorm: megalite recomputes core_attn, mla_up_proj, mlp"),
 ])
 def test_bad_input_is_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
