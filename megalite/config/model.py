@@ -127,7 +127,7 @@ class ModelConfig:
     recompute_modules: list[str] | None = arg(
         None, "What --recompute-granularity selective recomputes: core_attn (the attention "
         "kernel; the default), mla_up_proj (multi-latent attention's up projections and "
-        "RoPE), mlp (the dense MLPs).", nargs="*")
+        "RoPE), mlp (the dense MLPs).", nargs="*", choices=RECOMPUTE_MODULES)
     cpu_offloading: bool = arg(False, "Offload the saved activations of the first "
                                "--cpu-offloading-num-layers layers of each model chunk to "
                                "host memory during forward, brought back in backward.")
@@ -298,10 +298,6 @@ class ModelConfig:
             return
         require(self.recompute_granularity == "selective",
                 "--recompute-modules needs --recompute-granularity selective")
-        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
-        require(not unknown, f"--recompute-modules {' '.join(unknown)}: megalite recomputes "
-                f"{', '.join(RECOMPUTE_MODULES)} (or whole layers with "
-                "--recompute-granularity full); drop the others")
         require("mla_up_proj" not in self.recompute_modules or self.multi_latent_attention,
                 "--recompute-modules mla_up_proj needs --multi-latent-attention")
 

@@ -29,8 +29,9 @@ def test_check_fails_on_a_stale_table_and_write_fixes_it(tmp_path, capsys):
     assert tool.main(["--check", str(readme)]) == 0
     text = readme.read_text()
     assert text.startswith("# x\n") and text.endswith(f"{tool.END}\nafter\n")
-    assert "| `--no-mmap-bin-files` | ✓ |  |  | accepted, no effect here: " in text
-    assert "| `--tokenizer-type Llama2Tokenizer` |  | ✓ |  | implemented |" in text
+    assert "| `--no-mmap-bin-files` | ✓ |  |  | ✓ | accepted, no effect here: " in text
+    assert "| `--tokenizer-type Llama2Tokenizer` |  | ✓ |  |  | implemented |" in text
+    assert "| `--multi-latent-attention` |  |  |  | ✓ | implemented |" in text
 
 
 def test_rows_come_from_the_parser():

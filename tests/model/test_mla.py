@@ -156,7 +156,7 @@ NO_MLA = {"multi_latent_attention": False, "kv_lora_rank": None, "q_lora_rank": 
     ({**NO_MLA, "rotary_scaling_factor": 40.0}, "YaRN"),
     ({"recompute_modules": ["mla_up_proj"]}, "needs --recompute-granularity selective"),
     ({"recompute_granularity": "selective", "recompute_modules": ["moe", "layernorm"]},
-     "moe layernorm: megalite recomputes core_attn, mla_up_proj, mlp"),
+     "recompute_modules takes core_attn, mla_up_proj, mlp; got moe, layernorm"),
 ])
 def test_bad_input_is_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
