@@ -6,7 +6,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from megalite.moe.layer import MoELayer, moe_layer_pattern
 from megalite.parallel.random import REPLICATED, TENSOR_PARALLEL
@@ -58,7 +57,7 @@ class TransformerLayer(torch.nn.Module):
             self.mlp = MoELayer(cfg, ps, layer_number=layer_number, seed=seed,
                                 sequence_parallel=sequence_parallel)
         else:
-            self.mlp = MLP(cfg, ps, **par)
+            self.mlp = MLP(cfg, ps, recompute=cfg.recomputes("mlp"), **par)
         self.recompute_mlp = cfg.recomputes("mlp") and not self.is_moe
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,9 +76,4 @@ class TransformerLayer(torch.nn.Module):
         kv = None if inference_cache is None else inference_cache.layer(self.layer_number)
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary,
                                                   document_ids, kv_cache=kv))
-        if self.recompute_mlp and self.training and torch.is_grad_enabled():
-            out = checkpoint(self.mlp, self.pre_mlp_layernorm(x), use_reentrant=False,
-                             context_fn=self.rng.recompute_context_fn)
-        else:
-            out = self.mlp(self.pre_mlp_layernorm(x))
-        return x + self._dropout(out)
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))

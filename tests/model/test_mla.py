@@ -206,3 +206,43 @@ def test_launch_flags_of_deepseek_v3_parse():
     assert m.original_max_position_embeddings == 4096      # Megatron-Core's MLA default
     assert m.recomputes("mla_up_proj") and m.recomputes("core_attn")
     assert mla_softmax_scale(m) == pytest.approx((0.1 * math.log(40) + 1) ** 2 / 192 ** 0.5)
+
+
+@pytest.mark.parametrize("modules, recomputed", [
+    (["core_attn"], {"core_attention"}),
+    (["mla_up_proj"], {"linear_q_up_proj", "linear_kv_up_proj"}),
+    (["mla_up_proj", "core_attn"], {"linear_q_up_proj", "linear_kv_up_proj",
+                                    "core_attention"}),
+    (["mlp"], {"linear_fc1"})])   # fc2's input is recomputed: fc2 itself need not run
+def test_recompute_modules_run_their_parts_again(modules, recomputed, monkeypatch):
+    """--recompute-modules: the chosen parts run forward twice in a training step (once
+    more in backward), the others once; the gradients do not change."""
+    from megalite.transformer.attention_kernels.sdpa import SdpaAttention
+
+    calls: dict[str, int] = {}
+
+    def count(name):
+        calls[name] = calls.get(name, 0) + 1
+
+    attend = SdpaAttention.attend
+    monkeypatch.setattr(SdpaAttention, "attend",
+                        lambda self, *a: count("core_attention") or attend(self, *a))
+    grads = {}
+    for mods in (None, modules):
+        extra = {} if mods is None else {"recompute_granularity": "selective",
+                                         "recompute_modules": mods}
+        model = GPTModel(mla_config(num_layers=1, vocab_size=50, **extra),
+                         single_process_state(), seed=3)
+        calls.clear()
+        layer = model.decoder.layers["0"]
+        for name, mod in [*layer.self_attention.named_children(),
+                          *layer.mlp.named_children()]:
+            if name != "core_attention":
+                mod.register_forward_hook(lambda *_, name=name: count(name))
+        ids = torch.randint(0, 50, (2, SEQ), generator=torch.Generator().manual_seed(0))
+        model(ids, labels=ids).mean().backward()
+        grads[mods is None] = {n: p.grad for n, p in model.named_parameters()}
+        assert all(c in (1, 2) for c in calls.values()), calls
+        assert {n for n, c in calls.items() if c == 2} == (recomputed if mods else set())
+    for name, g in grads[True].items():
+        torch.testing.assert_close(grads[False][name], g, rtol=0, atol=1e-6)
