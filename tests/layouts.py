@@ -264,7 +264,11 @@ _RESUME = [row("resume", 4, tp=2),                                  # test_resum
 
 # -- reshard: save at tp2 x pp2 x dp2, resume at tp1 (one process) and tp4 x dp2 ----------
 _RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
-            row("reshard", 1), row("reshard", 8, tp=4, distopt=True)]
+            row("reshard", 1), row("reshard", 8, tp=4, distopt=True),
+            # multi-latent attention: saved at tp 2 + sp (up projections split, down
+            # projections whole), resumed in one process
+            row("reshard", 2, "mla", model=MLA, tags=("save",), tp=2, sp=True),
+            row("reshard", 1, "mla", model=MLA)]
 
 # -- cp: context parallelism, each comm type, trained against one process -----------------
 # a Llama-style GQA model (4 heads, 2 query groups: a2a at cp 2 splits both) at seq 32
