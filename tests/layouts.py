@@ -130,6 +130,30 @@ _MODEL = [row("model", tp, kind, model=RECOMPUTE[kind], tp=tp, sp=sp)
           for tp in (1, 2, 4) for sp in ((False,) if tp == 1 else (False, True))
           for kind in RECOMPUTE if (tp, kind) != (1, "none")]   # tp1 / none: the reference
 
+# multi-latent attention (DeepSeek-V3's shape, tiny: both latents, a RoPE part of 4, values
+# narrower than keys, YaRN) and QK norm; each row against tp 1 of its own model
+MLA = {"multi_latent_attention": True, "qk_layernorm": True, "q_lora_rank": 16,
+       "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 6,
+       "rotary_scaling_factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+       "original_max_position_embeddings": 8, "group_query_attention": False,
+       "num_query_groups": None}
+MLA_RECOMPUTE = {"recompute_granularity": "selective",
+                 "recompute_modules": ["core_attn", "mla_up_proj"]}
+QK_NORM = {"qk_layernorm": True}
+_MODEL += [
+    row("model", 2, "mla", model=MLA, tp=2, sp=False),
+    row("model", 2, "mla", model=MLA, tp=2, sp=True),
+    row("model", 2, "mla-no-q-lora", model={**MLA, "q_lora_rank": None}, tp=2, sp=True),
+    row("model", 1, "mla-up-proj", model={**MLA, "recompute_granularity": "selective",
+                                          "recompute_modules": ["mla_up_proj"]}),
+    row("model", 2, "mla-selective", model={**MLA, **MLA_RECOMPUTE}, tp=2, sp=True),
+    row("model", 2, "mla-mlp", model={**MLA, "recompute_granularity": "selective",
+                                      "recompute_modules": ["mlp", "mla_up_proj"]},
+        tp=2, sp=True),
+    row("model", 2, "qk-norm", model=QK_NORM, tp=2, sp=False),
+    row("model", 2, "qk-norm", model=QK_NORM, tp=2, sp=True),
+]
+
 # -- mixtral: logits against transformers on 4 ranks, dp = 4 / tp ------------------------
 _MIXTRAL_MODEL = {"num_experts": 4}
 _MIXTRAL = [row("mixtral", 4, model=_MIXTRAL_MODEL, tp=2, sp=False, ep=2, etp=2),
@@ -165,6 +189,9 @@ _MOE_TRAINING = [
         optim={"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}),
     # ZeRO-3: expert parameters sharded and gathered over edp 2, dense ones over dp 4
     row("moe-training", 4, model={"num_experts": 4}, ep=2, strategy="optim_grads_params"),
+    # multi-latent attention in front of the experts
+    row("moe-training", 4, "mla", model={"num_experts": 4, **MLA}, tp=2, sp=True, ep=2,
+        etp=1),
     # 4 layers, MoE every other one: with pp 2 x vpp 2 the second stage holds no MoE layer
     row("moe-training", 4, model={"num_experts": 4, "num_layers": 4, "moe_layer_freq": 2,
                                   "moe_token_dispatcher_type": "alltoall"},
@@ -232,13 +259,19 @@ _OPTIM_ZERO3 = [
     row("optim", 4, "offload1", optim={**OFFLOAD, "optimizer_offload_fraction": 1.0},
         tags=_SLOW, tp=2, sp=True, **ZERO3),
 ]
+# multi-latent attention: pp 2 x vpp 2 with the distributed optimizer over dp 2, and
+# ZeRO-3 over dp 2 with tp 2 + sp
+_OPTIM_MLA = [
+    row("optim", 4, "mla", model={**MLA, "num_layers": 4}, pp=2, vpp=2, distopt=True),
+    row("optim", 4, "mla", model=MLA, tp=2, sp=True, **ZERO3),
+]
 _OPTIM = [*(row("optim", world, model=model, **sizes, **flags)
             for world, sizes, model in _OPTIM_LAYOUTS for flags in OPTIM_VARIANTS.values()),
           *(row("optim", world, variant if "offload" in variant else "", model=model,
                 optim=optim, **sizes, **flags)
             for world, sizes, model in OPTIM_EXTRA_LAYOUTS
             for variant, (flags, optim) in OPTIM_EXTRA.items()),
-          *_OPTIM_ZERO3]
+          *_OPTIM_ZERO3, *_OPTIM_MLA]
 
 # -- muon: a Llama-style GQA model (Q, K, V orthogonalised apart; SwiGLU's fused fc1 one
 # matrix), Muon's update against one process; --muon-tp-mode blockwise depends on tp and
@@ -302,7 +335,11 @@ _RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
                 strategy="optim", tags=("save",)),
             row("reshard", 1, "muon", model=MUON_MOE, optim=MUON),
             row("reshard", 4, "muon", model=MUON_MOE, optim=MUON, pp=2, ep=2,
-                strategy="optim_grads_params")]
+                strategy="optim_grads_params"),
+            # multi-latent attention: saved at tp 2 + sp (up projections split, down
+            # projections whole), resumed in one process
+            row("reshard", 2, "mla", model=MLA, tags=("save",), tp=2, sp=True),
+            row("reshard", 1, "mla", model=MLA)]
 
 # -- cp: context parallelism, each comm type, trained against one process -----------------
 # a Llama-style GQA model (4 heads, 2 query groups: a2a at cp 2 splits both) at seq 32
@@ -342,6 +379,12 @@ _CP = [
     _cp_row(2, "a2a", model=RECOMPUTE["full-uniform"], variant="full", cp=2),
     # document masks: also trained on data with many documents (test_documents.py)
     dataclasses.replace(_cp_row(2, "p2p", variant="docs", cp=2), data=CP_DOCUMENTS),
+    # multi-latent attention: values narrower than keys through every exchange, with tp 2 +
+    # sp, and its up projections recomputed with the kernel
+    *(_cp_row(2, comm, model=MLA, variant="mla", cp=2) for comm in ("p2p", "allgather",
+                                                                      "a2a")),
+    _cp_row(4, "p2p", model=MLA, variant="mla", tp=2, sp=True, cp=2),
+    _cp_row(2, "a2a", model={**MLA, **MLA_RECOMPUTE}, variant="mla-selective", cp=2),
 ]
 
 # -- activation-offload: --cpu-offloading against the same layout without it (bitwise) ---

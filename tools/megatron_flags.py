@@ -7,10 +7,10 @@ docs/megatron.md, generated from megalite's parser.
     python tools/megatron_flags.py --write docs/megatron.md  # put it between the markers
     python tools/megatron_flags.py --check docs/megatron.md  # exit 1 when the table is stale
 
-The flags below are those the three scripts in Megatron-LM's ``examples/`` pass to
+The flags below are those the four scripts in Megatron-LM's ``examples/`` pass to
 ``pretrain_gpt.py`` (values as the scripts give them; paths as their variables), the
-expert and routing flags of its DeepSeek-V3 configuration, and Megatron-LM's Muon
-flags (``--optimizer muon`` and the ``--muon-*`` options of its
+expert and routing flags of its DeepSeek-V3 post-training configuration, and
+Megatron-LM's Muon flags (``--optimizer muon`` and the ``--muon-*`` options of its
 ``megatron/training/arguments.py``, with values a Muon run passes). Each flag's
 status comes from megalite's parser and the ``no_effect`` reasons declared on the config
 fields (:func:`megalite.compat.flag_status`), so the table follows the code.
@@ -100,7 +100,7 @@ GPT3_175B = """
 """
 
 # examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh: the expert and routing
-# flags of its DeepSeek-V3 architecture (its multi-latent attention is not megalite's), with
+# flags of its DeepSeek-V3 architecture (its attention is in the DeepSeek-V3 column), with
 # the flex dispatcher (for its alltoall) and the fusions of Megatron-Core's MoE model zoo
 DEEPSEEK_V3_MOE = """
 --num-experts 256 --moe-layer-freq [0]*3+[1]*58 --moe-ffn-hidden-size 2048
@@ -124,10 +124,52 @@ MUON = """
 --use-distributed-optimizer
 """
 
+# examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh (its defaults TP=1, EP=8, MBS=4,
+# GBS=2048; the Megatron-FSDP branch's own flags left out)
+DEEPSEEK_V3 = """
+--distributed-timeout-minutes 60 --tensor-model-parallel-size 1
+--expert-model-parallel-size 8 --expert-tensor-parallel-size 1 --context-parallel-size 1
+--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --use-mcore-models
+--sequence-parallel --use-flash-attn --disable-bias-linear --micro-batch-size 4
+--global-batch-size 2048 --train-samples 585937500 --exit-duration-in-mins 220
+--no-check-for-nan-in-loss-and-grad --manual-gc --manual-gc-interval 10
+--recompute-granularity selective --recompute-modules mlp moe mla_up_proj layernorm
+--transformer-impl transformer_engine --seq-length 4096 --data-cache-path $OUTPUT_PATH/cache
+--tokenizer-type HuggingFaceTokenizer --tokenizer-model deepseek-ai/DeepSeek-V3
+--data-path $DATA_PATH --split 99,1,0 --no-mmap-bin-files
+--no-create-attention-mask-in-dataloader --num-workers 6
+--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128
+--kv-channels 128 --max-position-embeddings 4096 --position-embedding-type rope
+--rotary-base 10000 --make-vocab-size-divisible-by 3232 --normalization RMSNorm
+--norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights --multi-latent-attention
+--attention-dropout 0.0 --hidden-dropout 0.0 --clip-grad 1.0 --weight-decay 0.1
+--qk-layernorm --lr-decay-samples 584765624 --lr-warmup-samples 1536000
+--lr-warmup-init 3.9e-7 --lr 3.9e-6 --min-lr 3.9e-7 --lr-decay-style cosine
+--adam-beta1 0.9 --adam-beta2 0.95
+--num-experts 256 --moe-layer-freq "[0]*3+[1]*58" --moe-ffn-hidden-size 2048
+--moe-shared-expert-intermediate-size 2048 --moe-router-load-balancing-type seq_aux_loss
+--moe-router-topk 8 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep
+--moe-router-pre-softmax --moe-grouped-gemm --moe-aux-loss-coeff 1e-4
+--moe-router-group-topk 4 --moe-router-num-groups 8 --moe-router-topk-scaling-factor 2.5
+--moe-router-score-function sigmoid --moe-router-enable-expert-bias
+--moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 --moe-permute-fusion
+--moe-router-force-load-balancing
+--q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64
+--v-head-dim 128 --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0
+--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1
+--eval-iters 32 --eval-interval 100 --auto-detect-ckpt-format
+--load $OUTPUT_PATH/checkpoints --save $OUTPUT_PATH/checkpoints --save-interval 100
+--dist-ckpt-strictness log_all --init-method-std 0.02 --log-timers-to-tensorboard
+--log-memory-to-tensorboard --log-num-zeros-in-grad --log-params-norm
+--log-validation-ppl-to-tensorboard --log-throughput --log-interval 1 --logging-level 40
+--tensorboard-dir $OUTPUT_PATH/tensorboard --bf16 --enable-experimental
+"""
+
 SCRIPTS = {
     "Llama-3 8B": ("examples/llama/train_llama3_8b_h100_fp8.sh", LLAMA3_8B),
     "Mixtral 8x7B": ("examples/mixtral/train_mixtral_8x7b_distributed.sh", MIXTRAL_8X7B),
     "GPT-3 175B": ("examples/gpt3/train_gpt3_175b_distributed.sh", GPT3_175B),
+    "DeepSeek-V3": ("examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh", DEEPSEEK_V3),
     "DeepSeek-V3 MoE": ("examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh",
                         DEEPSEEK_V3_MOE),
     "Muon": ("megatron/training/arguments.py (--optimizer muon, --muon-*)", MUON),

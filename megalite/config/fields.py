@@ -69,10 +69,17 @@ def choices_of(f: dataclasses.Field) -> tuple | None:
 
 
 def check_choices(obj: Any) -> None:
-    """Every field declared with ``choices`` holds one of them (None allowed when default)."""
+    """Every field declared with ``choices`` holds one of them (None allowed when default;
+    a list field, each of its values)."""
     for f in dataclasses.fields(obj):
         choices = choices_of(f)
         value = getattr(obj, f.name)
+        if choices and isinstance(value, list):
+            bad = [v for v in value if v not in choices]
+            if bad:
+                raise ConfigError(f"{f.name} takes {', '.join(map(str, choices))}; got "
+                                  f"{', '.join(map(str, bad))}")
+            continue
         if choices and value not in choices and not (value is None and f.default is None):
             raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}; "
                               f"got {value!r}")

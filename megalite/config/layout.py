@@ -156,11 +156,11 @@ class ResolvedLayout:
         tokens = self.tokens_per_microbatch
         stage = max((self.stage_layers(r) for r in range(self.pp)), key=len)
         dense = sum(not shapes.is_moe_layer(model_cfg, layer) for layer in stage)
-        qkv, proj, fc1, fc2 = shapes.layer_gemms(model_cfg, tokens, self.tp)
+        *attention, fc1, fc2 = shapes.layer_gemms(model_cfg, tokens, self.tp)
         return dataclasses.replace(
             self, padded_vocab_size=vocab,
             flops_per_token=shapes.flops_per_token(model_cfg, vocab),
-            gemms=((*qkv, len(stage)), (*proj, len(stage)), (*fc1, dense), (*fc2, dense),
+            gemms=(*((*g, len(stage)) for g in attention), (*fc1, dense), (*fc2, dense),
                    (tokens, model_cfg.hidden_size, vocab // self.tp, 1)))
 
     def describe(self) -> str:

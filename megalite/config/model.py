@@ -87,6 +87,7 @@ def _normalized_freq(freq) -> int | str:
         return text
 
 
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 
@@ -140,6 +141,31 @@ class ModelConfig:
                             "(gather keys/values over cp) or a2a (Ulysses all-to-all from "
                             "sequence to heads); a2a+p2p is not supported.",
                             choices=lambda: _kernel_names("cp_comm_type"))
+    # Multi-latent attention (DeepSeek-V2/V3) and QK norm; megalite.transformer.mla
+    qk_layernorm: bool = arg(False, "Normalize queries and keys (--normalization, per head "
+                             "over the head dim); with --multi-latent-attention the query "
+                             "and key/value latents instead (DeepSeek's q_a / kv_a norms).")
+    multi_latent_attention: bool = arg(False, "Multi-latent attention (DeepSeek-V2/V3): "
+                                       "queries and keys/values through low-rank latents, a "
+                                       "decoupled RoPE part shared across heads, YaRN.")
+    q_lora_rank: int | None = arg(None, "Rank of the query latent (none: the queries are one "
+                                  "plain projection of the hidden state).")
+    kv_lora_rank: int | None = arg(None, "Rank of the key/value latent (default 32, "
+                                   "Megatron's, under --multi-latent-attention).")
+    qk_head_dim: int | None = arg(None, "Query/key head dim without the RoPE part (default "
+                                  "128); a query head has qk_head_dim + qk_pos_emb_head_dim.")
+    qk_pos_emb_head_dim: int | None = arg(None, "The decoupled RoPE part of each query/key "
+                                          "head, shared by all heads for keys (default 64).")
+    v_head_dim: int | None = arg(None, "Value head dim (default 128).")
+    rotary_scaling_factor: float = arg(1.0, "YaRN context extension factor of multi-latent "
+                                       "attention's RoPE (1: plain RoPE).")
+    mscale: float = arg(1.0, "YaRN mscale: the cos/sin of the RoPE part are scaled by "
+                        "mscale(factor, mscale) / mscale(factor, mscale_all_dim).")
+    mscale_all_dim: float = arg(0.0, "YaRN mscale_all_dim: the softmax scale is multiplied by "
+                                "mscale(factor, mscale_all_dim) ** 2.")
+    original_max_position_embeddings: int | None = arg(
+        None, "The context length the YaRN correction range is computed for (default 4096, "
+        "Megatron-Core's MLA default).", aliases=("--yarn-original-max-position-embeddings",))
     masked_softmax_fusion: bool = arg(
         True, "the fused masked-softmax kernel.", flag="--no-masked-softmax-fusion",
         action="store_false",
@@ -161,6 +187,10 @@ class ModelConfig:
                                           choices=("uniform", "block"))
     recompute_num_layers: int | None = arg(None, "Layers per recompute unit (uniform) or "
                                               "recomputed layers per stage (block).")
+    recompute_modules: list[str] | None = arg(
+        None, "What --recompute-granularity selective recomputes: core_attn (the attention "
+        "kernel; the default), mla_up_proj (multi-latent attention's up projections and "
+        "RoPE), mlp (the dense MLPs).", nargs="*", choices=RECOMPUTE_MODULES)
     cpu_offloading: bool = arg(False, "Offload the saved activations of the first "
                                "--cpu-offloading-num-layers layers of each model chunk to "
                                "host memory during forward, brought back in backward.")
@@ -293,6 +323,7 @@ class ModelConfig:
         require(self.num_attention_heads % self.num_query_groups == 0,
                  f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                  f"num_query_groups ({self.num_query_groups})")
+        self._check_attention_variant()
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.learned_positions:
@@ -308,6 +339,7 @@ class ModelConfig:
         if self.recompute_method is not None:
             require(self.recompute_granularity == "full",
                      "--recompute-method needs --recompute-granularity full")
+        self._check_recompute_modules()
         if self.recompute_granularity == "full":
             if self.recompute_method is None:
                 self.recompute_method = "uniform"
@@ -380,6 +412,61 @@ class ModelConfig:
         if self.num_experts is None:
             return (False,) * self.num_layers
         return moe_layer_pattern_of(self.moe_layer_freq, self.num_layers)
+
+    def _check_attention_variant(self) -> None:
+        """Multi-latent attention's sizes (Megatron's defaults where unset) and the flags
+        that only it reads."""
+        mla_only = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                    "v_head_dim", "original_max_position_embeddings")
+        positive(self, *mla_only, "rotary_scaling_factor")
+        if not self.multi_latent_attention:
+            for name in mla_only:
+                require(getattr(self, name) is None,
+                        f"--{name.replace('_', '-')} needs --multi-latent-attention")
+            for name, default in (("rotary_scaling_factor", 1.0), ("mscale", 1.0),
+                                  ("mscale_all_dim", 0.0)):
+                require(getattr(self, name) == default,
+                        f"--{name.replace('_', '-')} ({getattr(self, name)}) is YaRN's, which "
+                        "megalite implements for --multi-latent-attention only")
+            return
+        require(not self.group_query_attention,
+                "--multi-latent-attention and --group-query-attention cannot be combined: "
+                "multi-latent attention has one key/value head per query head")
+        for name, default in (("kv_lora_rank", 32), ("qk_head_dim", 128),
+                              ("qk_pos_emb_head_dim", 64), ("v_head_dim", 128),
+                              ("original_max_position_embeddings", 4096)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        require(self.qk_pos_emb_head_dim % 2 == 0,
+                f"--qk-pos-emb-head-dim ({self.qk_pos_emb_head_dim}) must be even: RoPE "
+                "rotates pairs of channels")
+        require(self.rotary_percent == 1.0,
+                f"--rotary-percent ({self.rotary_percent}) does not apply to multi-latent "
+                "attention, whose RoPE part is --qk-pos-emb-head-dim; leave it at 1.0")
+        for name in ("mscale", "mscale_all_dim"):
+            require(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+
+    @property
+    def mla_q_head_dim(self) -> int:
+        """A multi-latent attention query/key head: ``qk_head_dim + qk_pos_emb_head_dim``."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+    def _check_recompute_modules(self) -> None:
+        """``--recompute-modules``: Megatron's default ``core_attn``; the kinds megalite
+        implements."""
+        if self.recompute_modules is None:
+            if self.recompute_granularity == "selective":
+                self.recompute_modules = ["core_attn"]
+            return
+        require(self.recompute_granularity == "selective",
+                "--recompute-modules needs --recompute-granularity selective")
+        require("mla_up_proj" not in self.recompute_modules or self.multi_latent_attention,
+                "--recompute-modules mla_up_proj needs --multi-latent-attention")
+
+    def recomputes(self, module: str) -> bool:
+        """Selective recomputation covers ``module`` (a ``--recompute-modules`` kind)."""
+        return (self.recompute_granularity == "selective"
+                and module in (self.recompute_modules or ()))
 
     def _check_cpu_offloading(self) -> None:
         """Megatron's rule (0 <= layers < num_layers) and what megalite offloads."""

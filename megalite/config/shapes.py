@@ -6,11 +6,14 @@ the tensor / expert split; the built model must agree (the dry run checks the co
 against the parameters it builds on the meta device).
 
 Model FLOPs per token (:func:`flops_per_token`) follow the PaLM / Megatron-LM count:
-``6 N + 6 h V + 12 L h s`` -- ``6 N`` for the matmuls of the ``N`` transformer-layer
-parameters a token passes through (forward 2N, backward 4N; an MoE layer counts its router
-and ``top-k`` experts, not all of them), ``6 h V`` for the output layer (hidden ``h``,
-padded vocabulary ``V``) and ``12 L h s`` for the attention scores and values (``L``
-layers, sequence ``s``). Embedding tables are a lookup and count nothing.
+``6 N + 6 h V + 6 L s n (d_qk + d_v)`` -- ``6 N`` for the matmuls of the ``N``
+transformer-layer parameters a token passes through (forward 2N, backward 4N; an MoE layer
+counts its router and ``top-k`` experts, not all of them), ``6 h V`` for the output layer
+(hidden ``h``, padded vocabulary ``V``) and ``6 L s n (d_qk + d_v)`` for the attention
+scores and values (``L`` layers, sequence ``s``, ``n`` heads of query/key width ``d_qk``
+and value width ``d_v``: ``12 L h s`` when ``n d = h``; multi-latent attention's
+``d_qk = qk_head_dim + qk_pos_emb_head_dim``, ``d_v = v_head_dim``, and its ``N`` holds
+its down and up projections). Embedding tables are a lookup and count nothing.
 """
 
 from __future__ import annotations
@@ -32,14 +35,54 @@ def moe_layer_count(m) -> int:
     return sum(is_moe_layer(m, layer) for layer in range(m.num_layers))
 
 
+def _norm(m, size: int) -> int:
+    return size * (1 if m.normalization == "RMSNorm" else 2)
+
+
+def attention_head_dims(m) -> tuple[int, int]:
+    """(query/key, value) head widths: ``kv_channels`` twice, or multi-latent attention's
+    ``qk_head_dim + qk_pos_emb_head_dim`` and ``v_head_dim``."""
+    if m.multi_latent_attention:
+        return m.mla_q_head_dim, m.v_head_dim
+    return m.kv_channels, m.kv_channels
+
+
+def mla_params(m, tp: int) -> int:
+    """Multi-latent attention's projections and latent norms on one tp rank: the down
+    projections and norms whole (replicated), the up projections ``1/tp``."""
+    h, n = m.hidden_size, m.num_attention_heads
+    q_out = n * m.mla_q_head_dim
+    if m.q_lora_rank is None:
+        total = h * q_out // tp
+    else:
+        total = h * m.q_lora_rank + m.q_lora_rank * q_out // tp
+        total += _norm(m, m.q_lora_rank) if m.qk_layernorm else 0
+    total += h * (m.kv_lora_rank + m.qk_pos_emb_head_dim)
+    total += m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim) // tp
+    total += _norm(m, m.kv_lora_rank) if m.qk_layernorm else 0
+    return total
+
+
+def mla_up_proj_params(m) -> int:
+    """The up projections (query and key/value) of one multi-latent attention layer, whole
+    model (what ``--recompute-modules mla_up_proj`` runs again)."""
+    n = m.num_attention_heads
+    q_in = m.hidden_size if m.q_lora_rank is None else m.q_lora_rank
+    return n * (q_in * m.mla_q_head_dim + m.kv_lora_rank * (m.qk_head_dim + m.v_head_dim))
+
+
 def dense_layer_params(m, tp: int) -> int:
     """Parameter elements of one transformer layer's attention and norms on one tp rank
     (the MLP is counted apart: :func:`dense_mlp_params`, :func:`moe_mlp_params`)."""
     h, nh, ng, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
-    qkv_out = (nh + 2 * ng) * d
-    n = h * qkv_out // tp + (qkv_out // tp if (m.add_bias_linear or m.add_qkv_bias) else 0)
-    n += nh * d * h // tp + (h if m.add_bias_linear else 0)
-    n += 2 * norm_params(m)
+    if m.multi_latent_attention:
+        n = mla_params(m, tp) + nh * m.v_head_dim * h // tp
+    else:
+        qkv_out = (nh + 2 * ng) * d
+        n = h * qkv_out // tp + (qkv_out // tp if (m.add_bias_linear or m.add_qkv_bias)
+                                 else 0)
+        n += nh * d * h // tp + (2 * _norm(m, d) if m.qk_layernorm else 0)
+    n += (h if m.add_bias_linear else 0) + 2 * norm_params(m)
     return n
 
 
@@ -88,17 +131,37 @@ def active_layer_params(m) -> int:
 
 def flops_per_token(m, padded_vocab_size: int) -> float:
     """Training FLOPs (forward + backward) per token of the whole model:
-    ``6 N + 6 h V + 12 L h s`` (module docstring)."""
+    ``6 N + 6 h V + 6 L s n (d_qk + d_v)`` (module docstring)."""
+    d_qk, d_v = attention_head_dims(m)
     return (6.0 * active_layer_params(m) + 6.0 * m.hidden_size * padded_vocab_size
-            + 12.0 * m.num_layers * m.hidden_size * m.seq_length)
+            + 6.0 * m.num_layers * m.seq_length * m.num_attention_heads * (d_qk + d_v))
+
+
+def attention_gemms(m, tokens: int, tp: int = 1) -> list[tuple[int, int, int]]:
+    """``(tokens, in, out)`` of one layer's attention projections on one tp rank: qkv and
+    the output projection; under multi-latent attention the query (down and up, or one)
+    and key/value (down, up) projections, then the output projection. The down
+    projections see this rank's tokens under sequence parallelism, counted here as the
+    whole ``tokens``."""
+    h, n = m.hidden_size, m.num_attention_heads
+    if not m.multi_latent_attention:
+        d = m.kv_channels
+        return [(tokens, h, (n + 2 * m.num_query_groups) * d // tp),
+                (tokens, n * d // tp, h)]
+    q_out = n * m.mla_q_head_dim // tp
+    q = ([(tokens, h, q_out)] if m.q_lora_rank is None
+         else [(tokens, h, m.q_lora_rank), (tokens, m.q_lora_rank, q_out)])
+    return [*q, (tokens, h, m.kv_lora_rank + m.qk_pos_emb_head_dim),
+            (tokens, m.kv_lora_rank, n * (m.qk_head_dim + m.v_head_dim) // tp),
+            (tokens, n * m.v_head_dim // tp, h)]
 
 
 def layer_gemms(m, tokens: int, tp: int = 1) -> list[tuple[int, int, int]]:
     """``(tokens, in, out)`` of one dense transformer layer's linear layers on one tp rank
-    for ``tokens`` tokens: qkv, attention projection, fc1, fc2 (``x [tokens, in] @
-    w [in, out]``; each also runs ``g @ w.T`` and ``x.T @ g`` in backward)."""
-    h, d = m.hidden_size, m.kv_channels
+    for ``tokens`` tokens: the attention's (:func:`attention_gemms`), then fc1, fc2
+    (``x [tokens, in] @ w [in, out]``; each also runs ``g @ w.T`` and ``x.T @ g`` in
+    backward)."""
+    h = m.hidden_size
     fc1 = (2 if m.swiglu else 1) * m.ffn_hidden_size
-    return [(tokens, h, (m.num_attention_heads + 2 * m.num_query_groups) * d // tp),
-            (tokens, m.num_attention_heads * d // tp, h),
+    return [*attention_gemms(m, tokens, tp),
             (tokens, h, fc1 // tp), (tokens, m.ffn_hidden_size // tp, h)]

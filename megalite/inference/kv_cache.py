@@ -44,10 +44,11 @@ class LayerKVCache:
         if end > self.parent.max_len:
             raise InferenceCacheError(
                 f"the KV cache holds {self.parent.max_len} tokens; {end} requested")
-        if self.k is None:
-            shape = (self.parent.max_len, *k.shape[1:])
-            self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
+        if self.k is None:   # v's head dim may differ from k's (multi-latent attention)
+            self.k = torch.empty((self.parent.max_len, *k.shape[1:]), dtype=k.dtype,
+                                 device=k.device)
+            self.v = torch.empty((self.parent.max_len, *v.shape[1:]), dtype=v.dtype,
+                                 device=v.device)
         self.k[start:end] = k
         self.v[start:end] = v
         return self.k[:end], self.v[:end]
@@ -115,4 +116,4 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         blocked = (blocked.view(1, s, S) | (pad_key.view(b, 1, S) & ~own)).view(b, 1, s, S)
     probs = scores.masked_fill(blocked, float("-inf")).softmax(dim=-1)
     ctx = torch.matmul(probs.to(vb.dtype), vb)  # [b, nh, s, d]
-    return ctx.permute(2, 0, 1, 3).reshape(s, b, nh * d)
+    return ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, nh * dv]

@@ -33,15 +33,17 @@ def eager_parts(layer: torch.nn.Module) -> list[torch.nn.Module]:
 
     * a mixture-of-experts MLP (``layer.is_moe``): its token routing has data-dependent
       shapes (``nonzero``, per-expert counts), which would recompile at every step;
-    * the attention block under selective recomputation (``recompute_core``): it checkpoints
-      the attention kernel with a ``context_fn`` that replays the dropout RNG, which
-      ``torch.compile`` cannot trace.
+    * the attention block under selective recomputation (``recompute_core``, or
+      multi-latent attention's ``recompute_up_proj``) and a dense MLP under
+      ``--recompute-modules mlp`` (``recompute_mlp``): they checkpoint with a
+      ``context_fn`` that replays the dropout RNG, which ``torch.compile`` cannot trace.
     """
     parts = []
     attention = getattr(layer, "self_attention", None)
-    if attention is not None and getattr(attention, "recompute_core", False):
+    if attention is not None and (getattr(attention, "recompute_core", False)
+                                  or getattr(attention, "recompute_up_proj", False)):
         parts.append(attention)
-    if getattr(layer, "is_moe", False):
+    if getattr(layer, "is_moe", False) or getattr(layer, "recompute_mlp", False):
         parts.append(layer.mlp)
     return parts
 

@@ -32,6 +32,7 @@ from megalite.parallel.params import param_meta, update_meta
 from megalite.parallel.random import RNGTracker
 from megalite.transformer.block import TransformerBlock
 from megalite.transformer.rope import RotaryEmbedding
+from megalite.transformer.yarn import YarnRotaryEmbedding
 
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
 
@@ -73,7 +74,9 @@ class GPTModel(torch.nn.Module):
             self.embedding = GPTEmbedding(cfg, self.padded_vocab_size, ps, rng=self.rng,
                                           **common)
         self.rotary = None
-        if cfg.position_embedding_type == "rope":
+        if cfg.multi_latent_attention:   # its own RoPE part, with YaRN's scaling
+            self.rotary = YarnRotaryEmbedding(cfg, device=ps.device)
+        elif cfg.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base,
                                           device=ps.device)
         self.decoder = TransformerBlock(cfg, ps, rng=self.rng, first_layer=first_layer,

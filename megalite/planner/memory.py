@@ -163,15 +163,24 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
     fp32 += 2 * stats * tokens // sp
     # normed inputs of qkv and fc1 (this rank's [s/tp, b, h] under sp)
     act += tokens * h // sp * (1 if moe else 2)
-    act += tokens * (nh + 2 * ng) * d // tp                   # q, k, v (views of qkv)
-    if m.position_embedding_type == "rope":
-        act += tokens * (nh + ng) * d // tp                   # rotated q, k
-    act += tokens * nh * d // tp                              # attention output (proj input)
+    if m.multi_latent_attention:
+        a, f32 = mla_activation_elements(m, tokens, tp, sp)
+        act, fp32 = act + a, fp32 + f32
+    else:
+        act += tokens * (nh + 2 * ng) * d // tp               # q, k, v (views of qkv)
+        if m.position_embedding_type == "rope":
+            act += tokens * (nh + ng) * d // tp               # rotated q, k
+        act += tokens * nh * d // tp                          # attention output (proj input)
+        if m.qk_layernorm:
+            act += tokens * (nh + ng) * d // tp               # normed q, k
+            fp32 += tokens * (nh + ng) * stats // tp
     fp32 += tokens * nh // tp                                 # softmax log-sum-exp
     if m.hidden_dropout > 0:
         act += 2 * tokens * h // sp // m.params_dtype.itemsize  # bool masks, 1 byte
     if not moe:
         f = m.ffn_hidden_size // tp
+        if m.recomputes("mlp"):       # only its input is kept (counted above)
+            return {"act": act, "fp32": fp32}
         act += tokens * f * (3 if m.swiglu else 2)            # fc1 out, fc2 in
         return {"act": act, "fp32": fp32}
     # MoE: tokens split over tp inside the layer, routed top-k to local experts
@@ -191,6 +200,28 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
         act += tokens * m.moe_shared_expert_intermediate_size // tp * (
             3 if m.swiglu else 2) + tokens * h
     return {"act": act, "fp32": fp32}
+
+
+def mla_activation_elements(m, tokens: int, tp: int, sp: int) -> tuple[int, int]:
+    """(compute-dtype, fp32) elements multi-latent attention keeps for backward beyond its
+    normed input: the latents (this rank's ``s/tp`` tokens under sp) and their norms, the
+    gathered RoPE key, the up projections' outputs and RoPE (not kept when
+    ``--recompute-modules mla_up_proj`` recomputes them), the queries, keys and values the
+    kernel keeps (not kept when ``core_attn`` is recomputed too) and the attention output."""
+    n, dq, dr, dv = m.num_attention_heads, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+    stats = 1 if m.normalization == "RMSNorm" else 2
+    rq, rkv = m.q_lora_rank or 0, m.kv_lora_rank
+    act = tokens * (2 * rq + 2 * rkv + dr) // sp + tokens * dr      # latents, normed, k_pe
+    fp32 = tokens * 2 * stats // sp if m.qk_layernorm else 0
+    up = m.recomputes("mla_up_proj")
+    core = m.recomputes("core_attn")
+    if not up:
+        act += tokens * n * (2 * dq + dr + dv) // tp              # q and kv up outputs
+        act += tokens * (n + 1) * dr // tp                        # rotated RoPE parts
+    if not (up and core):
+        act += tokens * n * (2 * (dq + dr) + dv) // tp            # query, key, value
+    act += tokens * n * dv // tp                                  # attention output
+    return act, fp32
 
 
 def _layer_bytes(m, p, mb: int, moe: bool, dtype_bytes: int) -> float:

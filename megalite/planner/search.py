@@ -22,11 +22,11 @@ from megalite.planner.memory import MemoryEstimate, estimate_memory
 from megalite.planner.time import TimeEstimate, estimate_time
 
 RECOMPUTE = {"none": {"recompute_granularity": None, "recompute_method": None,
-                      "recompute_num_layers": None},
+                      "recompute_num_layers": None, "recompute_modules": None},
              "selective": {"recompute_granularity": "selective", "recompute_method": None,
-                           "recompute_num_layers": None},
+                           "recompute_num_layers": None, "recompute_modules": None},
              "full": {"recompute_granularity": "full", "recompute_method": "uniform",
-                      "recompute_num_layers": 1}}
+                      "recompute_num_layers": 1, "recompute_modules": None}}
 # --data-parallel-sharding-strategy values the planner proposes: all of them
 STRATEGIES = SHARDING_STRATEGIES
 # --pipeline-schedule values the planner proposes for one chunk per pipeline rank (more

@@ -63,7 +63,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megalite.config.layout import ResolvedLayout, resolve_layout
-from megalite.config.shapes import active_layer_params, moe_layer_count
+from megalite.config.shapes import (
+    active_layer_params,
+    attention_head_dims,
+    dense_mlp_params,
+    mla_up_proj_params,
+    moe_layer_count,
+)
 from megalite.planner.cluster import Cluster
 from megalite.planner.memory import layer_activation_elements, stage_param_counts
 from megalite.planner.schedule import bubble_fraction
@@ -153,8 +159,17 @@ def compute_seconds(ctx: StepContext) -> float:
     all_tokens = lay.global_batch_size * m.seq_length
     if m.recompute_granularity == "full":
         extra = 2.0 * active_layer_params(m) * all_tokens
-    elif m.recompute_granularity == "selective":
-        extra = 4.0 * m.num_layers * m.hidden_size * m.seq_length * all_tokens
+    elif m.recompute_granularity == "selective":   # the forward of what is recomputed
+        d_qk, d_v = attention_head_dims(m)
+        per_token = 0.0
+        if m.recomputes("core_attn"):
+            per_token += 2.0 * m.num_attention_heads * (d_qk + d_v) * m.seq_length
+        if m.recomputes("mla_up_proj"):
+            per_token += 2.0 * mla_up_proj_params(m)
+        extra = m.num_layers * per_token * all_tokens
+        if m.recomputes("mlp"):
+            dense = m.num_layers - moe_layer_count(m)
+            extra += 2.0 * dense * dense_mlp_params(m, 1) * all_tokens
     compute = (lay.model_flops_per_step + extra) / lay.world_size / (
         cluster.peak_flops * cluster.matmul_efficiency)
     # memory-bound work (norms, activations, softmax, residual adds, copies): each element

@@ -20,6 +20,7 @@ from megalite.transformer.attention_kernels import (  # noqa: F401  (re-exported
     build_core_attention,
     select_attention_backend,
 )
+from megalite.transformer.norms import build_norm
 from megalite.transformer.rope import apply_rotary
 
 
@@ -30,6 +31,11 @@ class SelfAttention(torch.nn.Module):
     ``(cos, sin)`` pair from :class:`RotaryEmbedding` or None. ``recompute_core``
     checkpoints the attention kernel (selective recomputation). The head counts must
     divide over tp (``ModelConfig.check_layout``, checked once by the model).
+
+    ``--qk-layernorm`` (Megatron-Core's ``q_layernorm`` / ``k_layernorm``): queries and
+    keys are normalized per head over ``d`` (``--normalization``) before RoPE; the two
+    weights ``[d]`` are replicated and, since each tp rank sees only its own heads, marked
+    ``sequence_parallel`` so that their gradients are summed over ``ps.tp``.
     """
 
     def __init__(self, cfg, ps, *, sequence_parallel: bool, rng, output_std: float,
@@ -45,6 +51,12 @@ class SelfAttention(torch.nn.Module):
         self.linear_qkv = ColumnParallelLinear(
             cfg.hidden_size, (nh + 2 * ng) * d, parts=(nh * d, ng * d, ng * d),
             bias=cfg.add_bias_linear or cfg.add_qkv_bias, init_std=cfg.init_method_std, **kw)
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:  # shared by the heads of every tp rank: gradients summed over tp
+            norm = dict(sequence_parallel=True, zero_centered=cfg.apply_layernorm_1p,
+                        device=device, dtype=dtype)
+            self.q_layernorm = build_norm(cfg.normalization, d, cfg.norm_epsilon, **norm)
+            self.k_layernorm = build_norm(cfg.normalization, d, cfg.norm_epsilon, **norm)
         self.core_attention = build_core_attention(cfg, ps, rng, device=device, dtype=dtype)
         self.linear_proj = RowParallelLinear(nh * d, cfg.hidden_size, bias=cfg.add_bias_linear,
                                              input_is_parallel=True, init_std=output_std, **kw)
@@ -64,6 +76,9 @@ class SelfAttention(torch.nn.Module):
         nh, ng, d = self.local_heads, self.local_groups, self.head_dim
         qk, v = qkv.split([(nh + ng) * d, ng * d], dim=-1)  # backward: one cat, no zeros
         qk, v = qk.view(s, b, nh + ng, d), v.view(s, b, ng, d)
+        if self.q_layernorm is not None:  # --qk-layernorm: per head, before RoPE
+            q, k = qk.split([nh, ng], dim=2)
+            qk = torch.cat([self.q_layernorm(q), self.k_layernorm(k)], dim=2)
         if rotary is not None:  # one kernel for q and k together
             qk = apply_rotary(qk, *rotary)
         q, k = qk.split([nh, ng], dim=2)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from megalite.moe.layer import MoELayer, moe_layer_pattern
 from megalite.parallel.random import REPLICATED, TENSOR_PARALLEL
 from megalite.transformer.attention import SelfAttention
+from megalite.transformer.mla import MLASelfAttention
 from megalite.transformer.mlp import MLP
 from megalite.transformer.norms import build_norm
 
@@ -25,9 +26,10 @@ class TransformerLayer(torch.nn.Module):
     ``layer_number`` is the global (0-based) index in the whole model. The MLP is an
     :class:`~megalite.moe.layer.MoELayer` (Mixtral) when ``cfg.num_experts`` is set and
     ``moe_layer_pattern(cfg)`` selects this layer (it draws its own parameters from
-    ``seed``). ``ps`` is the ParallelState every sub-layer picks its groups from. Residual-branch
-    dropout draws from the replicated RNG stream (identical on TP ranks, which hold the
-    same activations) or, under sequence parallelism, the tensor-parallel stream (each rank
+    ``seed``); ``--recompute-modules mlp`` checkpoints a dense MLP. ``ps`` is the
+    ParallelState every sub-layer picks its groups from. Residual-branch dropout draws
+    from the replicated RNG stream (identical on TP ranks, which hold the same
+    activations) or, under sequence parallelism, the tensor-parallel stream (each rank
     holds a different chunk of the sequence).
     """
 
@@ -43,8 +45,11 @@ class TransformerLayer(torch.nn.Module):
         norm = dict(zero_centered=cfg.apply_layernorm_1p, **kw)
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
                                           cfg.norm_epsilon, **norm)
-        self.self_attention = SelfAttention(
-            cfg, ps, rng=rng, recompute_core=cfg.recompute_granularity == "selective", **par)
+        if cfg.multi_latent_attention:
+            self.self_attention = MLASelfAttention(cfg, ps, rng=rng, **par)
+        else:
+            self.self_attention = SelfAttention(
+                cfg, ps, rng=rng, recompute_core=cfg.recomputes("core_attn"), **par)
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
                                             cfg.norm_epsilon, **norm)
         self.is_moe = moe_layer_pattern(cfg)[layer_number]
@@ -52,7 +57,8 @@ class TransformerLayer(torch.nn.Module):
             self.mlp = MoELayer(cfg, ps, layer_number=layer_number, seed=seed,
                                 sequence_parallel=sequence_parallel)
         else:
-            self.mlp = MLP(cfg, ps, **par)
+            self.mlp = MLP(cfg, ps, recompute=cfg.recomputes("mlp"), **par)
+        self.recompute_mlp = cfg.recomputes("mlp") and not self.is_moe
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0.0:

@@ -4,7 +4,8 @@ One world-8 run trains 10 + 3 iterations at (tp2, pp2, dp2) with the distributed
 and saves at iteration 10; the checkpoint of iteration 10 is then resumed at
 (tp1, pp1, dp1) in this process (plain optimizer) and at (tp4, pp1, dp2) on 8 ranks
 (distributed optimizer): iterations 11..13 must match the uninterrupted run. The three
-layouts are the ``reshard`` rows of ``tests/layouts.py``.
+layouts are the ``reshard`` rows of ``tests/layouts.py``; its ``mla`` rows save multi-latent
+attention at tp 2 + sp and resume it in one process.
 """
 
 import json
@@ -67,3 +68,24 @@ def test_resume_at_tp4_pp1_dp2(original):
     load = only_iteration(save, str(tmp / "to_tp4"), SAVE_AT)
     losses = run_distributed(TP4_DP2.world_size, _train, TP4_DP2, {"load": load, "save": load})
     _assert_continues(losses[-1], reference)
+
+
+def test_mla_checkpoint_resumes_at_another_tp(tmp_path):
+    """Multi-latent attention saved at tp 2 + sp (its up projections split over tp, its
+    down projections and latent norms whole on each rank) resumes in one process on the
+    uninterrupted curve."""
+    saved, single = by_name("reshard-tp2-sp-mla"), by_name("reshard-single-mla")
+    save = str(tmp_path / "tp2")
+    reference = run_distributed(2, _train_short, saved,
+                                {"save": save, "save_interval": 2})[-1]
+    load = only_iteration(save, str(tmp_path / "to_tp1"), 2)
+    result, _ = run_training(tiny(single, train={"train_iters": 4},
+                                  checkpoint={"load": load, "save": load}))
+    assert list(result.losses) == [3, 4]
+    for it, loss in result.losses.items():
+        assert loss == pytest.approx(reference[it], rel=2e-6, abs=1e-6), it
+
+
+def _train_short(rank, world_size, layout, checkpoint):
+    result, _ = run_training(tiny(layout, train={"train_iters": 4}, checkpoint=checkpoint))
+    return result.losses

@@ -30,12 +30,12 @@ class _Cfg:
         self.attention_dropout = dropout
 
 
-def _inputs(seed=0, docs=False, ng=NG):
+def _inputs(seed=0, docs=False, ng=NG, dv=D):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(S, B, NH, D, generator=g, dtype=torch.float64)
     k = torch.randn(S, B, ng, D, generator=g, dtype=torch.float64)
-    v = torch.randn(S, B, ng, D, generator=g, dtype=torch.float64)
-    grad = torch.randn(S, B, NH * D, generator=g, dtype=torch.float64)
+    v = torch.randn(S, B, ng, dv, generator=g, dtype=torch.float64)
+    grad = torch.randn(S, B, NH * dv, generator=g, dtype=torch.float64)
     doc = None
     if docs:   # documents of random lengths, different per sample
         ends = torch.rand(B, S, generator=g) < 0.15
@@ -61,8 +61,8 @@ def full_attention(q, k, v, doc=None):
 def _cp_body(rank, world_size, cases):
     results = []
     with parallel_state(context_parallel_size=world_size) as ps:
-        for backend, comm, docs, ng in cases:
-            q, k, v, grad, doc = _inputs(docs=docs, ng=ng)
+        for backend, comm, docs, ng, dv in cases:
+            q, k, v, grad, doc = _inputs(docs=docs, ng=ng, dv=dv)
             idx = chunk_positions(S, world_size, ps.cp.rank)
             local = [t[idx].float().requires_grad_() for t in (q, k, v)]
             kernel = build_core_attention(_Cfg(backend, comm), ps, RNGTracker.from_state(ps, 1))
@@ -73,24 +73,29 @@ def _cp_body(rank, world_size, cases):
 
 
 def _cases(cp):
-    """(backend, comm type, document ids, query groups): a2a needs the groups divisible
-    by cp (MHA at cp 4)."""
+    """(backend, comm type, document ids, query groups, value head dim): a2a needs the
+    groups divisible by cp (MHA at cp 4). At cp 2 also multi-latent attention's shape:
+    one key/value head per query head, values 6 wide against keys of 8."""
     cases = [(backend, comm, docs) for comm in ("p2p", "allgather", "a2a")
              for backend, docs in (("local", False), ("sdpa", False), ("local", True))]
-    return [(*c, NG if c[1] != "a2a" or NG % cp == 0 else NH) for c in cases]
+    out = [(*c, NG if c[1] != "a2a" or NG % cp == 0 else NH, D) for c in cases]
+    if cp == 2:
+        out += [(backend, comm, False, NH, 6) for comm in ("p2p", "allgather", "a2a")
+                for backend in ("local", "sdpa")]
+    return out
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_kernels_match_full_attention(cp):
     cases = _cases(cp)
     per_rank = run_distributed(cp, _cp_body, cases)
-    for n, (backend, comm, docs, ng) in enumerate(cases):
-        q, k, v, grad, doc = _inputs(docs=docs, ng=ng)
+    for n, (backend, comm, docs, ng, dv) in enumerate(cases):
+        q, k, v, grad, doc = _inputs(docs=docs, ng=ng, dv=dv)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         want = full_attention(*leaves, doc)
         want.backward(grad)
         got = [unshuffle([r[n][i] for r in per_rank]) for i in range(4)]
-        what = f"{comm}/{backend}/docs={docs}/cp{cp}"
+        what = f"{comm}/{backend}/docs={docs}/dv={dv}/cp{cp}"
         torch.testing.assert_close(got[0].double(), want, rtol=0, atol=TOL, msg=what)
         for name, g, leaf in zip("qkv", got[1:], leaves):
             torch.testing.assert_close(g.double(), leaf.grad, rtol=0, atol=TOL,

@@ -27,8 +27,17 @@ def _model_params(model_cfg) -> tuple[dict, int]:
     return {n: tuple(p.shape) for n, p in named.items()}, layers
 
 
-@pytest.mark.parametrize("make", [gpt2_config, llama_config, mixtral_config],
-                         ids=["gpt2", "llama", "mixtral"])
+def _mla(**overrides):
+    from tests.layouts import MLA
+
+    return llama_config(**{**MLA, **overrides})
+
+
+@pytest.mark.parametrize("make", [
+    gpt2_config, llama_config, mixtral_config, _mla,
+    lambda: _mla(q_lora_rank=None, qk_layernorm=False),
+    lambda: gpt2_config(qk_layernorm=True)],
+    ids=["gpt2", "llama", "mixtral", "mla", "mla-no-q-lora", "qk-norm"])
 def test_parameter_counts_match_the_built_model(make):
     m = make()
     _, built = _model_params(m)
@@ -48,6 +57,29 @@ def test_flops_per_token_is_six_n_plus_output_layer_plus_attention():
     v = m.padded_vocab_size(1)
     assert shapes.flops_per_token(m, v) == 6 * n + 6 * m.hidden_size * v \
         + 12 * m.num_layers * m.hidden_size * m.seq_length
+
+
+def test_mla_flops_count_its_projections_and_head_dims():
+    """Multi-latent attention: 6 N of its own (larger) parameters, and scores of width
+    qk_head_dim + qk_pos_emb_head_dim and values of v_head_dim per head, not 12 L h s."""
+    m = _mla()
+    _, n = _model_params(m)
+    v = m.padded_vocab_size(1)
+    attention = 6 * m.num_layers * m.seq_length * m.num_attention_heads * (12 + 6)
+    assert shapes.flops_per_token(m, v) == 6 * n + 6 * m.hidden_size * v + attention
+    assert attention != 12 * m.num_layers * m.hidden_size * m.seq_length
+
+
+def test_mla_gemm_shapes_are_its_projections():
+    m = _mla()
+    lay = MegaliteConfig(model=m).resolve(1)
+    named, _ = _model_params(m)
+    tokens = lay.tokens_per_microbatch
+    names = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+             "linear_kv_up_proj", "linear_proj")
+    weights = [named[f"decoder.layers.0.self_attention.{name}.weight"] for name in names]
+    weights += [named[f"decoder.layers.0.mlp.{n}.weight"] for n in ("linear_fc1", "linear_fc2")]
+    assert [(n, k, o) for n, k, o, _ in lay.gemms[:-1]] == [(tokens, k, o) for o, k in weights]
 
 
 def test_gemm_shapes_are_the_linear_layers_weights():

@@ -28,6 +28,10 @@ momentum on or off) is drawn for a quarter of the AdamW draws from ``"optim-<see
 The pipeline schedule comes from ``"schedule-<seed>"``: a third of the draws without
 virtual stages run zero bubble (``--pipeline-schedule zb_h1``: each backward split into B
 and the deferred weight gradients W; also at pp 1).
+The attention variant comes from ``"attention-<seed>"``: multi-latent attention for a
+quarter of the seeds (with or without a query latent, value heads as wide as the keys or
+narrower, YaRN or plain RoPE, its up projections recomputed where selective
+recomputation was drawn), QK norm for another sixth.
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -209,10 +213,31 @@ def _schedule(zrng: random.Random, short: dict) -> None:
         short["schedule"] = "zb_h1"
 
 
+def _attention_variant(vrng: random.Random, model: dict) -> None:
+    """Multi-latent attention (a quarter of the draws) or QK norm (a sixth), into
+    ``model``."""
+    x = vrng.random()
+    if x < 0.25:
+        model.update(multi_latent_attention=True, qk_layernorm=vrng.random() < 0.75,
+                     q_lora_rank=vrng.choice((None, 16)), kv_lora_rank=16, qk_head_dim=8,
+                     qk_pos_emb_head_dim=4, v_head_dim=vrng.choice((6, 12)),
+                     rotary_scaling_factor=vrng.choice((1.0, 4.0)),
+                     mscale_all_dim=vrng.choice((0.0, 1.0)),
+                     original_max_position_embeddings=8)
+        model.pop("num_query_groups", None)
+        model["group_query_attention"] = False
+        if model.get("recompute_granularity") == "selective" and vrng.random() < 0.5:
+            model["recompute_modules"] = vrng.choice((["mla_up_proj"],
+                                                      ["core_attn", "mla_up_proj"]))
+    elif x < 0.25 + 1 / 6:
+        model["qk_layernorm"] = True
+
+
 def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                srng: random.Random, arng: random.Random,
                rrng: random.Random, orng: random.Random | None = None,
-               zrng: random.Random | None = None) -> Layout | None:
+               zrng: random.Random | None = None,
+               vrng: random.Random | None = None) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -228,6 +253,8 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
         _muon(orng, optim, short["tp"] > 1 or short.get("etp", 1) > 1)
     if zrng is not None:
         _schedule(zrng, short)
+    if vrng is not None:
+        _attention_variant(vrng, model)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model),
                              ("bias", model.get("moe_router_enable_expert_bias")),
@@ -235,7 +262,10 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                              ("sgd", optim.get("optimizer") == "sgd"),
                              ("muon", optim.get("optimizer") == "muon"),
                              ("offload", optim.get("optimizer_cpu_offload")),
-                             ("actoff", model.get("cpu_offloading"))) if on]
+                             ("actoff", model.get("cpu_offloading")),
+                             ("mla", model.get("multi_latent_attention")),
+                             ("qknorm", model.get("qk_layernorm")
+                              and not model.get("multi_latent_attention"))) if on]
     if "cp" in short:
         marks.insert(0, model["cp_comm_type"])
     name = "-".join([f"fuzz{seed}", slug(world, parallel), *marks])
@@ -264,9 +294,9 @@ def draw_layout(seed: int) -> Layout:
     rng, crng = random.Random(seed), random.Random(f"cp-{seed}")
     srng, arng = random.Random(f"shard-{seed}"), random.Random(f"act-offload-{seed}")
     rrng, orng = random.Random(f"route-{seed}"), random.Random(f"optim-{seed}")
-    zrng = random.Random(f"schedule-{seed}")
+    zrng, vrng = random.Random(f"schedule-{seed}"), random.Random(f"attention-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng)
+        layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng, vrng)
         if layout is not None and rejection(layout) is None:
             return layout
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")

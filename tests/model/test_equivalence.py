@@ -1,6 +1,7 @@
 """Every TP layout (tp 1/2/4, sequence parallel on/off, recompute none/selective/full; the
 ``model`` rows of ``tests/layouts.py``) builds the same model and gives the same loss and
-full gradients as tp=1, for GPT-2 and Llama (GQA).
+full gradients as tp=1, for GPT-2 and Llama (GQA); rows that change the model
+(multi-latent attention, QK norm) against tp=1 of that model.
 
 fp32, dropout 0. Tolerance rtol 1e-5 / atol 1e-6: TP changes only the summation order
 of the row-parallel partial sums and the cross-entropy reductions.
@@ -40,6 +41,15 @@ def _compare(got: dict, want: dict) -> list[str]:
     return bad + [f"unexpected {n}" for n in set(got) - set(want)]
 
 
+RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers",
+                  "recompute_modules")
+
+
+def _model_key(layout) -> str:
+    """The row's model without recomputation (which does not change it)."""
+    return repr(sorted((k, v) for k, v in layout.model.items() if k not in RECOMPUTE_KEYS))
+
+
 def _run_case(ps, family, layout, ref):
     cfg = FAMILIES[family](**layout.model)
     sp = layout.get("sp")
@@ -53,14 +63,20 @@ def _run_case(ps, family, layout, ref):
 
 @pytest.fixture(scope="module")
 def references():
-    """tp=1, no recompute: full params, loss and full grads per family."""
+    """tp=1, no recompute: full params, loss and full grads per family and row model."""
     refs = {}
-    for family, make in FAMILIES.items():
-        cfg = make()
-        model = GPTModel(cfg, single_process_state(), seed=SEED)
-        params = model.full_state_dict()
-        loss, grads = _loss_and_grads(model, cfg, model.tp_group)
-        refs[family] = {"params": params, "loss": loss, "grads": grads}
+    for layout in ROWS:
+        key = _model_key(layout)
+        if key in refs:
+            continue
+        model_overrides = {k: v for k, v in layout.model.items() if k not in RECOMPUTE_KEYS}
+        refs[key] = {}
+        for family, make in FAMILIES.items():
+            cfg = make(**model_overrides)
+            model = GPTModel(cfg, single_process_state(), seed=SEED)
+            params = model.full_state_dict()
+            loss, grads = _loss_and_grads(model, cfg, model.tp_group)
+            refs[key][family] = {"params": params, "loss": loss, "grads": grads}
     return refs
 
 
@@ -69,7 +85,8 @@ def _body(rank, world_size, rows, references):
     out = []
     for layout in rows:
         with parallel_state(**layout.parallel) as ps:
-            out.append({family: _run_case(ps, family, layout, references[family])
+            ref = references[_model_key(layout)]
+            out.append({family: _run_case(ps, family, layout, ref[family])
                         for family in FAMILIES})
     return out
 
@@ -82,7 +99,8 @@ def distributed(references):
 @pytest.mark.parametrize("layout", ROWS, ids=str)
 def test_layout_matches_tp1(references, distributed, layout):
     if layout.world_size == 1:
-        ranks = [{family: _run_case(single_process_state(), family, layout, references[family])
+        ref = references[_model_key(layout)]
+        ranks = [{family: _run_case(single_process_state(), family, layout, ref[family])
                   for family in FAMILIES}]
     else:
         ranks = distributed(layout)

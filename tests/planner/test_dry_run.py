@@ -53,3 +53,31 @@ def test_dry_run_flags():
 
     with pytest.raises(ConfigError, match="needs --world-size"):
         split_dry_run_flags(["--dry-run"])
+
+
+DEEPSEEK_V3_ATTENTION = [
+    "--num-layers", "4", "--hidden-size", "7168", "--ffn-hidden-size", "18432",
+    "--num-attention-heads", "128", "--seq-length", "4096", "--vocab-size", "129280",
+    "--tokenizer-type", "NullTokenizer", "--mock-data", "--global-batch-size", "64",
+    "--micro-batch-size", "1", "--train-iters", "1", "--bf16", "--normalization", "RMSNorm",
+    "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+    "--untie-embeddings-and-output-weights", "--multi-latent-attention", "--qk-layernorm",
+    "--q-lora-rank", "1536", "--kv-lora-rank", "512", "--qk-head-dim", "128",
+    "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--rotary-scaling-factor", "40",
+    "--mscale", "1.0", "--mscale-all-dim", "1.0", "--recompute-granularity", "selective",
+    "--recompute-modules", "mla_up_proj", "core_attn"]
+
+
+@pytest.mark.parametrize("rank", [0, 63])
+def test_dry_run_deepseek_v3_attention_tp8_pp2(rank):
+    """DeepSeek-V3's attention at its real sizes on one rank of tp 8 x pp 2 x dp 4: the
+    built rank holds what the planner counts (replicated down projections, 1/8 of the up
+    projections)."""
+    layout = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2",
+              "--sequence-parallel", "--use-distributed-optimizer"]
+    out = _dry("--world-size", "64", "--rank", str(rank), *DEEPSEEK_V3_ATTENTION, *layout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = parse_args(DEEPSEEK_V3_ATTENTION + layout).validate(64)
+    cfg.model.vocab_size = 129281
+    expected = sum(stage_param_counts(cfg.model, cfg.parallel, rank // 32))
+    assert f"parameters on this rank: {expected:,}" in out.stdout, out.stdout

@@ -12,7 +12,7 @@ embeddings (``GPT2LMHeadModel``).
 from __future__ import annotations
 
 from megalite.models.families.names import NameTable, Rename, weight_and_bias
-from megalite.models.families.spec import FamilySpec
+from megalite.models.families.spec import FamilySpec, attention_variant_problems
 
 
 class GPT2Spec(FamilySpec):
@@ -38,7 +38,7 @@ class GPT2Spec(FamilySpec):
             (c.kv_channels * c.num_attention_heads != c.hidden_size,
              f"kv_channels x heads ({c.kv_channels} x {c.num_attention_heads}) != hidden "
              f"size ({c.hidden_size})"),
-        ] if bad]
+        ] if bad] + attention_variant_problems(c)
 
     def name_table(self, model_cfg) -> NameTable:
         return NameTable(

@@ -19,7 +19,7 @@ from megalite.models.families.names import (
     fused_weight_and_bias,
     weight_and_bias,
 )
-from megalite.models.families.spec import FamilySpec
+from megalite.models.families.spec import FamilySpec, attention_variant_problems
 
 MAX_SEQ_LENGTH = 4096  # seq_length of a converted model whose context is longer
 HF_LAYER_PREFIX = "model.layers.{}."
@@ -50,7 +50,7 @@ class LlamaSpec(FamilySpec):
             (c.rotary_percent != 1.0, f"--rotary-percent {c.rotary_percent}"),
             (c.normalization != "RMSNorm", f"{c.normalization} (needs RMSNorm)"),
             (not c.swiglu, "no SwiGLU"),
-        ] if bad]
+        ] if bad] + attention_variant_problems(c)
 
     def problems(self, model_cfg) -> list[str]:
         moe = model_cfg.num_experts is not None

@@ -31,6 +31,16 @@ def shift_norm_weights(state: dict[str, torch.Tensor], delta: float
     return {k: v + delta if k.endswith(NORM_WEIGHT_SUFFIX) else v for k, v in state.items()}
 
 
+def attention_variant_problems(model_cfg) -> list[str]:
+    """The attention variants no built-in family's Hugging Face class has (their norms and
+    latent projections would be dropped by a conversion)."""
+    return [text for bad, text in [
+        (model_cfg.multi_latent_attention, "multi-latent attention (DeepSeek)"),
+        (model_cfg.qk_layernorm and not model_cfg.multi_latent_attention,
+         "--qk-layernorm (query/key norms)"),
+    ] if bad]
+
+
 def trained_token_ids(tokenizer) -> tuple[int, int]:
     """(bos, eos) ids of the tokenizer a model was trained with, as a Hugging Face config
     writes them: eos is the end-of-document id training appended (``tokenizer.eod``); bos

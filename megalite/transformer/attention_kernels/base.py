@@ -10,8 +10,10 @@ from megalite.parallel.random import TENSOR_PARALLEL
 class CoreAttention(torch.nn.Module):
     """softmax(q k^T / sqrt(d) + causal mask) v with dropout on the probabilities.
 
-    q ``[s, b, nh, d]``, k and v ``[s, b, ng, d]`` (``nh`` a multiple of ``ng``: each group
-    of ``nh/ng`` consecutive query heads shares one key/value head) -> ``[s, b, nh * d]``.
+    q and k ``[s, b, nh|ng, d]``, v ``[s, b, ng, dv]`` (``nh`` a multiple of ``ng``: each
+    group of ``nh/ng`` consecutive query heads shares one key/value head) ->
+    ``[s, b, nh * dv]``; ``dv`` may differ from ``d`` (multi-latent attention) unless
+    ``needs_same_head_dims``.
     Dropout draws from the tracker's tensor-parallel stream (heads differ per TP rank).
 
     Subclasses implement :meth:`attend`, when they cannot run everywhere
@@ -22,6 +24,8 @@ class CoreAttention(torch.nn.Module):
     # (q, k, v, keep, scale, dropout_p, generator) -> (out, lse): one block with its
     # log-sum-exp, for ring attention (``context_parallel.blocks``); None: cannot
     lse_block = None
+    # True: v must have q's and k's head dim (multi-latent attention's differs)
+    needs_same_head_dims = False
 
     def __init__(self, dropout: float, rng):
         super().__init__()

@@ -13,6 +13,7 @@ from megalite.transformer.attention_kernels.context_parallel.blocks import flash
 class FlashAttention(CoreAttention):
     name = "flash"
     lse_block = staticmethod(flash_block)
+    needs_same_head_dims = True
 
     @classmethod
     def unavailable(cls, device, dtype):
@@ -27,4 +28,4 @@ class FlashAttention(CoreAttention):
         s, b, nh, d = q.shape
         out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                               dropout_p=dropout_p, causal=True)  # [b, s, nh, d]
-        return out.transpose(0, 1).reshape(s, b, nh * d)
+        return out.transpose(0, 1).reshape(s, b, -1)

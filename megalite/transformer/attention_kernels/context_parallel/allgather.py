@@ -30,11 +30,11 @@ class AllGatherAttention(ContextParallelAttention):
         s_local = q.shape[0]
         cp, c = self.cp.size, s_local // 2
         seq = s_local * cp
-        kv = torch.cat([k, v], dim=2)                          # [s/cp, b, 2 ng, d]
+        kv = torch.cat([k, v], dim=-1)                         # [s/cp, b, ng, d + dv]
         self.sent_bytes += 2 * (cp - 1) * kv.numel() * kv.element_size()  # fwd + bwd
-        kv = gather_from_sequence_parallel_region(kv, self.cp)  # [s, b, 2 ng, d], rank order
+        kv = gather_from_sequence_parallel_region(kv, self.cp)  # [s, b, ng, d + dv]
         kv = kv.index_select(0, torch.argsort(rank_order(seq, cp, kv.device)))
-        k_all, v_all = kv.split(k.shape[2], dim=2)
+        k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         generator = self.generator(seed)
         outs = []
         for local, chunk in enumerate(self.my_chunks()):

@@ -1,7 +1,8 @@
 """Block attention with its log-sum-exp, the piece context-parallel attention is built from.
 
 A block is the attention of some queries ``q`` ``[b, nh, sq, d]`` to some keys/values
-``k, v`` ``[b, ng, sk, d]`` (``nh`` a multiple of ``ng``, grouped-query attention) under a
+``k`` ``[b, ng, sk, d]``, ``v`` ``[b, ng, sk, dv]`` (``nh`` a multiple of ``ng``,
+grouped-query attention; ``dv`` may differ from ``d``, multi-latent attention) under a
 boolean ``keep`` mask broadcastable to ``[b, nh, sq, sk]`` (True: attend; None: attend to
 all). It returns the block's output and ``lse = log sum_j exp(score_ij)`` per query; two
 blocks of the same queries combine exactly with :func:`merge` (log-sum-exp weights), which
@@ -11,8 +12,9 @@ is how ring attention adds up the key/value blocks that travel around the cp rin
   reference, and the backward of every block (:func:`explicit_block_backward`,
   flash-attention's recomputation formulas, given the final output and lse).
 * :func:`sdpa_block`: PyTorch's CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``)
-  which returns the lse; falls back to the explicit block with dropout, on other devices or
-  for rows that a document mask leaves empty.
+  which returns the lse; falls back to the explicit block with dropout, on other devices,
+  for a value head dim other than the key's, or for rows that a document mask leaves
+  empty.
 * :func:`flash_block`: flash-attn's ``flash_attn_func(..., return_attn_probs=True)`` (CUDA,
   fp16/bf16; imported when first used).
 
@@ -107,7 +109,7 @@ def sdpa_block(q, k, v, keep, scale: float, dropout_p: float = 0.0,
                generator: torch.Generator | None = None):
     """:func:`explicit_block`'s result from PyTorch's CPU flash kernel (forward only)."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if (op is None or dropout_p > 0.0 or q.device.type != "cpu"
+    if (op is None or dropout_p > 0.0 or q.device.type != "cpu" or v.shape[-1] != q.shape[-1]
             or (keep is not None and not bool(keep.any(dim=-1).all()))):
         return explicit_block(q, k, v, keep, scale, dropout_p, generator)
     nh = q.shape[1]

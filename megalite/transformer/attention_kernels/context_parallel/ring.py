@@ -64,8 +64,9 @@ def _pairs(cp: int, rank: int, step: int, c: int, document_ids, device):
 
 
 class _RingAttentionFunction(torch.autograd.Function):
-    """q ``[b, nh, 2c, d]``, k, v ``[b, ng, 2c, d]`` (this rank's two chunks) ->
-    ``[b, nh, 2c, d]``; see the module docstring."""
+    """q, k ``[b, nh|ng, 2c, d]``, v ``[b, ng, 2c, dv]`` (this rank's two chunks) ->
+    ``[b, nh, 2c, dv]``; see the module docstring. Keys and values travel as one tensor
+    ``[b, ng, 2c, d + dv]``."""
 
     @staticmethod
     def forward(ctx, q, k, v, module, block, dropout_p, seed, document_ids):
@@ -75,11 +76,11 @@ class _RingAttentionFunction(torch.autograd.Function):
         scale = module.scale(q.shape[-1])
         generator = module.generator(seed)
         b, nh, _, d = q.shape
-        outs = [torch.zeros(b, nh, c, d, dtype=torch.float32, device=q.device)
+        outs = [torch.zeros(b, nh, c, v.shape[-1], dtype=torch.float32, device=q.device)
                 for _ in range(2)]
         lses = [torch.full((b, nh, c), NEG_INF, dtype=torch.float32, device=q.device)
                 for _ in range(2)]
-        kv = torch.stack([k, v]).contiguous()                      # [2, b, ng, 2c, d]
+        kv = torch.cat([k, v], dim=-1).contiguous()                # [b, ng, 2c, d + dv]
         for step in range(cp):
             works = []
             if step < cp - 1:   # prefetch the next block while computing on this one
@@ -87,8 +88,9 @@ class _RingAttentionFunction(torch.autograd.Function):
                 module.sent_bytes += kv.numel() * kv.element_size()
             for a, kb, keep in _pairs(cp, rank, step, c, document_ids, q.device):
                 ks = slice(kb * c, (kb + 1) * c)
-                out, lse = block(q[:, :, a * c:(a + 1) * c], kv[0][:, :, ks], kv[1][:, :, ks],
-                                 keep, scale, dropout_p, generator)
+                kb_, vb_ = kv[:, :, ks].split([d, v.shape[-1]], dim=-1)
+                out, lse = block(q[:, :, a * c:(a + 1) * c], kb_, vb_, keep, scale, dropout_p,
+                                 generator)
                 outs[a], lses[a] = merge(outs[a], lses[a], out, lse)
             if works:
                 collectives.wait_all(works)
@@ -110,7 +112,8 @@ class _RingAttentionFunction(torch.autograd.Function):
         grad_out = grad_out.float()
         delta = (grad_out * out).sum(dim=-1)                        # [b, nh, 2c]
         dq = torch.zeros_like(q, dtype=torch.float32)
-        kv = torch.stack([k, v]).contiguous()
+        d = k.shape[-1]
+        kv = torch.cat([k, v], dim=-1).contiguous()
         dkv = torch.zeros_like(kv, dtype=torch.float32)             # travels with its kv
         for step in range(cp):
             works = []
@@ -119,12 +122,13 @@ class _RingAttentionFunction(torch.autograd.Function):
                 module.sent_bytes += kv.numel() * kv.element_size()
             for a, kb, keep in _pairs(cp, rank, step, c, document_ids, q.device):
                 qs, ks = slice(a * c, (a + 1) * c), slice(kb * c, (kb + 1) * c)
+                kb_, vb_ = kv[:, :, ks].split([d, v.shape[-1]], dim=-1)
                 dq_a, dk_b, dv_b = explicit_block_backward(
-                    q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], grad_out[:, :, qs],
-                    lse[:, :, qs], delta[:, :, qs], keep, scale, ctx.dropout_p, generator)
+                    q[:, :, qs], kb_, vb_, grad_out[:, :, qs], lse[:, :, qs],
+                    delta[:, :, qs], keep, scale, ctx.dropout_p, generator)
                 dq[:, :, qs] += dq_a
-                dkv[0][:, :, ks] += dk_b
-                dkv[1][:, :, ks] += dv_b
+                dkv[:, :, ks, :d] += dk_b
+                dkv[:, :, ks, d:] += dv_b
             if works:
                 collectives.wait_all(works)
                 kv = nxt
@@ -132,7 +136,7 @@ class _RingAttentionFunction(torch.autograd.Function):
             module.sent_bytes += dkv.numel() * dkv.element_size() if cp > 1 else 0
             dkv, dworks = collectives.ring_exchange(dkv, group)
             collectives.wait_all(dworks)
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+        return (dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype),
                 None, None, None, None, None)
 
 

@@ -48,17 +48,22 @@ class UlyssesAttention(ContextParallelAttention):
         s_local, b, nh, d = q.shape
         cp = self.cp.size
         seq = s_local * cp
-        ng = k.shape[2]
-        # [s/cp, b, nh + 2 ng, d]: per head group j its nh/cp query heads, ng/cp keys and
-        # ng/cp values, so that one all-to-all moves all three
-        parts = [t.reshape(s_local, b, cp, -1, d) for t in (q, k, v)]
-        qkv = torch.cat(parts, dim=3).reshape(s_local, b, -1, d)
+        ng, dv = k.shape[2], v.shape[-1]
+        # [s/cp, b, cp * w, 1]: per head group j its nh/cp query heads, ng/cp keys and
+        # ng/cp values flattened (w channels; v's head dim may differ), so that one
+        # all-to-all moves all three
+        parts = [t.reshape(s_local, b, cp, -1) for t in (q, k, v)]
+        widths = [p.shape[-1] for p in parts]
+        qkv = torch.cat(parts, dim=3).reshape(s_local, b, -1, 1)
         sent = qkv.numel() * qkv.element_size() * (cp - 1) // cp
-        self.sent_bytes += 2 * sent + 2 * (q.numel() * q.element_size() * (cp - 1) // cp)
-        heads = seq_to_heads(qkv, self.cp)                          # [s, b, (nh+2ng)/cp, d]
+        out_bytes = q.numel() // d * dv * q.element_size()
+        self.sent_bytes += 2 * sent + 2 * (out_bytes * (cp - 1) // cp)
+        heads = seq_to_heads(qkv, self.cp)                          # [s, b, w, 1]
         order = rank_order(seq, cp, q.device)
-        heads = heads.index_select(0, torch.argsort(order))         # global order
-        qh, kh, vh = heads.split([nh // cp, ng // cp, ng // cp], dim=2)
+        heads = heads.index_select(0, torch.argsort(order)).view(seq, b, -1)  # global order
+        qh, kh, vh = heads.split(widths, dim=-1)
+        qh, kh = qh.view(seq, b, nh // cp, d), kh.view(seq, b, ng // cp, d)
+        vh = vh.view(seq, b, ng // cp, dv)
         if document_ids is None:
             with self.seeded(seed):
                 out = self.base.attend(qh, kh, vh, dropout_p)       # [s, b, nh/cp * d]
@@ -68,5 +73,5 @@ class UlyssesAttention(ContextParallelAttention):
             out = from_batch_heads(masked_attention(
                 self.base, *to_batch_heads(qh, kh, vh), keep, dropout_p,
                 self.generator(seed), self.seeded(seed)))
-        out = out.view(seq, b, nh // cp, d).index_select(0, order)  # rank order
-        return heads_to_seq(out, self.cp).reshape(s_local, b, nh * d)
+        out = out.view(seq, b, nh // cp, dv).index_select(0, order)  # rank order
+        return heads_to_seq(out, self.cp).reshape(s_local, b, nh * dv)
