@@ -5,8 +5,8 @@ A run of 4 iterations with ``--fp8-recipe delayed --fp8-amax-history-len 3
 --fp8-amax-compute-algo max`` (scales from the last 3 steps' maxima) against 2 iterations,
 a save and 2 more: the resumed losses are bitwise the straight run's only if the
 histories come back (empty ones would quantise iteration 3 with scale 1). The tp 2 + sp
-run's histories equal the one-process run's (the amaxes are reduced over tp and dp), and
-its checkpoint loads into one process with them.
+and dp 2 runs' histories equal the one-process run's (the amaxes are reduced over tp and
+dp), and the tp 2 checkpoint loads into one process with them.
 """
 
 import os
@@ -21,6 +21,7 @@ from tests.training.common import run_training
 
 MODEL = {**FP8_MODEL["delayed"], "fp8_amax_history_len": 3}
 TP2 = row("fp8", 2, model=MODEL, tp=2, sp=True)
+DP2 = row("fp8", 2, model=MODEL)
 SINGLE = Layout("fp8-single", 1, model=MODEL)
 ITERS = 4
 
@@ -42,7 +43,7 @@ def _tp2_body(rank, world_size, tmp):
     straight = _train(TP2)
     first = _train(TP2, exit_interval=ITERS // 2, checkpoint={"save": save})
     second = _train(TP2, checkpoint={"save": save, "load": save})
-    return straight, first, second
+    return straight, first, second, _train(DP2)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def runs(tmp_path_factory):
 
 def test_resume_is_bitwise_with_the_histories(runs):
     tp2, _, _ = runs
-    for straight, first, second in tp2:
+    for straight, first, second, _ in tp2:
         assert {**first[0], **second[0]} == straight[0]
         assert list(straight[1]) and list(straight[1]) == list(second[1])
         for key, history in straight[1].items():
@@ -70,9 +71,11 @@ def test_histories_are_the_single_process_ones(runs):
     tp2, single, _ = runs
     straight = tp2[0][0]
     assert set(straight[1]) == set(single[1])
-    for rank_run in tp2:   # every tp rank holds the same history
-        for key, history in rank_run[0][1].items():
-            torch.testing.assert_close(history, single[1][key], rtol=1e-5, atol=0)
+    for rank_run in tp2:   # every tp rank, and every dp rank of dp 2, the same history
+        for run in (rank_run[0], rank_run[3]):
+            assert set(run[1]) == set(single[1])
+            for key, history in run[1].items():
+                torch.testing.assert_close(history, single[1][key], rtol=1e-5, atol=0)
 
 
 def test_a_tp2_checkpoint_resumes_in_one_process(runs):

@@ -19,7 +19,10 @@ and a third offload half or all of the optimizer state to the host; half of the
 optim_grads draws then shard the parameters too (``optim_grads_params``, ZeRO-3; drawn
 last, so the earlier draws of a seed are unchanged). Activation offload
 (``--cpu-offloading``, 1 to num_layers - 1 layers per chunk) is drawn for a quarter of the
-seeds from ``"act-offload-<seed>"``.
+seeds from ``"act-offload-<seed>"``, and fp8 GEMMs (``--fp8-format`` e4m3 or hybrid with
+``--fp8-recipe`` tensorwise, delayed or mxfp8; blockwise's 128-element blocks do not tile
+these sizes) for a third of them from ``"fp8-<seed>"``; a drawn model whose GEMMs the
+recipe cannot tile (validation refuses it) keeps its other dimensions and drops fp8.
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -30,6 +33,7 @@ The draw is a pure function of the seed (``random.Random(seed)``), so
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from megalite.config import ConfigError
@@ -171,8 +175,30 @@ def _activation_offload(arng: random.Random, model: dict) -> None:
                      cpu_offloading_num_layers=arng.randint(1, model["num_layers"] - 1))
 
 
+FP8_RECIPES = ("tensorwise", "delayed", "mxfp8")
+
+
+def _fp8(frng: random.Random, model: dict) -> None:
+    """fp8 GEMMs (a format, a recipe; delayed: a history of 1-3 steps, max or most recent)
+    into ``model``, for a third of the draws."""
+    if frng.random() >= 1 / 3:
+        return
+    model.update(fp8_format=frng.choice(("e4m3", "hybrid")),
+                 fp8_recipe=frng.choice(FP8_RECIPES))
+    if model["fp8_recipe"] == "delayed":
+        model.update(fp8_amax_history_len=frng.randint(1, 3),
+                     fp8_amax_compute_algo=frng.choice(("max", "most_recent")))
+
+
+def _without_fp8(layout: Layout) -> Layout:
+    model = {k: v for k, v in layout.model.items() if not k.startswith("fp8_")}
+    name = layout.name.replace(f"-fp8{layout.model.get('fp8_recipe')}", "")
+    return dataclasses.replace(layout, name=name, model=model)
+
+
 def _draw_once(rng: random.Random, seed: int, crng: random.Random,
-               srng: random.Random, arng: random.Random) -> Layout | None:
+               srng: random.Random, arng: random.Random, frng: random.Random
+               ) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -183,11 +209,14 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
     world *= _context_parallel(crng, short, model, world)
     _sharding(srng, short, optim)
     _activation_offload(arng, model)
+    _fp8(frng, model)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model), ("bf16", model.get("bf16")),
                              ("sgd", optim.get("optimizer") == "sgd"),
                              ("offload", optim.get("optimizer_cpu_offload")),
-                             ("actoff", model.get("cpu_offloading"))) if on]
+                             ("actoff", model.get("cpu_offloading")),
+                             (f"fp8{model.get('fp8_recipe')}", model.get("fp8_format")))
+             if on]
     if "cp" in short:
         marks.insert(0, model["cp_comm_type"])
     name = "-".join([f"fuzz{seed}", slug(world, parallel), *marks])
@@ -215,8 +244,13 @@ def draw_layout(seed: int) -> Layout:
     ranks and that megalite accepts."""
     rng, crng = random.Random(seed), random.Random(f"cp-{seed}")
     srng, arng = random.Random(f"shard-{seed}"), random.Random(f"act-offload-{seed}")
+    frng = random.Random(f"fp8-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng, srng, arng)
-        if layout is not None and rejection(layout) is None:
+        layout = _draw_once(rng, seed, crng, srng, arng, frng)
+        if layout is None:
+            continue
+        if rejection(layout) is None:
             return layout
+        if "fp8_format" in layout.model and rejection(_without_fp8(layout)) is None:
+            return _without_fp8(layout)
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")
