@@ -126,8 +126,11 @@ class ModelConfig:
                                     "scaling).")
     fp8_amax_compute_algo: str = arg("most_recent", "How the scale is computed from the "
                                      "amax history.", choices=("most_recent", "max"))
-    fp8_param_gather: bool = arg(False, "Keep parameters in fp8 and gather them in fp8 "
-                                 "(needs --fp8-format; not supported yet).")
+    fp8_param_gather: bool = arg(
+        False, "Keep parameters in fp8 and gather them in fp8 (needs --fp8-format).",
+        no_effect="megalite gathers parameters in their training precision and quantises "
+                  "them to fp8 in each GEMM, which gives the GEMMs the same fp8 weights; "
+                  "the smaller gather and the fp8 parameter copies are not implemented")
     first_last_layers_bf16: bool = arg(False, "Under --fp8-format, keep the first "
                                        "--num-layers-at-start-in-bf16 and the last "
                                        "--num-layers-at-end-in-bf16 transformer layers out "
@@ -237,10 +240,6 @@ class ModelConfig:
     def _check_fp8(self) -> None:
         require(not self.fp8_param_gather or self.fp8_format is not None,
                  "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
-        require(not self.fp8_param_gather,
-                "--fp8-param-gather is not supported yet: megalite gathers parameters in "
-                "their training precision and quantises them to fp8 per GEMM; drop "
-                "--fp8-param-gather (the GEMMs still run in fp8)")
         if self.fp8_format is None:
             return
         require(not self.fp16,
@@ -263,6 +262,9 @@ class ModelConfig:
                 "the attention output per tp rank (heads x kv_channels / tp)": nh * d // tp,
                 "the MLP's fc1 output per tp rank": fc1 // tp,
                 "ffn_hidden_size / tp": self.ffn_hidden_size // tp}
+        shared = self.moe_shared_expert_intermediate_size
+        if shared:
+            dims["moe_shared_expert_intermediate_size / tp"] = shared // tp
         key = ("tokens per micro-batch and sequence chunk (seq_length / (2 x cp) x "
                "micro_batch_size)" if cp > 1 else "tokens per micro-batch (seq_length x "
                "micro_batch_size)")
