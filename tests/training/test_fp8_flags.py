@@ -102,3 +102,23 @@ def test_entrypoint_trains_in_fp8(tmp_path):
     rows = [r for r in read_jsonl(metrics) if "lm_loss" in r]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     assert all(3.0 < r["lm_loss"] < 5.0 for r in rows), rows
+
+
+def test_the_model_puts_fp8_where_the_flags_say():
+    """Only the transformer layers' linears (and not those --first-last-layers-bf16 keeps)
+    get fp8 scales; the output layer never does."""
+    from megalite.models.gpt import GPTModel
+    from megalite.layers.fp8 import Fp8Scaling
+    from megalite.parallel.state import ParallelState
+    from megalite.config import ParallelConfig
+
+    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                      seq_length=16, fp8_format="e4m3", first_last_layers_bf16=True,
+                      num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1)
+    ps = ParallelState.build(ParallelConfig())
+    model = GPTModel(cfg, ps)
+    fp8 = sorted(n.rsplit(".", 1)[0] for n, m in model.named_modules()
+                 if isinstance(m, Fp8Scaling))
+    assert fp8 == [f"decoder.layers.1.{p}" for p in (
+        "mlp.linear_fc1", "mlp.linear_fc2", "self_attention.linear_proj",
+        "self_attention.linear_qkv")], fp8
