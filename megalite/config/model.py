@@ -126,6 +126,9 @@ class ModelConfig:
                                     "scaling).")
     fp8_amax_compute_algo: str = arg("most_recent", "How the scale is computed from the "
                                      "amax history.", choices=("most_recent", "max"))
+    fp8_wgrad: bool = arg(True, "the weight-gradient GEMM in fp8 (--no-fp8-wgrad: in the "
+                          "training precision).", flag="--no-fp8-wgrad",
+                          action="store_false")
     fp8_param_gather: bool = arg(
         False, "Keep parameters in fp8 and gather them in fp8 (needs --fp8-format).",
         no_effect="megalite gathers parameters in their training precision and quantises "

@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 
+from megalite.arguments import flag_of
 from megalite.config import ConfigError
 from megalite.layers.fp8 import finish_step
 
@@ -25,7 +26,7 @@ MIN_CAPABILITY = (8, 9)
 
 def fp8_flags(model_cfg) -> list[str]:
     """The fp8 flags set away from their defaults, as written on the command line."""
-    return ["--" + f.name.replace("_", "-") for f in dataclasses.fields(model_cfg)
+    return [flag_of(f) for f in dataclasses.fields(model_cfg)
             if f.name.startswith("fp8_") and getattr(model_cfg, f.name) != f.default]
 
 

@@ -127,3 +127,15 @@ def test_delayed_scale_comes_from_the_history_not_the_tensor():
     scaling.push(scaling.step_amax.clone())
     assert float(scaling.amax_history[0, 0]) == float(x.abs().max())
     assert float(scaling.amax_history[0, 1]) == 1.0 and float(scaling.step_amax.sum()) == 0
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_no_fp8_wgrad_keeps_the_weight_gradient_in_the_training_precision(name):
+    """--no-fp8-wgrad: dw is dy^T x of the unquantised operands (fp32 here, exactly),
+    while the forward and input-gradient GEMMs stay in fp8."""
+    x, w, dy = _operands(False)
+    y, gx, gw = _run(Fp8Recipe("hybrid", name, wgrad=False), x, w, dy)
+    fp8_y, fp8_gx, fp8_gw = _run(Fp8Recipe("hybrid", name), x, w, dy)
+    torch.testing.assert_close(gw, dy.t() @ x, rtol=1e-6, atol=1e-6)
+    assert _rel(fp8_gw, dy.t() @ x) > 1e-2
+    assert torch.equal(y, fp8_y) and torch.equal(gx, fp8_gx)

@@ -19,11 +19,14 @@ LLAMA3_FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
 
 
 def test_fp8_flags_parse():
-    cfg = parse_args(LLAMA3_FP8 + ["--fp8-recipe", "delayed", "--fp8-margin", "1"]).model
+    cfg = parse_args(LLAMA3_FP8 + ["--fp8-recipe", "delayed", "--fp8-margin", "1",
+                                   "--no-fp8-wgrad"]).model
     assert (cfg.fp8_format, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo,
-            cfg.fp8_recipe, cfg.fp8_margin) == ("hybrid", 1024, "max", "delayed", 1)
+            cfg.fp8_recipe, cfg.fp8_margin, cfg.fp8_wgrad) == (
+                "hybrid", 1024, "max", "delayed", 1, False)
+    assert Fp8Recipe.from_config(cfg).wgrad is False
     assert fp8_flags(cfg) == ["--fp8-format", "--fp8-margin", "--fp8-amax-history-len",
-                              "--fp8-amax-compute-algo"]
+                              "--fp8-amax-compute-algo", "--no-fp8-wgrad"]
     assert fp8_flags(ModelConfig()) == []
 
 

@@ -21,7 +21,9 @@ enter) and multiply the dequantised blocks in fp32: exact emulation of a block-s
 kernel accumulating in fp32. torch's MX kernel (block-scaled ``_scaled_mm`` with
 swizzled e8m0 scales) exists only on compute capability 10.0 and is not called yet.
 The output, input gradient and weight gradient are returned in the dtype of ``x`` /
-``w`` (fp32 or bf16); the bias and its gradient stay in that precision.
+``w`` (fp32 or bf16); the bias and its gradient stay in that precision. With
+``--no-fp8-wgrad`` (Megatron-LM's flag) the weight gradient is ``dy^T x`` of the
+unquantised operands, in the training precision.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ class Fp8LinearFunction(torch.autograd.Function):
             dw = scaling.scale(WEIGHT, weight, fwd, record)
             qx, qw = quantize(x2, dx, fwd), quantize(weight, dw, fwd)
             y = scaled_mm(qx, qw, dx, dw)
-            ctx.save_for_backward(qx, qw, dx, dw)
+            # --no-fp8-wgrad: the weight gradient from the unquantised input
+            ctx.save_for_backward(qx, qw, dx, dw, None if recipe.wgrad else x2)
         ctx.scaling, ctx.record, ctx.has_bias = scaling, record, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         y = y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -90,21 +93,22 @@ class Fp8LinearFunction(torch.autograd.Function):
         recipe = scaling.recipe
         g2 = grad.reshape(-1, grad.shape[-1])
         gdt, fwd = recipe.grad_dtype, recipe.forward_dtype
+        gw = None
         if recipe.block is not None:
             x2, weight = ctx.saved_tensors
             mx = recipe.recipe == "mxfp8"
             gx = block_mm(g2, weight.t(), recipe.block, gdt, fwd, mx)
-            gw = None
-            if ctx.needs_input_grad[1]:
+            if ctx.needs_input_grad[1] and recipe.wgrad:
                 gw = block_mm(g2.t(), x2.t(), recipe.block, gdt, fwd, mx)
         else:
-            qx, qw, dx, dw = ctx.saved_tensors
+            qx, qw, dx, dw, x2 = ctx.saved_tensors
             dg = scaling.scale(GRAD, g2, gdt, ctx.record)
             qg = quantize(g2, dg, gdt)
             gx = scaled_mm(qg, qw.t().contiguous(), dg, dw)
-            gw = None
-            if ctx.needs_input_grad[1]:
+            if ctx.needs_input_grad[1] and recipe.wgrad:
                 gw = scaled_mm(qg.t().contiguous(), qx.t().contiguous(), dg, dx)
+        if ctx.needs_input_grad[1] and not recipe.wgrad:   # in the training precision
+            gw = g2.t().mm(x2)
         gx = gx.to(ctx.x_dtype).view(ctx.x_shape)
         gw = None if gw is None else gw.to(ctx.w_dtype)
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None

@@ -45,6 +45,7 @@ class Fp8Recipe:
     margin: int = 0
     history_len: int = 1
     amax_compute_algo: str = "most_recent"
+    wgrad: bool = True               # False: the weight gradient GEMM in higher precision
 
     @classmethod
     def from_config(cls, cfg) -> Fp8Recipe | None:
@@ -52,7 +53,7 @@ class Fp8Recipe:
         if cfg.fp8_format is None:
             return None
         return cls(cfg.fp8_format, cfg.fp8_recipe, cfg.fp8_margin, cfg.fp8_amax_history_len,
-                   cfg.fp8_amax_compute_algo)
+                   cfg.fp8_amax_compute_algo, cfg.fp8_wgrad)
 
     @classmethod
     def for_layer(cls, cfg, layer_number: int) -> Fp8Recipe | None:
