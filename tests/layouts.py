@@ -25,6 +25,8 @@ reshard         tests/checkpoint/test_reshard.py (AdamW) and test_muon_reshard.p
                 save at one layout, resume at others
 activation-     tests/model/test_activation_offload.py: --cpu-offloading against the same
 offload         layout without it, bitwise (rows tagged ``slow`` outside the default run)
+fp8             tests/fp8/test_layouts.py: fp8 GEMMs of each recipe x tp + sp, pp, dp, cp,
+                ep, loss, grad norm, params (and the delayed amax histories)
 ==============  ========================================================================
 
 A new parallelism adds its rows here (and a dimension to ``tests/fuzz/draw.py``); a
@@ -406,12 +408,36 @@ _ACT_OFFLOAD = [
         strategy="optim_grads_params"),
 ]
 
+# -- fp8: each recipe's fp8 GEMMs trained against the one-process fp8 run ----------------
+# sizes each recipe tiles: 16 (per-tensor scales) at hidden 32; 32-element blocks at
+# hidden 64; 128-element blocks at hidden 128, seq 64 (blockwise: no tp, whose qkv shard
+# 192 would cut a block); cp rows at seq 32 / micro-batch 4 (16 tokens per chunk)
+FP8_MODEL = {
+    "tensorwise": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise"},
+    "delayed": {"fp8_format": "hybrid", "fp8_recipe": "delayed", "fp8_amax_history_len": 2,
+                "fp8_amax_compute_algo": "max"},
+    "mxfp8": {"fp8_format": "e4m3", "fp8_recipe": "mxfp8", "hidden_size": 64},
+    "blockwise": {"fp8_format": "hybrid", "fp8_recipe": "blockwise", "hidden_size": 128,
+                  "seq_length": 64},
+}
+_FP8_CP = ({"seq_length": 32}, {"micro_batch_size": 4})
+_FP8_MOE = {"num_experts": 4, "moe_router_topk": 2}
+_FP8 = [
+    *(row("fp8", 2, recipe, model=FP8_MODEL[recipe], **sizes)
+      for recipe in ("tensorwise", "delayed", "mxfp8")
+      for sizes in ({"tp": 2, "sp": True}, {"pp": 2}, {})),
+    *(row("fp8", 2, recipe, model={**FP8_MODEL[recipe], **_FP8_CP[0]}, train=_FP8_CP[1], cp=2)
+      for recipe in ("tensorwise", "delayed", "mxfp8")),
+    row("fp8", 2, "tensorwise", model={**FP8_MODEL["tensorwise"], **_FP8_MOE}, ep=2),
+    row("fp8", 2, "blockwise", model=FP8_MODEL["blockwise"]),
+    row("fp8", 4, "delayed", model=FP8_MODEL["delayed"], tp=2, sp=True, pp=2),
+]
+
 SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "muon", "pipeline",
-          "training", "resume", "reshard", "cp", "activation-offload")
+          "training", "resume", "reshard", "cp", "activation-offload", "fp8")
 LAYOUTS: tuple[Layout, ...] = (*_MODEL, *_MIXTRAL, *_MOE_LAYER, *_MOE_TRAINING, *_DEEPSEEK,
                                *_OPTIM, *_MUON, *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD,
-                               *_CP,
-                               *_ACT_OFFLOAD)
+                               *_CP, *_ACT_OFFLOAD, *_FP8)
 
 
 def layouts(tag: str | None = None, world: int | None = None,

@@ -66,8 +66,10 @@ from megalite.checkpoint.rng import restore_rng_state
 from megalite.checkpoint.save import distributed, gather_objects, layout_of, raise_if_any
 from megalite.checkpoint.state import (
     COMMON,
+    fp8_load_state,
     model_load_state,
     optimizer_load_state,
+    restore_fp8_histories,
     rng_key,
 )
 from megalite.checkpoint.verify import METADATA_FILE, VerifyingReader
@@ -323,7 +325,15 @@ def _read(load: _Load, iter_dir: str, meta: dict, reader: VerifyingReader):
                               "load it with --no-load-rng")
     if want_rng and same_layout:
         state[rng_key(ps.rank)] = None
+    fp8_pairs = []
+    if not opts.finetune:   # delayed fp8 scaling's amax histories, replicated
+        saved = {k: tuple(v.size) for k, v in entries.items()
+                 if k.startswith("fp8/") and isinstance(v, TensorStorageMetadata)}
+        fstate, fpieces, fp8_pairs = fp8_load_state(load.model, saved)
+        state.update(fstate)
+        pieces.update(fpieces)
     load_blocks(state, pieces, reader, no_dist=not distributed(ps))
+    restore_fp8_histories(fp8_pairs)
 
     return state[COMMON], per_param, want_optim, want_rng, same_layout, state
 

@@ -54,7 +54,7 @@ from megalite.checkpoint.files import (
 from megalite.checkpoint.layout import param_layouts
 from megalite.checkpoint.planner import save_blocks
 from megalite.checkpoint.rng import capture_rng_state
-from megalite.checkpoint.state import FORMAT, save_state
+from megalite.checkpoint.state import FORMAT, add_fp8_histories, save_state
 from megalite.parallel import collectives
 from megalite.parallel.state import ParallelState
 
@@ -230,6 +230,7 @@ class CheckpointSaver:
         rng = capture_rng_state(rng_tracker, ps.device) if save_rng else None
         state, pieces, names = save_state(layouts, optimizer if save_optim else None,
                                           common, rng, ps.rank)
+        add_fp8_histories(state, pieces, model)
         meta = {"format": FORMAT, "iteration": iteration,
                 "consumed_samples": consumed_samples, "layout": layout_of(ps),
                 "optimizer_state": names if save_optim and optimizer is not None else None,

@@ -12,6 +12,9 @@ Keys (``<piece>`` is a global tensor key of :mod:`megalite.checkpoint.layout`)::
     common                    {format, iteration, consumed_samples, scheduler, loss_scaler,
                                optimizer: {step, state_names}} -- the same on every rank
     rng/<global rank>         that rank's RNG states (restored only on the same layout)
+    fp8/<module>.amax_history delayed fp8 scaling's amax history ``[3, history_len]`` of
+                              each fp8 linear (input, weight, grad rows; newest first);
+                              the same on every rank holding the layer, so stored whole
 
 Optimizer state goes through the optimizers' per-parameter form (both the plain and the
 distributed optimizer, see :mod:`megalite.optim.optimizer_state`): ``{"step": int,
@@ -24,6 +27,8 @@ from __future__ import annotations
 import torch
 
 from megalite.checkpoint.layout import ParamLayout, Piece
+from megalite.layers.fp8.scaling import delayed_scalings
+from megalite.pipeline.layout import model_chunks
 
 FORMAT = "megalite-dcp-v1"
 COMMON = "common"
@@ -39,6 +44,56 @@ def optim_key(state_name: str, piece_key: str) -> str:
 
 def rng_key(rank: int) -> str:
     return f"rng/{rank:05d}"
+
+
+def fp8_key(module_name: str) -> str:
+    return f"fp8/{module_name}.amax_history"
+
+
+def fp8_histories(model) -> list[tuple[str, object]]:
+    """(checkpoint key, :class:`~megalite.layers.fp8.Fp8Scaling`) of every delayed-scaling
+    linear of ``model``; module names without the chunk index (layer numbers are global)."""
+    out = []
+    for name, scaling in delayed_scalings(model_chunks(model)):
+        out.append((fp8_key(name.split(".", 1)[1]), scaling))
+    return out
+
+
+def _whole(key: str, shape) -> Piece:
+    shape = tuple(shape)
+    return Piece(key, shape, (0,) * len(shape), shape)
+
+
+def add_fp8_histories(state: dict, pieces: dict, model) -> None:
+    """The delayed-scaling histories of ``model``, each one whole tensor."""
+    for key, scaling in fp8_histories(model):
+        state[key] = scaling.amax_history.detach()
+        pieces[key] = _whole(key, scaling.amax_history.shape)
+
+
+def fp8_load_state(model, saved: dict) -> tuple[dict, dict, list]:
+    """Fresh tensors for the saved histories (``saved``: key -> saved shape) of this
+    model's delayed-scaling linears; (blocks, pieces, [(scaling, tensor)]) for
+    :func:`restore_fp8_histories` after the read. A history the checkpoint lacks (saved
+    without delayed scaling) stays empty."""
+    state, pieces, pairs = {}, {}, []
+    for key, scaling in fp8_histories(model):
+        if key in saved:
+            tensor = torch.zeros(saved[key], dtype=torch.float32,
+                                 device=scaling.amax_history.device)
+            state[key], pieces[key] = tensor, _whole(key, saved[key])
+            pairs.append((scaling, tensor))
+    return state, pieces, pairs
+
+
+def restore_fp8_histories(pairs: list) -> None:
+    """Copy each loaded history into its linear: the newest ``min(saved, current)``
+    entries of a history saved with another ``--fp8-amax-history-len``."""
+    for scaling, tensor in pairs:
+        n = min(tensor.shape[1], scaling.amax_history.shape[1])
+        scaling.amax_history.zero_()
+        scaling.amax_history[:, :n] = tensor[:, :n]
+        scaling.step_amax.zero_()
 
 
 # -- save ---------------------------------------------------------------------------------

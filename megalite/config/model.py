@@ -90,6 +90,9 @@ def _normalized_freq(freq) -> int | str:
 RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+# the multiple each fp8 GEMM dimension must be: 16 for per-tensor scales (the kernels'
+# rule), the block length for block scales (megalite.layers.fp8.recipes)
+FP8_TILE = {"delayed": 16, "tensorwise": 16, "mxfp8": 32, "blockwise": 128}
 
 
 @dataclass
@@ -203,16 +206,35 @@ class ModelConfig:
                                        "keeps parameters on the device).")
     bf16: bool = arg(False, "Train in bfloat16 with fp32 master weights.")
     fp16: bool = arg(False, "Train in float16 with dynamic loss scaling.")
-    # fp8 (parsed and validated; megalite.training.fp8 refuses to train where it cannot run)
+    # fp8 GEMMs in the transformer layers' linears (megalite.layers.fp8)
     fp8_format: str | None = arg(None, "fp8 GEMMs: e4m3 everywhere, or hybrid (e4m3 "
                                  "forward, e5m2 gradients).", choices=FP8_FORMATS)
-    fp8_recipe: str = arg("delayed", "fp8 scaling recipe.", choices=FP8_RECIPES)
+    fp8_recipe: str = arg("delayed", "fp8 scaling recipe: delayed (scales from an amax "
+                          "history), tensorwise (from each tensor's amax), mxfp8 (32-element "
+                          "blocks, e8m0 scales) or blockwise (128-element blocks, fp32 "
+                          "scales).", choices=FP8_RECIPES)
+    fp8_margin: int = arg(0, "Scale fp8 tensors down by 2^margin below the largest value "
+                          "the format holds.")
     fp8_amax_history_len: int = arg(1, "Length of the amax history window (delayed "
                                     "scaling).")
     fp8_amax_compute_algo: str = arg("most_recent", "How the scale is computed from the "
                                      "amax history.", choices=("most_recent", "max"))
-    fp8_param_gather: bool = arg(False, "Keep parameters in fp8 and gather them in fp8 "
-                                 "(needs --fp8-format).")
+    fp8_wgrad: bool = arg(True, "the weight-gradient GEMM in fp8 (--no-fp8-wgrad: in the "
+                          "training precision).", flag="--no-fp8-wgrad",
+                          action="store_false")
+    fp8_param_gather: bool = arg(
+        False, "Keep parameters in fp8 and gather them in fp8 (needs --fp8-format).",
+        no_effect="megalite gathers parameters in their training precision and quantises "
+                  "them to fp8 in each GEMM, which gives the GEMMs the same fp8 weights; "
+                  "the smaller gather and the fp8 parameter copies are not implemented")
+    first_last_layers_bf16: bool = arg(False, "Under --fp8-format, keep the first "
+                                       "--num-layers-at-start-in-bf16 and the last "
+                                       "--num-layers-at-end-in-bf16 transformer layers out "
+                                       "of fp8.")
+    num_layers_at_start_in_bf16: int = arg(1, "Transformer layers at the start kept out of "
+                                           "fp8 by --first-last-layers-bf16.")
+    num_layers_at_end_in_bf16: int = arg(1, "Transformer layers at the end kept out of fp8 "
+                                         "by --first-last-layers-bf16.")
     # Mixture of experts
     num_experts: int | None = arg(None, "Number of experts (MoE when set).")
     moe_router_topk: int = arg(2, "Experts per token.")
@@ -304,8 +326,7 @@ class ModelConfig:
         require(self.cross_entropy_fusion_impl == "native",
                  "--cross-entropy-fusion-impl te needs Transformer Engine, which megalite "
                  "does not use; use native (the default)")
-        require(not self.fp8_param_gather or self.fp8_format is not None,
-                 "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
+        self._check_fp8()
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.kv_channels is None:
@@ -467,6 +488,69 @@ class ModelConfig:
         """Selective recomputation covers ``module`` (a ``--recompute-modules`` kind)."""
         return (self.recompute_granularity == "selective"
                 and module in (self.recompute_modules or ()))
+
+    def _check_fp8(self) -> None:
+        require(not self.fp8_param_gather or self.fp8_format is not None,
+                 "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
+        if self.fp8_format is None:
+            return
+        require(not self.fp16,
+                f"--fp8-format {self.fp8_format} with --fp16 is not supported: fp8 GEMMs "
+                "take bf16 or fp32 activations and weights; use --bf16 (or neither)")
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            require(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, "
+                    f"got {getattr(self, name)}")
+        require(self.fp8_margin >= 0, f"--fp8-margin must be >= 0, got {self.fp8_margin}")
+
+    def fp8_gemm_dims(self, tp: int, cp: int, micro_batch_size: int) -> dict[str, int]:
+        """Every dimension one rank's fp8 GEMMs contract over (each linear's local input
+        and output features, and the tokens of one micro-batch: under context parallelism
+        each of a rank's two sequence chunks), named for error messages."""
+        d, nh, ng = self.kv_channels, self.num_attention_heads, self.num_query_groups
+        fc1 = (2 if self.swiglu else 1) * self.ffn_hidden_size
+        tokens = (self.seq_length // (2 * cp) if cp > 1 else self.seq_length) * micro_batch_size
+        dims = {"hidden_size": self.hidden_size,
+                "the MLP's fc1 output per tp rank": fc1 // tp,
+                "ffn_hidden_size / tp": self.ffn_hidden_size // tp}
+        if self.multi_latent_attention:   # the tp-split up and output projections
+            qk = self.mla_q_head_dim
+            dims.update({
+                "kv_lora_rank": self.kv_lora_rank,
+                "the kv up projection's output per tp rank":
+                    nh * (self.qk_head_dim + self.v_head_dim) // tp,
+                "the query projection's output per tp rank": nh * qk // tp,
+                "the attention output per tp rank (heads x v_head_dim / tp)":
+                    nh * self.v_head_dim // tp})
+            if self.q_lora_rank is not None:
+                dims["q_lora_rank"] = self.q_lora_rank
+        else:
+            dims.update({
+                "the QKV projection's output per tp rank": (nh + 2 * ng) * d // tp,
+                "the attention output per tp rank (heads x kv_channels / tp)": nh * d // tp})
+        shared = self.moe_shared_expert_intermediate_size
+        if shared:
+            dims["moe_shared_expert_intermediate_size / tp"] = shared // tp
+        key = ("tokens per micro-batch and sequence chunk (seq_length / (2 x cp) x "
+               "micro_batch_size)" if cp > 1 else "tokens per micro-batch (seq_length x "
+               "micro_batch_size)")
+        dims[key] = tokens
+        return dims
+
+    def check_fp8_tiling(self, tp: int, cp: int, micro_batch_size: int) -> None:
+        """fp8 GEMMs tile each contraction dimension: multiples of 16 for per-tensor scales
+        (the kernels' rule), of the block (32 mxfp8, 128 blockwise) for block scales, so
+        that no tp or cp split cuts a block. One ConfigError naming the first dimension that
+        does not tile."""
+        if self.fp8_format is None:
+            return
+        multiple = FP8_TILE[self.fp8_recipe]
+        for what, n in self.fp8_gemm_dims(tp, cp, micro_batch_size).items():
+            require(n % multiple == 0,
+                    f"--fp8-recipe {self.fp8_recipe} needs every fp8 GEMM dimension to be a "
+                    f"multiple of {multiple}: {what} is {n} (tp {tp}, cp {cp}, "
+                    f"micro_batch_size {micro_batch_size}); change the sizes"
+                    + ("" if self.fp8_recipe in ("tensorwise", "delayed") else
+                       " or use --fp8-recipe tensorwise (multiples of 16)"))
 
     def _check_cpu_offloading(self) -> None:
         """Megatron's rule (0 <= layers < num_layers) and what megalite offloads."""

@@ -8,7 +8,11 @@ forward and one in backward. Under sequence parallelism the all-reduce becomes a
 all-gather of the sequence before the column layer and a reduce-scatter after the row layer.
 
 Activations use the ``[s, b, h]`` layout; every layer takes the ``ParallelState`` ``ps`` and
-all its collectives run on ``ps.tp``.
+all its collectives run on ``ps.tp``. With ``fp8`` (an
+:class:`~megalite.layers.fp8.Fp8Recipe`) the layer's three GEMMs run in fp8
+(:mod:`megalite.layers.fp8`); its tensorwise amaxes are reduced over ``ps.tp`` for the
+operands split over tp and over ``ps.cp`` for the activations and gradients (their
+sequence is split over cp).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from megalite.layers.fp8 import Fp8Scaling, fp8_linear
 from megalite.layers.reused_buffer import ReusedGradBuffer, reused_linear
 from megalite.parallel.params import mark_param
 from megalite.parallel import collectives as C
@@ -126,7 +131,7 @@ class ColumnParallelLinear(torch.nn.Module):
                  gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, parts: Sequence[int] | None = None,
                  skip_weight_param: bool = False, reuse_buffers: bool = False,
-                 device=None, dtype=None):
+                 fp8=None, device=None, dtype=None):
         super().__init__()
         self.tp_group = tp_group = ps.tp
         self.gather_output = gather_output
@@ -147,13 +152,23 @@ class ColumnParallelLinear(torch.nn.Module):
         if bias:
             self.bias = mark_param(torch.nn.Parameter(torch.empty(local, **kw)),
                                    partition_dim=0, parts=parts, init_fill=0.0)
+        # the input is whole on every tp rank (replicated, or gathered under sp); the
+        # weight [out/tp, in] and the output gradient [s, b, out/tp] are split over tp
+        self.fp8_scaling = None if fp8 is None else Fp8Scaling(
+            fp8, ((ps.cp,), (tp_group,), (tp_group, ps.cp)), device=kw["device"])
         self._reused = None
         if reuse_buffers and not bias and torch.device(kw["device"] or "cpu").type == "cpu":
             self._reused = (ReusedGradBuffer(), ReusedGradBuffer())  # output, weight grad
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
-        if (self.sequence_parallel and self.tp_group.size > 1 and torch.is_grad_enabled()
+        if self.fp8_scaling is not None:
+            if self.sequence_parallel:
+                x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)
+            else:
+                x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
+            y = fp8_linear(x, weight, self.bias, self.fp8_scaling)
+        elif (self.sequence_parallel and self.tp_group.size > 1 and torch.is_grad_enabled()
                 and not torch.is_autocast_enabled(x.device.type)):
             y = _SequenceParallelLinear.apply(x, weight, self.bias, self.tp_group)
         else:
@@ -181,7 +196,7 @@ class RowParallelLinear(torch.nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, ps, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 init_std: float = 0.02, device=None, dtype=None):
+                 init_std: float = 0.02, fp8=None, device=None, dtype=None):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel")
@@ -196,13 +211,22 @@ class RowParallelLinear(torch.nn.Module):
         if bias:
             self.bias = mark_param(torch.nn.Parameter(torch.empty(output_size, **kw)),
                                    init_fill=0.0, sequence_parallel=sequence_parallel)
+        # the input [s, b, in/tp] and the weight [out, in/tp] are split over tp; the output
+        # gradient [s, b, out] is whole on every tp rank
+        self.fp8_scaling = None if fp8 is None else Fp8Scaling(
+            fp8, ((tp_group, ps.cp), (tp_group,), (ps.cp,)), device=kw["device"])
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8_scaling is not None:
+            return fp8_linear(x, self.weight, bias, self.fp8_scaling)
+        return _linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_model_parallel_region(x, self.tp_group)
         if self.tp_group.size == 1:
-            return _linear(x, self.weight, self.bias)
-        y = _linear(x, self.weight)
+            return self._linear(x, self.bias)
+        y = self._linear(x, None)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

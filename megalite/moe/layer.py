@@ -47,6 +47,7 @@ import math
 import torch
 
 from megalite.config import ConfigError
+from megalite.layers.fp8 import Fp8Recipe
 from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megalite.layers.sharding import initialize_params
 from megalite.moe.comm import CommCounter
@@ -64,13 +65,13 @@ class SharedExpertMLP(torch.nn.Module):
     (SwiGLU: gate | up parts), fc2 ``[h, ffn/tp]``.
     """
 
-    def __init__(self, cfg, ffn: int, ps, *, device=None, dtype=None):
+    def __init__(self, cfg, ffn: int, ps, *, fp8=None, device=None, dtype=None):
         super().__init__()
         sp = ps.tp.size > 1
         self.swiglu = cfg.swiglu
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         kw = {"ps": ps, "bias": cfg.add_bias_linear, "sequence_parallel": sp,
-              "device": device, "dtype": dtype}
+              "device": device, "dtype": dtype, "fp8": fp8}
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, (2 if cfg.swiglu else 1) * ffn,
                                         init_std=cfg.init_method_std,
                                         parts=(ffn, ffn) if cfg.swiglu else None, **kw)
@@ -101,8 +102,9 @@ class MoELayer(torch.nn.Module):
         self.experts = GroupedMLP(cfg, num_local, self.dispatcher.first_expert, ps, **kw)
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
-            self.shared_experts = SharedExpertMLP(
-                cfg, cfg.moe_shared_expert_intermediate_size, ps, **kw)
+            self.shared_experts = SharedExpertMLP(   # fp8 GEMMs as the dense MLP's
+                cfg, cfg.moe_shared_expert_intermediate_size, ps,
+                fp8=Fp8Recipe.for_layer(cfg, layer_number), **kw)
         self.aux_loss_scale = 1.0
         self.aux_losses: dict = {}
         self.reset_parameters()

@@ -49,6 +49,7 @@ from megalite.parallel.cp_chunks import slice_batch, with_document_ids
 from megalite.pipeline.layout import model_chunks
 from megalite.training.components import TrainState
 from megalite.training.forward_backward import RouterLosses, forward_backward, loss_divisors
+from megalite.training.fp8 import finish_fp8_step
 from megalite.training.health import LossScaleError, LossScaleWatchdog  # noqa: F401 (re-export)
 from megalite.training.manual_gc import ManualGC
 from megalite.training.memory_log import MemoryReporter
@@ -185,6 +186,7 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
                                  f"(rank {ps.rank}); stopping without updating the model "
                                  "or writing a checkpoint")
     c.grads.finish_grad_sync()
+    finish_fp8_step(model_chunks(c.model), ps)   # delayed scaling: this step's amaxes
     with c.timers("optimizer", log_level=1):
         lr = c.scheduler.apply(c.optimizer)
         outcome = c.optimizer.step()

@@ -39,7 +39,7 @@ class SelfAttention(torch.nn.Module):
     """
 
     def __init__(self, cfg, ps, *, sequence_parallel: bool, rng, output_std: float,
-                 recompute_core: bool = False, device=None, dtype=None):
+                 recompute_core: bool = False, fp8=None, device=None, dtype=None):
         super().__init__()
         tp = ps.tp.size
         nh, ng, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
@@ -47,7 +47,7 @@ class SelfAttention(torch.nn.Module):
         self.rng = rng
         self.recompute_core = recompute_core
         kw = {"ps": ps, "sequence_parallel": sequence_parallel, "device": device,
-              "dtype": dtype}
+              "dtype": dtype, "fp8": fp8}
         self.linear_qkv = ColumnParallelLinear(
             cfg.hidden_size, (nh + 2 * ng) * d, parts=(nh * d, ng * d, ng * d),
             bias=cfg.add_bias_linear or cfg.add_qkv_bias, init_std=cfg.init_method_std, **kw)

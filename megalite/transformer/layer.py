@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megalite.layers.fp8 import Fp8Recipe
 from megalite.moe.layer import MoELayer, moe_layer_pattern
 from megalite.parallel.random import REPLICATED, TENSOR_PARALLEL
 from megalite.transformer.attention import SelfAttention
@@ -41,7 +42,9 @@ class TransformerLayer(torch.nn.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.dropout_stream = TENSOR_PARALLEL if sequence_parallel else REPLICATED
         kw = {"sequence_parallel": sequence_parallel, "device": device, "dtype": dtype}
-        par = dict(output_std=output_init_std(cfg), **kw)
+        # the linears' fp8 recipe (None: higher precision; --first-last-layers-bf16)
+        fp8 = Fp8Recipe.for_layer(cfg, layer_number)
+        par = dict(output_std=output_init_std(cfg), fp8=fp8, **kw)
         norm = dict(zero_centered=cfg.apply_layernorm_1p, **kw)
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
                                           cfg.norm_epsilon, **norm)

@@ -89,7 +89,7 @@ class MLASelfAttention(torch.nn.Module):
     projections and RoPE (both: one checkpoint around the two)."""
 
     def __init__(self, cfg, ps, *, sequence_parallel: bool, rng, output_std: float,
-                 device=None, dtype=None):
+                 fp8=None, device=None, dtype=None):
         super().__init__()
         tp = ps.tp.size
         self.tp_group = ps.tp
@@ -105,30 +105,34 @@ class MLASelfAttention(torch.nn.Module):
         h, std, qk = cfg.hidden_size, cfg.init_method_std, self.dq + self.dr
         kw = {"ps": ps, "sequence_parallel": sequence_parallel, "device": device,
               "dtype": dtype}
+        # fp8 (--fp8-format) runs the tp-split up and output projections' GEMMs; the
+        # replicated down projections stay in the training precision
+        tp_kw = {**kw, "fp8": fp8}
         norm = dict(sequence_parallel=self.sequence_parallel,
                     zero_centered=cfg.apply_layernorm_1p, device=device, dtype=dtype)
         self.q_lora_rank = cfg.q_lora_rank
         if cfg.q_lora_rank is None:
-            self.linear_q_proj = ColumnParallelLinear(h, n * qk, bias=False, init_std=std, **kw)
+            self.linear_q_proj = ColumnParallelLinear(h, n * qk, bias=False, init_std=std,
+                                                      **tp_kw)
         else:
             self.linear_q_down_proj = ReplicatedLinear(h, cfg.q_lora_rank, init_std=std, **kw)
             self.q_layernorm = (build_norm(cfg.normalization, cfg.q_lora_rank,
                                            cfg.norm_epsilon, **norm)
                                 if cfg.qk_layernorm else None)
             self.linear_q_up_proj = ColumnParallelLinear(cfg.q_lora_rank, n * qk, bias=False,
-                                                         init_std=std, **kw)
+                                                         init_std=std, **tp_kw)
         self.linear_kv_down_proj = ReplicatedLinear(h, cfg.kv_lora_rank + self.dr,
                                                     init_std=std, **kw)
         self.kv_layernorm = (build_norm(cfg.normalization, cfg.kv_lora_rank, cfg.norm_epsilon,
                                         **norm) if cfg.qk_layernorm else None)
         self.linear_kv_up_proj = ColumnParallelLinear(cfg.kv_lora_rank,
                                                       n * (self.dq + self.dv), bias=False,
-                                                      init_std=std, **kw)
+                                                      init_std=std, **tp_kw)
         self.core_attention = build_core_attention(cfg, ps, rng, device=device, dtype=dtype,
                                                    v_head_dim=self.dv, qk_head_dim=qk)
         self.linear_proj = RowParallelLinear(n * self.dv, h, bias=cfg.add_bias_linear,
                                              input_is_parallel=True, init_std=output_std,
-                                             **kw)
+                                             **tp_kw)
 
     def _latents(self, x: torch.Tensor):
         """Down projections and norms: (query latent or ``x``, kv latent, shared RoPE key

@@ -21,13 +21,13 @@ class MLP(torch.nn.Module):
     """
 
     def __init__(self, cfg, ps, *, sequence_parallel: bool, output_std: float,
-                 recompute: bool = False, device=None, dtype=None):
+                 recompute: bool = False, fp8=None, device=None, dtype=None):
         super().__init__()
         ffn = cfg.ffn_hidden_size
         self.swiglu = cfg.swiglu
         self.recompute = recompute
         kw = {"ps": ps, "sequence_parallel": sequence_parallel, "device": device,
-              "dtype": dtype, "bias": cfg.add_bias_linear}
+              "dtype": dtype, "bias": cfg.add_bias_linear, "fp8": fp8}
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size, 2 * ffn if cfg.swiglu else ffn,
             parts=(ffn, ffn) if cfg.swiglu else None, init_std=cfg.init_method_std, **kw)

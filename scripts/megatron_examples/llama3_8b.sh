@@ -8,8 +8,9 @@
 #   parallel     8 GPUs -> 2 CPU processes (gloo, chosen automatically without CUDA)
 #   data, paths  a byte-level BPE trained on the bundled corpus (prepare_data.py) as the
 #                Hugging Face tokenizer, the corpus tokenized with it, runs/ for outputs
-#   removed      the fp8 lines (DTYPE=bf16 here: fp8 needs a CUDA device of compute
-#                capability 8.9+); DTYPE=fp8 puts them back
+#   DTYPE        bf16 by default (the CPU run is quicker); DTYPE=fp8 runs the original's
+#                fp8 lines: megalite's fp8 GEMMs (delayed scaling, hybrid format) run on
+#                the CPU too; --fp8-param-gather is accepted without effect
 #
 #   bash scripts/megatron_examples/llama3_8b.sh [CHECKPOINT_PATH] [TENSORBOARD_LOGS_PATH] [TOKENIZER|MOCK] [DATA|MOCK]
 set -euo pipefail

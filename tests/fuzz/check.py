@@ -28,6 +28,17 @@ Tolerances (absolute, on losses about 4 and parameters about 0.02-1):
   iteration (observed over 109 draws: loss <= 2.4e-3, grad norm <= 6e-3 relative,
   parameters <= 7.8e-3). The planted bugs listed in test_layout_fuzz.py moved bf16 draws by a
   grad norm off by a factor of 2 to 4 or a loss off by 5e-2 within the 3 steps.
+* fp8 GEMMs in fp32 (``--fp8-format``; with ``--bf16`` the bf16 tolerances): the first
+  iteration at the fp32 tolerances (loss 2e-5, grad norm 1e-4 relative: same parameters,
+  and the scales must match), later ones at loss 2e-4, grad norm 3e-3 relative,
+  parameters 8e-3. A reordered fp32 sum moves an operand by ~1e-7 relative, and the few
+  elements that sit on an fp8 rounding boundary then round one fp8 step (2^-3 relative)
+  apart; AdamW's first steps are about ``lr`` x sign(gradient), so a gradient element near
+  0 that changes sign moves its parameter by up to 2 x lr = 6e-3 (observed over the fp8
+  rows and fuzz draws: loss <= 1.1e-4, grad norm <= 1.1e-3 relative, parameters <= 4.7e-3
+  in 2 of 12288 elements). A tp weight amax left unreduced moved the first iteration's
+  grad norm by 1.7e-3 relative; amaxes of delayed scaling left unreduced over dp show in
+  the histories (tests/fp8/test_checkpoint.py compares them with one process at 1e-5).
 """
 
 from __future__ import annotations
@@ -55,15 +66,21 @@ class Tolerance:
     norm_rel: float
     param_abs: float
     param_rel: float = 0.0
+    first_loss_abs: float | None = None   # iteration 1, where tighter (fp8)
+    first_norm_rel: float | None = None
 
 
 FP32 = Tolerance(loss_abs=2e-5, loss_rel=1e-5, norm_rel=1e-4, param_abs=5e-5)
 BF16 = Tolerance(loss_abs=1e-2, loss_rel=0.0, norm_rel=5e-2, param_abs=1e-2,
                  param_rel=2 ** -6)
+FP8 = Tolerance(loss_abs=2e-4, loss_rel=0.0, norm_rel=3e-3, param_abs=8e-3,
+                first_loss_abs=FP32.loss_abs, first_norm_rel=FP32.norm_rel)
 
 
 def tolerance(layout: Layout) -> Tolerance:
-    return BF16 if layout.model.get("bf16") else FP32
+    if layout.model.get("bf16"):
+        return BF16
+    return FP8 if layout.model.get("fp8_format") else FP32
 
 
 def config(layout: Layout, metrics_jsonl: str | None = None):
@@ -166,14 +183,16 @@ def compare(layout: Layout, ranks: list[tuple[dict, dict, dict]],
     for rank, (losses, params, norms) in enumerate(ranks):
         for it, want in ref_norms.items() if norms else ():
             got = norms.get(it, float("nan"))
-            if not abs(got - want) <= tol.norm_rel * abs(want):
+            rel = tol.first_norm_rel if it == 1 and tol.first_norm_rel else tol.norm_rel
+            if not abs(got - want) <= rel * abs(want):
                 problems.append(f"rank {rank}: grad_norm at iteration {it}: {got:.7g} vs "
                                 f"{want:.7g}")
         if list(losses) != list(ref_losses):
             problems.append(f"rank {rank}: iterations {list(losses)} vs {list(ref_losses)}")
         for it, want in ref_losses.items():
             got = losses.get(it, float("nan"))
-            if not abs(got - want) <= tol.loss_abs + tol.loss_rel * abs(want):
+            absolute = tol.first_loss_abs if it == 1 and tol.first_loss_abs else tol.loss_abs
+            if not abs(got - want) <= absolute + tol.loss_rel * abs(want):
                 problems.append(f"rank {rank}: lm_loss at iteration {it}: {got:.7g} vs "
                                 f"{want:.7g} (diff {got - want:.3g})")
         for name, tensor in params.items():

@@ -32,6 +32,10 @@ The attention variant comes from ``"attention-<seed>"``: multi-latent attention 
 quarter of the seeds (with or without a query latent, value heads as wide as the keys or
 narrower, YaRN or plain RoPE, its up projections recomputed where selective
 recomputation was drawn), QK norm for another sixth.
+fp8 GEMMs (``--fp8-format`` e4m3 or hybrid with ``--fp8-recipe`` tensorwise, delayed or
+mxfp8; blockwise's 128-element blocks do not tile these sizes) come for a third of the
+seeds from ``"fp8-<seed>"``; a drawn model whose GEMMs the recipe cannot tile
+(validation refuses it) keeps its other dimensions and drops fp8.
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -42,6 +46,7 @@ The draw is a pure function of the seed (``random.Random(seed)``), so
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from megalite.config import ConfigError
@@ -233,11 +238,33 @@ def _attention_variant(vrng: random.Random, model: dict) -> None:
         model["qk_layernorm"] = True
 
 
+FP8_RECIPES = ("tensorwise", "delayed", "mxfp8")
+
+
+def _fp8(frng: random.Random, model: dict) -> None:
+    """fp8 GEMMs (a format, a recipe; delayed: a history of 1-3 steps, max or most recent)
+    into ``model``, for a third of the draws."""
+    if frng.random() >= 1 / 3:
+        return
+    model.update(fp8_format=frng.choice(("e4m3", "hybrid")),
+                 fp8_recipe=frng.choice(FP8_RECIPES))
+    if model["fp8_recipe"] == "delayed":
+        model.update(fp8_amax_history_len=frng.randint(1, 3),
+                     fp8_amax_compute_algo=frng.choice(("max", "most_recent")))
+
+
+def _without_fp8(layout: Layout) -> Layout:
+    model = {k: v for k, v in layout.model.items() if not k.startswith("fp8_")}
+    name = layout.name.replace(f"-fp8{layout.model.get('fp8_recipe')}", "")
+    return dataclasses.replace(layout, name=name, model=model)
+
+
 def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                srng: random.Random, arng: random.Random,
                rrng: random.Random, orng: random.Random | None = None,
                zrng: random.Random | None = None,
-               vrng: random.Random | None = None) -> Layout | None:
+               vrng: random.Random | None = None,
+               frng: random.Random | None = None) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -255,6 +282,8 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
         _schedule(zrng, short)
     if vrng is not None:
         _attention_variant(vrng, model)
+    if frng is not None:
+        _fp8(frng, model)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model),
                              ("bias", model.get("moe_router_enable_expert_bias")),
@@ -265,7 +294,9 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                              ("actoff", model.get("cpu_offloading")),
                              ("mla", model.get("multi_latent_attention")),
                              ("qknorm", model.get("qk_layernorm")
-                              and not model.get("multi_latent_attention"))) if on]
+                              and not model.get("multi_latent_attention")),
+                             (f"fp8{model.get('fp8_recipe')}", model.get("fp8_format")))
+             if on]
     if "cp" in short:
         marks.insert(0, model["cp_comm_type"])
     name = "-".join([f"fuzz{seed}", slug(world, parallel), *marks])
@@ -295,8 +326,13 @@ def draw_layout(seed: int) -> Layout:
     srng, arng = random.Random(f"shard-{seed}"), random.Random(f"act-offload-{seed}")
     rrng, orng = random.Random(f"route-{seed}"), random.Random(f"optim-{seed}")
     zrng, vrng = random.Random(f"schedule-{seed}"), random.Random(f"attention-{seed}")
+    frng = random.Random(f"fp8-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng, vrng)
-        if layout is not None and rejection(layout) is None:
+        layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng, vrng, frng)
+        if layout is None:
+            continue
+        if rejection(layout) is None:
             return layout
+        if "fp8_format" in layout.model and rejection(_without_fp8(layout)) is None:
+            return _without_fp8(layout)
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")

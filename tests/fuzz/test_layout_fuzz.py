@@ -28,7 +28,7 @@ from tests.fuzz.draw import draw_layout
 # on worlds 4 and 8 (the pools other suites use), ~40 s together on 2 cores:
 #   5  tp2 x pp2 x dp2, MoE ep4 etp1 allgather, tied embeddings across stages, full
 #      recompute, DeepSeek-V3 routing with the expert bias
-#  41  tp4 + sp x dp2, distributed optimizer, no clipping
+#  41  tp4 + sp x dp2, sharded gradients, no clipping, fp8 (tensorwise)
 #  56  tp2 + sp x pp2 (ZB-H1) with an uneven last stage x dp2, distributed optimizer +
 #      overlap, bf16, optimizer offload
 #  77  tp2 + sp x pp2 x dp2, MoE ep2 etp2 alltoall, distributed optimizer + overlap, bf16,
@@ -84,11 +84,11 @@ def test_default_draws_cover_every_parallelism():
             ("ep", lay.get("ep") > 1), ("etp!=tp", lay.get("etp") != lay.get("tp")),
             ("tied pp", lay.get("pp") > 1 and not m.get("untie_embeddings_and_output_weights")),
             ("distopt", lay.get("distopt")), ("overlap", lay.get("overlap_param")),
-            ("bf16", m.get("bf16")), ("cp", lay.get("cp") > 1),
+            ("bf16", m.get("bf16")), ("cp", lay.get("cp") > 1), ("fp8", m.get("fp8_format")),
             ("expert bias", m.get("moe_router_enable_expert_bias")),
             ("zb pp", lay.get("pp") > 1 and lay.get("schedule") == "zb_h1"),
             *((f"ep {m.get('moe_token_dispatcher_type')}", lay.get("ep") > 1),)) if on}
     assert covered == {"tp+sp", "vpp", "uneven", "dp", "ep", "etp!=tp", "tied pp", "distopt",
-                       "overlap", "bf16", "ep alltoall", "ep allgather", "cp",
+                       "overlap", "bf16", "ep alltoall", "ep allgather", "cp", "fp8",
                        "expert bias", "zb pp"}, covered
     assert all(lay.world_size in (4, 8) for lay in draws)

@@ -1,0 +1,121 @@
+"""The three GEMMs of a linear layer in fp8: forward, input gradient, weight gradient.
+
+``y = x w^T + b`` with ``x`` ``[..., K]``, ``w`` ``[N, K]``:
+
+======  ====================  ===================  ======================
+GEMM    product               contraction          operands (hybrid)
+======  ====================  ===================  ======================
+fprop   ``y = x w^T``         K (in features)      x e4m3, w e4m3
+dgrad   ``dx = dy w``         N (out features)     dy e5m2, w e4m3
+wgrad   ``dw = dy^T x``       M (tokens)           dy e5m2, x e4m3
+======  ====================  ===================  ======================
+
+Per-tensor recipes (tensorwise, delayed) quantise ``x``, ``w`` and ``dy`` once each and run
+``torch._scaled_mm`` (it takes per-tensor scales on the CPU and on GPUs of compute
+capability 8.9+, accumulating in fp32); where the kernel cannot take the operands
+(another GPU, or a dimension not a multiple of 16 on a GPU) the same product is formed
+from the dequantised operands in fp32, which equals the kernel's result up to the order
+of summation. Block recipes (mxfp8, blockwise) quantise each operand along the
+contraction dimension of each GEMM (so ``x``, ``w`` and ``dy`` twice: once per GEMM they
+enter) and multiply the dequantised blocks in fp32: exact emulation of a block-scaled
+kernel accumulating in fp32. torch's MX kernel (block-scaled ``_scaled_mm`` with
+swizzled e8m0 scales) exists only on compute capability 10.0 and is not called yet.
+The output, input gradient and weight gradient are returned in the dtype of ``x`` /
+``w`` (fp32 or bf16); the bias and its gradient stay in that precision. With
+``--no-fp8-wgrad`` (Megatron-LM's flag) the weight gradient is ``dy^T x`` of the
+unquantised operands, in the training precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.layers.fp8.recipes import block_dequantize, block_quantize, quantize
+from megalite.layers.fp8.scaling import GRAD, INPUT, WEIGHT
+
+
+def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device.type == "cpu":
+        return True
+    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) < (8, 9):
+        return False
+    return all(n % 16 == 0 for n in (*a.shape, b.shape[0]))
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor
+              ) -> torch.Tensor:
+    """``(a * da) @ (b * db)^T`` in fp32: ``a`` ``[M, K]``, ``b`` ``[N, K]`` fp8 (row-major),
+    ``da`` / ``db`` 0-d fp32 dequantisation scales -> ``[M, N]`` fp32."""
+    if _kernel_takes(a, b):
+        return torch._scaled_mm(a, b.t(), scale_a=da, scale_b=db, out_dtype=torch.float32)
+    return (a.float() * da) @ (b.float() * db).t()
+
+
+def block_mm(a: torch.Tensor, b: torch.Tensor, block: int, a_dtype, b_dtype, mx: bool
+             ) -> torch.Tensor:
+    """``a @ b^T`` (``a`` ``[M, K]``, ``b`` ``[N, K]``, high precision) with both operands
+    block-quantised along K -> ``[M, N]`` fp32."""
+    qa, sa = block_quantize(a, block, a_dtype, mx=mx)
+    qb, sb = block_quantize(b, block, b_dtype, mx=mx)
+    return block_dequantize(qa, sa) @ block_dequantize(qb, sb).t()
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """``x`` ``[..., K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` or None, ``scaling`` an
+    :class:`~megalite.layers.fp8.scaling.Fp8Scaling` -> ``[..., N]``; collectives only
+    those of ``scaling`` (tensorwise amaxes)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scaling):
+        recipe = scaling.recipe
+        record = scaling.training
+        x2 = x.reshape(-1, x.shape[-1])
+        fwd = recipe.forward_dtype
+        block = recipe.block
+        if block is not None:
+            y = block_mm(x2, weight, block, fwd, fwd, recipe.recipe == "mxfp8")
+            ctx.save_for_backward(x2, weight)
+        else:
+            dx = scaling.scale(INPUT, x2, fwd, record)
+            dw = scaling.scale(WEIGHT, weight, fwd, record)
+            qx, qw = quantize(x2, dx, fwd), quantize(weight, dw, fwd)
+            y = scaled_mm(qx, qw, dx, dw)
+            # --no-fp8-wgrad: the weight gradient from the unquantised input
+            ctx.save_for_backward(qx, qw, dx, dw, None if recipe.wgrad else x2)
+        ctx.scaling, ctx.record, ctx.has_bias = scaling, record, bias is not None
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        y = y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        scaling = ctx.scaling
+        recipe = scaling.recipe
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gdt, fwd = recipe.grad_dtype, recipe.forward_dtype
+        gw = None
+        if recipe.block is not None:
+            x2, weight = ctx.saved_tensors
+            mx = recipe.recipe == "mxfp8"
+            gx = block_mm(g2, weight.t(), recipe.block, gdt, fwd, mx)
+            if ctx.needs_input_grad[1] and recipe.wgrad:
+                gw = block_mm(g2.t(), x2.t(), recipe.block, gdt, fwd, mx)
+        else:
+            qx, qw, dx, dw, x2 = ctx.saved_tensors
+            dg = scaling.scale(GRAD, g2, gdt, ctx.record)
+            qg = quantize(g2, dg, gdt)
+            gx = scaled_mm(qg, qw.t().contiguous(), dg, dw)
+            if ctx.needs_input_grad[1] and recipe.wgrad:
+                gw = scaled_mm(qg.t().contiguous(), qx.t().contiguous(), dg, dx)
+        if ctx.needs_input_grad[1] and not recipe.wgrad:   # in the training precision
+            gw = g2.t().mm(x2)
+        gx = gx.to(ctx.x_dtype).view(ctx.x_shape)
+        gw = None if gw is None else gw.to(ctx.w_dtype)
+        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               scaling) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with its three GEMMs in fp8 (module docstring)."""
+    return Fp8LinearFunction.apply(x, weight, bias, scaling)

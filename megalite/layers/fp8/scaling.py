@@ -1,0 +1,104 @@
+"""Per-linear fp8 scaling state, and the one place amaxes are reduced over ranks.
+
+Each fp8 linear owns an :class:`Fp8Scaling` with three roles: the GEMM input ``x``, the
+weight, and the output gradient. Its scales are layout invariant because each amax is
+the maximum over exactly the ranks that hold pieces of the same logical tensor:
+
+- **tensorwise**: every GEMM reduces its operand's amax (MAX) over the role's groups
+  given by the linear: the tp group for a weight sharded over tp and for an activation
+  or gradient split along its features over tp, the cp group for activations and
+  gradients whose sequence is split over cp. An operand the tp ranks hold whole (the
+  sequence-parallel input after its all-gather) needs no tp reduction. Micro-batches are
+  scaled one by one, on any dp rank as in one process.
+- **delayed**: forward and backward only record this rank's amax per role (the maximum
+  over the step's micro-batches) and quantise with the scale of the history;
+  :func:`finish_step`, once per optimizer step before the update, reduces every recorded
+  amax (MAX) over ``ps.tp`` and then ``ps.dp_cp`` (all ranks of a pipeline stage, so all
+  micro-batches of the global batch and all shards of each tensor) and pushes it into
+  the history. History entry 0 is the newest. Every layout thus holds the one-process
+  run's history after every step; steps before any history use scale 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.layers.fp8.recipes import amax_of, dequant_scale
+from megalite.parallel import collectives as C
+from megalite.parallel.collectives import ReduceOp
+
+INPUT, WEIGHT, GRAD = 0, 1, 2
+ROLES = ("input", "weight", "grad")
+
+
+class Fp8Scaling(torch.nn.Module):
+    """The scales of one linear's three operands. ``groups[role]``: the groups whose
+    ranks hold pieces of that operand (tensorwise reductions; may be empty).
+
+    Buffers (delayed only, kept out of ``state_dict``; the checkpoint stores
+    ``amax_history`` itself, :mod:`megalite.checkpoint.state`): ``amax_history``
+    ``[3, history_len]`` fp32, ``step_amax`` ``[3]`` fp32 (this step's local maxima)."""
+
+    def __init__(self, recipe, groups: tuple[tuple, tuple, tuple], device=None):
+        super().__init__()
+        self.recipe = recipe
+        self.groups = groups
+        self.delayed = recipe.recipe == "delayed"
+        if self.delayed:
+            kw = {"dtype": torch.float32, "device": device}
+            self.register_buffer("amax_history", torch.zeros(3, recipe.history_len, **kw),
+                                 persistent=False)
+            self.register_buffer("step_amax", torch.zeros(3, **kw), persistent=False)
+
+    def history_amax(self) -> torch.Tensor:
+        """``[3]``: the amax each role's scale is computed from this step."""
+        if self.recipe.amax_compute_algo == "max":
+            return self.amax_history.amax(1)
+        return self.amax_history[:, 0]
+
+    def scale(self, role: int, x: torch.Tensor, dtype: torch.dtype, record: bool
+              ) -> torch.Tensor:
+        """The fp32 dequantisation scale (0-d) of operand ``x`` in ``role`` for fp8
+        ``dtype``. Tensorwise: from ``x``'s amax, reduced over ``groups[role]`` (MAX;
+        a collective on each of those groups). Delayed: from the history, and ``record``
+        (training) keeps ``x``'s local amax for :func:`finish_step`."""
+        if self.delayed:
+            if record:
+                self.step_amax[role] = torch.maximum(self.step_amax[role], amax_of(x))
+            return dequant_scale(self.history_amax()[role], dtype, self.recipe.margin)
+        amax = amax_of(x).reshape(1)
+        for group in self.groups[role]:
+            C.all_reduce(amax, group, ReduceOp.MAX)
+        return dequant_scale(amax[0], dtype, self.recipe.margin)
+
+    def push(self, amax: torch.Tensor) -> None:
+        """Shift the history by one step and put ``amax`` ``[3]`` first; clear the step."""
+        self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=1))
+        self.amax_history[:, 0] = amax
+        self.step_amax.zero_()
+
+
+def delayed_scalings(model_chunks) -> list[tuple[str, Fp8Scaling]]:
+    """(module name, scaling) of every delayed-scaling linear in ``model_chunks``, in
+    module order (the same order on every rank of a pipeline stage)."""
+    out = []
+    for i, chunk in enumerate(model_chunks):
+        for name, module in chunk.named_modules():
+            if isinstance(module, Fp8Scaling) and module.delayed:
+                out.append((f"{i}.{name}", module))
+    return out
+
+
+@torch.no_grad()
+def finish_step(model_chunks, ps) -> None:
+    """End of a step under delayed scaling: reduce the step's amaxes of all linears
+    (one MAX all-reduce over ``ps.tp``, then one over ``ps.dp_cp``) and push them into
+    the histories. Nothing without delayed-scaling linears."""
+    scalings = [s for _, s in delayed_scalings(model_chunks)]
+    if not scalings:
+        return
+    amax = torch.stack([s.step_amax for s in scalings])
+    C.all_reduce(amax, ps.tp, ReduceOp.MAX)
+    C.all_reduce(amax, ps.dp_cp, ReduceOp.MAX)
+    for s, a in zip(scalings, amax):
+        s.push(a)

@@ -1,0 +1,141 @@
+"""The fp8 GEMMs of each recipe against fp32: every product of a linear (forward, input
+gradient, weight gradient) within a bound set by the format's precision, for random
+inputs and for inputs with outliers; the kernel path against its emulation; the MX
+scales as the OCP rule gives them."""
+
+import pytest
+import torch
+
+from megalite.layers.fp8 import Fp8Recipe, Fp8Scaling, fp8_linear
+from megalite.layers.fp8.gemm import scaled_mm
+from megalite.layers.fp8.recipes import (E4M3, E5M2, FP8_MAX, block_dequantize,
+                                         block_quantize, dequant_scale, quantize)
+
+RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
+# relative Frobenius error of one GEMM whose operands are rounded to 3 (e4m3) or 2 (e5m2)
+# mantissa bits: each operand is off by at most 2^-4 (2^-3) relative, about a third of
+# that on average (random inputs give 0.036-0.043 with e4m3, 0.057-0.063 with e5m2)
+BOUND = {E4M3: 0.05, E5M2: 0.08}
+# with outliers a few products dominate the result, so the rounding errors no longer
+# average out (worst seen: 0.065 e4m3, 0.103 e5m2)
+OUTLIER_FACTOR = 1.75
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def _operands(outliers: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 128, generator=g)       # [M tokens, K in]
+    w = torch.randn(128, 128, generator=g) * 0.05  # [N out, K in]
+    dy = torch.randn(256, 128, generator=g) * 1e-3
+    if outliers:   # a few channels 1000x larger (LLM activation outliers)
+        x[:, 5] *= 1000.0
+        x[7, :] *= 300.0
+        dy[:, 3] *= 1000.0
+    return x, w, dy
+
+
+def _run(recipe: Fp8Recipe, x, w, dy, history=None):
+    scaling = Fp8Scaling(recipe, ((), (), ()))
+    if history is not None:
+        scaling.amax_history[:, 0] = history
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    y = fp8_linear(x, w, None, scaling)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("outliers", [False, True], ids=["random", "outliers"])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_each_gemm_is_close_to_fp32(name, fmt, outliers):
+    x, w, dy = _operands(outliers)
+    recipe = Fp8Recipe(fmt, name)
+    history = None
+    if name == "delayed":   # a history that holds these tensors' amaxes (as after a step)
+        history = torch.stack([x.abs().max(), w.abs().max(), dy.abs().max()])
+    y, gx, gw = _run(recipe, x, w, dy, history)
+    gdt = E5M2 if fmt == "hybrid" else E4M3
+    loose = OUTLIER_FACTOR if outliers else 1.0
+    assert _rel(y, x @ w.t()) < BOUND[E4M3] * loose
+    assert _rel(gx, dy @ w) < BOUND[gdt] * loose
+    assert _rel(gw, dy.t() @ x) < BOUND[gdt] * loose
+
+
+def test_block_scales_beat_tensor_scales_on_extreme_outliers():
+    """One entry 1e5 times the rest: a per-tensor scale flushes the others to subnormals
+    (an error past 10%); 32-element blocks leave them their own scales."""
+    x, w, dy = _operands(False)
+    x[0, 0] = 1e5
+    ref = x @ w.t()
+    mask = torch.ones_like(ref, dtype=torch.bool)
+    mask[0] = False                      # rows without the outlier
+    errs = {}
+    for name in ("tensorwise", "mxfp8", "blockwise"):
+        y, _, _ = _run(Fp8Recipe("e4m3", name), x, w, dy)
+        errs[name] = _rel(y[mask], ref[mask])
+    assert errs["tensorwise"] > 0.1, errs
+    assert errs["mxfp8"] < BOUND[E4M3] and errs["blockwise"] < BOUND[E4M3], errs
+
+
+def test_scaled_mm_equals_its_fp32_emulation():
+    """torch._scaled_mm (fp32 out) is the fp32 product of the dequantised operands."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(48, 96, generator=g), torch.randn(32, 96, generator=g)
+    da, db = dequant_scale(a.abs().max(), E4M3), dequant_scale(b.abs().max(), E5M2)
+    qa, qb = quantize(a, da, E4M3), quantize(b, db, E5M2)
+    assert float(qa.float().abs().max()) == FP8_MAX[E4M3]   # the range is used in full
+    emulated = (qa.float() * da) @ (qb.float() * db).t()
+    torch.testing.assert_close(scaled_mm(qa, qb, da, db), emulated, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_mx_scales_follow_the_ocp_rule(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 64, generator=g) * torch.logspace(-3, 3, 64)
+    q, scales = block_quantize(x, 32, dtype, mx=True)
+    assert scales.dtype == torch.float8_e8m0fnu and scales.shape == (4, 2)
+    amax = x.reshape(4, 2, 32).abs().amax(-1)
+    emax = 8 if dtype == E4M3 else 15
+    want = torch.exp2(torch.floor(torch.log2(amax)) - emax)
+    torch.testing.assert_close(scales.float(), want, rtol=0, atol=0)
+    # largest element of each block: amax / scale in [2^emax, 2^(emax+1)), saturated at max
+    top = (q.float().reshape(4, 2, 32).abs().amax(-1))
+    assert bool((top >= 2.0 ** emax).all()) and bool((top <= FP8_MAX[dtype]).all())
+    back = block_dequantize(q, scales)
+    assert _rel(back, x) < BOUND[dtype]
+
+
+def test_untileable_block_dimension_is_one_error():
+    with pytest.raises(ValueError, match="not a multiple of the block size 32"):
+        block_quantize(torch.randn(4, 40), 32, E4M3, mx=True)
+
+
+def test_delayed_scale_comes_from_the_history_not_the_tensor():
+    """Delayed scaling quantises with the history's amax: a history 4x the tensor's amax
+    uses a quarter of the range; training records the tensor's amax for the step."""
+    recipe = Fp8Recipe("e4m3", "delayed", history_len=3, amax_compute_algo="max")
+    scaling = Fp8Scaling(recipe, ((), (), ()))
+    x = torch.randn(16, 32)
+    scaling.amax_history[0] = torch.tensor([1.0, 4 * float(x.abs().max()), 2.0])
+    d = scaling.scale(0, x, E4M3, record=True)
+    assert float(d) == pytest.approx(4 * float(x.abs().max()) / 448.0)
+    assert float(scaling.step_amax[0]) == float(x.abs().max())
+    scaling.push(scaling.step_amax.clone())
+    assert float(scaling.amax_history[0, 0]) == float(x.abs().max())
+    assert float(scaling.amax_history[0, 1]) == 1.0 and float(scaling.step_amax.sum()) == 0
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_no_fp8_wgrad_keeps_the_weight_gradient_in_the_training_precision(name):
+    """--no-fp8-wgrad: dw is dy^T x of the unquantised operands (fp32 here, exactly),
+    while the forward and input-gradient GEMMs stay in fp8."""
+    x, w, dy = _operands(False)
+    y, gx, gw = _run(Fp8Recipe("hybrid", name, wgrad=False), x, w, dy)
+    fp8_y, fp8_gx, fp8_gw = _run(Fp8Recipe("hybrid", name), x, w, dy)
+    torch.testing.assert_close(gw, dy.t() @ x, rtol=1e-6, atol=1e-6)
+    assert _rel(fp8_gw, dy.t() @ x) > 1e-2
+    assert torch.equal(y, fp8_y) and torch.equal(gx, fp8_gx)
