@@ -149,6 +149,15 @@ ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "add_position_embedding", "num_experts", "moe_router_topk",
                 "moe_ffn_hidden_size")
 MOE_ONLY = ("moe_router_topk", "moe_ffn_hidden_size")
+# printed where they differ from the flag's default (DeepSeek-V3's attention and routing)
+UNLESS_DEFAULT = ("multi_latent_attention", "qk_layernorm", "q_lora_rank", "kv_lora_rank",
+                  "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor",
+                  "mscale", "mscale_all_dim", "original_max_position_embeddings",
+                  "moe_layer_freq", "moe_shared_expert_intermediate_size",
+                  "moe_router_score_function", "moe_router_topk_scaling_factor",
+                  "moe_router_num_groups", "moe_router_group_topk",
+                  "moe_router_enable_expert_bias", "moe_router_dtype",
+                  "moe_router_load_balancing_type")
 
 
 def training_flags(cfg: MegaliteConfig) -> list[str]:
@@ -158,8 +167,10 @@ def training_flags(cfg: MegaliteConfig) -> list[str]:
 
     fields = {f.name: f for f in dataclasses.fields(cfg.model)}
     argv = []
-    for name in ARCHITECTURE:
+    for name in ARCHITECTURE + UNLESS_DEFAULT:
         value, f = getattr(cfg.model, name), fields[name]
+        if name in UNLESS_DEFAULT and value == f.default:
+            continue
         if name == "num_query_groups" and not cfg.model.group_query_attention:
             continue
         if name == "rotary_base" and cfg.model.position_embedding_type != "rope":
@@ -170,7 +181,7 @@ def training_flags(cfg: MegaliteConfig) -> list[str]:
             if value != (f.metadata.get("action") == "store_false"):
                 argv.append(flag_of(f))   # store_true when True, store_false when False
         elif value is not None:
-            argv += [flag_of(f), str(value)]
+            argv += [flag_of(f), f'"{value}"' if "*" in str(value) else str(value)]
     p = cfg.parallel
     return argv + ["--tensor-model-parallel-size", str(p.tensor_model_parallel_size),
                    "--pipeline-model-parallel-size", str(p.pipeline_model_parallel_size)]
@@ -198,6 +209,11 @@ def hf_to_megalite(args) -> None:
         raise ConfigError(f"the target layout does not fit the model: {exc}") from None
     tokenizer_source = import_tokenizer(args, cfg)
     hf_state = read_hf_weights(args.load_dir)
+    dropped, why = spec.dropped_hf_tensors(hf_state, cfg.model)
+    if dropped:
+        print(f"note: dropped {len(dropped)} tensors of {args.load_dir}: {why}")
+        drop = set(dropped)
+        hf_state = {k: v for k, v in hf_state.items() if k not in drop}
     with progress(2, "convert", "step") as bar:
         full = spec.from_hf(hf_state, cfg.model)
         unused = unused_hf_tensors(spec, hf_state, full, cfg.model)

@@ -37,6 +37,18 @@ def mixtral_config(**overrides) -> ModelConfig:
                                    "num_experts": 4, "moe_router_topk": 2}, overrides)
 
 
+def deepseek_v3_config(**overrides) -> ModelConfig:
+    """Multi-latent attention (latents 12 / 16, heads 8 + 4 RoPE / 6), one dense layer then
+    MoE: 8 experts top-4 in 4 groups (2 per token), sigmoid + expert bias, 1 shared."""
+    return tiny_config("deepseek_v3", {
+        "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 48,
+        "q_lora_rank": 12, "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4,
+        "v_head_dim": 6, "num_experts": 8, "moe_router_topk": 4, "moe_ffn_hidden_size": 16,
+        "moe_shared_expert_intermediate_size": 16, "moe_layer_freq": "[0]*1+[1]*1",
+        "moe_router_num_groups": 4, "moe_router_group_topk": 2,
+        "moe_router_topk_scaling_factor": 2.5}, overrides)
+
+
 FAMILIES = {"gpt2": gpt2_config, "llama": llama_config}  # the dense ones; mixtral on its own
 
 

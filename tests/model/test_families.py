@@ -13,15 +13,16 @@ from megalite.models.families import (
     get_family,
 )
 from megalite.models.families.llama import LlamaSpec
-from tests.model.common import gpt2_config, llama_config, mixtral_config
+from tests.model.common import deepseek_v3_config, gpt2_config, llama_config, mixtral_config
 
-TINY = {"gpt2": gpt2_config, "llama": llama_config, "mixtral": mixtral_config}
+TINY = {"gpt2": gpt2_config, "llama": llama_config, "mixtral": mixtral_config,
+        "deepseek_v3": deepseek_v3_config}
 
 
 def test_builtin_families():
     import transformers
 
-    assert family_names() == ("gpt2", "llama", "mixtral")
+    assert family_names() == ("gpt2", "llama", "mixtral", "deepseek_v3")
     for name in family_names():
         spec = get_family(name)
         assert spec.name == name and family_for_hf(spec.hf_model_type) is spec

@@ -108,6 +108,13 @@ class FamilySpec:
         both."""
         return hf_state
 
+    def dropped_hf_tensors(self, hf_state: dict[str, torch.Tensor], model_cfg
+                           ) -> tuple[list[str], str]:
+        """(names in a Hugging Face checkpoint that a conversion drops on purpose, why: one
+        line for the converter's note); nothing by default. DeepSeek-V3's multi-token
+        prediction layers, which transformers does not load either, are such tensors."""
+        return [], ""
+
     # -- configs -------------------------------------------------------------------------
     def hf_config(self, model_cfg, token_ids: tuple[int, int] | None = None):
         """A ``transformers`` config equivalent to ``model_cfg`` (imported lazily), with

@@ -1,0 +1,163 @@
+"""DeepSeek-V3: a tiny random ``DeepseekV3ForCausalLM`` (one dense layer, then MoE with 8
+experts in 4 groups, group-limited sigmoid routing with a random correction bias, one
+shared expert; with and without the query latent; YaRN and plain RoPE) converted by the
+family spec gives transformers' logits within 1e-5 in fp32 and its greedy tokens; the
+name mapping round-trips in both the in-memory and the hub-file naming; the configs
+translate both ways; MTP layers are named for dropping."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megalite.config import ModelConfig
+from megalite.inference.generation import generate
+from megalite.models.families import family_of, get_family
+from megalite.models.gpt import GPTModel
+from tests.model.common import TINY, single_process_state
+
+transformers = pytest.importorskip("transformers")
+
+SPEC = get_family("deepseek_v3")
+TOL = 1e-5
+PROMPT = [3, 17, 41, 8, 29]
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+        "mscale_all_dim": 0.707, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0}
+CASES = {"q-lora-yarn": {"q_lora_rank": 12, "rope_parameters": YARN},
+         "no-q-lora-rope": {"q_lora_rank": None}}
+
+
+def hf_tiny_config(**overrides):
+    """A tiny DeepseekV3Config: 2 layers (first dense), 8 experts top-4 in 4 groups of 2,
+    2 groups per token, one shared expert, MLA with latents 12 / 16, heads 8 + 4 / 6."""
+    kw = dict(vocab_size=TINY["vocab_size"], hidden_size=32, intermediate_size=48,
+              moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+              num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+              routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=12,
+              kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+              max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    kw.update(overrides)
+    cfg = transformers.DeepseekV3Config(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def randomize(hf_model, seed=3):
+    """O(1) weights everywhere (norms near one, a random correction bias) so a slip in
+    any mapping shows in the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in hf_model.state_dict().items():
+            noise = torch.randn(t.shape, generator=g)
+            if "norm" in name:
+                t.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("e_score_correction_bias"):
+                t.copy_(0.1 * noise)
+            else:
+                t.copy_(0.15 * noise)
+    return hf_model
+
+
+def our_config(hf_cfg) -> ModelConfig:
+    return ModelConfig(**{**SPEC.config_from_hf(hf_cfg), **TINY})
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request):
+    """(case, HF model, our model, our config) holding the same weights."""
+    torch.manual_seed(0)
+    hcfg = hf_tiny_config(**CASES[request.param])
+    hf = randomize(transformers.DeepseekV3ForCausalLM(hcfg).eval())
+    cfg = our_config(hcfg)
+    ours = GPTModel(cfg, single_process_state(), seed=1).eval()
+    ours.load_full_state_dict(SPEC.from_hf(hf.state_dict(), cfg))
+    return request.param, hf, ours, cfg
+
+
+def test_family_and_state_dict_round_trip(pair):
+    _, hf, ours, cfg = pair
+    assert family_of(cfg) is SPEC
+    want = hf.state_dict()
+    back = SPEC.to_hf(ours.full_state_dict(), cfg)
+    assert sorted(back) == sorted(want)
+    assert all(torch.equal(back[k], want[k]) for k in want)
+    # hub files: per-expert gate_proj / up_proj / down_proj [out, in]
+    hub = SPEC.to_hub_names(back, cfg)
+    prefix = "model.layers.1.mlp.experts."
+    assert prefix + "gate_up_proj" not in hub and prefix + "7.up_proj.weight" in hub
+    f = cfg.moe_ffn_hidden_size
+    assert torch.equal(hub[prefix + "5.up_proj.weight"], want[prefix + "gate_up_proj"][5, f:])
+    assert torch.equal(hub[prefix + "2.down_proj.weight"], want[prefix + "down_proj"][2])
+    again = SPEC.from_hf(hub, cfg)
+    full = ours.full_state_dict()
+    assert sorted(again) == sorted(full)
+    assert all(torch.equal(again[k], full[k]) for k in full)
+
+
+def test_logits_match_transformers(pair):
+    case, hf, ours, cfg = pair
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours(ids)[..., :cfg.vocab_size]
+    assert want.abs().max() > 1.0   # not a near-zero output
+    assert (got - want).abs().max().item() < TOL, case
+
+
+def test_greedy_generation_matches_transformers(pair):
+    _, hf, ours, cfg = pair
+    new = cfg.seq_length - len(PROMPT)
+    config = transformers.GenerationConfig(max_new_tokens=new, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), generation_config=config)[0, len(PROMPT):]
+    got = generate(ours, PROMPT, new)
+    assert got == want.tolist()
+    assert len(set(got)) > 1
+
+
+def test_config_round_trip_and_refusals():
+    hcfg = hf_tiny_config(rope_parameters=YARN)
+    cfg = our_config(hcfg)
+    assert cfg.moe_layer_freq == "[0]*1+[1]*1" and list(cfg.moe_layer_pattern) == [0, 1]
+    assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk) == (4, 2)
+    assert cfg.moe_shared_expert_intermediate_size == 16 and cfg.rotary_scaling_factor == 4.0
+    back = SPEC.hf_config(cfg)
+    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "n_shared_experts",
+                "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+                "first_k_dense_replace", "routed_scaling_factor", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "rms_norm_eps", "tie_word_embeddings"):
+        assert getattr(back, key) == getattr(hcfg, key), key
+    for key in ("rope_type", "factor", "mscale", "mscale_all_dim",
+                "original_max_position_embeddings"):
+        assert back.rope_parameters[key] == YARN[key], key
+    assert back.num_nextn_predict_layers == 0
+    with pytest.raises(ValueError, match="topk_group 1 is not 2"):   # Kimi-K2's 8 // 1
+        SPEC.config_from_hf(hf_tiny_config(topk_group=1))
+    with pytest.raises(ValueError, match="rope_interleave"):
+        SPEC.config_from_hf(hf_tiny_config(rope_interleave=False))
+    with pytest.raises(ValueError, match="dense layers first"):
+        SPEC.hf_config(dataclasses.replace(cfg, moe_layer_freq="[1]*1+[0]*1"))
+    with pytest.raises(ValueError, match="no --qk-layernorm"):
+        SPEC.to_hf({}, dataclasses.replace(cfg, qk_layernorm=False))
+    # all groups kept: no group-limited routing needed
+    plain = our_config(hf_tiny_config(n_group=1, topk_group=1))
+    assert plain.moe_router_num_groups is None
+
+
+def test_mtp_layers_are_named_for_dropping():
+    cfg = our_config(hf_tiny_config())
+    state = {"model.layers.1.mlp.gate.weight": torch.zeros(1),
+             "model.layers.2.eh_proj.weight": torch.zeros(1),
+             "model.layers.2.self_attn.q_a_proj.weight": torch.zeros(1),
+             "model.norm.weight": torch.zeros(1)}
+    dropped, why = SPEC.dropped_hf_tensors(state, cfg)
+    assert dropped == ["model.layers.2.eh_proj.weight",
+                       "model.layers.2.self_attn.q_a_proj.weight"]
+    assert "MTP" in why and "[2]" in why
+    assert get_family("llama").dropped_hf_tensors(state, cfg) == ([], "")
