@@ -1,0 +1,108 @@
+"""DeepSeek-V3 through ``tools/convert_checkpoint.py``: a tiny random hub-style
+``DeepseekV3ForCausalLM`` checkpoint (with one MTP layer's tensors, as the hub's keep them)
+converts to megalite, dropping the MTP tensors with a note; the converted checkpoint loads
+at tp 2, pp 2 and tp 2 x ep 2 and gives transformers' logits and greedy tokens; converted
+back it is the source's tensors bit for bit (MTP aside) and config."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.checkpoint.test_convert import _safetensors, convert
+from tests.distributed.harness import run_distributed
+from tests.model.test_deepseek_v3_parity import hf_tiny_config, randomize
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = [5, 12, 44, 0, 7, 33, 21, 19, 48, 2, 10, 27]
+PROMPT = [3, 17, 41, 8, 29]
+NEW = 8
+MTP = ("model.layers.2.enorm.weight", "model.layers.2.hnorm.weight",
+       "model.layers.2.eh_proj.weight", "model.layers.2.self_attn.kv_b_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(HF source dir, megalite dir, printed output, HF logits [s, V] of TOKENS, HF greedy
+    tokens after PROMPT)."""
+    root = tmp_path_factory.mktemp("deepseek")
+    src, mid = str(root / "hf"), str(root / "megalite")
+    torch.manual_seed(0)
+    hf = randomize(transformers.DeepseekV3ForCausalLM(
+        hf_tiny_config(num_nextn_predict_layers=1)).eval())
+    hf.save_pretrained(src)
+    weights = os.path.join(src, "model.safetensors")
+    state = load_file(weights)
+    state.update({name: torch.randn(4, 4) for name in MTP})   # as hub checkpoints keep MTP
+    save_file(state, weights, metadata={"format": "pt"})
+    config = transformers.GenerationConfig(max_new_tokens=NEW, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        logits = hf(torch.tensor([TOKENS])).logits[0]
+        greedy = hf.generate(torch.tensor([PROMPT]), generation_config=config)[0, len(PROMPT):]
+    import io
+    from contextlib import redirect_stdout
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        convert("--source", "hf", "--target", "megalite", "--load-dir", src, "--save-dir", mid,
+                "--target-tensor-parallel-size", "2")
+    return src, mid, out.getvalue(), logits, greedy.tolist()
+
+
+def test_mtp_dropped_with_a_note_and_flags(converted):
+    _, _, printed, _, _ = converted
+    assert f"note: dropped {len(MTP)} tensors" in printed and "MTP" in printed
+    for flag in ("--multi-latent-attention", "--qk-layernorm", "--q-lora-rank 12",
+                 "--kv-lora-rank 16", "--moe-router-num-groups 4",
+                 "--moe-router-group-topk 2", "--moe-router-enable-expert-bias",
+                 "--moe-router-score-function sigmoid", '--moe-layer-freq "[0]*1+[1]*1"',
+                 "--moe-shared-expert-intermediate-size 16", "--num-experts 8",
+                 "--tensor-model-parallel-size 2"):
+        assert flag in printed, flag
+
+
+def _layout_body(rank, world_size, root, tp, pp, ep, etp):
+    from megalite.inference.generation import generate
+    from megalite.inference.loading import inference_state, load_model
+    from tests.inference.common import sequence_logits
+
+    ps = inference_state(tp, pp, ep, etp)
+    _, model = load_model(root, None, ps)
+    return sequence_logits(model, TOKENS, use_cache=False), generate(model, PROMPT, NEW)
+
+
+@pytest.mark.parametrize("tp,pp,ep,etp", [(2, 1, 1, 2), (1, 2, 1, 1), (2, 1, 2, 1)],
+                         ids=["tp2", "pp2", "tp2-ep2"])
+def test_converted_checkpoint_matches_transformers_at_layouts(converted, tp, pp, ep, etp):
+    _, mid, _, want, greedy = converted
+    for logits, tokens in run_distributed(2, _layout_body, mid, tp, pp, ep, etp):
+        assert (logits - want).abs().max().item() < 1e-5
+        assert tokens == greedy
+    assert len(set(greedy)) > 1
+
+
+def test_megalite_to_hf_round_trip(converted, tmp_path):
+    src, mid, _, _, _ = converted
+    out = str(tmp_path / "back")
+    convert("--source", "megalite", "--target", "hf", "--load-dir", mid, "--save-dir", out)
+    want, got = _safetensors(src), _safetensors(out)
+    assert sorted(got) == sorted(k for k in want if k not in MTP)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), name
+    with open(os.path.join(src, "config.json")) as f, \
+            open(os.path.join(out, "config.json")) as g:
+        a, b = json.load(f), json.load(g)
+    assert b["num_nextn_predict_layers"] == 0 and b["architectures"] == [
+        "DeepseekV3ForCausalLM"]
+    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                "n_routed_experts", "n_shared_experts", "n_group", "topk_group",
+                "first_k_dense_replace", "routed_scaling_factor", "q_lora_rank",
+                "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                "moe_intermediate_size", "rope_interleave"):
+        assert a.get(key) == b.get(key), key
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
