@@ -106,6 +106,9 @@ class DeepseekV3Spec(FamilySpec):
             (c.moe_router_score_function != "sigmoid",
              f"--moe-router-score-function {c.moe_router_score_function} (needs sigmoid)"),
             (c.moe_router_pre_softmax, "--moe-router-pre-softmax"),
+            (c.rotary_scaling_factor != 1.0 and not c.mscale_all_dim and c.mscale != 1.0,
+             "--mscale without --mscale-all-dim (transformers then scales by "
+             "mscale(factor, 1))"),
             (not c.moe_router_enable_expert_bias,
              "no --moe-router-enable-expert-bias (HF's e_score_correction_bias)"),
             (groups is not None and gk is not None and gk < groups
@@ -262,8 +265,10 @@ class DeepseekV3Spec(FamilySpec):
             if (rope.get("beta_fast", 32) or 32, rope.get("beta_slow", 1) or 1) != (32, 1):
                 raise ValueError("YaRN beta_fast / beta_slow other than 32 / 1 are not "
                                  "supported")
+            # without mscale_all_dim transformers scales cos/sin by mscale(factor, 1)
             yarn = {"rotary_scaling_factor": float(rope["factor"]),
-                    "mscale": float(rope.get("mscale") or 1.0),
+                    "mscale": float(rope.get("mscale") or 1.0)
+                    if rope.get("mscale_all_dim") else 1.0,
                     "mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
                     "original_max_position_embeddings":
                         int(rope.get("original_max_position_embeddings") or 4096)}
