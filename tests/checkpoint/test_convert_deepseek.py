@@ -2,7 +2,8 @@
 ``DeepseekV3ForCausalLM`` checkpoint (with one MTP layer's tensors, as the hub's keep them)
 converts to megalite, dropping the MTP tensors with a note; the converted checkpoint loads
 at tp 2, pp 2 and tp 2 x ep 2 and gives transformers' logits and greedy tokens; converted
-back it is the source's tensors bit for bit (MTP aside) and config."""
+back it is the source's tensors bit for bit (MTP aside) and config; it continues training
+(the expert bias moving)."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.checkpoint.test_convert import _safetensors, convert
+from tests.checkpoint.test_convert import VOCAB, _safetensors, convert
 from tests.distributed.harness import run_distributed
 from tests.model.test_deepseek_v3_parity import hf_tiny_config, randomize
 
@@ -32,7 +33,7 @@ def converted(tmp_path_factory):
     src, mid = str(root / "hf"), str(root / "megalite")
     torch.manual_seed(0)
     hf = randomize(transformers.DeepseekV3ForCausalLM(
-        hf_tiny_config(num_nextn_predict_layers=1)).eval())
+        hf_tiny_config(vocab_size=VOCAB, num_nextn_predict_layers=1)).eval())
     hf.save_pretrained(src)
     weights = os.path.join(src, "model.safetensors")
     state = load_file(weights)
@@ -106,3 +107,30 @@ def test_megalite_to_hf_round_trip(converted, tmp_path):
         assert a.get(key) == b.get(key), key
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+
+
+def test_converted_checkpoint_continues_training(converted, tmp_path):
+    from megalite.models.families import get_family
+    from megalite.parallel.state import ParallelState
+    from megalite.training.build import build_components
+    from megalite.training.loop import train
+    from tests.training.common import tiny_config
+
+    src, mid, _, _, _ = converted
+    spec = get_family("deepseek_v3")
+    model = {k: v for k, v in spec.config_from_hf(transformers.AutoConfig.from_pretrained(
+        src, local_files_only=True)).items()
+        if k not in ("vocab_size", "seq_length", "max_position_embeddings")}
+    cfg = tiny_config(model=model, train={"train_iters": 3},
+                      checkpoint={"load": mid, "finetune": True, "save": str(tmp_path / "c")})
+    c = build_components(cfg, ParallelState.build(cfg.parallel), peak_probe_seconds=0.01)
+    hf_state = load_file(os.path.join(src, "model.safetensors"))
+    want = spec.from_hf(hf_state, c.cfg.model)
+    for name, tensor in c.model.full_state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+    bias = "decoder.layers.1.mlp.router.expert_bias"
+    result = train(c)
+    moved = not torch.equal(c.model.full_state_dict()[bias], want[bias])
+    c.close()
+    assert result.iteration == 3 and result.losses[3] < result.losses[1]
+    assert moved
