@@ -387,7 +387,8 @@ def megalite_to_hf(args) -> None:
         state.pop("lm_head.weight", None)   # tied: transformers re-ties it on load
     state = spec.to_hub_names(state, cfg.model)  # the names save_pretrained writes
     dtype = DTYPES[args.dtype]
-    state = {k: v.to(dtype) for k, v in state.items()}
+    state = {k: v.float() if k.endswith(spec.fp32_hf_suffixes) else v.to(dtype)
+             for k, v in state.items()}
     os.makedirs(args.save_dir, exist_ok=True)
     files = write_hf_weights(state, args.save_dir, parse_size(args.max_shard_size))
     tokenizer = export_tokenizer(cfg, args)

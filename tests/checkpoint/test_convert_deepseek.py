@@ -107,6 +107,14 @@ def test_megalite_to_hf_round_trip(converted, tmp_path):
         assert a.get(key) == b.get(key), key
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    # bf16: the correction bias stays fp32, as on the hub (it decides the experts)
+    bf16 = str(tmp_path / "bf16")
+    convert("--source", "megalite", "--target", "hf", "--load-dir", mid, "--save-dir", bf16,
+            "--dtype", "bf16")
+    got = _safetensors(bf16)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert got[bias].dtype == torch.float32 and torch.equal(got[bias], want[bias])
+    assert got["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
 
 
 def test_converted_checkpoint_continues_training(converted, tmp_path):

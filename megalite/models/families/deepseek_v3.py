@@ -70,6 +70,7 @@ class DeepseekV3Spec(FamilySpec):
     name = "deepseek_v3"
     hf_model_type = "deepseek_v3"
     hf_architecture = "DeepseekV3ForCausalLM"
+    fp32_hf_suffixes = ("e_score_correction_bias",)   # fp32 on the hub; it picks experts
     defaults = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
                 "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
                 "multi_latent_attention": True, "qk_layernorm": True,

@@ -65,6 +65,9 @@ class FamilySpec:
     # Hugging Face tensors with no megalite counterpart that a conversion may drop
     # (buffers some checkpoints store, e.g. GPT-2's causal mask ``.attn.bias``)
     ignored_hf_suffixes: tuple[str, ...] = ()
+    # Hugging Face tensors an export keeps in fp32 whatever ``--dtype`` (as the hub's
+    # checkpoints store them, e.g. DeepSeek-V3's router correction bias)
+    fp32_hf_suffixes: tuple[str, ...] = ()
 
     # -- which models --------------------------------------------------------------------
     def problems(self, model_cfg) -> list[str]:
