@@ -383,6 +383,8 @@ def megalite_to_hf(args) -> None:
             raise ConversionError(f"cannot convert {args.load_dir}: {exc}") from None
         state = spec.to_hf(model.full_state_dict(), cfg.model)
         bar.update(1)
+    for warning in spec.export_warnings(cfg.model):
+        print(f"warning: {args.load_dir}: {warning}")
     if not cfg.model.untie_embeddings_and_output_weights:
         state.pop("lm_head.weight", None)   # tied: transformers re-ties it on load
     state = spec.to_hub_names(state, cfg.model)  # the names save_pretrained writes

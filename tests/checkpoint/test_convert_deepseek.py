@@ -142,3 +142,37 @@ def test_converted_checkpoint_continues_training(converted, tmp_path):
     c.close()
     assert result.iteration == 3 and result.losses[3] < result.losses[1]
     assert moved
+
+
+def test_trained_checkpoint_in_transformers_gives_our_logits(tmp_path, capsys):
+    """A DeepSeek-V3 model trained here (tp 2, the expert bias moved by training) exported
+    to HF: AutoModelForCausalLM gives its logits."""
+    from megalite.checkpoint.consolidated import load_full_model
+    from tests.model.common import deepseek_v3_config
+    from tests.training.common import run_training, tiny_config
+
+    save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    model = {k: v for k, v in deepseek_v3_config().__dict__.items()
+             if k in ("multi_latent_attention", "qk_layernorm", "q_lora_rank", "kv_lora_rank",
+                      "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_experts",
+                      "moe_router_topk", "moe_ffn_hidden_size", "ffn_hidden_size",
+                      "moe_shared_expert_intermediate_size", "moe_layer_freq",
+                      "moe_router_num_groups", "moe_router_group_topk",
+                      "moe_router_topk_scaling_factor", "moe_router_score_function",
+                      "moe_router_enable_expert_bias", "moe_router_dtype",
+                      "position_embedding_type", "normalization", "swiglu",
+                      "add_bias_linear", "untie_embeddings_and_output_weights",
+                      "norm_epsilon")}
+    assert model["norm_epsilon"] == 1e-6   # transformers' latent norms' eps
+    run_training(tiny_config(model=model, train={"train_iters": 3},
+                             checkpoint={"save": save}))
+    convert("--source", "megalite", "--target", "hf", "--load-dir", save, "--save-dir", out)
+    assert "warning" not in capsys.readouterr().out
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    _, ours = load_full_model(save)
+    assert ours.full_state_dict()["decoder.layers.1.mlp.router.expert_bias"].abs().sum() > 0
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours.eval()(ids)[..., :VOCAB]
+    assert (got - want).abs().max().item() < 1e-5

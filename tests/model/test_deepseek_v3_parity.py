@@ -161,3 +161,14 @@ def test_mtp_layers_are_named_for_dropping():
                        "model.layers.2.self_attn.q_a_proj.weight"]
     assert "MTP" in why and "[2]" in why
     assert get_family("llama").dropped_hf_tensors(state, cfg) == ([], "")
+
+
+def test_latent_norm_eps_warnings():
+    """transformers' q/kv latent norms always use eps 1e-6: other epsilons warn."""
+    assert SPEC.conversion_warnings(hf_tiny_config()) == []
+    (warning,) = SPEC.conversion_warnings(hf_tiny_config(rms_norm_eps=1e-5))
+    assert "latent norms" in warning
+    cfg = our_config(hf_tiny_config())
+    assert cfg.norm_epsilon == 1e-6 and SPEC.export_warnings(cfg) == []
+    (warning,) = SPEC.export_warnings(dataclasses.replace(cfg, norm_epsilon=1e-5))
+    assert "--norm-epsilon 1e-05" in warning

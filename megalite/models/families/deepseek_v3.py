@@ -52,6 +52,7 @@ from megalite.models.families.names import (
 from megalite.models.families.spec import FamilySpec
 
 HF_LAYER_PREFIX = "model.layers.{}."
+LATENT_NORM_EPS = 1e-6  # transformers' q_a / kv_a_layernorm eps, whatever rms_norm_eps
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 # megalite MLA module -> transformers DeepseekV3Attention module
@@ -77,7 +78,8 @@ class DeepseekV3Spec(FamilySpec):
                 "num_experts": 8, "moe_router_topk": 2, "moe_router_score_function": "sigmoid",
                 "moe_router_enable_expert_bias": True, "moe_router_dtype": "fp32",
                 "moe_router_load_balancing_type": "seq_aux_loss",
-                "moe_ffn_hidden_size": 128, "moe_shared_expert_intermediate_size": 128}
+                "moe_ffn_hidden_size": 128, "moe_shared_expert_intermediate_size": 128,
+                "norm_epsilon": 1e-6}
 
     # -- which models --------------------------------------------------------------------
     def problems(self, model_cfg) -> list[str]:
@@ -236,6 +238,21 @@ class DeepseekV3Spec(FamilySpec):
             attention_bias=False, num_nextn_predict_layers=0,
             tie_word_embeddings=not c.untie_embeddings_and_output_weights)
         return self.with_token_ids(hf_cfg, c, token_ids)
+
+    def conversion_warnings(self, hf_cfg) -> list[str]:
+        eps = hf_cfg.rms_norm_eps
+        return [] if eps == LATENT_NORM_EPS else [
+            f"rms_norm_eps {eps}: transformers applies the q/kv latent norms with eps "
+            f"{LATENT_NORM_EPS} whatever rms_norm_eps, megalite with --norm-epsilon {eps} "
+            f"(the logits differ slightly)"]
+
+    def export_warnings(self, model_cfg) -> list[str]:
+        eps = model_cfg.norm_epsilon
+        return [] if eps == LATENT_NORM_EPS else [
+            f"--norm-epsilon {eps}: transformers' DeepSeek-V3 applies the q/kv latent norms "
+            f"with eps {LATENT_NORM_EPS} whatever rms_norm_eps, so its logits differ "
+            f"slightly from this model's (train with --norm-epsilon {LATENT_NORM_EPS} for an "
+            f"exact match)"]
 
     def config_from_hf(self, hf_cfg) -> dict:
         """``ValueError`` for what megalite's DeepSeek-V3 cannot be: interleave off, biases,

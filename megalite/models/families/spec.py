@@ -148,5 +148,9 @@ class FamilySpec:
         """Differences :meth:`config_from_hf` accepts but that change the logits slightly."""
         return []
 
+    def export_warnings(self, model_cfg) -> list[str]:
+        """Differences :meth:`hf_config` cannot carry that change the logits slightly."""
+        return []
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
