@@ -17,6 +17,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEBIAN = {"node1": ["127.0.1.1"], "node0": ["10.77.0.1"], "localhost": ["127.0.0.1"]}
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """The launcher sets ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` and the rendezvous
+    variable in this process's environment; monkeypatch does not undo a variable it
+    deleted while absent, and a stale interface name breaks every later test that starts
+    ranks. Restore the whole environment after each test."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def test_a_loopback_host_name_is_told_from_the_resolvers_answers():
     said = network.loopback_problem("node0", "node1", resolver=lambda h: DEBIAN.get(h, []))
     assert said == ("this host's name 'node1' resolves to 127.0.1.1 (loopback) while the "
