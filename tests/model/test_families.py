@@ -21,7 +21,7 @@ TINY = {"gpt2": gpt2_config, "llama": llama_config, "mixtral": mixtral_config}
 def test_builtin_families():
     import transformers
 
-    assert family_names() == ("gpt2", "llama", "mixtral")
+    assert family_names() == ("gpt2", "llama", "mixtral", "qwen3", "qwen3_moe")
     for name in family_names():
         spec = get_family(name)
         assert spec.name == name and family_for_hf(spec.hf_model_type) is spec
