@@ -40,6 +40,7 @@ import dataclasses
 import json
 import os
 import sys
+import shlex
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
@@ -146,9 +147,10 @@ ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "max_position_embeddings", "position_embedding_type", "rotary_base",
                 "normalization", "norm_epsilon", "swiglu", "add_bias_linear", "add_qkv_bias",
                 "untie_embeddings_and_output_weights", "apply_layernorm_1p",
-                "add_position_embedding", "num_experts", "moe_router_topk",
-                "moe_ffn_hidden_size")
-MOE_ONLY = ("moe_router_topk", "moe_ffn_hidden_size")
+                "add_position_embedding", "qk_layernorm", "num_experts", "moe_router_topk",
+                "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax")
+MOE_ONLY = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+            "moe_router_pre_softmax")
 
 
 def training_flags(cfg: MegaliteConfig) -> list[str]:
@@ -170,7 +172,7 @@ def training_flags(cfg: MegaliteConfig) -> list[str]:
             if value != (f.metadata.get("action") == "store_false"):
                 argv.append(flag_of(f))   # store_true when True, store_false when False
         elif value is not None:
-            argv += [flag_of(f), str(value)]
+            argv += [flag_of(f), shlex.quote(str(value))]  # "[0]*3+[1]*5" is a glob
     p = cfg.parallel
     return argv + ["--tensor-model-parallel-size", str(p.tensor_model_parallel_size),
                    "--pipeline-model-parallel-size", str(p.pipeline_model_parallel_size)]

@@ -24,8 +24,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attent
 CASES = {
     "qwen3": ("qwen3", dict(num_hidden_layers=2, tie_word_embeddings=False)),
     "qwen3-tied": ("qwen3", dict(num_hidden_layers=2, tie_word_embeddings=True)),
-    # layer 0 dense, layers 1-2 sparse; renormalized top-k (Qwen3-30B-A3B's setting)
-    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, moe_intermediate_size=16,
+    # layer 0 dense, layers 1-3 sparse; renormalized top-k (Qwen3-30B-A3B's setting)
+    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=4, moe_intermediate_size=16,
                                     num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                     mlp_only_layers=[0], tie_word_embeddings=False)),
     # every second layer sparse; top-k weights not renormalized
@@ -36,7 +36,7 @@ CASES = {
 }
 
 
-def hf_model(case: str):
+def hf_model(case: str, vocab_size: int = VOCAB):
     """A tiny random ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` in fp32, eager
     attention, with norm weights moved off one (so a norm mapping slip shows)."""
     import transformers
@@ -44,7 +44,7 @@ def hf_model(case: str):
     model_type, kwargs = CASES[case]
     spec = family_for_hf(model_type)
     cfg_cls = getattr(transformers, spec.hf_architecture.replace("ForCausalLM", "Config"))
-    hcfg = cfg_cls(**COMMON, **kwargs)
+    hcfg = cfg_cls(**{**COMMON, "vocab_size": vocab_size}, **kwargs)
     hcfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = getattr(transformers, spec.hf_architecture)(hcfg).eval()
@@ -146,6 +146,7 @@ def test_configs_translate_both_ways(pair):
 def test_layer_freq_expression():
     assert layer_freq_expression([True] * 4) == 1
     assert layer_freq_expression([False, True, True]) == "[0]*1+[1]*2"
+    assert converted(hf_model("qwen3_moe"))[1].moe_layer_freq == "[0]*1+[1]*3"
     assert layer_freq_expression([False, True, False, True]) == "[0]*1+[1]*1+[0]*1+[1]*1"
 
 
