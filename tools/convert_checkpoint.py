@@ -15,8 +15,9 @@
         --load-dir megatron-ckpt --save-dir llama-megalite
 
 Families: GPT-2, Llama (GQA, tied or untied embeddings; megalite rotates in HF's
-rotate-half layout, so q/k need no permutation) and Mixtral (experts stacked ``[E, ...]``;
-hub ``w1/w2/w3`` files or transformers' fused names): one spec each in
+rotate-half layout, so q/k need no permutation), Mixtral (experts stacked ``[E, ...]``;
+hub ``w1/w2/w3`` files or transformers' fused names), Qwen3 (Llama's with q/k norms) and
+Qwen3-MoE (dense and sparse layers, ``norm_topk_prob``): one spec each in
 megalite.models.families, which the converter asks for names, configs and architectures.
 Megatron-LM checkpoints map through megalite.checkpoint.megatron (Megatron-Core's sharded
 keys, its per-group q/k/v interleave, the config from the saved ``args``).
