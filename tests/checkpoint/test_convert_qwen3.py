@@ -153,3 +153,51 @@ def test_export_gives_back_the_source(sources, converted, tmp_path):
         exported = AutoTokenizer.from_pretrained(out, local_files_only=True)
         for text in TEXTS:
             assert exported(text)["input_ids"] == ref(text)["input_ids"]
+
+
+def test_generate_tool_needs_no_tokenizer_flags(sources, converted, capsys):
+    """tools/generate.py on the converted Qwen3-MoE, with and without naming the tokenizer:
+    the same text."""
+    from tests.tools import load_tool
+
+    save, src = converted["qwen3_moe"][0], sources["qwen3_moe"][0]
+    outputs = []
+    for extra in ([], ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", src]):
+        assert load_tool("generate").main(["--load", save, "--prompt", TEXTS[0],
+                                           "--max-new-tokens", "5", "--temperature", "0",
+                                           *extra]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].startswith(f"[{TEXTS[0]}]")
+
+
+@pytest.mark.parametrize("family, model", [
+    ("qwen3", {"untie_embeddings_and_output_weights": False}),
+    ("qwen3_moe", {"num_layers": 3, "num_experts": 4, "moe_router_topk": 2,
+                   "moe_ffn_hidden_size": 16, "moe_layer_freq": "[1]+[0]+[1]",
+                   "moe_router_pre_softmax": True}),
+])
+def test_trained_checkpoint_in_transformers_gives_our_logits(tmp_path, family, model):
+    """Trained here (3 iterations; Qwen3 tied, Qwen3-MoE with a dense middle layer and
+    un-renormalized top-k), exported: ``AutoModelForCausalLM`` gives our logits."""
+    from transformers import AutoModelForCausalLM
+
+    from megalite.checkpoint.consolidated import load_full_model
+    from megalite.models.families import get_family
+    from tests.training.common import run_training, tiny_config
+
+    save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    sizes = {"group_query_attention": True, "num_query_groups": 2, "kv_channels": 16,
+             "ffn_hidden_size": 48}
+    run_training(tiny_config(model={**get_family(family).defaults, **sizes, **model},
+                             train={"train_iters": 3}, checkpoint={"save": save}))
+    convert("--source", "megalite", "--target", "hf", "--load-dir", save, "--save-dir", out)
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert hf.config.model_type == family
+    if family == "qwen3_moe":
+        assert hf.config.mlp_only_layers == [1] and hf.config.norm_topk_prob is False
+    _, ours = load_full_model(save)
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours.eval()(ids)[..., :61]
+    assert (got - want).abs().max().item() < TOL

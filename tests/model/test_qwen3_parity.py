@@ -22,7 +22,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attent
               initializer_range=0.2)  # O(1) activations: a mapping slip shows
 # name -> (model_type, HF config kwargs)
 CASES = {
-    "qwen3": ("qwen3", dict(num_hidden_layers=2, tie_word_embeddings=False)),
+    # head_dim 16 != hidden / heads (as Qwen3-0.6B's 128 with hidden 1024, 16 heads)
+    "qwen3": ("qwen3", dict(num_hidden_layers=2, head_dim=16, tie_word_embeddings=False)),
     "qwen3-tied": ("qwen3", dict(num_hidden_layers=2, tie_word_embeddings=True)),
     # layer 0 dense, layers 1-3 sparse; renormalized top-k (Qwen3-30B-A3B's setting)
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=4, moe_intermediate_size=16,
@@ -44,7 +45,7 @@ def hf_model(case: str, vocab_size: int = VOCAB):
     model_type, kwargs = CASES[case]
     spec = family_for_hf(model_type)
     cfg_cls = getattr(transformers, spec.hf_architecture.replace("ForCausalLM", "Config"))
-    hcfg = cfg_cls(**{**COMMON, "vocab_size": vocab_size}, **kwargs)
+    hcfg = cfg_cls(**{**COMMON, "vocab_size": vocab_size, **kwargs})
     hcfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = getattr(transformers, spec.hf_architecture)(hcfg).eval()
