@@ -40,7 +40,7 @@ def test_family_of_tiny_configs(name):
     assert family_of(TINY[name]()) is get_family(name)
 
 
-@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("name", family_names())
 def test_defaults_make_a_model_of_the_family(name):
     assert family_of(ModelConfig(**get_family(name).defaults)) is get_family(name)
 
