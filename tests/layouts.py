@@ -205,6 +205,16 @@ _MOE_TRAINING = [
         schedule="zb_h1"),
 ]
 
+# Qwen3-MoE's shape: QK norm, softmax over all experts then top-k not renormalized
+# (norm_topk_prob=False), the first layer dense and wider than the experts
+QWEN3_MOE = {"num_experts": 4, "moe_router_topk": 2, "qk_layernorm": True,
+             "moe_router_pre_softmax": True, "moe_ffn_hidden_size": 32,
+             "moe_layer_freq": "[0]+[1]"}
+_MOE_TRAINING += [
+    row("moe-training", 4, "qwen3-moe", model=QWEN3_MOE, tp=2, sp=True, ep=2, etp=1),
+    row("moe-training", 4, "qwen3-moe", model=QWEN3_MOE, pp=2, ep=2),
+]
+
 # -- DeepSeek-V3 routing: sigmoid, 8 experts in 4 groups (top-2 of 2 groups), the expert
 # bias (a large rate, so that it moves the choice within the few iterations), shared
 # expert, the first layer dense (--moe-layer-freq as a list); trained by the moe-training

@@ -15,10 +15,12 @@
         --load-dir megatron-ckpt --save-dir llama-megalite
 
 Families: GPT-2, Llama (GQA, tied or untied embeddings; megalite rotates in HF's
-rotate-half layout, so q/k need no permutation) and Mixtral (experts stacked ``[E, ...]``;
-hub ``w1/w2/w3`` files or transformers' fused names), DeepSeek-V3 (multi-latent attention,
-routed and shared experts, the router's correction bias; the hub's multi-token-prediction
-layers are dropped with a note, as megalite has no MTP yet): one spec each in
+rotate-half layout, so q/k need no permutation), Mixtral (experts stacked ``[E, ...]``;
+hub ``w1/w2/w3`` files or transformers' fused names), Qwen3 (Llama's with q/k norms),
+Qwen3-MoE (dense and sparse layers, ``norm_topk_prob``) and DeepSeek-V3 (multi-latent
+attention, routed and shared experts, the router's correction bias; the hub's
+multi-token-prediction layers are dropped with a note, as megalite has no MTP yet):
+one spec each in
 megalite.models.families, which the converter asks for names, configs and architectures.
 Megatron-LM checkpoints map through megalite.checkpoint.megatron (Megatron-Core's sharded
 keys, its per-group q/k/v interleave, the config from the saved ``args``).
@@ -42,6 +44,7 @@ import dataclasses
 import json
 import os
 import sys
+import shlex
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
@@ -159,7 +162,7 @@ UNLESS_DEFAULT = ("multi_latent_attention", "qk_layernorm", "q_lora_rank", "kv_l
                   "moe_router_score_function", "moe_router_topk_scaling_factor",
                   "moe_router_num_groups", "moe_router_group_topk",
                   "moe_router_enable_expert_bias", "moe_router_dtype",
-                  "moe_router_load_balancing_type")
+                  "moe_router_load_balancing_type", "moe_router_pre_softmax")
 
 
 def training_flags(cfg: MegaliteConfig) -> list[str]:
@@ -183,7 +186,7 @@ def training_flags(cfg: MegaliteConfig) -> list[str]:
             if value != (f.metadata.get("action") == "store_false"):
                 argv.append(flag_of(f))   # store_true when True, store_false when False
         elif value is not None:
-            argv += [flag_of(f), f'"{value}"' if "*" in str(value) else str(value)]
+            argv += [flag_of(f), shlex.quote(str(value))]  # "[0]*3+[1]*5" is a glob
     p = cfg.parallel
     return argv + ["--tensor-model-parallel-size", str(p.tensor_model_parallel_size),
                    "--pipeline-model-parallel-size", str(p.pipeline_model_parallel_size)]

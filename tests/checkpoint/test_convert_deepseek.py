@@ -60,7 +60,7 @@ def test_mtp_dropped_with_a_note_and_flags(converted):
     for flag in ("--multi-latent-attention", "--qk-layernorm", "--q-lora-rank 12",
                  "--kv-lora-rank 16", "--moe-router-num-groups 4",
                  "--moe-router-group-topk 2", "--moe-router-enable-expert-bias",
-                 "--moe-router-score-function sigmoid", '--moe-layer-freq "[0]*1+[1]*1"',
+                 "--moe-router-score-function sigmoid", "--moe-layer-freq '[0]*1+[1]*1'",
                  "--moe-shared-expert-intermediate-size 16", "--num-experts 8",
                  "--tensor-model-parallel-size 2"):
         assert flag in printed, flag

@@ -189,8 +189,9 @@ def _activation_offload(arng: random.Random, model: dict) -> None:
 
 
 def _routing(rrng: random.Random, model: dict) -> None:
-    """DeepSeek-V3 routing (half the MoE draws) and a list ``--moe-layer-freq`` (a
-    quarter), into ``model``."""
+    """DeepSeek-V3 routing (half the MoE draws), a list ``--moe-layer-freq`` (a
+    quarter) and, for a third of the softmax draws, ``--moe-router-pre-softmax``
+    (Qwen3-MoE's ``norm_topk_prob=False``), into ``model``."""
     if "num_experts" not in model:
         return
     if rrng.random() < 0.5:
@@ -199,6 +200,9 @@ def _routing(rrng: random.Random, model: dict) -> None:
                      moe_router_bias_update_rate=0.05)
     if rrng.random() < 0.25 and model["num_layers"] > 1:
         model["moe_layer_freq"] = f"[0]+[1]*{model['num_layers'] - 1}"
+    if model.get("moe_router_score_function", "softmax") == "softmax" \
+            and rrng.random() < 1 / 3:
+        model["moe_router_pre_softmax"] = True
 
 
 def _muon(orng: random.Random, optim: dict, split: bool) -> None:
@@ -287,6 +291,7 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model),
                              ("bias", model.get("moe_router_enable_expert_bias")),
+                             ("presoftmax", model.get("moe_router_pre_softmax")),
                              ("bf16", model.get("bf16")),
                              ("sgd", optim.get("optimizer") == "sgd"),
                              ("muon", optim.get("optimizer") == "muon"),

@@ -34,8 +34,8 @@ from tests.fuzz.draw import draw_layout
 #  77  tp2 + sp x pp2 x dp2, MoE ep2 etp2 alltoall, distributed optimizer + overlap, bf16,
 #      the expert bias, Muon (distributed tp mode)
 #  93  tp4 + sp x pp2 x vpp2, tied embeddings across stages
-# 143  tp2 + sp x cp2 (p2p ring), MoE ep2 etp1, distributed optimizer + overlap, SGD, split
-#      backward (ZB-H1 at pp 1)
+# 143  tp2 + sp x cp2 (p2p ring), MoE ep2 etp1 with pre-softmax routing, distributed
+#      optimizer + overlap, SGD, split backward (ZB-H1 at pp 1)
 # Together they caught each of these planted bugs: a loss normalised by local token
 # counts, expert grads reduced over dp instead of edp, the tied embedding's grad not summed
 # or summed twice across stages, sequence-parallel norm grads not summed over tp (with

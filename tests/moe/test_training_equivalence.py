@@ -3,7 +3,9 @@ row with the distributed optimizer, one with pp 2 x vpp 2 (4 layers, MoE every o
 two under the zero-bubble schedule (the experts' weight gradients in W steps); and
 DeepSeek-V3 routing (sigmoid, group-limited, the expert bias updated every step, the
 first layer dense) at ep 2, ep 2 x tp 2 + SP, pp 2 and the distributed optimizer, whose
-per-layer expert loads (``expert_load``) must equal the single-process run's too.
+per-layer expert loads (``expert_load``) must equal the single-process run's too; and
+Qwen3-MoE's shape (QK norm, softmax before the top-k without renormalizing, a dense first
+layer wider than the experts) at ep 2 x tp 2 + SP and ep 2 x pp 2.
 
 Every layout trains the same model (fp32, dropout 0, dropless, aux loss 0.01, z loss
 0.001) on the same mock data for ``ITERS`` iterations through the real loop
