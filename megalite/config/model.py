@@ -174,6 +174,16 @@ class ModelConfig:
         action="store_false",
         no_effect="the attention kernel (--attention-backend) computes its own softmax; "
                   "megalite has no separate masked-softmax kernel to turn off")
+    transformer_impl: str | None = arg(
+        None, "Megatron's choice of layer implementation (Transformer Engine's or "
+        "Megatron-Core's local one).", choices=("transformer_engine", "local"),
+        no_effect="megalite has one implementation of the transformer layers "
+                  "(megalite.transformer), which both values run")
+    use_flash_attn: bool = arg(
+        False, "Megatron's older switch for flash attention.",
+        no_effect="--attention-backend auto (the default) already runs flash-attn where it "
+                  "is installed and usable (CUDA, fp16/bf16), else sdpa; give "
+                  "--attention-backend flash to require it")
     use_mcore_models: bool = arg(
         False, "Use the Megatron-Core model implementation.",
         no_effect="megalite has one model implementation, laid out as Megatron-Core's; "
