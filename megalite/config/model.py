@@ -87,7 +87,7 @@ def _normalized_freq(freq) -> int | str:
         return text
 
 
-RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 # the multiple each fp8 GEMM dimension must be: 16 for per-tensor scales (the kernels'
@@ -202,8 +202,10 @@ class ModelConfig:
                                               "recomputed layers per stage (block).")
     recompute_modules: list[str] | None = arg(
         None, "What --recompute-granularity selective recomputes: core_attn (the attention "
-        "kernel; the default), mla_up_proj (multi-latent attention's up projections and "
-        "RoPE), mlp (the dense MLPs).", nargs="*", choices=RECOMPUTE_MODULES)
+        "kernel; the default), layernorm (the input and pre-MLP norms), mla_up_proj "
+        "(multi-latent attention's up projections and RoPE), mlp (the dense MLPs), moe "
+        "(the MoE layers' dispatch, experts and shared experts; not the router).",
+        nargs="*", choices=RECOMPUTE_MODULES)
     cpu_offloading: bool = arg(False, "Offload the saved activations of the first "
                                "--cpu-offloading-num-layers layers of each model chunk to "
                                "host memory during forward, brought back in backward.")
