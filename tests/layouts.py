@@ -28,8 +28,8 @@ offload         layout without it, bitwise (rows tagged ``slow`` outside the def
 fp8             tests/fp8/test_layouts.py: fp8 GEMMs of each recipe x tp + sp, pp, dp, cp,
                 ep, loss, grad norm, params (and the delayed amax histories)
 grad-stats      tests/training/test_grad_stats.py: --log-params-norm and
-                --log-num-zeros-in-grad at dp x distributed optimizer, tp + sp, pp (tied
-                embedding), ep, against the one-process run
+                --log-num-zeros-in-grad at dp x distributed optimizer (with both overlaps,
+                ZeRO-3), tp + sp, pp (tied embedding), ep, against the one-process run
 ==============  ========================================================================
 
 A new parallelism adds its rows here (and a dimension to ``tests/fuzz/draw.py``); a
@@ -333,7 +333,10 @@ _PIPELINE += [row("pipeline", 2, "recompute", model={**_PIPE_MODEL, **RECOMPUTE[
 _TRAINING = [row("training", 4, tp=2, sp=True)]
 
 # -- grad-stats: the parameter norm and the zero-gradient count of the log line ----------
-_GRAD_STATS = [row("grad-stats", 2, distopt=True), row("grad-stats", 2, tp=2, sp=True),
+_GRAD_STATS = [row("grad-stats", 2, distopt=True),
+               row("grad-stats", 2, distopt=True, overlap_grad=True, overlap_param=True),
+               row("grad-stats", 2, strategy="optim_grads_params"),
+               row("grad-stats", 2, tp=2, sp=True),
                row("grad-stats", 2, pp=2),
                row("grad-stats", 2, model={"num_experts": 4, "moe_router_topk": 2}, ep=2),
                row("grad-stats", 4, tp=2, pp=2, distopt=True)]
