@@ -27,6 +27,9 @@ activation-     tests/model/test_activation_offload.py: --cpu-offloading against
 offload         layout without it, bitwise (rows tagged ``slow`` outside the default run)
 fp8             tests/fp8/test_layouts.py: fp8 GEMMs of each recipe x tp + sp, pp, dp, cp,
                 ep, loss, grad norm, params (and the delayed amax histories)
+grad-stats      tests/training/test_grad_stats.py: --log-params-norm and
+                --log-num-zeros-in-grad at dp x distributed optimizer (with both overlaps,
+                ZeRO-3), tp + sp, pp (tied embedding), ep, against the one-process run
 ==============  ========================================================================
 
 A new parallelism adds its rows here (and a dimension to ``tests/fuzz/draw.py``); a
@@ -154,6 +157,9 @@ _MODEL += [
         tp=2, sp=True),
     row("model", 2, "qk-norm", model=QK_NORM, tp=2, sp=False),
     row("model", 2, "qk-norm", model=QK_NORM, tp=2, sp=True),
+    row("model", 2, "layernorm-mlp", model={"recompute_granularity": "selective",
+                                            "recompute_modules": ["layernorm", "mlp"]},
+        tp=2, sp=True),
 ]
 
 # -- mixtral: logits against transformers on 4 ranks, dp = 4 / tp ------------------------
@@ -229,6 +235,10 @@ _DEEPSEEK = [
     row("moe-training", 4, "deepseek", model=DEEPSEEK_MOE, tp=2, sp=True, ep=2, etp=1),
     row("moe-training", 4, "deepseek", model=DEEPSEEK_MOE, pp=2, ep=2),
     row("moe-training", 4, "deepseek", model=DEEPSEEK_MOE, tp=2, sp=True, distopt=True),
+    # DeepSeek-V3's --recompute-modules (bar mla_up_proj, which needs MLA)
+    row("moe-training", 4, "deepseek-recompute", model={
+        **DEEPSEEK_MOE, "recompute_granularity": "selective",
+        "recompute_modules": ["mlp", "moe", "layernorm"]}, tp=2, sp=True, ep=2, etp=1),
     # save at ep 2 x dp 2, resume in one process
     row("reshard", 2, "expert-bias", model=DEEPSEEK_MOE, ep=2, tags=("save",)),
     row("reshard", 1, "expert-bias", model=DEEPSEEK_MOE),
@@ -331,6 +341,15 @@ _PIPELINE += [row("pipeline", 2, "recompute", model={**_PIPE_MODEL, **RECOMPUTE[
 
 # -- training: tp 2 (+ sp) x dp 2 against one process -------------------------------------
 _TRAINING = [row("training", 4, tp=2, sp=True)]
+
+# -- grad-stats: the parameter norm and the zero-gradient count of the log line ----------
+_GRAD_STATS = [row("grad-stats", 2, distopt=True),
+               row("grad-stats", 2, distopt=True, overlap_grad=True, overlap_param=True),
+               row("grad-stats", 2, strategy="optim_grads_params"),
+               row("grad-stats", 2, tp=2, sp=True),
+               row("grad-stats", 2, pp=2),
+               row("grad-stats", 2, model={"num_experts": 4, "moe_router_topk": 2}, ep=2),
+               row("grad-stats", 4, tp=2, pp=2, distopt=True)]
 
 # -- resume: save and resume at the same layout, with dropout (bitwise the same losses) ---
 _RESUME = [row("resume", 4, tp=2),                                  # test_resume_and_layouts
@@ -444,10 +463,10 @@ _FP8 = [
 ]
 
 SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "muon", "pipeline",
-          "training", "resume", "reshard", "cp", "activation-offload", "fp8")
+          "training", "resume", "reshard", "cp", "activation-offload", "fp8", "grad-stats")
 LAYOUTS: tuple[Layout, ...] = (*_MODEL, *_MIXTRAL, *_MOE_LAYER, *_MOE_TRAINING, *_DEEPSEEK,
                                *_OPTIM, *_MUON, *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD,
-                               *_CP, *_ACT_OFFLOAD, *_FP8)
+                               *_CP, *_ACT_OFFLOAD, *_FP8, *_GRAD_STATS)
 
 
 def layouts(tag: str | None = None, world: int | None = None,

@@ -87,7 +87,7 @@ def _normalized_freq(freq) -> int | str:
         return text
 
 
-RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 # the multiple each fp8 GEMM dimension must be: 16 for per-tensor scales (the kernels'
@@ -174,6 +174,16 @@ class ModelConfig:
         action="store_false",
         no_effect="the attention kernel (--attention-backend) computes its own softmax; "
                   "megalite has no separate masked-softmax kernel to turn off")
+    transformer_impl: str | None = arg(
+        None, "Megatron's choice of layer implementation (Transformer Engine's or "
+        "Megatron-Core's local one).", choices=("transformer_engine", "local"),
+        no_effect="megalite has one implementation of the transformer layers "
+                  "(megalite.transformer), which both values run")
+    use_flash_attn: bool = arg(
+        False, "Megatron's older switch for flash attention.",
+        no_effect="--attention-backend auto (the default) already runs flash-attn where it "
+                  "is installed and usable (CUDA, fp16/bf16), else sdpa; give "
+                  "--attention-backend flash to require it")
     use_mcore_models: bool = arg(
         False, "Use the Megatron-Core model implementation.",
         no_effect="megalite has one model implementation, laid out as Megatron-Core's; "
@@ -192,8 +202,10 @@ class ModelConfig:
                                               "recomputed layers per stage (block).")
     recompute_modules: list[str] | None = arg(
         None, "What --recompute-granularity selective recomputes: core_attn (the attention "
-        "kernel; the default), mla_up_proj (multi-latent attention's up projections and "
-        "RoPE), mlp (the dense MLPs).", nargs="*", choices=RECOMPUTE_MODULES)
+        "kernel; the default), layernorm (the input and pre-MLP norms), mla_up_proj "
+        "(multi-latent attention's up projections and RoPE), mlp (the dense MLPs), moe "
+        "(the MoE layers' dispatch, experts and shared experts; not the router).",
+        nargs="*", choices=RECOMPUTE_MODULES)
     cpu_offloading: bool = arg(False, "Offload the saved activations of the first "
                                "--cpu-offloading-num-layers layers of each model chunk to "
                                "host memory during forward, brought back in backward.")

@@ -41,6 +41,8 @@ class OptimConfig:
     lr_warmup_iters: int = arg(0, "Linear warm-up iterations.")
     lr_warmup_samples: int = arg(0, "Linear warm-up samples (sample-based training).")
     lr_warmup_fraction: float | None = arg(None, "Warm-up as a fraction of decay iters.")
+    lr_warmup_init: float = arg(0.0, "Learning rate the linear warm-up starts from (it "
+                                "rises from here to --lr).")
     lr_wsd_decay_style: str = arg("exponential", "Decay of the WSD cool-down.",
                                   choices=("exponential", "linear", "cosine"))
     lr_wsd_decay_iters: int | None = arg(None, "Cool-down iterations of WSD.")
@@ -102,6 +104,8 @@ class OptimConfig:
                  f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         require(self.lr_warmup_iters >= 0, "lr_warmup_iters must be >= 0")
         require(self.lr_warmup_samples >= 0, "lr_warmup_samples must be >= 0")
+        require(self.lr_warmup_init >= 0,
+                f"--lr-warmup-init must be >= 0, got {self.lr_warmup_init}")
         if self.lr_warmup_fraction is not None:
             require(self.lr_warmup_iters == 0,
                      "give either --lr-warmup-fraction or --lr-warmup-iters, not both")

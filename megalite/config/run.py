@@ -83,6 +83,10 @@ class TrainConfig:
                                    "torch's default).",
                                    choices=(None, "default", "reduce-overhead", "max-autotune",
                                             "max-autotune-no-cudagraphs"))
+    enable_experimental: bool = arg(
+        False, "Megatron's switch for Megatron-Core's experimental features.",
+        no_effect="megalite has no experimental mode: every feature it offers is on its own "
+                  "flag")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -134,6 +138,18 @@ class CheckpointConfig:
     no_ckpt_verify: bool = arg(False, "Do not check the files' fast checksums (xxh3_64 or "
                                "crc32) at load; sizes are still checked.")
     ckpt_step: int | None = arg(None, "Load this iteration of --load instead of the latest.")
+    auto_detect_ckpt_format: bool = arg(
+        False, "Megatron's switch to --load a checkpoint of any of its formats.",
+        no_effect="megalite reads one format, its own, and recognises a Megatron-LM "
+                  "checkpoint (torch_dist or per-rank) given to --load: it stops naming the "
+                  "tools/convert_checkpoint.py command that converts it")
+    dist_ckpt_strictness: str | None = arg(
+        None, "What Megatron does with keys that the checkpoint and the model do not share.",
+        choices=("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+                 "raise_all", "return_unexpected", "return_all", "ignore_all"),
+        no_effect="megalite's --load is always strict (Megatron's raise_all): a tensor the "
+                  "model has that is missing or of another shape, or one it does not have, "
+                  "stops the load with an error naming it")
     ckpt_format: str = arg("torch_dist", "Checkpoint format: torch_dist is megalite's "
                            "native format (torch.distributed.checkpoint with layout-free keys).",
                            choices=("torch_dist",))
@@ -174,6 +190,19 @@ class LoggingConfig:
     wandb_save_dir: str | None = arg(None, "Weights & Biases local directory.")
     timing_log_level: int = arg(0, "0: iteration time only; 1: + forward/backward/"
                                 "optimizer; 2: + communication.", choices=(0, 1, 2))
+    logging_level: int | None = arg(None, "Level of Python's logging for megalite's "
+                                    "loggers (10 DEBUG, 20 INFO, 30 WARNING, 40 ERROR).")
+    log_params_norm: bool = arg(False, "Add the L2 norm of all parameters (each element "
+                                "counted once, whatever the layout) to the log line, "
+                                "TensorBoard (params-norm) and the JSONL (params_norm).")
+    log_num_zeros_in_grad: bool = arg(False, "Add the number of gradient elements that are "
+                                      "zero (each counted once, whatever the layout) to the "
+                                      "log line, TensorBoard (num-zeros) and the JSONL "
+                                      "(num_zeros).")
+    log_timers_to_tensorboard: bool = arg(False, "Add the timers of --timing-log-level to "
+                                          "TensorBoard (<name>-time, ms per iteration).")
+    log_validation_ppl_to_tensorboard: bool = arg(False, "Add the validation perplexity to "
+                                                  "TensorBoard (lm loss validation ppl).")
     log_throughput: bool = arg(False, "Add Megatron's 'throughput per GPU (TFLOP/s/GPU)' "
                                "(model FLOPs per second per rank) to the log line.")
     no_log_throughput: bool = arg(False, "Turns --log-throughput off (over a --config file "

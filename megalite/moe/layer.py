@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ConfigError
 from megalite.layers.fp8 import Fp8Recipe
@@ -105,6 +106,7 @@ class MoELayer(torch.nn.Module):
             self.shared_experts = SharedExpertMLP(   # fp8 GEMMs as the dense MLP's
                 cfg, cfg.moe_shared_expert_intermediate_size, ps,
                 fp8=Fp8Recipe.for_layer(cfg, layer_number), **kw)
+        self.recompute = cfg.recomputes("moe")
         self.aux_loss_scale = 1.0
         self.aux_losses: dict = {}
         self.reset_parameters()
@@ -133,12 +135,12 @@ class MoELayer(torch.nn.Module):
                 pad = tp.size - seq % tp.size  # inference: zero tokens, dropped below
                 hidden = torch.cat([hidden, hidden.new_zeros(pad, *hidden.shape[1:])])
             hidden = mappings.scatter_to_sequence_parallel_region(hidden, tp)
-        s, b, h = hidden.shape
         routing = self.router(hidden)
-        out = self.dispatcher(hidden.reshape(s * b, h), routing.probs, routing.routing_map,
-                              self.experts).view(s, b, h)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)
+        if self.recompute and self.training and torch.is_grad_enabled():
+            out = checkpoint(self._experts, hidden, routing.probs, routing.routing_map,
+                             use_reentrant=False)
+        else:
+            out = self._experts(hidden, routing.probs, routing.routing_map)
         if routing.loss is not None and torch.is_grad_enabled():
             out = AttachAuxLoss.apply(out, routing.loss, self.aux_loss_scale)
         self.aux_losses = routing.values
@@ -148,6 +150,21 @@ class MoELayer(torch.nn.Module):
             if pad:
                 out = out[:seq]
         return out.to(dtype)
+
+
+    def _experts(self, hidden: torch.Tensor, probs: torch.Tensor,
+                 routing_map: torch.Tensor) -> torch.Tensor:
+        """Dispatch, routed experts, combine, plus the shared experts: ``hidden`` ``[s, b,
+        h]``, ``probs`` / ``routing_map`` ``[s*b, E]`` -> ``[s, b, h]``. The part
+        ``--recompute-modules moe`` checkpoints (its collectives over ``ps.ep`` /
+        ``ps.etp`` run again in backward); the router stays outside, so its losses,
+        expert-load counts and random logits are computed once."""
+        s, b, h = hidden.shape
+        out = self.dispatcher(hidden.reshape(s * b, h), probs, routing_map,
+                              self.experts).view(s, b, h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out
 
 
 def moe_layer_pattern(cfg) -> list[bool]:

@@ -42,7 +42,9 @@ def counts_in_norm(param: torch.Tensor, ps: ParallelState) -> bool:
     return param_meta(param).tensor_parallel or tp_rank == 0
 
 
-def _first_replica(param: torch.Tensor, ps: ParallelState) -> bool:
+def first_replica(param: torch.Tensor, ps: ParallelState) -> bool:
+    """Whether this rank is the data-parallel replica that counts ``param`` once its
+    gradient is reduced: rank 0 of ``ps.dp_cp`` (``ps.edp`` for expert parameters)."""
     return (ps.edp if is_expert_param(param) else ps.dp_cp).rank == 0
 
 
@@ -53,7 +55,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], ps: ParallelState,
 
     Returns a python float (inf/nan when a gradient is not finite).
     """
-    grads = [param_grad(p) for p in params if counts_in_norm(p, ps) and _first_replica(p, ps)]
+    grads = [param_grad(p) for p in params if counts_in_norm(p, ps) and first_replica(p, ps)]
     return _world_norm([g for g in grads if g is not None], ps, norm_type)
 
 

@@ -256,6 +256,15 @@ class DistributedOptimizer(LossScaledOptimizer):
         self.num_steps += 1
         return StepOutcome(updated=True, found_inf=False, grad_norm=norm)
 
+    def owned_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, reduced gradient piece)`` of this rank's shard: the pieces of the
+        data-parallel ranks partition the gradients (:mod:`megalite.optim.grad_stats`)."""
+        return [(pc.param, pc.grad) for pc in self.pieces]
+
+    def owned_params(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, fp32 master piece)`` of this rank's shard, likewise."""
+        return [(pc.param, pc.master) for pc in self.pieces]
+
     def memory_tensors(self) -> list[torch.Tensor]:
         """Every tensor the optimizer holds on the device (shard masters and state), for
         accounting; the offloaded ones are :meth:`offloaded_tensors`."""

@@ -3,7 +3,8 @@ root / WSD (warmup-stable-decay) decay down to ``min_lr``.
 
 Steps count optimizer updates that succeeded (a skipped fp16 step does not advance the
 schedule). The learning rate used by update ``k`` (0-based) is ``lr_at(k)``: with warm-up
-the first update runs at lr 0, as in Megatron-LM.
+the first update runs at ``--lr-warmup-init`` (default 0) and the warm-up rises linearly
+from there to the peak, as in Megatron-LM.
 
 Units (``unit``): ``"iterations"`` (the default: ``--train-iters`` with a constant batch),
 or ``"samples"``, Megatron's unit, used for sample-based training (``--train-samples``,
@@ -47,6 +48,7 @@ class LRScheduler:
     unit: str = "iterations"
     decoupled_max_lr: float | None = None
     decoupled_min_lr: float | None = None
+    warmup_init_lr: float = 0.0
 
     def __post_init__(self) -> None:
         if self.decay_style not in DECAY_STYLES:
@@ -77,13 +79,14 @@ class LRScheduler:
         With ``global_batch_size`` (the final one) the schedule counts samples (see the
         module docstring): ``--lr-*-samples`` as given, ``--lr-*-iters`` times the batch,
         decay by default over ``train_samples`` (or ``train_iters`` x batch)."""
-        decoupled = dict(decoupled_max_lr=ocfg.decoupled_lr,
-                         decoupled_min_lr=(ocfg.min_lr if ocfg.decoupled_min_lr is None
-                                           else ocfg.decoupled_min_lr)
-                         if ocfg.decoupled_lr is not None else None)
+        common = dict(decoupled_max_lr=ocfg.decoupled_lr,
+                      decoupled_min_lr=(ocfg.min_lr if ocfg.decoupled_min_lr is None
+                                        else ocfg.decoupled_min_lr)
+                      if ocfg.decoupled_lr is not None else None,
+                      warmup_init_lr=ocfg.lr_warmup_init)
         if global_batch_size is not None:
             return cls._in_samples(ocfg, train_iters, train_samples, global_batch_size,
-                                   decoupled)
+                                   common)
         decay = ocfg.lr_decay_iters or train_iters
         if decay is None:
             if ocfg.lr_decay_style != "constant":
@@ -94,11 +97,11 @@ class LRScheduler:
             warmup = int(ocfg.lr_warmup_fraction * decay)
         return cls(max_lr=ocfg.lr, min_lr=ocfg.min_lr, warmup_steps=warmup, decay_steps=decay,
                    decay_style=ocfg.lr_decay_style, wsd_decay_style=ocfg.lr_wsd_decay_style,
-                   wsd_decay_steps=ocfg.lr_wsd_decay_iters, **decoupled)
+                   wsd_decay_steps=ocfg.lr_wsd_decay_iters, **common)
 
     @classmethod
     def _in_samples(cls, ocfg: OptimConfig, train_iters: int | None,
-                    train_samples: int | None, gbs: int, decoupled: dict) -> LRScheduler:
+                    train_samples: int | None, gbs: int, common: dict) -> LRScheduler:
         def samples(n_samples: int | None, n_iters: int | None) -> int | None:
             return n_samples if n_samples else (n_iters * gbs if n_iters else None)
 
@@ -116,7 +119,7 @@ class LRScheduler:
                    decay_style=ocfg.lr_decay_style, wsd_decay_style=ocfg.lr_wsd_decay_style,
                    wsd_decay_steps=samples(ocfg.lr_wsd_decay_samples,
                                            ocfg.lr_wsd_decay_iters),
-                   unit="samples", **decoupled)
+                   unit="samples", **common)
 
     # -- the schedule -------------------------------------------------------------------
     def lr_at(self, step: int, decoupled: bool = False) -> float:
@@ -126,7 +129,8 @@ class LRScheduler:
         if decoupled and self.decoupled_max_lr is not None:
             max_lr, min_lr = self.decoupled_max_lr, self.decoupled_min_lr
         if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return max_lr * step / self.warmup_steps
+            init = self.warmup_init_lr
+            return init + (max_lr - init) * step / self.warmup_steps
         if self.decay_style == "constant":
             return max_lr
         if self.decay_style == "inverse-square-root":

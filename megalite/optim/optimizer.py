@@ -28,7 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from megalite.config import OptimConfig
-from megalite.optim.clip_grads import clip_grads_, found_non_finite, global_grad_norm
+from megalite.optim.clip_grads import (
+    clip_grads_,
+    first_replica,
+    found_non_finite,
+    global_grad_norm,
+)
 from megalite.optim.algorithms import algorithm_of
 from megalite.optim.optimizer_state import (
     check_per_param,
@@ -218,6 +223,17 @@ class MixedPrecisionOptimizer(LossScaledOptimizer):
             torch._foreach_copy_(self.params, self.masters)
         self.num_steps += 1
         return StepOutcome(updated=True, found_inf=False, grad_norm=norm)
+
+    def owned_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, main_grad)`` of the parameters whose reduced gradient this rank counts
+        for the data-parallel group: all of them on data-parallel rank 0 (``ps.dp_cp``,
+        ``ps.edp`` for experts), none elsewhere (:mod:`megalite.optim.grad_stats`)."""
+        return [(p, p.main_grad) for p in self.params if first_replica(p, self.ps)]
+
+    def owned_params(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, fp32 master)`` likewise (:mod:`megalite.optim.grad_stats`)."""
+        return [(p, m) for p, m in zip(self.params, self.masters)
+                if first_replica(p, self.ps)]
 
     def memory_tensors(self) -> list[torch.Tensor]:
         """Every tensor the optimizer holds (masters and state), for memory accounting."""

@@ -189,6 +189,8 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
     k, f = m.moe_router_topk, m.moe_ffn_hidden_size // etp
     act += local * h * (1 if sp > 1 else 2)                   # router / dispatcher input
     fp32 += local * m.num_experts * 3                         # router logits, probs, top-k
+    if m.recomputes("moe"):   # dispatch and experts run again in backward: input only
+        return {"act": act, "fp32": fp32}
     # tokens this rank's experts see: the average, times an allowance for the imbalance of
     # dropless routing (the capacity factor when tokens are dropped)
     imbalance = m.moe_expert_capacity_factor or MOE_IMBALANCE

@@ -69,6 +69,7 @@ from megalite.config.shapes import (
     dense_mlp_params,
     mla_up_proj_params,
     moe_layer_count,
+    moe_mlp_params,
 )
 from megalite.planner.cluster import Cluster
 from megalite.planner.memory import layer_activation_elements, stage_param_counts
@@ -170,6 +171,12 @@ def compute_seconds(ctx: StepContext) -> float:
         if m.recomputes("mlp"):
             dense = m.num_layers - moe_layer_count(m)
             extra += 2.0 * dense * dense_mlp_params(m, 1) * all_tokens
+        if m.recomputes("moe"):   # the routed top-k experts and the shared experts
+            _, experts = moe_mlp_params(m, 1, 1, 1)
+            shared = m.moe_shared_expert_intermediate_size
+            per_token = experts // m.num_experts * m.moe_router_topk + (
+                dense_mlp_params(m, 1, shared) if shared else 0)
+            extra += 2.0 * moe_layer_count(m) * per_token * all_tokens
     compute = (lay.model_flops_per_step + extra) / lay.world_size / (
         cluster.peak_flops * cluster.matmul_efficiency)
     # memory-bound work (norms, activations, softmax, residual adds, copies): each element

@@ -17,6 +17,7 @@ a DataLoader iterator draws from the global torch RNG, so that happens under a f
 from __future__ import annotations
 
 import copy
+import logging
 import random
 import secrets
 import time
@@ -112,6 +113,8 @@ def build_components(cfg: MegaliteConfig, ps: ParallelState, *,
     takes the directory's lock before any work (refusing a directory that holds another
     run's checkpoints this run does not load) and releases it if anything here fails.
     """
+    if cfg.logging.logging_level is not None:   # Megatron's --logging-level: the root logger
+        logging.getLogger().setLevel(cfg.logging.logging_level)
     check_fp8_available(cfg.model, ps.device)  # before any work: one clear sentence
     ck = cfg.checkpoint
     save_lock = None

@@ -44,6 +44,7 @@ import torch
 from megalite.checkpoint import CheckpointSaver, save_checkpoint
 from megalite.errors import NumericalError
 from megalite.moe.expert_bias import load_metrics, update_expert_bias
+from megalite.optim.grad_stats import num_zeros, params_norm
 from megalite.parallel.collectives import ReduceOp, all_reduce, all_reduce_scalar
 from megalite.parallel.cp_chunks import slice_batch, with_document_ids
 from megalite.pipeline.layout import model_chunks
@@ -59,6 +60,7 @@ from megalite.training.rerun import ResultValidator
 from megalite.training.signals import SignalHandler, exit_signals
 from megalite.training.straggler import StragglerDetector
 from megalite.training.straggler import line as straggler_line
+from megalite.training.timers import format_ms
 
 if TYPE_CHECKING:
     from megalite.training.components import TrainingComponents
@@ -81,6 +83,8 @@ class StepResult:
     # (moe_load_max_ratio, moe_load_min_ratio, expert_load: megalite.moe.expert_bias)
     moe_losses: dict = field(default_factory=dict)
     faulty_ranks: list | None = None   # a transient fault: ranks whose re-run differed
+    num_zeros: int | None = None        # --log-num-zeros-in-grad (None: skipped step)
+    params_norm: float | None = None    # --log-params-norm, after the update
 
 
 @dataclass
@@ -187,8 +191,11 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
                                  "or writing a checkpoint")
     c.grads.finish_grad_sync()
     finish_fp8_step(model_chunks(c.model), ps)   # delayed scaling: this step's amaxes
+    lcfg = c.cfg.logging
     with c.timers("optimizer", log_level=1):
         lr = c.scheduler.apply(c.optimizer)
+        zeros = (num_zeros(c.optimizer.owned_grads(), ps)   # collective (world)
+                 if lcfg.log_num_zeros_in_grad else None)
         outcome = c.optimizer.step()
     if outcome.found_inf and check and not c.optimizer.fp16 and validating \
             and reason is None:   # NaN/inf gradients: nothing was updated; re-run the same way
@@ -215,9 +222,12 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
         validator.accept(lm_loss)
     if outcome.updated:
         c.scheduler.advance(len(batches) * c.cfg.train.micro_batch_size * ps.dp.size)
+    pnorm = (params_norm(c.optimizer.owned_params(), ps)   # collective (world)
+             if lcfg.log_params_norm else None)
     return StepResult(lm_loss=lm_loss, lr=lr, updated=outcome.updated,
                       grad_norm=outcome.grad_norm, loss_scale=c.optimizer.loss_scale,
-                      moe_losses=moe_losses, faulty_ranks=faulty_ranks)
+                      moe_losses=moe_losses, faulty_ranks=faulty_ranks,
+                      num_zeros=zeros if outcome.updated else None, params_norm=pnorm)
 
 
 @torch.no_grad()
@@ -349,16 +359,19 @@ def train(c: TrainingComponents) -> TrainResult:
                 lr=step.lr, loss_scale=step.loss_scale, skipped=not step.updated,
                 tokens_per_sec=tokens_per_sec, mfu=mfu, elapsed_s=elapsed,
                 consumed_samples=state.consumed_train_samples, global_batch_size=gbs,
-                tflops_per_gpu=flops / (elapsed * c.ps.world_size) / 1e12),
+                tflops_per_gpu=flops / (elapsed * c.ps.world_size) / 1e12,
+                num_zeros=step.num_zeros, params_norm=step.params_norm),
                 extra=extra or None)
             if "validation_loss" in extra:
                 metrics.record_eval(state.iteration, extra["validation_loss"])
             if straggler is not None:
                 metrics.print(straggler_line(state.iteration, straggler))
-            if (state.iteration % cfg.logging.log_interval == 0
-                    and cfg.logging.timing_log_level > 0):
-                metrics.print(" timers (ms/iter) | " + c.timers.summary(
-                    normalizer=cfg.logging.log_interval))
+            if state.iteration % cfg.logging.log_interval == 0 and (
+                    cfg.logging.timing_log_level > 0 or cfg.logging.log_timers_to_tensorboard):
+                times = c.timers.ms_per(normalizer=cfg.logging.log_interval)
+                if cfg.logging.timing_log_level > 0:
+                    metrics.print(" timers (ms/iter) | " + format_ms(times))
+                metrics.record_timers(state.iteration, times)
             watchdog.after_step(state.iteration, step.updated, step.grad_norm,
                                 step.loss_scale, step.lm_loss)
 

@@ -48,12 +48,16 @@ class IterationMetrics:
     consumed_samples: int = 0
     global_batch_size: int = 0
     tflops_per_gpu: float = 0.0   # model TFLOP/s per rank (the line's, --log-throughput)
+    num_zeros: int | None = None       # --log-num-zeros-in-grad
+    params_norm: float | None = None   # --log-params-norm
 
     def jsonl(self) -> dict:
         keys = ("iteration", "lm_loss", "grad_norm", "lr", "loss_scale", "skipped",
                 "tokens_per_sec", "mfu")
         full = asdict(self)
-        return {k: full[k] for k in keys}
+        row = {k: full[k] for k in keys}
+        row.update({k: full[k] for k in ("num_zeros", "params_norm") if full[k] is not None})
+        return row
 
 
 @dataclass
@@ -232,7 +236,8 @@ class MetricsLogger:
                    "grad-norm": m.grad_norm, "skipped": float(m.skipped),
                    "tokens-per-sec": m.tokens_per_sec, "mfu": m.mfu,
                    "iteration-time": m.elapsed_s, "consumed-samples": m.consumed_samples,
-                   "batch-size": m.global_batch_size or None}
+                   "batch-size": m.global_batch_size or None, "num-zeros": m.num_zeros,
+                   "params-norm": m.params_norm}
         scalars = {k: v for k, v in scalars.items() if v is not None}
         scalars.update({k.replace("_", "-"): v for k, v in moe.items()})
         if lcfg.log_world_size_to_tensorboard:
@@ -251,6 +256,8 @@ class MetricsLogger:
         avg_s = self._total_elapsed / max(self._total_iters, 1)
         eta = datetime.timedelta(seconds=round(avg_s * max(self.train_iters - m.iteration, 0)))
         grad = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "skipped"
+        zeros = f" num zeros: {m.num_zeros} |" if m.num_zeros is not None else ""
+        params = f" params norm: {m.params_norm:.3f} |" if m.params_norm is not None else ""
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         moe = "".join(f" {k.replace('_', ' ')}: {v / max(w.iters, 1):.6E} |"
                       for k, v in w.moe_sums.items())  # e.g. " moe aux loss: ... |"
@@ -265,6 +272,7 @@ class MetricsLogger:
                 f" lm loss: {loss:.6E} |{moe}"
                 f" loss scale: {m.loss_scale:.1f} |"
                 f" grad norm: {grad} |"
+                f"{zeros}{params}"
                 f" number of skipped iterations: {w.skipped:3d} |"
                 f"{throughput}"
                 f" tokens/s: {w.tokens_per_sec:.1f} |"
@@ -287,9 +295,17 @@ class MetricsLogger:
         self.print(f"{bar}\n{text}\n{bar}")
         if self._tb is not None:
             self._tb.add_scalar(f"lm loss {label}", loss, iteration)
-            self._tb.add_scalar(f"lm loss {label} ppl", ppl, iteration)
+            if self.lcfg.log_validation_ppl_to_tensorboard:
+                self._tb.add_scalar(f"lm loss {label} ppl", ppl, iteration)
         if self._wandb_run() is not None:
             self._wandb.log({f"{label}/lm loss": loss, f"{label}/ppl": ppl}, step=iteration)
+
+    def record_timers(self, iteration: int, times: dict[str, float]) -> None:
+        """``--log-timers-to-tensorboard``: each timer as the TensorBoard scalar
+        ``<name>-time`` (ms per iteration over the log window, :meth:`Timers.ms_per`)."""
+        if self.enabled and self._tb is not None and self.lcfg.log_timers_to_tensorboard:
+            for name, ms in times.items():
+                self._tb.add_scalar(f"{name}-time", ms, iteration)
 
     def close(self) -> None:
         if self._jsonl is not None:

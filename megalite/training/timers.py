@@ -85,13 +85,22 @@ class Timers:
     def names(self) -> list[str]:
         return [n for n, t in self._timers.items() if t.enabled]
 
-    def summary(self, names: list | None = None, normalizer: float = 1.0,
-                reset: bool = True) -> str:
-        """``"name: 12.34 | other: 5.67"`` in ms per ``normalizer`` (e.g. iterations)."""
-        parts = []
+    def ms_per(self, names: list | None = None, normalizer: float = 1.0,
+               reset: bool = True) -> dict[str, float]:
+        """``{name: ms per normalizer}`` (e.g. per iteration) of the enabled timers."""
+        out = {}
         for name in names or self.names():
             timer = self._timers.get(name)
             if timer is not None and timer.enabled:
-                ms = 1000.0 * timer.elapsed(reset=reset) / max(normalizer, 1e-12)
-                parts.append(f"{name}: {ms:.2f}")
-        return " | ".join(parts)
+                out[name] = 1000.0 * timer.elapsed(reset=reset) / max(normalizer, 1e-12)
+        return out
+
+    def summary(self, names: list | None = None, normalizer: float = 1.0,
+                reset: bool = True) -> str:
+        """``"name: 12.34 | other: 5.67"`` in ms per ``normalizer`` (e.g. iterations)."""
+        return format_ms(self.ms_per(names, normalizer, reset))
+
+
+def format_ms(times: dict[str, float]) -> str:
+    """``"name: 12.34 | other: 5.67"`` from :meth:`Timers.ms_per`'s dict."""
+    return " | ".join(f"{name}: {ms:.2f}" for name, ms in times.items())

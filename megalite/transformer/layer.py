@@ -6,6 +6,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from megalite.layers.fp8 import Fp8Recipe
 from megalite.moe.layer import MoELayer, moe_layer_pattern
@@ -27,7 +28,10 @@ class TransformerLayer(torch.nn.Module):
     ``layer_number`` is the global (0-based) index in the whole model. The MLP is an
     :class:`~megalite.moe.layer.MoELayer` (Mixtral) when ``cfg.num_experts`` is set and
     ``moe_layer_pattern(cfg)`` selects this layer (it draws its own parameters from
-    ``seed``); ``--recompute-modules mlp`` checkpoints a dense MLP. ``ps`` is the
+    ``seed``); ``--recompute-modules mlp`` checkpoints a dense MLP, ``moe`` an MoE layer's
+    dispatch and experts (:class:`~megalite.moe.layer.MoELayer`), ``layernorm`` the two
+    norms (their inner activations are recomputed in backward; their outputs stay saved
+    by the layers that read them). ``ps`` is the
     ParallelState every sub-layer picks its groups from. Residual-branch dropout draws
     from the replicated RNG stream (identical on TP ranks, which hold the same
     activations) or, under sequence parallelism, the tensor-parallel stream (each rank
@@ -62,6 +66,13 @@ class TransformerLayer(torch.nn.Module):
         else:
             self.mlp = MLP(cfg, ps, recompute=cfg.recomputes("mlp"), **par)
         self.recompute_mlp = cfg.recomputes("mlp") and not self.is_moe
+        self.recompute_norms = cfg.recomputes("layernorm")
+
+    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``norm(x)``, checkpointed under ``--recompute-modules layernorm`` in training."""
+        if self.recompute_norms and self.training and torch.is_grad_enabled():
+            return checkpoint(norm, x, use_reentrant=False)
+        return norm(x)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0.0:
@@ -77,6 +88,6 @@ class TransformerLayer(torch.nn.Module):
         ``inference_cache``: an :class:`~megalite.inference.kv_cache.InferenceCache`
         (generation only; None in training)."""
         kv = None if inference_cache is None else inference_cache.layer(self.layer_number)
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary,
-                                                  document_ids, kv_cache=kv))
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        x = x + self._dropout(self.self_attention(self._norm(self.input_layernorm, x),
+                                                  rotary, document_ids, kv_cache=kv))
+        return x + self._dropout(self.mlp(self._norm(self.pre_mlp_layernorm, x)))

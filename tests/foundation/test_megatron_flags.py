@@ -45,3 +45,22 @@ def test_rows_come_from_the_parser():
     assert rows["--empty-unused-memory-level 1"]["status"] == "accepted, no effect here"
     assert tool.split_flags('--a 1 --b --c "x y" z') == [("--a", ["1"]), ("--b", []),
                                                          ("--c", ["x y", "z"])]
+
+
+def test_deepseek_v3_script_refuses_only_multi_token_prediction():
+    """Megatron-LM's DeepSeek-V3 launch script runs with its sizes, parallel sizes and paths
+    changed: every flag it passes is implemented or accepted, but multi-token prediction."""
+    tool = _tool()
+    refused = {r["flag"] for r in tool.rows()
+               if "DeepSeek-V3" in r["scripts"] and r["status"] == "refused"}
+    assert refused <= {"--mtp-num-layers", "--mtp-loss-scaling-factor"}   # another slice
+    rows = {r["flag"]: r for r in tool.rows()}
+    assert rows["--recompute-modules mlp moe mla_up_proj layernorm"]["status"] == "implemented"
+    for flag in ("--lr-warmup-init", "--log-params-norm", "--log-num-zeros-in-grad",
+                 "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+                 "--logging-level"):
+        assert rows[flag]["status"] == "implemented", flag
+    for flag in ("--transformer-impl transformer_engine", "--use-flash-attn",
+                 "--enable-experimental", "--auto-detect-ckpt-format",
+                 "--dist-ckpt-strictness log_all"):
+        assert rows[flag]["status"] == "accepted, no effect here", flag

@@ -32,6 +32,9 @@ The attention variant comes from ``"attention-<seed>"``: multi-latent attention 
 quarter of the seeds (with or without a query latent, value heads as wide as the keys or
 narrower, YaRN or plain RoPE, its up projections recomputed where selective
 recomputation was drawn), QK norm for another sixth.
+Where selective recomputation was drawn, half the seeds widen ``--recompute-modules`` from
+``"recompute-<seed>"``: ``layernorm`` and, in an MoE model, ``moe`` (each for half of
+those draws; ``mlp`` too for a third).
 fp8 GEMMs (``--fp8-format`` e4m3 or hybrid with ``--fp8-recipe`` tensorwise, delayed or
 mxfp8; blockwise's 128-element blocks do not tile these sizes) come for a third of the
 seeds from ``"fp8-<seed>"``; a drawn model whose GEMMs the recipe cannot tile
@@ -248,6 +251,18 @@ def _attention_variant(vrng: random.Random, model: dict) -> None:
         model["qk_layernorm"] = True
 
 
+def _recompute_modules(mrng: random.Random, model: dict) -> None:
+    """Under selective recomputation, half the draws add ``layernorm`` / ``moe`` / ``mlp``
+    to ``--recompute-modules`` (over the drawn kinds, or the default ``core_attn``)."""
+    if model.get("recompute_granularity") != "selective" or mrng.random() >= 0.5:
+        return
+    modules = list(model.get("recompute_modules") or ["core_attn"])
+    layernorm, moe, mlp = mrng.random() < 0.5, mrng.random() < 0.5, mrng.random() < 1 / 3
+    modules += [k for k, on in (("layernorm", layernorm), ("moe", moe and "num_experts" in
+                                                          model), ("mlp", mlp)) if on]
+    model["recompute_modules"] = modules
+
+
 FP8_RECIPES = ("tensorwise", "delayed", "mxfp8")
 
 
@@ -274,7 +289,8 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                rrng: random.Random, orng: random.Random | None = None,
                zrng: random.Random | None = None,
                vrng: random.Random | None = None,
-               frng: random.Random | None = None) -> Layout | None:
+               frng: random.Random | None = None,
+               mrng: random.Random | None = None) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -294,6 +310,8 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
         _attention_variant(vrng, model)
     if frng is not None:
         _fp8(frng, model)
+    if mrng is not None:
+        _recompute_modules(mrng, model)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model),
                              ("bias", model.get("moe_router_enable_expert_bias")),
@@ -337,9 +355,9 @@ def draw_layout(seed: int) -> Layout:
     srng, arng = random.Random(f"shard-{seed}"), random.Random(f"act-offload-{seed}")
     rrng, orng = random.Random(f"route-{seed}"), random.Random(f"optim-{seed}")
     zrng, vrng = random.Random(f"schedule-{seed}"), random.Random(f"attention-{seed}")
-    frng = random.Random(f"fp8-{seed}")
+    frng, mrng = random.Random(f"fp8-{seed}"), random.Random(f"recompute-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng, vrng, frng)
+        layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng, vrng, frng, mrng)
         if layout is None:
             continue
         if rejection(layout) is None:

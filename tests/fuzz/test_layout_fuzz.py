@@ -26,8 +26,8 @@ from tests.fuzz.check import check
 from tests.fuzz.draw import draw_layout
 
 # on worlds 4 and 8 (the pools other suites use), ~40 s together on 2 cores:
-#   5  tp2 x pp2 x dp2, MoE ep4 etp1 allgather, tied embeddings across stages, full
-#      recompute, DeepSeek-V3 routing with the expert bias
+#   5  tp2 x pp2 (ZB-H1) x cp2, MoE ep2 etp1 allgather, multi-latent attention, selective
+#      recompute of core_attn, layernorm and mlp, distributed optimizer, bf16, SGD
 #  41  tp4 + sp x dp2, sharded gradients, no clipping, fp8 (tensorwise)
 #  56  tp2 + sp x pp2 (ZB-H1) with an uneven last stage x dp2, distributed optimizer +
 #      overlap, bf16, optimizer offload

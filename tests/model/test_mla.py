@@ -155,8 +155,8 @@ NO_MLA = {"multi_latent_attention": False, "kv_lora_rank": None, "q_lora_rank": 
     ({"group_query_attention": True, "num_query_groups": 2}, "cannot be combined"),
     ({**NO_MLA, "rotary_scaling_factor": 40.0}, "YaRN"),
     ({"recompute_modules": ["mla_up_proj"]}, "needs --recompute-granularity selective"),
-    ({"recompute_granularity": "selective", "recompute_modules": ["moe", "layernorm"]},
-     "recompute_modules takes core_attn, mla_up_proj, mlp; got moe, layernorm"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe_act", "layernorm"]},
+     "recompute_modules takes core_attn, layernorm, mla_up_proj, mlp, moe; got moe_act"),
 ])
 def test_bad_input_is_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -208,15 +208,26 @@ def test_launch_flags_of_deepseek_v3_parse():
     assert mla_softmax_scale(m) == pytest.approx((0.1 * math.log(40) + 1) ** 2 / 192 ** 0.5)
 
 
-@pytest.mark.parametrize("modules, recomputed", [
-    (["core_attn"], {"core_attention"}),
-    (["mla_up_proj"], {"linear_q_up_proj", "linear_kv_up_proj"}),
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_shared_expert_intermediate_size": 16}
+
+
+@pytest.mark.parametrize("modules, recomputed, model_kw", [
+    (["core_attn"], {"core_attention"}, {}),
+    (["mla_up_proj"], {"linear_q_up_proj", "linear_kv_up_proj"}, {}),
     (["mla_up_proj", "core_attn"], {"linear_q_up_proj", "linear_kv_up_proj",
-                                    "core_attention"}),
-    (["mlp"], {"linear_fc1"})])   # fc2's input is recomputed: fc2 itself need not run
-def test_recompute_modules_run_their_parts_again(modules, recomputed, monkeypatch):
+                                    "core_attention"}, {}),
+    (["mlp"], {"linear_fc1"}, {}),   # fc2's input is recomputed: fc2 itself need not run
+    (["layernorm"], {"input_layernorm", "pre_mlp_layernorm"}, {}),
+    (["layernorm", "mlp"], {"input_layernorm", "pre_mlp_layernorm", "linear_fc1"}, {}),
+    (["moe"], {"experts", "shared_experts"}, MOE),   # the router runs once
+    (["moe", "layernorm"], {"experts", "shared_experts", "input_layernorm",
+                            "pre_mlp_layernorm"}, MOE),
+    (["mlp"], set(), MOE)])   # mlp covers dense MLPs only
+def test_recompute_modules_run_their_parts_again(modules, recomputed, model_kw, monkeypatch):
     """--recompute-modules: the chosen parts run forward twice in a training step (once
-    more in backward), the others once; the gradients do not change."""
+    more in backward), the others once; the gradients do not change (multi-latent
+    attention's own q / kv norms are not among ``layernorm``'s: Megatron's covers the
+    layer's input and pre-MLP norms)."""
     from megalite.transformer.attention_kernels.sdpa import SdpaAttention
 
     calls: dict[str, int] = {}
@@ -231,14 +242,20 @@ def test_recompute_modules_run_their_parts_again(modules, recomputed, monkeypatc
     for mods in (None, modules):
         extra = {} if mods is None else {"recompute_granularity": "selective",
                                          "recompute_modules": mods}
-        model = GPTModel(mla_config(num_layers=1, vocab_size=50, **extra),
+        model = GPTModel(mla_config(num_layers=1, vocab_size=50, **model_kw, **extra),
                          single_process_state(), seed=3)
         calls.clear()
         layer = model.decoder.layers["0"]
         for name, mod in [*layer.self_attention.named_children(),
-                          *layer.mlp.named_children()]:
+                          *([] if layer.is_moe else layer.mlp.named_children())]:
             if name != "core_attention":
                 mod.register_forward_hook(lambda *_, name=name: count(name))
+        # pre-hooks where a checkpointed region ends in the module: the recomputation stops
+        # once it has every tensor that backward needs, before the last forward hooks run
+        for name, mod in [("input_layernorm", layer.input_layernorm),
+                          ("pre_mlp_layernorm", layer.pre_mlp_layernorm),
+                          *(layer.mlp.named_children() if layer.is_moe else [])]:
+            mod.register_forward_pre_hook(lambda *_, name=name: count(name))
         ids = torch.randint(0, 50, (2, SEQ), generator=torch.Generator().manual_seed(0))
         model(ids, labels=ids).mean().backward()
         grads[mods is None] = {n: p.grad for n, p in model.named_parameters()}

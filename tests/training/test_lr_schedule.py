@@ -85,3 +85,25 @@ def test_bad_configurations_are_named():
         sched(decay_style="cosine", warmup_steps=200)
     with pytest.raises(ConfigError, match="--lr-decay-iters or --train-iters"):
         LRScheduler.from_config(OptimConfig(), train_iters=None)
+
+
+def test_lr_warmup_init_starts_the_warmup_there():
+    """Megatron's --lr-warmup-init: lr(k) = init + (max - init) * k / warmup during the
+    warm-up (in samples too, and for the decoupled groups with their own peak); the decay
+    after it is unchanged. Values from the DeepSeek-V3 script (3.9e-7 up to 3.9e-6)."""
+    ocfg = OptimConfig(lr=3.9e-6, min_lr=3.9e-7, lr_warmup_init=3.9e-7, lr_warmup_iters=8,
+                       lr_decay_iters=40, lr_decay_style="cosine", decoupled_lr=1e-5)
+    s = LRScheduler.from_config(ocfg, train_iters=40)
+    plain = LRScheduler.from_config(OptimConfig(lr=3.9e-6, min_lr=3.9e-7, lr_warmup_iters=8,
+                                                lr_decay_iters=40, lr_decay_style="cosine"),
+                                    train_iters=40)
+    for k in range(9):
+        assert s.lr_at(k) == pytest.approx(3.9e-7 + (3.9e-6 - 3.9e-7) * k / 8, rel=1e-12)
+        assert s.lr_at(k, decoupled=True) == pytest.approx(3.9e-7 + (1e-5 - 3.9e-7) * k / 8)
+    assert s.lr_at(0) != plain.lr_at(0) == 0.0
+    for k in (9, 20, 40, 60):
+        assert s.lr_at(k) == pytest.approx(plain.lr_at(k), rel=1e-12)
+    in_samples = LRScheduler.from_config(ocfg, train_iters=40, global_batch_size=4)
+    assert in_samples.lr_at(16) == pytest.approx(3.9e-7 + (3.9e-6 - 3.9e-7) * 16 / 32)
+    with pytest.raises(ConfigError, match="--lr-warmup-init must be >= 0"):
+        OptimConfig(lr_warmup_init=-1.0)

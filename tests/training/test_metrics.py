@@ -75,3 +75,73 @@ def test_timers_levels_and_summary():
     assert text.startswith("forward-compute: ") and "grads-all-reduce" not in text
     with pytest.raises(RuntimeError, match="stopped without being started"):
         timers("forward-compute", log_level=1).stop()
+
+
+def _tb_scalars(path) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_deepseek_v3_logging_flags(tmp_path, on):
+    """--log-num-zeros-in-grad / --log-params-norm: Megatron's ``num zeros`` and ``params
+    norm`` in the line after the grad norm, TensorBoard's num-zeros / params-norm, the
+    JSONL's num_zeros / params_norm; --log-timers-to-tensorboard: ``<timer>-time``;
+    --log-validation-ppl-to-tensorboard: ``lm loss validation ppl`` (off: only the loss)."""
+    lcfg = LoggingConfig(log_interval=1, metrics_jsonl=str(tmp_path / "m.jsonl"),
+                         tensorboard_dir=str(tmp_path / "tb"), log_timers_to_tensorboard=on,
+                         log_validation_ppl_to_tensorboard=on)
+    out = io.StringIO()
+    log = MetricsLogger(lcfg, train_iters=2, enabled=True, stream=out)
+    m = _metrics(1, 4.0)
+    if on:   # what the loop fills in when the flags are given
+        m.num_zeros, m.params_norm = 96, 12.5
+    log.record(m)
+    log.record_eval(1, 2.5)
+    log.record_timers(1, {"forward-backward": 12.0, "optimizer": 3.0})
+    log.close()
+    line = out.getvalue().splitlines()[0]
+    row = read_jsonl(lcfg.metrics_jsonl)[0]
+    scalars = _tb_scalars(tmp_path / "tb")
+    assert scalars["lm loss validation"] == [(1, 2.5)]
+    if on:
+        assert "| grad norm: 0.500 | num zeros: 96 | params norm: 12.500 | number of" in line
+        assert (row["num_zeros"], row["params_norm"]) == (96, 12.5)
+        assert scalars["num-zeros"] == [(1, 96.0)] and scalars["params-norm"] == [(1, 12.5)]
+        assert scalars["forward-backward-time"] == [(1, 12.0)]
+        assert scalars["optimizer-time"] == [(1, 3.0)]
+        assert scalars["lm loss validation ppl"] == [(1, pytest.approx(12.182494))]
+    else:
+        assert "num zeros" not in line and "params norm" not in line
+        assert "num_zeros" not in row and "params_norm" not in row
+        assert not {"num-zeros", "params-norm", "forward-backward-time",
+                    "lm loss validation ppl"} & set(scalars)
+
+
+def test_timers_ms_per():
+    timers = Timers(log_level=0)
+    timers("evaluate").start()
+    timers("evaluate").stop()
+    times = timers.ms_per(normalizer=4)
+    assert list(times) == ["evaluate"] and times["evaluate"] >= 0
+    assert timers.ms_per()["evaluate"] == 0.0   # reset by the first read
+
+
+def test_logging_level_sets_the_root_logger(tmp_path):
+    """--logging-level: Python's logging level of the root logger (Megatron's meaning), set
+    before any work."""
+    import logging
+
+    from tests.training.common import run_training, tiny_config
+
+    root = logging.getLogger()
+    before = root.level
+    try:
+        run_training(tiny_config(train={"train_iters": 1}, logging={"logging_level": 40}))
+        assert root.level == logging.ERROR
+        assert not logging.getLogger("megalite.data.builder").isEnabledFor(logging.INFO)
+    finally:
+        root.setLevel(before)
