@@ -42,6 +42,7 @@ import re
 
 import torch
 
+from megalite.models.families.experts import experts_from_hf, experts_to_hub_names
 from megalite.models.families.llama import MAX_SEQ_LENGTH
 from megalite.models.families.names import (
     OUR_LAYER_PREFIX,
@@ -159,39 +160,13 @@ class DeepseekV3Spec(FamilySpec):
         out = super().from_hf(hf_state, model_cfg)
         for i in range(model_cfg.num_layers):
             ours, hf = OUR_LAYER_PREFIX.format(i) + "mlp.", HF_LAYER_PREFIX.format(i) + "mlp."
-            if hf + "experts.gate_up_proj" in hf_state:      # transformers v5, in memory
-                out[ours + "experts.fc1"] = hf_state[hf + "experts.gate_up_proj"].transpose(1, 2)
-                out[ours + "experts.fc2"] = hf_state[hf + "experts.down_proj"].transpose(1, 2)
-            elif hf + "experts.0.gate_proj.weight" in hf_state:  # hub files, per expert
-
-                def w(j: int, name: str, hf=hf) -> torch.Tensor:
-                    return hf_state[f"{hf}experts.{j}.{name}.weight"]
-
-                experts = range(model_cfg.num_experts)
-                out[ours + "experts.fc1"] = torch.stack(
-                    [torch.cat([w(j, "gate_proj").t(), w(j, "up_proj").t()], dim=1)
-                     for j in experts])
-                out[ours + "experts.fc2"] = torch.stack([w(j, "down_proj").t() for j in experts])
+            out.update(experts_from_hf(hf_state, hf, ours, model_cfg.num_experts))
         return {k: v.contiguous() for k, v in out.items()}
 
     def to_hub_names(self, hf_state: dict[str, torch.Tensor], model_cfg
                      ) -> dict[str, torch.Tensor]:
-        """Fused ``mlp.experts.gate_up_proj`` / ``down_proj`` -> the hub files' per-expert
-        ``mlp.experts.{j}.gate_proj / up_proj / down_proj.weight``."""
-        out, f = {}, model_cfg.moe_ffn_hidden_size
-        for name, tensor in hf_state.items():
-            if name.endswith(".mlp.experts.gate_up_proj"):
-                stem = name.removesuffix("gate_up_proj")
-                for j, w in enumerate(tensor):            # [2f, h] = [gate; up]
-                    out[f"{stem}{j}.gate_proj.weight"] = w[:f].contiguous()
-                    out[f"{stem}{j}.up_proj.weight"] = w[f:].contiguous()
-            elif name.endswith(".mlp.experts.down_proj"):
-                stem = name.removesuffix("down_proj")
-                for j, w in enumerate(tensor):            # [h, f]
-                    out[f"{stem}{j}.down_proj.weight"] = w.contiguous()
-            else:
-                out[name] = tensor
-        return out
+        """Fused expert tensors -> the hub files' per-expert tensors."""
+        return experts_to_hub_names(hf_state, model_cfg.moe_ffn_hidden_size)
 
     def dropped_hf_tensors(self, hf_state, model_cfg) -> tuple[list[str], str]:
         """The multi-token-prediction modules' tensors (layer indices past the model's) and

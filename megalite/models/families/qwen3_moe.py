@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite.models.families.experts import experts_from_hf, experts_to_hub_names
 from megalite.models.families.llama import HF_LAYER_PREFIX
 from megalite.models.families.names import OUR_LAYER_PREFIX
 from megalite.models.families.qwen3 import Qwen3Spec
@@ -106,39 +107,13 @@ class Qwen3MoeSpec(Qwen3Spec):
             if hf + "gate.weight" not in hf_state:  # a dense layer, or another stage's
                 continue
             out[ours + "router.weight"] = hf_state[hf + "gate.weight"]
-            if hf + "experts.gate_up_proj" in hf_state:  # transformers v5 in-memory names
-                out[ours + "experts.fc1"] = hf_state[hf + "experts.gate_up_proj"].transpose(1, 2)
-                out[ours + "experts.fc2"] = hf_state[hf + "experts.down_proj"].transpose(1, 2)
-                continue
-
-            def w(j: int, name: str, hf=hf) -> torch.Tensor:  # hub files, [out, in]
-                return hf_state[f"{hf}experts.{j}.{name}.weight"]
-
-            experts = range(model_cfg.num_experts)
-            out[ours + "experts.fc1"] = torch.stack(
-                [torch.cat([w(j, "gate_proj").t(), w(j, "up_proj").t()], dim=1)
-                 for j in experts])
-            out[ours + "experts.fc2"] = torch.stack([w(j, "down_proj").t() for j in experts])
+            out.update(experts_from_hf(hf_state, hf, ours, model_cfg.num_experts))
         return {k: v.contiguous() for k, v in out.items()}
 
     def to_hub_names(self, hf_state: dict[str, torch.Tensor], model_cfg
                      ) -> dict[str, torch.Tensor]:
-        """Fused ``mlp.experts.gate_up_proj`` / ``down_proj`` -> the per-expert
-        ``mlp.experts.{j}.gate_proj / up_proj / down_proj.weight`` files hold."""
-        out, f = {}, model_cfg.moe_ffn_hidden_size
-        for name, tensor in hf_state.items():
-            if name.endswith(".mlp.experts.gate_up_proj"):
-                stem = name[:-len("gate_up_proj")]
-                for j, w in enumerate(tensor):            # [2f, h] = [gate; up]
-                    out[f"{stem}{j}.gate_proj.weight"] = w[:f].contiguous()
-                    out[f"{stem}{j}.up_proj.weight"] = w[f:].contiguous()
-            elif name.endswith(".mlp.experts.down_proj"):
-                stem = name[:-len("down_proj")]
-                for j, w in enumerate(tensor):            # [h, f]
-                    out[f"{stem}{j}.down_proj.weight"] = w.contiguous()
-            else:
-                out[name] = tensor
-        return out
+        """Fused expert tensors -> the per-expert tensors the hub files hold."""
+        return experts_to_hub_names(hf_state, model_cfg.moe_ffn_hidden_size)
 
     # -- configs -------------------------------------------------------------------------
     def hf_config(self, model_cfg, token_ids: tuple[int, int] | None = None):
