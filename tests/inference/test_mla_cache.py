@@ -84,3 +84,6 @@ def test_deepseek_v3_cache_values_per_token():
     latent, full = latent_cache_values_per_token(cfg)
     assert (latent, full) == (576, 40960)
     assert round(full / latent) == 71
+    # docs/deepseek.md's table: bf16 (2 bytes a value), 61 layers
+    assert (2 * latent, 2 * full, 2 * 61 * latent, 2 * 61 * full) == (1152, 81920, 70272,
+                                                                      4997120)
