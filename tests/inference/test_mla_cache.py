@@ -87,3 +87,28 @@ def test_deepseek_v3_cache_values_per_token():
     # docs/deepseek.md's table: bf16 (2 bytes a value), 61 layers
     assert (2 * latent, 2 * full, 2 * 61 * latent, 2 * 61 * full) == (1152, 81920, 70272,
                                                                       4997120)
+
+
+def test_tp2_latent_cache_generation_equals_tp1(tmp_path):
+    """A checkpoint saved at tp=1 generates at tp=2 what one process generates: each rank
+    caches the whole latent and RoPE key (one group of kv_lora_rank / dr values) and
+    absorbs its own heads' rows of linear_kv_up_proj."""
+    from megalite.checkpoint.consolidated import save_full_model
+    from megalite.config import MegaliteConfig
+    from tests.distributed.harness import run_distributed
+    from tests.inference.common import on_rank, run_layout
+    from tests.model.test_hf_parity import _random_weights
+
+    cfg = MegaliteConfig(model=mla_config(num_layers=2, vocab_size=50))
+    save_full_model(cfg, _random_weights(GPTModel(cfg.model, single_process_state(),
+                                                  seed=1)), str(tmp_path))
+    one = run_layout(str(tmp_path))
+    two = run_distributed(2, on_rank, str(tmp_path), 2)
+    assert one["cached_groups"] == 1
+    torch.testing.assert_close(one["logits"], one["full"], rtol=0, atol=1e-5)
+    assert any(len(set(g)) > 1 for g in one["greedy"])
+    for rank in two:
+        assert rank["cached_groups"] == 1
+        assert rank["greedy"] == one["greedy"] and rank["batch"] == one["greedy"]
+        torch.testing.assert_close(rank["logits"], one["logits"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(rank["full"], one["logits"], rtol=0, atol=1e-5)
