@@ -19,6 +19,10 @@ With ``n`` heads, ``dq = qk_head_dim``, ``dr = qk_pos_emb_head_dim``, ``dv = v_h
 * attention over query/key heads of ``dq + dr`` and value heads of ``dv`` with the softmax
   scale ``mscale(factor, mscale_all_dim)^2 / sqrt(dq + dr)``: the queries are multiplied
   by the ``mscale^2`` factor, so every kernel keeps its ``1/sqrt(d)``.
+* inference (a ``kv_cache``): the cache holds the normalised kv latent and the roped
+  shared key, ``kv_lora_rank + dr`` values per token and layer; decoding steps attend with
+  ``linear_kv_up_proj`` absorbed into the queries and the output
+  (:meth:`MLASelfAttention._absorbed`).
 * ``linear_proj`` ``[h, n dv]`` row-parallel. Only ``linear_proj`` has a bias (with
   ``--add-bias-linear``), as in Megatron-Core.
 
