@@ -29,7 +29,9 @@ class InferenceCacheError(ValueError):
 
 class LayerKVCache:
     """Keys and values of one layer: ``[max_len, b, groups, d]`` each, filled up to the
-    parent's ``seq_len`` (plus the step being written)."""
+    parent's ``seq_len`` (plus the step being written). Multi-latent attention stores its
+    normalised kv latent ``[max_len, b, 1, kv_lora_rank]`` as ``k`` and its roped shared
+    key ``[max_len, b, 1, qk_pos_emb_head_dim]`` as ``v`` (``append`` takes any widths)."""
 
     def __init__(self, parent: InferenceCache):
         self.parent = parent
@@ -57,6 +59,11 @@ class LayerKVCache:
         """:func:`cached_attention` of the new queries over the keys/values ``append``
         returned, masking the batch's left padding."""
         return cached_attention(q, k, v, self.parent.pad_lengths)
+
+    def blocked(self, s: int, S: int, b: int, device=None) -> torch.Tensor:
+        """The mask :meth:`attend` applies (:func:`blocked_keys`), for a layer that attends
+        over the cache itself (multi-latent attention's absorbed form)."""
+        return blocked_keys(s, S, b, self.parent.pad_lengths, device)
 
 
 class InferenceCache:
@@ -108,12 +115,20 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kb = kb.repeat_interleave(nh // ng, dim=1)
         vb = vb.repeat_interleave(nh // ng, dim=1)
     scores = torch.matmul(qb, kb.transpose(-1, -2)).float() / math.sqrt(d)  # [b, nh, s, S]
-    blocked = torch.ones(s, S, dtype=torch.bool, device=q.device).triu(S - s + 1)
-    if pad_lengths is not None:
-        key_pos = torch.arange(S, device=q.device)
-        pad_key = key_pos.view(1, S) < pad_lengths.to(q.device).view(b, 1)  # [b, S]
-        own = key_pos.view(1, S) == (key_pos[S - s:]).view(s, 1)  # [s, S]
-        blocked = (blocked.view(1, s, S) | (pad_key.view(b, 1, S) & ~own)).view(b, 1, s, S)
+    blocked = blocked_keys(s, S, b, pad_lengths, q.device)
     probs = scores.masked_fill(blocked, float("-inf")).softmax(dim=-1)
     ctx = torch.matmul(probs.to(vb.dtype), vb)  # [b, nh, s, d]
     return ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, nh * dv]
+
+
+def blocked_keys(s: int, S: int, b: int, pad_lengths: torch.Tensor | None,
+                 device=None) -> torch.Tensor:
+    """bool ``[s, S]`` (``[b, 1, s, S]`` with ``pad_lengths``): True where query ``i`` of the
+    last ``s`` positions may not see key ``j`` (:func:`cached_attention`'s rule)."""
+    blocked = torch.ones(s, S, dtype=torch.bool, device=device).triu(S - s + 1)
+    if pad_lengths is not None:
+        key_pos = torch.arange(S, device=device)
+        pad_key = key_pos.view(1, S) < pad_lengths.to(device).view(b, 1)  # [b, S]
+        own = key_pos.view(1, S) == (key_pos[S - s:]).view(s, 1)  # [s, S]
+        blocked = (blocked.view(1, s, S) | (pad_key.view(b, 1, S) & ~own)).view(b, 1, s, S)
+    return blocked

@@ -19,6 +19,10 @@ With ``n`` heads, ``dq = qk_head_dim``, ``dr = qk_pos_emb_head_dim``, ``dv = v_h
 * attention over query/key heads of ``dq + dr`` and value heads of ``dv`` with the softmax
   scale ``mscale(factor, mscale_all_dim)^2 / sqrt(dq + dr)``: the queries are multiplied
   by the ``mscale^2`` factor, so every kernel keeps its ``1/sqrt(d)``.
+* inference (a ``kv_cache``): the cache holds the normalised kv latent and the roped
+  shared key, ``kv_lora_rank + dr`` values per token and layer; decoding steps attend with
+  ``linear_kv_up_proj`` absorbed into the queries and the output
+  (:meth:`MLASelfAttention._absorbed`).
 * ``linear_proj`` ``[h, n dv]`` row-parallel. Only ``linear_proj`` has a bias (with
   ``--add-bias-linear``), as in Megatron-Core.
 
@@ -175,20 +179,64 @@ class MLASelfAttention(torch.nn.Module):
         q, k, v = self._up_proj_and_rope(q_latent, kv_latent, k_pe, cos, sin)
         return self.core_attention(q, k, v, document_ids)
 
+    def _cached(self, kv_cache, q_latent, kv_latent, k_pe, cos, sin) -> torch.Tensor:
+        """Context ``[s, b, n/tp * dv]`` of this step's queries over every cached token;
+        stores this step's latent and roped shared key in ``kv_cache``."""
+        if kv_cache.parent.seq_len == 0:   # the prompt: full keys and values, once
+            q, k, v = self._up_proj_and_rope(q_latent, kv_latent, k_pe, cos, sin)
+            kv_cache.append(kv_latent.unsqueeze(2), k[:, :, :1, self.dq:])
+            return kv_cache.attend(q, k, v)
+        up = self.linear_q_proj if self.q_lora_rank is None else self.linear_q_up_proj
+        q = up(q_latent)
+        s, b = q.shape[:2]
+        nh = self.local_heads
+        q = q.view(s, b, nh, self.dq + self.dr)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        q_nope, q_pe = q.split([self.dq, self.dr], dim=-1)
+        pe = rotate_interleaved(torch.cat([q_pe, k_pe], dim=2), cos, sin)
+        q_pe, k_pe = pe.split([nh, 1], dim=2)
+        latent, k_rope = kv_cache.append(kv_latent.unsqueeze(2), k_pe)
+        return self._absorbed(q_nope, q_pe, latent[:, :, 0], k_rope[:, :, 0], kv_cache)
+
+    def _absorbed(self, q_nope, q_pe, latent, k_pe, kv_cache) -> torch.Tensor:
+        """Attention with the up projections absorbed: queries ``q_nope`` ``[s, b, n/tp,
+        dq]`` (scaled and) ``q_pe`` ``[s, b, n/tp, dr]`` (roped) over the latent ``[S, b,
+        kv_lora_rank]`` and the roped shared key ``[S, b, dr]`` -> ``[s, b, n/tp * dv]``.
+        Head ``i``'s ``W_UK`` ``[dq, kv_lora_rank]`` / ``W_UV`` ``[dv, kv_lora_rank]`` are
+        its rows of this rank's ``linear_kv_up_proj``: ``scores = (q_nope W_UK) . latent +
+        q_pe . k_pe`` over ``sqrt(dq + dr)``, ``ctx = (probs @ latent) W_UV^T``; no
+        communication (the latent is replicated, the heads are this rank's); ``kv_cache``'s
+        mask (causal, left padding)."""
+        s, b, nh, _ = q_nope.shape
+        S = latent.shape[0]
+        w = self.linear_kv_up_proj.weight.view(nh, self.dq + self.dv, self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.dq, self.dv], dim=1)
+        q_lat = torch.einsum("sbnd,ndc->bnsc", q_nope, w_uk)             # [b, n, s, c]
+        scores = (torch.einsum("bnsc,Sbc->bnsS", q_lat, latent)
+                  + torch.einsum("sbnr,Sbr->bnsS", q_pe, k_pe)).float()
+        scores = scores / math.sqrt(self.dq + self.dr)
+        blocked = kv_cache.blocked(s, S, b, q_nope.device)             # causal, pads
+        probs = scores.masked_fill(blocked, float("-inf")).softmax(dim=-1).to(latent.dtype)
+        out_latent = torch.einsum("bnsS,Sbc->sbnc", probs, latent)      # [s, b, n, c]
+        ctx = torch.einsum("sbnc,nvc->sbnv", out_latent, w_uv)           # [s, b, n, dv]
+        return ctx.reshape(s, b, nh * self.dv)
+
     def forward(self, x: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 document_ids: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
-        """As :meth:`SelfAttention.forward`; the KV cache holds the full keys and values."""
+        """As :meth:`SelfAttention.forward`. With ``kv_cache`` (inference) the layer caches
+        the normalised kv latent ``[S, b, 1, kv_lora_rank]`` and the roped shared key
+        ``[S, b, 1, dr]`` (replicated over tp) instead of full keys and values: the
+        first forward into an empty cache (the prompt) attends with the up-projected keys
+        and values, later steps with the absorbed projections (:meth:`_absorbed`)."""
         if rotary is None:
             raise ValueError("multi-latent attention needs its rotary (cos, sin)")
         cos, sin = rotary
         latents = self._latents(x)
         training = self.training and torch.is_grad_enabled()
         if kv_cache is not None:
-            q, k, v = self._up_proj_and_rope(*latents, cos, sin)
-            k, v = kv_cache.append(k, v)
-            # the cache's kernel divides by sqrt(dq + dr) like the training kernels
-            return self.linear_proj(kv_cache.attend(q, k, v))
+            return self.linear_proj(self._cached(kv_cache, *latents, cos, sin))
         ckpt = dict(use_reentrant=False, context_fn=self.rng.recompute_context_fn)
         if training and self.recompute_up_proj and self.recompute_core:
             ctx = checkpoint(self._attend, *latents, cos, sin, document_ids, **ckpt)
@@ -208,3 +256,13 @@ def mla_softmax_scale(cfg) -> float:
     """The softmax scale multi-latent attention computes with (module docstring)."""
     return (softmax_scale_factor(cfg.rotary_scaling_factor, cfg.mscale_all_dim)
             / math.sqrt(cfg.mla_q_head_dim))
+
+
+def latent_cache_values_per_token(cfg) -> tuple[int, int]:
+    """(values the latent KV cache holds per token and layer, ``kv_lora_rank +
+    qk_pos_emb_head_dim``; values full keys and values would, ``heads * (qk_head_dim +
+    qk_pos_emb_head_dim + v_head_dim)``), over all tensor-parallel ranks."""
+    latent = cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim
+    full = cfg.num_attention_heads * (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+                                      + cfg.v_head_dim)
+    return latent, full

@@ -178,8 +178,8 @@ def test_flash_refuses_a_different_value_head_dim(monkeypatch):
 
 
 def test_kv_cache_decoding_matches_one_forward():
-    """Token-by-token decoding through the KV cache (full keys and values of width
-    qk_head_dim + qk_pos_emb_head_dim and v_head_dim) gives the logits of one forward."""
+    """Token-by-token decoding through the KV cache (the latent and the roped shared key;
+    ``tests/inference/test_mla_cache.py`` has more) gives the logits of one forward."""
     from tests.inference.common import sequence_logits
 
     model = GPTModel(mla_config(num_layers=2, vocab_size=50), single_process_state(), seed=5)
