@@ -263,3 +263,23 @@ def test_recompute_modules_run_their_parts_again(modules, recomputed, model_kw, 
         assert {n for n, c in calls.items() if c == 2} == (recomputed if mods else set())
     for name, g in grads[True].items():
         torch.testing.assert_close(grads[False][name], g, rtol=0, atol=1e-6)
+
+
+def test_fp8_runs_the_tp_split_projections_and_checks_their_tiling():
+    """With ``--fp8-format`` the up and output projections (tp-split) carry the recipe and
+    the replicated down projections do not; a latent rank the recipe cannot tile is named."""
+    cfg = mla_config(num_layers=1, vocab_size=50, hidden_size=64, q_lora_rank=32,
+                     kv_lora_rank=32, qk_head_dim=12, qk_pos_emb_head_dim=4, v_head_dim=8,
+                     fp8_format="hybrid", fp8_recipe="tensorwise")
+    cfg.check_fp8_tiling(tp=1, cp=1, micro_batch_size=2)
+    model = GPTModel(cfg, single_process_state(), seed=3)
+    attn = next(iter(model.decoder.layers.values())).self_attention
+    assert all(getattr(attn, n).fp8_scaling is not None for n in
+               ("linear_q_up_proj", "linear_kv_up_proj", "linear_proj"))
+    assert not hasattr(attn.linear_kv_down_proj, "fp8_scaling")
+    ids = torch.randint(0, 50, (2, SEQ))
+    model(ids, labels=ids).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    with pytest.raises(ConfigError, match="kv_lora_rank is 24"):
+        mla_config(kv_lora_rank=24, fp8_format="e4m3", fp8_recipe="tensorwise",
+                   hidden_size=64, q_lora_rank=32).check_fp8_tiling(1, 1, 2)
