@@ -9,6 +9,8 @@ import functools
 
 from megalite.config.fields import ConfigError, require
 
+MAX_LAYERS = 100_000   # a repeat count past this is refused before the list is built
+
 
 def _layer_list(text: str) -> list:
     """The value of Megatron's ``--moe-layer-freq`` list expression (``"[0]*3+[1]*58"``):
@@ -23,6 +25,9 @@ def _layer_list(text: str) -> list:
             return [value(e) for e in node.elts]
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
             left, right = value(node.left), value(node.right)
+            counts = [abs(x) for x in (left, right) if isinstance(x, int)]
+            if isinstance(node.op, ast.Mult) and counts and max(counts) > MAX_LAYERS:
+                raise ValueError(text)   # "[0]*10000000000": no model has that many layers
             try:
                 return left + right if isinstance(node.op, ast.Add) else left * right
             except TypeError:

@@ -177,7 +177,8 @@ def test_moe_layer_freq_list_expression_flows_to_shapes_and_flops():
     assert moe_layer_pattern(args.model) == [False, True, True, True]
     assert parse_args(["--num-experts", "4", "--moe-layer-freq", "2"]).model.moe_layer_freq == 2
     for bad, match in (("[1]*4", "lists 4 layers"), ("[0,2,1,1,1]", "only 0"),
-                       ("__import__('os')", "neither an integer"), ("0", "positive")):
+                       ("__import__('os')", "neither an integer"), ("0", "positive"),
+                       ("[0]*10000000000", "neither an integer")):  # refused before built
         with pytest.raises(ConfigError, match=match):
             _cfg(num_layers=5, moe_layer_freq=bad)
 
