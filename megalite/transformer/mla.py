@@ -156,21 +156,31 @@ class MLASelfAttention(torch.nn.Module):
             k_pe = mappings.copy_to_tensor_model_parallel_region(k_pe, self.tp_group)
         return q_latent, kv, k_pe.unsqueeze(2)
 
-    def _up_proj_and_rope(self, q_latent, kv_latent, k_pe, cos, sin):
-        """(query ``[s, b, n/tp, dq+dr]``, key ``[s, b, n/tp, dq+dr]``, value
-        ``[s, b, n/tp, dv]``)."""
+    def _query(self, q_latent):
+        """The queries' up projection, scaled by YaRN's softmax factor: (q_nope
+        ``[s, b, n/tp, dq]``, q_pe ``[s, b, n/tp, dr]``)."""
         up = self.linear_q_proj if self.q_lora_rank is None else self.linear_q_up_proj
         q = up(q_latent)
         s, b = q.shape[:2]
-        nh = self.local_heads
-        q = q.view(s, b, nh, self.dq + self.dr)
+        q = q.view(s, b, self.local_heads, self.dq + self.dr)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        q_nope, q_pe = q.split([self.dq, self.dr], dim=-1)
+        return q.split([self.dq, self.dr], dim=-1)
+
+    def _rope(self, q_pe, k_pe, cos, sin):
+        """RoPE on the queries' positional part and on the shared key ``[s, b, 1, dr]``, in
+        one call: (q_pe, k_pe)."""
+        pe = rotate_interleaved(torch.cat([q_pe, k_pe], dim=2), cos, sin)
+        return pe.split([self.local_heads, 1], dim=2)
+
+    def _up_proj_and_rope(self, q_latent, kv_latent, k_pe, cos, sin):
+        """(query ``[s, b, n/tp, dq+dr]``, key ``[s, b, n/tp, dq+dr]``, value
+        ``[s, b, n/tp, dv]``)."""
+        q_nope, q_pe = self._query(q_latent)
+        s, b, nh = q_nope.shape[:3]
         kv = self.linear_kv_up_proj(kv_latent).view(s, b, nh, self.dq + self.dv)
         k_nope, v = kv.split([self.dq, self.dv], dim=-1)
-        pe = rotate_interleaved(torch.cat([q_pe, k_pe], dim=2), cos, sin)
-        q_pe, k_pe = pe.split([nh, 1], dim=2)
+        q_pe, k_pe = self._rope(q_pe, k_pe, cos, sin)
         query = torch.cat([q_nope, q_pe], dim=-1)
         key = torch.cat([k_nope, k_pe.expand(s, b, nh, self.dr)], dim=-1)
         return query, key, v.contiguous()
@@ -186,16 +196,8 @@ class MLASelfAttention(torch.nn.Module):
             q, k, v = self._up_proj_and_rope(q_latent, kv_latent, k_pe, cos, sin)
             kv_cache.append(kv_latent.unsqueeze(2), k[:, :, :1, self.dq:])
             return kv_cache.attend(q, k, v)
-        up = self.linear_q_proj if self.q_lora_rank is None else self.linear_q_up_proj
-        q = up(q_latent)
-        s, b = q.shape[:2]
-        nh = self.local_heads
-        q = q.view(s, b, nh, self.dq + self.dr)
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
-        q_nope, q_pe = q.split([self.dq, self.dr], dim=-1)
-        pe = rotate_interleaved(torch.cat([q_pe, k_pe], dim=2), cos, sin)
-        q_pe, k_pe = pe.split([nh, 1], dim=2)
+        q_nope, q_pe = self._query(q_latent)
+        q_pe, k_pe = self._rope(q_pe, k_pe, cos, sin)
         latent, k_rope = kv_cache.append(kv_latent.unsqueeze(2), k_pe)
         return self._absorbed(q_nope, q_pe, latent[:, :, 0], k_rope[:, :, 0], kv_cache)
 

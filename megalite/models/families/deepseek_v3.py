@@ -42,7 +42,11 @@ import re
 
 import torch
 
-from megalite.models.families.experts import experts_from_hf, experts_to_hub_names
+from megalite.models.families.experts import (
+    experts_from_hf,
+    experts_to_hf,
+    experts_to_hub_names,
+)
 from megalite.models.families.llama import MAX_SEQ_LENGTH
 from megalite.models.families.names import (
     OUR_LAYER_PREFIX,
@@ -150,9 +154,7 @@ class DeepseekV3Spec(FamilySpec):
         out = super().to_hf(state, model_cfg)
         for i in range(model_cfg.num_layers):
             ours, hf = OUR_LAYER_PREFIX.format(i) + "mlp.", HF_LAYER_PREFIX.format(i) + "mlp."
-            if ours + "experts.fc1" in state:
-                out[hf + "experts.gate_up_proj"] = state[ours + "experts.fc1"].transpose(1, 2)
-                out[hf + "experts.down_proj"] = state[ours + "experts.fc2"].transpose(1, 2)
+            out.update(experts_to_hf(state, ours, hf))
         return {k: v.contiguous() for k, v in out.items()}
 
     def from_hf(self, hf_state: dict[str, torch.Tensor], model_cfg

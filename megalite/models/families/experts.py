@@ -12,6 +12,17 @@ from __future__ import annotations
 import torch
 
 
+def experts_to_hf(state: dict[str, torch.Tensor], ours_mlp: str, hf_mlp: str
+                  ) -> dict[str, torch.Tensor]:
+    """One layer's stacked experts as transformers' fused ``{hf_mlp}experts.gate_up_proj``
+    ``[E, 2f, h]`` / ``down_proj`` ``[E, h, f]``; empty where ``state`` holds no experts
+    under ``ours_mlp`` (a dense layer, or another stage's)."""
+    if ours_mlp + "experts.fc1" not in state:
+        return {}
+    return {hf_mlp + "experts.gate_up_proj": state[ours_mlp + "experts.fc1"].transpose(1, 2),
+            hf_mlp + "experts.down_proj": state[ours_mlp + "experts.fc2"].transpose(1, 2)}
+
+
 def experts_from_hf(hf_state: dict[str, torch.Tensor], hf_mlp: str, ours_mlp: str,
                     num_experts: int) -> dict[str, torch.Tensor]:
     """One layer's ``{ours_mlp}experts.fc1 / fc2`` from either spelling under the HF

@@ -34,7 +34,11 @@ from __future__ import annotations
 
 import torch
 
-from megalite.models.families.experts import experts_from_hf, experts_to_hub_names
+from megalite.models.families.experts import (
+    experts_from_hf,
+    experts_to_hf,
+    experts_to_hub_names,
+)
 from megalite.models.families.llama import HF_LAYER_PREFIX
 from megalite.models.families.names import OUR_LAYER_PREFIX
 from megalite.models.families.qwen3 import Qwen3Spec
@@ -95,8 +99,7 @@ class Qwen3MoeSpec(Qwen3Spec):
             if ours + "router.weight" not in state:  # a dense layer, or another stage's
                 continue
             out[hf + "gate.weight"] = state[ours + "router.weight"]
-            out[hf + "experts.gate_up_proj"] = state[ours + "experts.fc1"].transpose(1, 2)
-            out[hf + "experts.down_proj"] = state[ours + "experts.fc2"].transpose(1, 2)
+            out.update(experts_to_hf(state, ours, hf))
         return {k: v.contiguous() for k, v in out.items()}
 
     def from_hf(self, hf_state: dict[str, torch.Tensor], model_cfg
