@@ -13,6 +13,8 @@ from megalite.pipeline.layout import model_chunks
 from megalite.training.loop import train
 from tests.training.common import tiny_config
 
+LOSS_TOL = 1e-5     # a layout against one process: fp32 sums in another order
+PARAM_TOL = 2e-5
 BUCKET = 3000        # elements: ~10 buckets for the tiny GPT, parameters straddle shards
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"   # the last stage's copy of the tied embedding (pp > 1)
@@ -106,3 +108,15 @@ def train_run(cfg, setup=None, inspect=None, ps=None):
         if own:
             ps.destroy()
     return result, params, memory, extra
+
+
+def assert_run_matches(losses: dict, params: dict, ref_losses: dict, ref_params: dict,
+                       what: str) -> None:
+    """One rank's losses (iteration -> loss) and parameters (name -> full tensor) against
+    the single-process run's, within LOSS_TOL / PARAM_TOL."""
+    assert list(losses) == list(ref_losses), what
+    for it, want in ref_losses.items():
+        assert abs(losses[it] - want) < LOSS_TOL, (what, it, losses[it], want)
+    for name, tensor in params.items():
+        torch.testing.assert_close(tensor, ref_params[name], rtol=0, atol=PARAM_TOL,
+                                   msg=lambda m, n=name, w=what: f"{w} {n}: {m}")

@@ -31,15 +31,12 @@ gradient bytes are 4 per parameter, divided by dp under optim_grads.
 """
 
 import pytest
-import torch
 
 from megalite.optim.memory import expected_optimizer_bytes
 from megalite.parallel.state import ParallelState
 from tests.layouts import SHORT, layouts, run_by_world
-from tests.optim.common import config, train_run
+from tests.optim.common import assert_run_matches, config, train_run
 
-LOSS_TOL = 1e-5
-PARAM_TOL = 2e-5
 LAYOUTS = layouts("optim")
 SLOW = [layout for layout in LAYOUTS if "slow" in layout.tags]
 # the fields that only choose the optimizer and the overlap: rows differing only in these
@@ -106,12 +103,7 @@ def test_matches_single_process(layout, reference, trained):
     offload = layout.optim.get("optimizer_offload_fraction", 0.0)
     for losses, params, memory, dp, off in trained(layout):
         what = f"{layout.name} dp={dp}"
-        assert list(losses) == list(ref_losses), what
-        for it, want in ref_losses.items():
-            assert abs(losses[it] - want) < LOSS_TOL, (what, it, losses[it], want)
-        for name, tensor in params.items():
-            torch.testing.assert_close(tensor, ref_params[name], rtol=0, atol=PARAM_TOL,
-                                       msg=lambda m, n=name, w=what: f"{w} {n}: {m}")
+        assert_run_matches(losses, params, ref_losses, ref_params, what)
         names.update(params)
         shard = memory.num_params / (dp if distributed else 1)
         off, largest = off   # whole pieces are offloaded, first to last, up to the fraction

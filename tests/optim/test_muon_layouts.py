@@ -16,13 +16,10 @@ ranks, the elements owned times the group's size are all the Muon elements.
 """
 
 import pytest
-import torch
 
 from tests.layouts import MUON, MUON_MODEL, layouts, row, run_by_world
-from tests.optim.common import config, train_run
+from tests.optim.common import PARAM_TOL, assert_run_matches, config, train_run
 
-LOSS_TOL = 1e-5
-PARAM_TOL = 2e-5
 LAYOUTS = layouts("muon")
 
 
@@ -74,12 +71,7 @@ def test_muon_matches_single_process(layout, reference, trained):
     runs = trained(layout)
     for rank, (losses, params, _) in enumerate(runs):
         what = f"{layout.name} rank {rank}"
-        assert list(losses) == list(ref_losses), what
-        for it, want in ref_losses.items():
-            assert abs(losses[it] - want) < LOSS_TOL, (what, it, losses[it], want)
-        for name, tensor in params.items():
-            torch.testing.assert_close(tensor, ref_params[name], rtol=0, atol=PARAM_TOL,
-                                       msg=lambda m, n=name, w=what: f"{w} {n}: {m}")
+        assert_run_matches(losses, params, ref_losses, ref_params, what)
         names.update(params)
     assert names == set(ref_params), layout.name
     owned = [o for _, _, o in runs]
