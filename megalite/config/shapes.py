@@ -30,6 +30,17 @@ def is_moe_layer(m, layer: int) -> bool:
     return m.moe_layer_pattern[layer]
 
 
+def fp8_layer(m, layer: int) -> bool:
+    """Whether global layer ``layer`` runs its linears in fp8: ``--fp8-format`` is set and
+    ``--first-last-layers-bf16`` does not keep it in higher precision (the first
+    ``--num-layers-at-start-in-bf16`` and last ``--num-layers-at-end-in-bf16``)."""
+    if m.fp8_format is None:
+        return False
+    if not m.first_last_layers_bf16:
+        return True
+    return m.num_layers_at_start_in_bf16 <= layer < m.num_layers - m.num_layers_at_end_in_bf16
+
+
 def moe_layer_count(m) -> int:
     """MoE layers of the model."""
     return sum(is_moe_layer(m, layer) for layer in range(m.num_layers))
