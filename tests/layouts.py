@@ -457,7 +457,15 @@ _FP8 = [
       for sizes in ({"tp": 2, "sp": True}, {"pp": 2}, {})),
     *(row("fp8", 2, recipe, model={**FP8_MODEL[recipe], **_FP8_CP[0]}, train=_FP8_CP[1], cp=2)
       for recipe in ("tensorwise", "delayed", "mxfp8")),
+    # the routed experts' fp8 GEMMs (per-row scales): ep2, etp2 under tp2 + sp (a row's
+    # amax over the split contraction), dp2 x ep2 (an expert multiplies two data-parallel
+    # ranks' micro-batches at once), block recipes
     row("fp8", 2, "tensorwise", model={**FP8_MODEL["tensorwise"], **_FP8_MOE}, ep=2),
+    row("fp8", 2, "tensorwise-moe", model={**FP8_MODEL["tensorwise"], **_FP8_MOE}, tp=2,
+        sp=True),
+    row("fp8", 4, "delayed-moe", model={**FP8_MODEL["delayed"], **_FP8_MOE}, ep=2),
+    row("fp8", 2, "mxfp8-moe", model={**FP8_MODEL["mxfp8"], **_FP8_MOE}, tp=2, sp=True),
+    row("fp8", 2, "blockwise-moe", model={**FP8_MODEL["blockwise"], **_FP8_MOE}, ep=2),
     row("fp8", 2, "blockwise", model=FP8_MODEL["blockwise"]),
     row("fp8", 4, "delayed", model=FP8_MODEL["delayed"], tp=2, sp=True, pp=2),
 ]

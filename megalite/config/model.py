@@ -452,16 +452,25 @@ class ModelConfig:
                     f"got {getattr(self, name)}")
         require(self.fp8_margin >= 0, f"--fp8-margin must be >= 0, got {self.fp8_margin}")
 
-    def fp8_gemm_dims(self, tp: int, cp: int, micro_batch_size: int) -> dict[str, int]:
+    def fp8_gemm_dims(self, tp: int, cp: int, micro_batch_size: int,
+                      etp: int | None = None) -> dict[str, int]:
         """Every dimension one rank's fp8 GEMMs contract over (each linear's local input
-        and output features, and the tokens of one micro-batch: under context parallelism
-        each of a rank's two sequence chunks), named for error messages."""
+        and output features, the routed experts' per ``etp`` rank, and the tokens of one
+        micro-batch: under context parallelism each of a rank's two sequence chunks),
+        named for error messages."""
         d, nh, ng = self.kv_channels, self.num_attention_heads, self.num_query_groups
-        fc1 = (2 if self.swiglu else 1) * self.ffn_hidden_size
+        mult = 2 if self.swiglu else 1
         tokens = (self.seq_length // (2 * cp) if cp > 1 else self.seq_length) * micro_batch_size
-        dims = {"hidden_size": self.hidden_size,
-                "the MLP's fc1 output per tp rank": fc1 // tp,
-                "ffn_hidden_size / tp": self.ffn_hidden_size // tp}
+        dims = {"hidden_size": self.hidden_size}
+        if not all(self.moe_layer_pattern):   # a dense MLP somewhere
+            dims.update({"the MLP's fc1 output per tp rank": mult * self.ffn_hidden_size // tp,
+                         "ffn_hidden_size / tp": self.ffn_hidden_size // tp})
+        if self.num_experts:
+            etp = tp if etp is None else etp
+            dims.update({
+                "the experts' fc1 output per etp rank": mult * self.moe_ffn_hidden_size // etp,
+                "moe_ffn_hidden_size / expert_tensor_parallel_size":
+                    self.moe_ffn_hidden_size // etp})
         if self.multi_latent_attention:   # the tp-split up and output projections
             qk = self.mla_q_head_dim
             dims.update({
@@ -486,7 +495,8 @@ class ModelConfig:
         dims[key] = tokens
         return dims
 
-    def check_fp8_tiling(self, tp: int, cp: int, micro_batch_size: int) -> None:
+    def check_fp8_tiling(self, tp: int, cp: int, micro_batch_size: int,
+                         etp: int | None = None) -> None:
         """fp8 GEMMs tile each contraction dimension: multiples of 16 for per-tensor scales
         (the kernels' rule), of the block (32 mxfp8, 128 blockwise) for block scales, so
         that no tp or cp split cuts a block. One ConfigError naming the first dimension that
@@ -494,7 +504,7 @@ class ModelConfig:
         if self.fp8_format is None:
             return
         multiple = FP8_TILE[self.fp8_recipe]
-        for what, n in self.fp8_gemm_dims(tp, cp, micro_batch_size).items():
+        for what, n in self.fp8_gemm_dims(tp, cp, micro_batch_size, etp).items():
             require(n % multiple == 0,
                     f"--fp8-recipe {self.fp8_recipe} needs every fp8 GEMM dimension to be a "
                     f"multiple of {multiple}: {what} is {n} (tp {tp}, cp {cp}, "

@@ -39,6 +39,10 @@ Tolerances (absolute, on losses about 4 and parameters about 0.02-1):
   in 2 of 12288 elements). A tp weight amax left unreduced moved the first iteration's
   grad norm by 1.7e-3 relative; amaxes of delayed scaling left unreduced over dp show in
   the histories (tests/fp8/test_checkpoint.py compares them with one process at 1e-5).
+  With routed experts (fp8 GEMMs there too) later iterations at loss 2e-3 and grad norm
+  1e-2 relative: once the parameters differ by those steps, a token near a routing tie
+  takes another expert (observed: loss 7.5e-4 at iteration 3, mxfp8 at tp2 + sp); the
+  first iteration, where the scales must match, keeps the fp32 tolerances.
 """
 
 from __future__ import annotations
@@ -75,12 +79,15 @@ BF16 = Tolerance(loss_abs=1e-2, loss_rel=0.0, norm_rel=5e-2, param_abs=1e-2,
                  param_rel=2 ** -6)
 FP8 = Tolerance(loss_abs=2e-4, loss_rel=0.0, norm_rel=3e-3, param_abs=8e-3,
                 first_loss_abs=FP32.loss_abs, first_norm_rel=FP32.norm_rel)
+FP8_MOE = dataclasses.replace(FP8, loss_abs=2e-3, norm_rel=1e-2)
 
 
 def tolerance(layout: Layout) -> Tolerance:
     if layout.model.get("bf16"):
         return BF16
-    return FP8 if layout.model.get("fp8_format") else FP32
+    if layout.model.get("fp8_format"):
+        return FP8_MOE if layout.model.get("num_experts") else FP8
+    return FP32
 
 
 def config(layout: Layout, metrics_jsonl: str | None = None):
