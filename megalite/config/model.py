@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.config.fields import ConfigError, arg, check_choices, positive, require
+from megalite.config.fp8 import FP8_FORMATS, FP8_RECIPES, check_fp8_tiling
 from megalite.config.moe_layers import moe_layer_pattern_of, normalized_freq
 
 
@@ -26,11 +27,6 @@ def _kernel_names(field: str) -> tuple[str, ...]:
     return (*CP_KERNELS, "a2a+p2p")
 
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe")
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
-# the multiple each fp8 GEMM dimension must be: 16 for per-tensor scales (the kernels'
-# rule), the block length for block scales (megalite.layers.fp8.recipes)
-FP8_TILE = {"delayed": 16, "tensorwise": 16, "mxfp8": 32, "blockwise": 128}
 
 
 @dataclass
@@ -452,65 +448,11 @@ class ModelConfig:
                     f"got {getattr(self, name)}")
         require(self.fp8_margin >= 0, f"--fp8-margin must be >= 0, got {self.fp8_margin}")
 
-    def fp8_gemm_dims(self, tp: int, cp: int, micro_batch_size: int,
-                      etp: int | None = None) -> dict[str, int]:
-        """Every dimension one rank's fp8 GEMMs contract over (each linear's local input
-        and output features, the routed experts' per ``etp`` rank, and the tokens of one
-        micro-batch: under context parallelism each of a rank's two sequence chunks),
-        named for error messages."""
-        d, nh, ng = self.kv_channels, self.num_attention_heads, self.num_query_groups
-        mult = 2 if self.swiglu else 1
-        tokens = (self.seq_length // (2 * cp) if cp > 1 else self.seq_length) * micro_batch_size
-        dims = {"hidden_size": self.hidden_size}
-        if not all(self.moe_layer_pattern):   # a dense MLP somewhere
-            dims.update({"the MLP's fc1 output per tp rank": mult * self.ffn_hidden_size // tp,
-                         "ffn_hidden_size / tp": self.ffn_hidden_size // tp})
-        if self.num_experts:
-            etp = tp if etp is None else etp
-            dims.update({
-                "the experts' fc1 output per etp rank": mult * self.moe_ffn_hidden_size // etp,
-                "moe_ffn_hidden_size / expert_tensor_parallel_size":
-                    self.moe_ffn_hidden_size // etp})
-        if self.multi_latent_attention:   # the tp-split up and output projections
-            qk = self.mla_q_head_dim
-            dims.update({
-                "kv_lora_rank": self.kv_lora_rank,
-                "the kv up projection's output per tp rank":
-                    nh * (self.qk_head_dim + self.v_head_dim) // tp,
-                "the query projection's output per tp rank": nh * qk // tp,
-                "the attention output per tp rank (heads x v_head_dim / tp)":
-                    nh * self.v_head_dim // tp})
-            if self.q_lora_rank is not None:
-                dims["q_lora_rank"] = self.q_lora_rank
-        else:
-            dims.update({
-                "the QKV projection's output per tp rank": (nh + 2 * ng) * d // tp,
-                "the attention output per tp rank (heads x kv_channels / tp)": nh * d // tp})
-        shared = self.moe_shared_expert_intermediate_size
-        if shared:
-            dims["moe_shared_expert_intermediate_size / tp"] = shared // tp
-        key = ("tokens per micro-batch and sequence chunk (seq_length / (2 x cp) x "
-               "micro_batch_size)" if cp > 1 else "tokens per micro-batch (seq_length x "
-               "micro_batch_size)")
-        dims[key] = tokens
-        return dims
-
     def check_fp8_tiling(self, tp: int, cp: int, micro_batch_size: int,
                          etp: int | None = None) -> None:
-        """fp8 GEMMs tile each contraction dimension: multiples of 16 for per-tensor scales
-        (the kernels' rule), of the block (32 mxfp8, 128 blockwise) for block scales, so
-        that no tp or cp split cuts a block. One ConfigError naming the first dimension that
-        does not tile."""
-        if self.fp8_format is None:
-            return
-        multiple = FP8_TILE[self.fp8_recipe]
-        for what, n in self.fp8_gemm_dims(tp, cp, micro_batch_size, etp).items():
-            require(n % multiple == 0,
-                    f"--fp8-recipe {self.fp8_recipe} needs every fp8 GEMM dimension to be a "
-                    f"multiple of {multiple}: {what} is {n} (tp {tp}, cp {cp}, "
-                    f"micro_batch_size {micro_batch_size}); change the sizes"
-                    + ("" if self.fp8_recipe in ("tensorwise", "delayed") else
-                       " or use --fp8-recipe tensorwise (multiples of 16)"))
+        """One ConfigError naming the first fp8 GEMM dimension the recipe cannot tile
+        (:func:`megalite.config.fp8.check_fp8_tiling`)."""
+        check_fp8_tiling(self, tp, cp, micro_batch_size, etp)
 
     def _check_cpu_offloading(self) -> None:
         """Megatron's rule (0 <= layers < num_layers) and what megalite offloads."""

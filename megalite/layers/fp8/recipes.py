@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from megalite.config.model import FP8_TILE
+from megalite.config.fp8 import FP8_TILE
 from megalite.config.shapes import fp8_layer
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
