@@ -486,6 +486,10 @@ _QK_CLIP = [
     row("qk-clip", 4, "muon", model=QK_CLIP_MODEL, optim=MUON, cp=2, distopt=True),
     row("qk-clip", 2, "mla", model=QK_CLIP_MLA, tp=2, sp=True),
     row("qk-clip", 2, "mla", model=QK_CLIP_MLA, cp=2),
+    # the forward replayed by full recomputation observes again (the same maxima, and under
+    # cp the same all-gather); bf16 with fp32 masters: the clip scales the masters
+    row("qk-clip", 2, "full", model={**QK_CLIP_MODEL, **RECOMPUTE["full-uniform"]}, cp=2),
+    row("qk-clip", 2, "bf16", model={**QK_CLIP_MODEL, "bf16": True}, distopt=True),
 ]
 
 SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "muon", "pipeline",

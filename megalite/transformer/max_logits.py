@@ -78,6 +78,9 @@ class MaxLogitTracker:
     def reset(self) -> None:
         self.value = None
 
+    # a python-side running value and a collective: stays eager under --compile (the
+    # layer around it compiles; dynamo breaks its graph here)
+    @torch.compiler.disable
     @torch.no_grad()
     def observe(self, q: torch.Tensor, k: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> None:
