@@ -29,6 +29,10 @@ last iteration just did) and the test set (where ``--split`` gives one), printed
 ``validation loss at the end of training | ...`` and ``test loss at the end of training``.
 With ``--moe-router-enable-expert-bias`` every step ends with the bias update over the
 global batch's expert loads (:mod:`megalite.moe.expert_bias`), after the optimizer.
+With ``--qk-clip`` / ``--log-max-attention-logit`` the attention layers' per-head maximum
+logits of the step are reduced before the optimizer (:mod:`megalite.optim.qk_clip`), the
+step scales the clipped heads' query/key rows of its masters, and the largest logit is
+logged.
 """
 
 from __future__ import annotations
@@ -167,6 +171,7 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
     snapshot = validator.snapshot(c) if validating else None
     loss_sum, lm_loss, router = _forward_backward(c, batches, tokens, divisors, iteration,
                                                   validator)
+    clip: dict = {}   # --qk-clip: the step's row factors (set below, before the step)
 
     def rerun_and_judge(reason: str, first: torch.Tensor, step_again: bool = False):
         """The same step again from the same state (the parameters are unchanged), judged
@@ -181,7 +186,8 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
         if step_again:
             c.grads.finish_grad_sync()
             with c.timers("optimizer", log_level=1):
-                outcome = c.optimizer.step()
+                outcome = (c.optimizer.step(row_scales=clip) if clip
+                           else c.optimizer.step())
             reproduced = outcome.found_inf
         faulty = validator.judge(reason, iteration, first, result[0], ps, samples,
                                  reproduced=reproduced)
@@ -200,7 +206,7 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
     c.grads.finish_grad_sync()
     finish_fp8_step(model_chunks(c.model), ps)   # delayed scaling: this step's amaxes
     lcfg, mcfg = c.cfg.logging, c.cfg.model
-    top_logit, clip = None, {}
+    top_logit = None
     if mcfg.qk_clip or mcfg.log_max_attention_logit:   # collectives (dp_cp, world)
         maxima = step_max_logits(c.model, ps)
         top_logit = max_attention_logit(maxima, ps)

@@ -1,13 +1,14 @@
 """QK-clip (``--qk-clip``) gives the one-process run at every layout: the ``qk-clip`` rows of
 tests/layouts.py (tp 2 + sp, cp 2 ring and all-to-all, pp 2, dp 2 with the distributed
 optimizer under AdamW and Muon, ZeRO-3 at tp 2 x dp 2, Muon at cp 2 x dp 2, multi-latent
-attention at tp 2 + sp and cp 2) train 3 iterations with a threshold the tiny models pass
-from the first step; every rank's losses, the logged grad norm and ``max_attention_logit``
+attention at tp 2 + sp and cp 2, full recomputation at cp 2, bf16 with fp32 masters under
+the distributed optimizer) train 3 iterations with a threshold the tiny models pass from
+the first step; every rank's losses, the logged grad norm and ``max_attention_logit``
 and the final full parameters must match the single-process run at the fuzzer's fp32
-tolerances (``tests/fuzz/check.py``). A maximum not taken over dp, cp or the micro-batches,
-a clip of the wrong heads or of the model copy only (not the distributed optimizer's
-master pieces) moves these past them: ``test_the_rows_clip`` shows the clip moves the
-parameters by far more than the tolerance."""
+tolerances (``tests/fuzz/check.py``; bf16 at its bf16 ones). A maximum not taken over dp,
+cp or the micro-batches, a clip of the wrong heads or of the model copy only (not the
+distributed optimizer's master pieces) moves these past them: ``test_the_rows_clip``
+shows the clip moves the parameters by far more than the tolerance."""
 
 import dataclasses
 
