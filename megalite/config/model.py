@@ -103,6 +103,18 @@ class ModelConfig:
     original_max_position_embeddings: int | None = arg(
         None, "The context length the YaRN correction range is computed for (default 4096, "
         "Megatron-Core's MLA default).", aliases=("--yarn-original-max-position-embeddings",))
+    # QK-clip (Kimi-K2's MuonClip, Megatron-Core's qk_clip); megalite.transformer.max_logits
+    qk_clip: bool = arg(False, "QK-clip: track each head's largest attention logit over the "
+                        "global batch and, after every optimizer step, scale the query and "
+                        "key weights of a head whose logit passed --qk-clip-threshold by "
+                        "(threshold / logit) ** alpha and ** (1 - alpha).")
+    qk_clip_threshold: float = arg(100.0, "QK-clip's threshold tau on the largest "
+                                   "(softmax-scaled) attention logit of a head.")
+    qk_clip_alpha: float = arg(0.5, "QK-clip's balance: the queries take (tau / logit) ** "
+                               "alpha, the keys ** (1 - alpha).")
+    log_max_attention_logit: bool = arg(False, "Log the largest attention logit of the "
+                                        "model (all layers and heads, global batch) every "
+                                        "iteration; on with --qk-clip too.")
     masked_softmax_fusion: bool = arg(
         True, "the fused masked-softmax kernel.", flag="--no-masked-softmax-fusion",
         action="store_false",
@@ -291,6 +303,7 @@ class ModelConfig:
                  f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                  f"num_query_groups ({self.num_query_groups})")
         self._check_attention_variant()
+        self._check_qk_clip()
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.learned_positions:
@@ -412,6 +425,24 @@ class ModelConfig:
                 "attention, whose RoPE part is --qk-pos-emb-head-dim; leave it at 1.0")
         for name in ("mscale", "mscale_all_dim"):
             require(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+
+    def _check_qk_clip(self) -> None:
+        """QK-clip's constants (Megatron's bounds), and the query/key layouts it knows."""
+        if not self.qk_clip:
+            for name, default in (("qk_clip_threshold", 100.0), ("qk_clip_alpha", 0.5)):
+                require(getattr(self, name) == default,
+                        f"--{name.replace('_', '-')} ({getattr(self, name)}) needs --qk-clip")
+            return
+        require(0.0 < self.qk_clip_alpha < 1.0,
+                f"--qk-clip-alpha must be between 0 and 1 (exclusive), got "
+                f"{self.qk_clip_alpha}")
+        require(self.qk_clip_threshold > 0,
+                f"--qk-clip-threshold must be > 0, got {self.qk_clip_threshold}")
+        require(self.multi_latent_attention or not self.qk_layernorm,
+                "--qk-clip scales the query/key projection weights, which --qk-layernorm "
+                "normalizes away after them (the logits would not move); drop one of the two "
+                "(with --multi-latent-attention the norms sit on the latents and QK-clip "
+                "works)")
 
     @property
     def mla_q_head_dim(self) -> int:
