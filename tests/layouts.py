@@ -338,6 +338,13 @@ _PIPELINE += [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **siz
                   (4, {"pp": 2, **ZERO3}))]
 _PIPELINE += [row("pipeline", 2, "recompute", model={**_PIPE_MODEL, **RECOMPUTE["full-uniform"]},
                   train=_PIPE_TRAIN, pp=2, **_ZB)]
+# ZB-V: two chunks per rank in a V (the embedding and the tied output layer on rank 0)
+_ZBV = {"schedule": "zbv"}
+_PIPELINE += [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **sizes, **_ZBV)
+              for world, sizes in (
+                  (2, {"pp": 2}), (4, {"pp": 4}), (4, {"pp": 2, "tp": 2, "sp": True}),
+                  (4, {"pp": 2, "distopt": True, "overlap_grad": True}),
+                  (4, {"pp": 2, **ZERO3}))]
 
 # -- training: tp 2 (+ sp) x dp 2 against one process -------------------------------------
 _TRAINING = [row("training", 4, tp=2, sp=True)]
@@ -370,7 +377,12 @@ _RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
             # multi-latent attention: saved at tp 2 + sp (up projections split, down
             # projections whole), resumed in one process
             row("reshard", 2, "mla", model=MLA, tags=("save",), tp=2, sp=True),
-            row("reshard", 1, "mla", model=MLA)]
+            row("reshard", 1, "mla", model=MLA),
+            # ZB-V's V placement (rank 0 holds layers 0 and 3) saved, resumed in one
+            # process and at pp 2 under 1F1B (rank 0 holds layers 0 and 1)
+            row("reshard", 2, model={"num_layers": 4}, pp=2, schedule="zbv", tags=("save",)),
+            row("reshard", 1, "from-zbv", model={"num_layers": 4}),
+            row("reshard", 2, "from-zbv", model={"num_layers": 4}, pp=2)]
 
 # -- cp: context parallelism, each comm type, trained against one process -----------------
 # a Llama-style GQA model (4 heads, 2 query groups: a2a at cp 2 splits both) at seq 32
