@@ -345,6 +345,9 @@ _PIPELINE += [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **siz
                   (2, {"pp": 2}), (4, {"pp": 4}), (4, {"pp": 2, "tp": 2, "sp": True}),
                   (4, {"pp": 2, "distopt": True, "overlap_grad": True}),
                   (4, {"pp": 2, **ZERO3}))]
+# full recomputation of a whole chunk: the W steps keep the parameters' accumulation nodes
+_PIPELINE += [row("pipeline", 2, "recompute", model={**_PIPE_MODEL, **RECOMPUTE["full-uniform"]},
+                  train=_PIPE_TRAIN, pp=2, **_ZBV)]
 
 # -- training: tp 2 (+ sp) x dp 2 against one process -------------------------------------
 _TRAINING = [row("training", 4, tp=2, sp=True)]
