@@ -14,11 +14,11 @@ preset (``--preset h100|h200|a100`` x ``--nodes``) or given in full (``--gpus-pe
 ``--gpu-memory-gib``, ``--peak-tflops``, ``--intra-node-gbps``, ``--inter-node-gbps``, GB/s
 per GPU one way). ``--tp/--pp/--vpp/--cp/--ep N ...``, ``--strategies``, ``--recompute``,
 ``--micro-batch-sizes``, ``--offload-fractions`` and ``--pipeline-schedules`` (1f1b, zb_h1:
-the schedules tried with one model chunk per pipeline rank) narrow the search (e.g. to one published
-layout: ``examples/planner/``). Prints the best ``--top`` feasible layouts with memory per
-rank by term, compute, communication time and bytes per parallelism, bubble and MFU; then the best
-layout's flags ready to paste; ``--show-infeasible N`` lists rejected layouts and the limit
-each breaks.
+tried with one model chunk per pipeline rank; zbv: with two, in a V) narrow the search (e.g.
+to one published layout: ``examples/planner/``). Prints the best ``--top`` feasible layouts
+with memory per rank by term, compute, communication time and bytes per parallelism, bubble
+and MFU; then the best layout's flags ready to paste; ``--show-infeasible N`` lists rejected
+layouts and the limit each breaks.
 """
 
 from __future__ import annotations
@@ -281,8 +281,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--recompute", nargs="*", default=list(RECOMPUTE))
     parser.add_argument("--pipeline-schedules", nargs="*", default=list(SCHEDULES),
                         choices=SCHEDULES,
-                        help="--pipeline-schedule values to try with one model chunk per "
-                             "pipeline rank (more chunks run interleaved_1f1b)")
+                        help="--pipeline-schedule values to try: 1f1b / zb_h1 with one "
+                             "model chunk per pipeline rank, zbv with two (more chunks run "
+                             "interleaved_1f1b)")
     parser.add_argument("--offload-fractions", type=float, nargs="*", default=[0.0, 1.0],
                         help="--optimizer-offload-fraction values to try (0: no offload)")
     for dim in ("tp", "pp", "vpp", "cp", "ep"):
