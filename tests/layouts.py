@@ -209,6 +209,9 @@ _MOE_TRAINING = [
         schedule="zb_h1"),
     row("moe-training", 4, model={"num_experts": 4}, ep=2, distopt=True, overlap_grad=True,
         schedule="zb_h1"),
+    # ZB-V: the experts of both chunks of a V on each pipeline rank, ep 2 x dp 2
+    row("moe-training", 4, model={"num_experts": 4, "num_layers": 4}, pp=2, ep=2,
+        schedule="zbv"),
 ]
 
 # Qwen3-MoE's shape: QK norm, softmax over all experts then top-k not renormalized
@@ -345,6 +348,11 @@ _PIPELINE += [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **siz
                   (2, {"pp": 2}), (4, {"pp": 4}), (4, {"pp": 2, "tp": 2, "sp": True}),
                   (4, {"pp": 2, "distopt": True, "overlap_grad": True}),
                   (4, {"pp": 2, **ZERO3}))]
+# DualPipeV: the same V, DeepSeek's phases (8 micro-batches: m >= 2p at pp 4)
+_PIPELINE += [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **sizes,
+                  schedule="dualpipev")
+              for world, sizes in ((2, {"pp": 2}), (4, {"pp": 4}),
+                                   (4, {"pp": 2, "tp": 2, "sp": True}))]
 # full recomputation of a whole chunk: the W steps keep the parameters' accumulation nodes
 _PIPELINE += [row("pipeline", 2, "recompute", model={**_PIPE_MODEL, **RECOMPUTE["full-uniform"]},
                   train=_PIPE_TRAIN, pp=2, **_ZBV)]
@@ -359,7 +367,9 @@ _GRAD_STATS = [row("grad-stats", 2, distopt=True),
                row("grad-stats", 2, tp=2, sp=True),
                row("grad-stats", 2, pp=2),
                row("grad-stats", 2, model={"num_experts": 4, "moe_router_topk": 2}, ep=2),
-               row("grad-stats", 4, tp=2, pp=2, distopt=True)]
+               row("grad-stats", 4, tp=2, pp=2, distopt=True),
+               # ZB-V: the word embedding and its tied copy both on pipeline rank 0
+               row("grad-stats", 2, model={"num_layers": 4}, pp=2, schedule="zbv")]
 
 # -- resume: save and resume at the same layout, with dropout (bitwise the same losses) ---
 _RESUME = [row("resume", 4, tp=2),                                  # test_resume_and_layouts
@@ -412,6 +422,7 @@ _CP = [
     _cp_row(4, "p2p", tp=2, sp=True, cp=2),
     _cp_row(4, "allgather", pp=2, cp=2),
     _cp_row(4, "a2a", model={"num_layers": 4}, pp=2, vpp=2, cp=2),
+    _cp_row(4, "p2p", model={"num_layers": 4}, pp=2, cp=2, schedule="zbv"),
     _cp_row(4, "p2p", cp=2, distopt=True),
     # gradients and optimizer state sharded over dp x cp (4 ranks), half of it offloaded
     dataclasses.replace(_cp_row(4, "p2p", variant="offload0.5", cp=2, strategy="optim_grads",

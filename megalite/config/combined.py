@@ -132,8 +132,17 @@ class MegaliteConfig:
             t.global_batch_size = t.micro_batch_size * dp
         interleaved = check_pipeline_schedule(
             p.pipeline_schedule, p.virtual_pipeline_model_parallel_size) == "interleaved_1f1b"
-        BatchSchedule.from_config(t, self.model.seq_length).check_divisible(
+        batches = BatchSchedule.from_config(t, self.model.seq_length)
+        batches.check_divisible(
             t.micro_batch_size, dp, p.pipeline_model_parallel_size if interleaved else None)
+        if p.pipeline_schedule == "dualpipev":
+            fewest = min(batch for _, batch in batches.entries) // (t.micro_batch_size * dp)
+            require(fewest >= 2 * p.pipeline_model_parallel_size,
+                    f"--pipeline-schedule dualpipev needs at least 2 x "
+                    f"pipeline_model_parallel_size ({2 * p.pipeline_model_parallel_size}) "
+                    f"micro-batches per step, and a step here has {fewest} (global batch / "
+                    "(micro batch x data parallel size)); raise --global-batch-size or lower "
+                    "--micro-batch-size, or use zbv")
 
     def _validate_pipeline(self) -> None:
         m, p = self.model, self.parallel

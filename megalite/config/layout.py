@@ -186,7 +186,7 @@ class ResolvedLayout:
         """``tp 2 cp 1 pp 2 (vpp 2) dp 4 ep 2 etp 2 edp 2 | 8 micro-batches of 2``; a
         zero-bubble schedule is named after the pipeline size (``pp 4 (zb_h1)``)."""
         vpp = f" (vpp {self.vpp})" if self.interleaved else ""
-        if self.pipeline_schedule in ("zb_h1", "zbv"):
+        if self.pipeline_schedule in ("zb_h1", "zbv", "dualpipev"):
             vpp = f" ({self.pipeline_schedule})"
         return (f"tp {self.tp} cp {self.cp} pp {self.pp}{vpp} dp {self.dp} ep {self.ep} "
                 f"etp {self.etp} edp {self.edp} | {self.num_microbatches} micro-batches of "

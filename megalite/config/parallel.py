@@ -12,10 +12,10 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # --pipeline-schedule, with torchtitan's names (Megatron-LM has no such flag: it runs 1F1B,
 # interleaved when there are virtual stages); the step lists are megalite.pipeline's
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
-MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zbv")   # need virtual stages (vpp > 1)
+MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")   # need vpp > 1
 # two chunks per rank in a V (the first and the last layers on pipeline rank 0)
 V_SCHEDULES = ("zbv", "dualpipev")
-NOT_IMPLEMENTED_SCHEDULES = ("dualpipev",)
+NOT_IMPLEMENTED_SCHEDULES: tuple[str, ...] = ()
 
 
 def is_v_schedule(schedule: str | None) -> bool:
@@ -34,9 +34,7 @@ def check_pipeline_schedule(schedule: str | None, vpp: int | None) -> str:
     schedule = schedule or default_pipeline_schedule(vpp)
     multi = (vpp or 1) > 1
     require(schedule not in NOT_IMPLEMENTED_SCHEDULES,
-            f"--pipeline-schedule {schedule} (DeepSeek-V3's bidirectional overlap on the V "
-            "placement) is not implemented; use zbv, its V placement with the zero-bubble "
-            "steps")
+            f"--pipeline-schedule {schedule} is not implemented")
     if schedule in V_SCHEDULES:
         require(vpp in (None, 2),
                 f"--pipeline-schedule {schedule} places exactly two model chunks per "
@@ -91,7 +89,9 @@ class ParallelConfig:
         "bubble; 1F1B's activation memory, about a third of its bubble), zbv (ZB-V: two "
         "chunks per rank in a V, the first and last layers on rank 0, the same split "
         "backward; 1F1B's activation memory, a sixth of its bubble; virtual size 2, derived "
-        "when not given), dualpipev (refused: not implemented). Unset: "
+        "when not given), dualpipev (DeepSeek-V3's DualPipeV on the same V: each forward "
+        "paired with the other chunk's backward; needs 2 x pipeline size micro-batches). "
+        "Unset: "
         "interleaved_1f1b with virtual pipeline stages, else 1f1b.",
         choices=PIPELINE_SCHEDULES)
     decoder_first_pipeline_num_layers: int | None = arg(None, "Layers on the first stage.")

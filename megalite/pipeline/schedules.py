@@ -12,6 +12,9 @@ deferred. A schedule function returns the ordered steps of one pipeline rank:
   chunk v-1, ..., 0 backward. Needs ``m % p == 0``.
 * :func:`~megalite.pipeline.zero_bubble.zb_h1` -- ZB-H1: 1F1B with each backward split
   into B and W, the W steps delayed into the bubble.
+* :func:`~megalite.pipeline.v_shape.zbv` and :func:`~megalite.pipeline.v_shape.dualpipev`
+  -- ZB-V and DualPipeV: two chunks per rank placed in a V (rank 0 holds the first and
+  the last layers), the split backward.
 * :func:`forward_only` -- every forward, for evaluation.
 
 :data:`PIPELINE_SCHEDULES` (``--pipeline-schedule``) names them, after torchtitan.
@@ -44,7 +47,7 @@ from megalite.config.parallel import PIPELINE_SCHEDULES, check_pipeline_schedule
 from megalite.parallel import weight_grad
 from megalite.pipeline.p2p import Incoming, PipeComm
 from megalite.pipeline.plan import Step, plan_rounds
-from megalite.pipeline.v_shape import v_forward_only, zbv
+from megalite.pipeline.v_shape import dualpipev, v_forward_only, zbv
 from megalite.pipeline.zero_bubble import zb_h1
 
 
@@ -116,6 +119,8 @@ def build_schedule(pp_size: int, pp_rank: int, num_microbatches: int, vpp: int =
     schedule = check_pipeline_schedule(schedule, vpp)
     if schedule == "zbv":
         return zbv(pp_size, pp_rank, num_microbatches)
+    if schedule == "dualpipev":
+        return dualpipev(pp_size, pp_rank, num_microbatches)
     if schedule == "interleaved_1f1b":
         return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, vpp)
     if schedule == "zb_h1":

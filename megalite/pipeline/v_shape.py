@@ -13,9 +13,19 @@ and comes back up in chunk 1; rank 0 computes the loss, and its gradient retrace
   rank runs the B that is ready (the older micro-batch first), else a ready F while it
   holds fewer than ``2p`` chunk-activations (``p`` stages' worth: 1F1B's peak, rank 0's),
   else a W it deferred. Micro-batches enter each chunk in order. With equal times the
-  step time is ``m`` slots of ``F + B + W`` per chunk plus the ramp, so the bubble falls
-  toward zero as ``m`` grows past ``2p`` (``tests/pipeline/test_zbv.py`` pins the
-  simulated values), against interleaved 1F1B's ``(p - 1) / (2 m)`` at the same memory.
+  step is ``6m`` chunk slots plus one chunk forward per further stage: a bubble of
+  ``(p - 1) / (6 m)`` once ``m >= p`` (``tests/pipeline/test_zbv.py`` pins it), against
+  ZB-H1's ``(p - 1) / (3 m)`` and interleaved 1F1B's ``(p - 1) / (2 m)`` at vpp 2.
+
+* :func:`dualpipev` -- DualPipeV, the V form of DeepSeek-V3's DualPipe (DeepSeek-AI,
+  "DeepSeek-V3 Technical Report", 2024; the ``dualpipev`` schedule of the DualPipe
+  repository): eight phases per rank ``r`` -- ``2(p-r-1)`` chunk-0 forwards; ``r+1``
+  pairs F0 F1; ``p-r-1`` times B1 W1 F1; the main phase of ``m - 2p + r + 1`` times
+  F0 B1 F1 B0 (on a GPU each forward overlapped with the other chunk's backward, their
+  all-to-alls hidden behind each other's compute; here they run one after the other);
+  ``p-r-1`` times B1 F1 B0; ``r+1`` pairs B1 B0 whose second half defers its W; ``p-r-1``
+  times W B0 (deferred); the ``r+1`` W left. A backward outside those zero-bubble phases
+  is B with its W right after it. Needs ``m >= 2p``.
 
 Bubble and timings come from :func:`megalite.pipeline.zero_bubble.simulate` with
 ``v_shape=True``; transfers from :func:`megalite.pipeline.plan.plan_rounds` with
@@ -26,6 +36,7 @@ from __future__ import annotations
 
 import functools
 
+from megalite.config.fields import require
 from megalite.pipeline.plan import Step, destination, needs_input
 
 V_CHUNKS = 2   # model chunks per rank of every V schedule
@@ -92,6 +103,62 @@ def zbv_all(pp: int, num_microbatches: int) -> tuple[tuple[Step, ...], ...]:
 def zbv(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Step]:
     """ZB-V steps of pipeline rank ``pp_rank`` (see :func:`zbv_all`)."""
     return list(zbv_all(pp_size, num_microbatches)[pp_rank])
+
+
+def dualpipev(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Step]:
+    """DualPipeV steps of pipeline rank ``pp_rank`` (see the module docstring)."""
+    p, r, m = pp_size, pp_rank, num_microbatches
+    require(m >= 2 * p, f"--pipeline-schedule dualpipev needs at least 2 x pipeline size "
+                        f"({2 * p}) micro-batches per step, got {m}; raise "
+                        "--global-batch-size or lower --micro-batch-size")
+    steps: list[Step] = []
+    next_f, next_b = [0, 0], [0, 0]
+    deferred: list[Step] = []
+
+    def forward(c: int) -> None:
+        steps.append(("F", c, next_f[c]))
+        next_f[c] += 1
+
+    def backward(c: int, zero_bubble: bool = False) -> None:
+        step = ("B", c, next_b[c])
+        next_b[c] += 1
+        steps.append(step)
+        if zero_bubble:   # its W waits in the queue for a later weight step
+            deferred.append(("W", c, step[2]))
+        else:
+            steps.append(("W", c, step[2]))
+
+    def weight() -> None:
+        steps.append(deferred.pop(0))
+
+    for _ in range(2 * (p - r - 1)):
+        forward(0)
+    for _ in range(r + 1):
+        forward(0)
+        forward(1)
+    for _ in range(p - r - 1):
+        backward(1, zero_bubble=True)
+        weight()
+        forward(1)
+    for _ in range(m - 2 * p + r + 1):
+        forward(0)
+        backward(1)
+        forward(1)
+        backward(0)
+    for _ in range(p - r - 1):
+        backward(1)
+        forward(1)
+        backward(0)
+    half = (r + 1) // 2   # from here on the backwards defer their W
+    for i in range(r + 1):
+        backward(1, zero_bubble=i > half or (i == half and r % 2 == 1))
+        backward(0, zero_bubble=i >= half)
+    for _ in range(p - r - 1):
+        weight()
+        backward(0, zero_bubble=True)
+    while deferred:
+        weight()
+    return steps
 
 
 def v_forward_only(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Step]:

@@ -1,24 +1,25 @@
 """Pipeline bubble and activation memory of every schedule: measured vs theory.
 
 ``python tools/benchmark.py pipeline [--pipeline-model-parallel-size 4] [--microbatches 4 8 16]
-[--schedules 1f1b interleaved_1f1b zb_h1 zbv] [--virtual-pipeline-model-parallel-size 2]
+[--schedules 1f1b interleaved_1f1b zb_h1 zbv dualpipev] [--virtual-pipeline-model-parallel-size 2]
 [--forward-ms 30] [--compute sleep|matmul]``
 
 Runs the real schedules (megalite.pipeline.schedules, gloo p2p) on ``p`` ranks. Each
 micro-batch's forward through a whole stage costs ``--forward-ms`` and its backward twice
 that, split evenly over the stage's ``v`` chunks (``--virtual-pipeline-model-parallel-size``,
-for interleaved_1f1b; zbv always has two, in a V). The backward is half input gradient,
-half weight gradient: a zero-bubble schedule (zb_h1, zbv) runs the second half as its W
-step, through megalite's own deferral (:mod:`megalite.parallel.weight_grad`). With
-``--compute sleep`` (default) each cost is a sleep, so ``p`` ranks on a 2-core machine do
-not slow each other down and the measurement isolates the schedule; ``--compute matmul``
-burns real FLOPs instead (then ranks compete for cores once p > cores, which inflates the
-busy time).
+for interleaved_1f1b; zbv and dualpipev always have two, in a V). The backward is half
+input gradient, half weight gradient: a zero-bubble schedule (zb_h1, zbv, dualpipev) runs
+the second half as its W step, through megalite's own deferral
+(:mod:`megalite.parallel.weight_grad`). With ``--compute sleep`` (default) each cost is a sleep, so
+``p`` ranks on a 2-core machine do not slow each other down and the measurement isolates the
+schedule; ``--compute matmul`` burns real FLOPs instead (then ranks compete for cores once p >
+cores, which inflates the busy time).
 
 Reported per (m, schedule): the bubble as (step time - busy time) / busy time, averaged
 over ranks (Megatron's definition), against the schedule's theory
 (:func:`megalite.planner.schedule.bubble_fraction`: (p-1)/m for 1F1B, (p-1)/(v m)
-interleaved, (p-1)/(3m) for ZB-H1 and (p-1)/(6m) for ZB-V at m >= p); the step time; and
+interleaved, (p-1)/(3m) for ZB-H1, (p-1)/(6m) for ZB-V at m >= p and DualPipeV, whose
+phases run one after the other here, at m >= 2p); the step time; and
 per rank the peak number
 of (micro-batch, chunk) pairs whose activations it holds (forward run, backward -- under a
 zero-bubble schedule its W step -- not yet), measured and in theory
@@ -93,7 +94,8 @@ def _schedules_on_rank(rank, world, cases, args):
     for m, schedule, v in cases + [(m, "gpipe", 1) for m in sorted({c[0] for c in cases})]:
         pcfg = ParallelConfig(pipeline_model_parallel_size=world,
                               virtual_pipeline_model_parallel_size=v if v > 1 else None,
-                              pipeline_schedule=schedule if schedule == "zbv" else None)
+                              pipeline_schedule=schedule if schedule in ("zbv", "dualpipev")
+                              else None)
         ps = ParallelState.build(pcfg)
         ms = args.forward_ms / v
 
@@ -148,6 +150,8 @@ def main(argv=None) -> dict:
     for schedule in args.schedules:
         if schedule == "zbv":   # two chunks per rank in a V, any m
             cases += [(m, schedule, 2) for m in args.microbatches]
+        elif schedule == "dualpipev":   # the same V, m >= 2p
+            cases += [(m, schedule, 2) for m in args.microbatches if m >= 2 * p]
         elif schedule in MULTI_CHUNK_SCHEDULES:
             cases += [(m, schedule, v) for v in args.virtual_pipeline_model_parallel_size
                       for m in args.microbatches if v > 1 and m % p == 0]

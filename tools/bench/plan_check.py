@@ -35,12 +35,11 @@ dominate, the fixed costs are a tenth): one warm-up step, then ``--repeat`` time
 (barrier to barrier, batches fetched beforehand), the median reported. The layouts are
 chosen so that their step times differ clearly (single rank with and without full
 recomputation, dp2, tp2, pp2 with 8 and 2 micro-batches, pp2 under ZB-V, dp2 with
-recomputation, four ranks on two cores, ...). Printed: per layout, estimated and measured ms with the main
-terms, the seconds a rank spent blocked in collectives per step and how many each group
-ran (the flight recorder's count: compare with the estimate's tp/pp/dp terms), the
-Spearman rank correlation of the estimates with the measurements (>= 0.8 wanted)
-and the largest relative error (<= 25%). ``tests/planner/test_time_model.py``
-(slow) runs it and asserts both.
+recomputation, four ranks on two cores, ...). Printed: per layout, estimated and measured
+ms with the main terms, the seconds a rank spent blocked in collectives per step and how many each
+group ran (the flight recorder's count: compare with the estimate's tp/pp/dp terms), the Spearman
+rank correlation of the estimates with the measurements (>= 0.8 wanted) and the largest relative
+error (<= 25%). ``tests/planner/test_time_model.py`` (slow) runs it and asserts both.
 """
 
 from __future__ import annotations
