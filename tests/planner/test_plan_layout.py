@@ -214,6 +214,9 @@ def test_zbv_terms_follow_the_schedule():
     assert [peak_in_flight(4, r, 8, vpp=2, schedule="zbv") for r in range(4)] == [8] * 4
     assert bubble_fraction(4, 8, vpp=2, schedule="zbv") == pytest.approx(3 / 48)
     assert bubble_fraction(8, 16, vpp=2, schedule="zbv") == pytest.approx(7 / 96)
+    # DualPipeV's phases, one stream per rank: the same bubble, one chunk more in flight
+    assert bubble_fraction(4, 8, vpp=2, schedule="dualpipev") == pytest.approx(3 / 48)
+    assert [peak_in_flight(4, r, 8, vpp=2, schedule="dualpipev") for r in range(4)] == [9] * 4
     cfg = parse_args(SMALL + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule",
                               "zbv"]).validate(8)
     ofob = parse_args(SMALL + ["--pipeline-model-parallel-size", "4"]).validate(8)
