@@ -15,7 +15,9 @@ and comes back up in chunk 1; rank 0 computes the loss, and its gradient retrace
   else a W it deferred. Micro-batches enter each chunk in order. With equal times the
   step is ``6m`` chunk slots plus one chunk forward per further stage: a bubble of
   ``(p - 1) / (6 m)`` once ``m >= p`` (``tests/pipeline/test_zbv.py`` pins it), against
-  ZB-H1's ``(p - 1) / (3 m)`` and interleaved 1F1B's ``(p - 1) / (2 m)`` at vpp 2.
+  ZB-H1's ``(p - 1) / (3 m)`` and interleaved 1F1B's ``(p - 1) / (2 m)`` at vpp 2. For
+  equal times no order does better: the last rank's first input arrives after ``p - 1``
+  chunk forwards and it still has its ``6m`` steps to run.
 
 * :func:`dualpipev` -- DualPipeV, the V form of DeepSeek-V3's DualPipe (DeepSeek-AI,
   "DeepSeek-V3 Technical Report", 2024; the ``dualpipev`` schedule of the DualPipe
