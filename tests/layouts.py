@@ -212,6 +212,9 @@ _MOE_TRAINING = [
         schedule="zb_h1"),
     row("moe-training", 4, model={"num_experts": 4}, ep=2, distopt=True, overlap_grad=True,
         schedule="zb_h1"),
+    # ZB-V: the experts of both chunks of a V on each pipeline rank, ep 2 x dp 2
+    row("moe-training", 4, model={"num_experts": 4, "num_layers": 4}, pp=2, ep=2,
+        schedule="zbv"),
 ]
 
 # Qwen3-MoE's shape: QK norm, softmax over all experts then top-k not renormalized
@@ -341,6 +344,21 @@ _PIPELINE += [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **siz
                   (4, {"pp": 2, **ZERO3}))]
 _PIPELINE += [row("pipeline", 2, "recompute", model={**_PIPE_MODEL, **RECOMPUTE["full-uniform"]},
                   train=_PIPE_TRAIN, pp=2, **_ZB)]
+# ZB-V: two chunks per rank in a V (the embedding and the tied output layer on rank 0)
+_ZBV = {"schedule": "zbv"}
+_PIPELINE += [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **sizes, **_ZBV)
+              for world, sizes in (
+                  (2, {"pp": 2}), (4, {"pp": 4}), (4, {"pp": 2, "tp": 2, "sp": True}),
+                  (4, {"pp": 2, "distopt": True, "overlap_grad": True}),
+                  (4, {"pp": 2, **ZERO3}))]
+# DualPipeV: the same V, DeepSeek's phases (8 micro-batches: m >= 2p at pp 4)
+_PIPELINE += [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **sizes,
+                  schedule="dualpipev")
+              for world, sizes in ((2, {"pp": 2}), (4, {"pp": 4}),
+                                   (4, {"pp": 2, "tp": 2, "sp": True}))]
+# full recomputation of a whole chunk: the W steps keep the parameters' accumulation nodes
+_PIPELINE += [row("pipeline", 2, "recompute", model={**_PIPE_MODEL, **RECOMPUTE["full-uniform"]},
+                  train=_PIPE_TRAIN, pp=2, **_ZBV)]
 
 # -- training: tp 2 (+ sp) x dp 2 against one process -------------------------------------
 _TRAINING = [row("training", 4, tp=2, sp=True)]
@@ -352,7 +370,9 @@ _GRAD_STATS = [row("grad-stats", 2, distopt=True),
                row("grad-stats", 2, tp=2, sp=True),
                row("grad-stats", 2, pp=2),
                row("grad-stats", 2, model={"num_experts": 4, "moe_router_topk": 2}, ep=2),
-               row("grad-stats", 4, tp=2, pp=2, distopt=True)]
+               row("grad-stats", 4, tp=2, pp=2, distopt=True),
+               # ZB-V: the word embedding and its tied copy both on pipeline rank 0
+               row("grad-stats", 2, model={"num_layers": 4}, pp=2, schedule="zbv")]
 
 # -- resume: save and resume at the same layout, with dropout (bitwise the same losses) ---
 _RESUME = [row("resume", 4, tp=2),                                  # test_resume_and_layouts
@@ -373,7 +393,12 @@ _RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
             # multi-latent attention: saved at tp 2 + sp (up projections split, down
             # projections whole), resumed in one process
             row("reshard", 2, "mla", model=MLA, tags=("save",), tp=2, sp=True),
-            row("reshard", 1, "mla", model=MLA)]
+            row("reshard", 1, "mla", model=MLA),
+            # ZB-V's V placement (rank 0 holds layers 0 and 3) saved, resumed in one
+            # process and at pp 2 under 1F1B (rank 0 holds layers 0 and 1)
+            row("reshard", 2, model={"num_layers": 4}, pp=2, schedule="zbv", tags=("save",)),
+            row("reshard", 1, "from-zbv", model={"num_layers": 4}),
+            row("reshard", 2, "from-zbv", model={"num_layers": 4}, pp=2)]
 
 # -- cp: context parallelism, each comm type, trained against one process -----------------
 # a Llama-style GQA model (4 heads, 2 query groups: a2a at cp 2 splits both) at seq 32
@@ -400,6 +425,7 @@ _CP = [
     _cp_row(4, "p2p", tp=2, sp=True, cp=2),
     _cp_row(4, "allgather", pp=2, cp=2),
     _cp_row(4, "a2a", model={"num_layers": 4}, pp=2, vpp=2, cp=2),
+    _cp_row(4, "p2p", model={"num_layers": 4}, pp=2, cp=2, schedule="zbv"),
     _cp_row(4, "p2p", cp=2, distopt=True),
     # gradients and optimizer state sharded over dp x cp (4 ranks), half of it offloaded
     dataclasses.replace(_cp_row(4, "p2p", variant="offload0.5", cp=2, strategy="optim_grads",

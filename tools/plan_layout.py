@@ -14,11 +14,11 @@ in it; layout flags are ignored, unknown ones skipped with a note). The cluster 
 ``--gpu-memory-gib``, ``--peak-tflops``, ``--peak-fp8-tflops``, ``--intra-node-gbps``,
 ``--inter-node-gbps``, GB/s per GPU one way). ``--tp/--pp/--vpp/--cp/--ep N ...``,
 ``--strategies``, ``--recompute``, ``--micro-batch-sizes``, ``--offload-fractions`` and
-``--pipeline-schedules`` (1f1b, zb_h1: the schedules tried with one model chunk per pipeline
-rank) narrow the search (e.g. to one published layout: ``examples/planner/``). Prints the
-best ``--top`` feasible layouts with memory per rank by term, compute, communication time
-and bytes per parallelism, bubble and MFU; then the best layout's flags ready to paste;
-``--show-infeasible N`` lists rejected layouts and the limit each breaks.
+``--pipeline-schedules`` (1f1b, zb_h1: tried with one model chunk per pipeline rank; zbv:
+with two, in a V) narrow the search (e.g. to one published layout: ``examples/planner/``).
+Prints the best ``--top`` feasible layouts with memory per rank by term, compute,
+communication time and bytes per parallelism, bubble and MFU; then the best layout's flags
+ready to paste; ``--show-infeasible N`` lists rejected layouts and the limit each breaks.
 """
 
 from __future__ import annotations
@@ -194,14 +194,14 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int,
              "--overlap-param-gather, recomputation, micro-batch size, optimizer offload "
              "(the model's own values of these are set aside)",
              "",
-             f"{'#':>3} {'layout':<54} {'step s':>8} {'MFU':>6} {'mem GiB':>8} "
+             f"{'#':>3} {'layout':<60} {'step s':>8} {'MFU':>6} {'mem GiB':>8} "
              f"{'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'trans':>6} {'comm':>5} "
              f"{'compute':>8} {'tp s':>6} {'cp s':>6} {'ep s':>6} {'pp s':>6} {'dp s':>6} "
              f"{'bubble':>7}"]
     for i, c in enumerate(feasible[:top], 1):
         mem, t = c.memory, c.time
         lines.append(
-            f"{i:>3} {c.name():<54} {t.step:>8.3f} {t.mfu:>6.1%} {_fmt_bytes(mem.total):>8} "
+            f"{i:>3} {c.name():<60} {t.step:>8.3f} {t.mfu:>6.1%} {_fmt_bytes(mem.total):>8} "
             f"{_fmt_bytes(mem.params):>7} {_fmt_bytes(mem.grads):>6} "
             f"{_fmt_bytes(mem.optimizer):>6} {_fmt_bytes(mem.activations):>6} "
             f"{_fmt_bytes(mem.transient):>6} "
@@ -224,7 +224,7 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int,
     bad = [c for c in candidates if not c.feasible][:show_infeasible]
     if bad:
         lines += ["", f"infeasible (first {len(bad)}):"]
-        lines += [f"  {c.name():<54} {c.error}" for c in bad]
+        lines += [f"  {c.name():<60} {c.error}" for c in bad]
     return "\n".join(lines)
 
 
@@ -298,8 +298,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--recompute", nargs="*", default=list(RECOMPUTE))
     parser.add_argument("--pipeline-schedules", nargs="*", default=list(SCHEDULES),
                         choices=SCHEDULES,
-                        help="--pipeline-schedule values to try with one model chunk per "
-                             "pipeline rank (more chunks run interleaved_1f1b)")
+                        help="--pipeline-schedule values to try: 1f1b / zb_h1 with one "
+                             "model chunk per pipeline rank, zbv with two (more chunks run "
+                             "interleaved_1f1b)")
     parser.add_argument("--offload-fractions", type=float, nargs="*", default=[0.0, 1.0],
                         help="--optimizer-offload-fraction values to try (0: no offload)")
     for dim in ("tp", "pp", "vpp", "cp", "ep"):

@@ -68,7 +68,10 @@ class ParamLayout:
 
     ``name`` is the model's ``named_parameters()`` name (``0.decoder...`` for a ModuleList
     of chunks), ``local_name`` the name within its chunk (the optimizer's key). ``saved``
-    is False for the tied output-layer copy (loaded from the embedding's key).
+    is False for the tied output-layer copy (loaded from the embedding's key). ``mirror``:
+    the tied copy on the rank that holds the word embedding too (ZB-V's V placement puts
+    both on pipeline rank 0), the embedding's ``local_name``: neither saved nor read, it
+    takes the embedding's loaded values (:func:`fill_mirrors`).
     """
 
     name: str
@@ -78,6 +81,7 @@ class ParamLayout:
     pieces: list[Piece]
     global_shape: tuple[int, ...]   # the full (unpadded, all experts) tensor
     saved: bool = True
+    mirror: str | None = None
 
 
 def state_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -166,18 +170,35 @@ def is_tied_copy(key: str, param) -> bool:
 def param_layouts(model, ps) -> list[ParamLayout]:
     """Every parameter of ``model`` on this rank of ``ps`` (see module docstring)."""
     layouts, seen = [], set()
-    for name, local_name, param in named_parameters(model):
-        key, saved = local_name, True
+    named = list(named_parameters(model))
+    embedding = next((local for _, local, _ in named if local == EMBEDDING_WEIGHT), None)
+    for name, local_name, param in named:
+        key, saved, mirror = local_name, True, None
         if is_tied_copy(key, param):
-            key, saved = EMBEDDING_WEIGHT, False
-        if key in seen:
+            key, saved, mirror = EMBEDDING_WEIGHT, False, embedding
+        if key in seen and mirror is None:   # a mirror shares the embedding's key
             raise ValueError(f"two parameters of this rank map to checkpoint key {key!r}")
         seen.add(key)
         tp_size, tp_rank, ep_size, ep_rank = _groups(param, ps)
         pieces = param_pieces(key, param, tp_size, tp_rank, ep_size, ep_rank)
         layouts.append(ParamLayout(name, local_name, key, param, pieces,
-                                   global_shape(param, tp_size, ep_size), saved))
+                                   global_shape(param, tp_size, ep_size), saved, mirror))
     return layouts
+
+
+def fill_mirrors(layouts: list[ParamLayout], per_param: dict | None) -> None:
+    """Give each ``mirror`` layout its embedding's loaded values: the parameter and, in
+    ``per_param`` (the optimizer's per-parameter state by ``local_name``, or None), a copy
+    of the embedding's state."""
+    by_name = {layout.local_name: layout for layout in layouts}
+    for layout in layouts:
+        if layout.mirror is None:
+            continue
+        with torch.no_grad():
+            layout.param.copy_(by_name[layout.mirror].param)
+        if per_param is not None and layout.mirror in per_param:
+            per_param[layout.local_name] = {k: v.clone()
+                                            for k, v in per_param[layout.mirror].items()}
 
 
 def piece_keys(layout: ParamLayout) -> list[str]:

@@ -55,6 +55,7 @@ from megalite.checkpoint.files import (
     read_metadata_bytes,
 )
 from megalite.checkpoint.layout import (
+    fill_mirrors,
     param_layouts,
     piece_keys,
     read_fused_whole_where_saved_so,
@@ -333,6 +334,7 @@ def _read(load: _Load, iter_dir: str, meta: dict, reader: VerifyingReader):
         state.update(fstate)
         pieces.update(fpieces)
     load_blocks(state, pieces, reader, no_dist=not distributed(ps))
+    fill_mirrors(layouts, per_param)
     restore_fp8_histories(fp8_pairs)
 
     return state[COMMON], per_param, want_optim, want_rng, same_layout, state

@@ -139,7 +139,8 @@ def model_load_state(layouts: list[ParamLayout]) -> tuple[dict, dict[str, Piece]
     state: dict = {}
     pieces: dict[str, Piece] = {}
     for layout in layouts:
-        add_param_blocks(state, pieces, layout, layout.param.data, model_key)
+        if layout.mirror is None:   # a mirror takes its embedding's values afterwards
+            add_param_blocks(state, pieces, layout, layout.param.data, model_key)
     return state, pieces
 
 
@@ -153,8 +154,8 @@ def optimizer_load_state(layouts: list[ParamLayout], state_names: list[str], dty
     pieces: dict[str, Piece] = {}
     params: dict = {}
     for layout in layouts:
-        if not layout.param.requires_grad:   # a buffer (expert bias): no optimizer state
-            continue
+        if not layout.param.requires_grad or layout.mirror is not None:
+            continue   # a buffer (expert bias): no optimizer state; a mirror: copied later
         entry = {}
         for name in state_names:
             keys = [optim_key(name, p.key) for p in layout.pieces]

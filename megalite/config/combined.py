@@ -14,6 +14,7 @@ from megalite.config.optim import OptimConfig
 from megalite.config.parallel import (
     ParallelConfig,
     check_pipeline_schedule,
+    is_v_schedule,
     expert_data_parallel_size,
 )
 from megalite.config.run import CheckpointConfig, LoggingConfig, TrainConfig
@@ -130,9 +131,19 @@ class MegaliteConfig:
                      "--rampup-batch-size needs --global-batch-size (the size it ramps up to)")
         elif t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * dp
-        vpp = p.virtual_pipeline_model_parallel_size
-        BatchSchedule.from_config(t, self.model.seq_length).check_divisible(
-            t.micro_batch_size, dp, p.pipeline_model_parallel_size if vpp else None)
+        interleaved = check_pipeline_schedule(
+            p.pipeline_schedule, p.virtual_pipeline_model_parallel_size) == "interleaved_1f1b"
+        batches = BatchSchedule.from_config(t, self.model.seq_length)
+        batches.check_divisible(
+            t.micro_batch_size, dp, p.pipeline_model_parallel_size if interleaved else None)
+        if p.pipeline_schedule == "dualpipev":
+            fewest = min(batch for _, batch in batches.entries) // (t.micro_batch_size * dp)
+            require(fewest >= 2 * p.pipeline_model_parallel_size,
+                    f"--pipeline-schedule dualpipev needs at least 2 x "
+                    f"pipeline_model_parallel_size ({2 * p.pipeline_model_parallel_size}) "
+                    f"micro-batches per step, and a step here has {fewest} (global batch / "
+                    "(micro batch x data parallel size)); raise --global-batch-size or lower "
+                    "--micro-batch-size, or use zbv")
 
     def _validate_pipeline(self) -> None:
         m, p = self.model, self.parallel
@@ -140,6 +151,8 @@ class MegaliteConfig:
         first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
         middle_layers = m.num_layers - (first or 0) - (last or 0)
         middle_stages = pp - (first is not None) - (last is not None)
+        if is_v_schedule(p.pipeline_schedule):
+            self._validate_v_placement()
         if first is not None or last is not None:
             require(middle_layers >= 0 and (middle_stages > 0 or middle_layers == 0),
                      f"decoder first/last pipeline layers ({first}, {last}) do not fit "
@@ -172,6 +185,27 @@ class MegaliteConfig:
             require(m.num_layers % (pp * vpp) == 0,
                      f"num_layers ({m.num_layers}) must be divisible by "
                      f"pipeline_model_parallel_size ({pp}) x virtual pipeline size ({vpp})")
+
+    def _validate_v_placement(self) -> None:
+        """zbv / dualpipev: two chunks per rank in a V (``megalite.pipeline.v_shape``); the
+        virtual size is 2, derived when not given (as torchtitan fixes two stages per rank
+        for its V schedules)."""
+        m, p = self.model, self.parallel
+        pp, name = p.pipeline_model_parallel_size, p.pipeline_schedule
+        require(pp > 1, f"--pipeline-schedule {name} places two model chunks on each of "
+                        "several pipeline ranks: give --pipeline-model-parallel-size > 1")
+        require(p.decoder_first_pipeline_num_layers is None
+                and p.decoder_last_pipeline_num_layers is None,
+                f"--pipeline-schedule {name} puts the first and the last layers on pipeline "
+                "rank 0, so --decoder-first/last-pipeline-num-layers cannot make the first "
+                "or last stage uneven; drop them or use 1f1b / zb_h1 / interleaved_1f1b")
+        require(m.num_layers % (2 * pp) == 0,
+                f"--pipeline-schedule {name} splits each pipeline rank's layers into two "
+                f"chunks of a V: num_layers ({m.num_layers}) must be divisible by 2 x "
+                f"pipeline_model_parallel_size ({2 * pp})")
+        if (p.virtual_pipeline_model_parallel_size is None
+                and p.num_layers_per_virtual_pipeline_stage is None):
+            p.virtual_pipeline_model_parallel_size = 2
 
     def _validate_experts(self, dp: int) -> None:
         m, p = self.model, self.parallel

@@ -14,12 +14,13 @@ global layer ranges (:func:`chunk_layer_ranges`). Vocabulary padded to a multipl
 ``make_vocab_size_divisible_by x tp``; the model FLOPs per token and each rank's GEMM
 shapes of one micro-batch (:mod:`megalite.config.shapes`), once the vocabulary is known.
 
-Pipeline chunks: with ``p`` stages and ``v`` virtual chunks per stage, the model is cut into
-``p * v`` consecutive pieces laid out round-robin, as in Megatron-LM's interleaved
+Pipeline chunks: with ``p`` stages and ``v`` virtual chunks per stage, the model is cut
+into ``p * v`` consecutive pieces laid out round-robin, as in Megatron-LM's interleaved
 schedule: piece ``c * p + r`` (chunk ``c`` of stage ``r``) holds the layers after pieces
 ``0 .. c*p + r - 1``. Stage ``r`` holds ``n_r`` layers (equal by default; the first and last
 stage may differ with ``--decoder-first/last-pipeline-num-layers``), split equally over
-its ``v`` chunks.
+its ``v`` chunks. ZB-V's V placement (``ResolvedLayout.v_shape``) puts piece ``r`` and piece
+``2p - 1 - r`` on stage ``r`` instead, so stage 0 holds the first and the last layers.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ import torch
 from megalite.config import shapes
 from megalite.config.batch_schedule import BatchSchedule
 from megalite.config.fields import ConfigError
-from megalite.config.parallel import check_pipeline_schedule, expert_data_parallel_size
+from megalite.config.parallel import (
+    check_pipeline_schedule,
+    expert_data_parallel_size,
+    is_v_schedule,
+)
 
 
 def layers_per_stage(num_layers: int, pp: int, first: int | None = None,
@@ -57,14 +62,23 @@ def layers_per_stage(num_layers: int, pp: int, first: int | None = None,
 
 
 def chunk_layer_ranges(num_layers: int, pp: int, vpp: int | None = None,
-                       first: int | None = None, last: int | None = None
-                       ) -> list[list[tuple[int, int]]]:
+                       first: int | None = None, last: int | None = None,
+                       v_shape: bool = False) -> list[list[tuple[int, int]]]:
     """Global layer ranges ``ranges[stage][chunk] = (first_layer, num_layers)``.
 
     ``first_layer`` is 0-based and global, so a layer's number (and so its initial weights
-    and checkpoint name) does not depend on the layout.
+    and checkpoint name) does not depend on the layout. ``v_shape`` (ZB-V's placement, two
+    chunks per stage, no uneven stages): ``2p`` equal pieces, stage ``r`` holding piece
+    ``r`` as chunk 0 and piece ``2p - 1 - r`` as chunk 1.
     """
     v = vpp or 1
+    if v_shape:
+        if v != 2 or first is not None or last is not None or num_layers % (2 * pp):
+            raise ConfigError(f"the V placement cuts {num_layers} layers into 2 x {pp} equal "
+                              f"chunks (virtual size 2, no uneven first/last stage); got "
+                              f"virtual size {v}, first={first}, last={last}")
+        n = num_layers // (2 * pp)
+        return [[(r * n, n), ((2 * pp - 1 - r) * n, n)] for r in range(pp)]
     per_stage = layers_per_stage(num_layers, pp, first, last)
     for r, n in enumerate(per_stage):
         if n % v:
@@ -110,6 +124,11 @@ class ResolvedLayout:
     # stage with the most layers: qkv, projection, the dense layers' fc1 and fc2 (MoE
     # experts not included), and the output layer
     pipeline_schedule: str | None = None  # --pipeline-schedule, resolved (None: by vpp)
+
+    @property
+    def v_shape(self) -> bool:
+        """Two chunks per rank in a V (zbv): rank 0 holds the first and the last layers."""
+        return is_v_schedule(self.pipeline_schedule)
 
     @property
     def interleaved(self) -> bool:
@@ -167,7 +186,7 @@ class ResolvedLayout:
         """``tp 2 cp 1 pp 2 (vpp 2) dp 4 ep 2 etp 2 edp 2 | 8 micro-batches of 2``; a
         zero-bubble schedule is named after the pipeline size (``pp 4 (zb_h1)``)."""
         vpp = f" (vpp {self.vpp})" if self.interleaved else ""
-        if self.pipeline_schedule == "zb_h1":
+        if self.pipeline_schedule in ("zb_h1", "zbv", "dualpipev"):
             vpp = f" ({self.pipeline_schedule})"
         return (f"tp {self.tp} cp {self.cp} pp {self.pp}{vpp} dp {self.dp} ep {self.ep} "
                 f"etp {self.etp} edp {self.edp} | {self.num_microbatches} micro-batches of "
@@ -184,7 +203,8 @@ def resolve_layout(cfg, world_size: int) -> ResolvedLayout:
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     vpp = p.virtual_pipeline_model_parallel_size or 1
     chunks = chunk_layer_ranges(m.num_layers, pp, vpp, p.decoder_first_pipeline_num_layers,
-                                p.decoder_last_pipeline_num_layers)
+                                p.decoder_last_pipeline_num_layers,
+                                is_v_schedule(p.pipeline_schedule))
     schedule = BatchSchedule.from_config(t, m.seq_length)
     final = schedule.entries[-1][0]   # consumed samples from which the batch is final
     layout = ResolvedLayout(

@@ -11,8 +11,16 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 # --pipeline-schedule, with torchtitan's names (Megatron-LM has no such flag: it runs 1F1B,
 # interleaved when there are virtual stages); the step lists are megalite.pipeline's
-PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1")
-MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b",)   # need virtual pipeline stages (vpp > 1)
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
+MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")   # need vpp > 1
+# two chunks per rank in a V (the first and the last layers on pipeline rank 0)
+V_SCHEDULES = ("zbv", "dualpipev")
+NOT_IMPLEMENTED_SCHEDULES: tuple[str, ...] = ()
+
+
+def is_v_schedule(schedule: str | None) -> bool:
+    """Whether ``schedule`` places two chunks per rank in a V (``megalite.pipeline.plan``)."""
+    return schedule in V_SCHEDULES
 
 
 def default_pipeline_schedule(vpp: int | None) -> str:
@@ -25,7 +33,15 @@ def check_pipeline_schedule(schedule: str | None, vpp: int | None) -> str:
     rank; one ConfigError line when the two do not fit."""
     schedule = schedule or default_pipeline_schedule(vpp)
     multi = (vpp or 1) > 1
-    if schedule in MULTI_CHUNK_SCHEDULES:
+    require(schedule not in NOT_IMPLEMENTED_SCHEDULES,
+            f"--pipeline-schedule {schedule} is not implemented")
+    if schedule in V_SCHEDULES:
+        require(vpp in (None, 2),
+                f"--pipeline-schedule {schedule} places exactly two model chunks per "
+                f"pipeline rank (a V), not {vpp}: drop --virtual-pipeline-model-parallel-size"
+                " (it is then 2) or give 2 (--num-layers-per-virtual-pipeline-stage = "
+                "num_layers / (2 x pipeline size))")
+    elif schedule in MULTI_CHUNK_SCHEDULES:
         require(multi, f"--pipeline-schedule {schedule} runs several model chunks per "
                        "pipeline rank: give --virtual-pipeline-model-parallel-size > 1 (or "
                        "--num-layers-per-virtual-pipeline-stage), or use 1f1b / zb_h1")
@@ -70,7 +86,12 @@ class ParallelConfig:
         None, "Pipeline schedule: 1f1b, interleaved_1f1b (needs virtual pipeline stages), "
         "zb_h1 (zero bubble H1: each backward split into the input-gradient part, which "
         "the previous stage waits for, and the weight-gradient GEMMs, run later to fill the "
-        "bubble; 1F1B's activation memory, about a third of its bubble). Unset: "
+        "bubble; 1F1B's activation memory, about a third of its bubble), zbv (ZB-V: two "
+        "chunks per rank in a V, the first and last layers on rank 0, the same split "
+        "backward; 1F1B's activation memory, a sixth of its bubble; virtual size 2, derived "
+        "when not given), dualpipev (DeepSeek-V3's DualPipeV on the same V: each forward "
+        "paired with the other chunk's backward; needs 2 x pipeline size micro-batches). "
+        "Unset: "
         "interleaved_1f1b with virtual pipeline stages, else 1f1b.",
         choices=PIPELINE_SCHEDULES)
     decoder_first_pipeline_num_layers: int | None = arg(None, "Layers on the first stage.")

@@ -105,6 +105,10 @@ def load_model(load: str, iteration: int | None = None, ps=None):
     from megalite.models.gpt import GPTModel
 
     ps = ps or single_process_state()
+    if ps.v_shape:
+        raise ConfigError("--pipeline-schedule zbv / dualpipev are training schedules; "
+                          "inference runs one chunk per pipeline stage: drop the flag (their "
+                          "checkpoints load at any pipeline size)")
     cfg, iteration = checkpoint_config(load, iteration)
     cfg.model.bf16 = cfg.model.fp16 = False
     heads, groups = cfg.model.num_attention_heads, cfg.model.num_query_groups

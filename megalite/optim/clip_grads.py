@@ -9,7 +9,9 @@ Each rank adds the squares of the gradient elements it *owns* and one SUM over t
 - model parallel: tensor-parallel shards (``param_meta(p).tensor_parallel``) count on every
   tp rank, replicated parameters (norms, biases of row-parallel layers, ...) on tp rank 0
   only (expert-tp rank 0 for expert parameters), and a word embedding shared between the
-  first and last pipeline stage (``param_meta(p).shared_embedding``) on the first stage only;
+  first and last pipeline stage (``param_meta(p).shared_embedding``) on the first stage only
+  (under ZB-V's V placement both are on the first stage: the word embedding counts, the
+  output layer's copy, drawn from its ``init_name``, does not);
 - data parallel: after the data-parallel reduction every replica holds the same gradient,
   so :func:`global_grad_norm` counts it on data-parallel rank 0 only (``ps.dp_cp``, or
   ``ps.edp`` for expert parameters), while the distributed optimizer passes each rank's
@@ -36,7 +38,10 @@ def param_grad(param: torch.Tensor) -> torch.Tensor | None:
 
 def counts_in_norm(param: torch.Tensor, ps: ParallelState) -> bool:
     """Whether this rank's copy of ``param`` counts in the norm across model parallelism."""
-    if param_meta(param).shared_embedding and not ps.is_pipeline_first_stage():
+    meta = param_meta(param)
+    # the output layer's copy of the word embedding: on a later stage, or (ZB-V) beside it
+    if meta.shared_embedding and (not ps.is_pipeline_first_stage()
+                                  or meta.init_name is not None):
         return False
     tp_rank = ps.etp.rank if is_expert_param(param) else ps.tp.rank
     return param_meta(param).tensor_parallel or tp_rank == 0

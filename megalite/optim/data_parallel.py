@@ -44,7 +44,8 @@ rank's shard is meaningful and it is what gets summed correctly):
 1. sequence-parallel parameters (``param_meta(p).sequence_parallel``): SUM over ``ps.tp``;
 2. the word embedding shared by the first and last pipeline stage
    (``param_meta(p).shared_embedding``, pp > 1): SUM over ``ps.embedding``. It sits alone in its
-   bucket, so both stages own the same element range of it.
+   bucket, so both stages own the same element range of it. Under ZB-V's V placement both
+   copies are on the first stage (``ps.embedding`` is that rank alone): summed in place.
 
 Gradients are summed, not averaged: the loop divides the loss by the global token count.
 
@@ -220,6 +221,10 @@ class DataParallelGrads:
                 if param_meta(p).shared_embedding:
                     # the whole bucket when not sharded
                     shared.append(self._where[id(p)][2].shard_grad())
+            if len(shared) == 2:   # ZB-V: the embedding and its copy on this rank
+                total = shared[0] + shared[1]
+                for grad in shared:
+                    grad.copy_(total)
             all_reduce_coalesced(shared, self.ps.embedding)
         for buf in self.buffers:
             buf.release()       # optim_grads: only the reduced shards stay

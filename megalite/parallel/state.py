@@ -25,7 +25,11 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ParallelConfig
-from megalite.config.parallel import data_parallel_size, expert_data_parallel_size
+from megalite.config.parallel import (
+    data_parallel_size,
+    expert_data_parallel_size,
+    is_v_schedule,
+)
 from megalite.parallel.device import DeviceSetupError, select_backend, select_device
 from megalite.parallel.network import worker_check
 from megalite.parallel.rendezvous import attempt_store, uses_agent_store
@@ -57,12 +61,13 @@ def _groups_varying(coords: list[dict[str, int]], varying: tuple[str, ...]) -> l
 
 
 def rank_groups(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                etp: int | None = None) -> dict[str, list[list[int]]]:
+                etp: int | None = None, v_shape: bool = False) -> dict[str, list[list[int]]]:
     """Every process group of the layout, as lists of global ranks.
 
     Returns a dict from group name (see ``GROUP_NAMES``) to the list of groups; every rank
     appears in exactly one group of each name. ``embedding`` holds the first and last
-    pipeline stage of each pipeline group, ``position_embedding`` the first stage only.
+    pipeline stage of each pipeline group (with ``v_shape``, ZB-V's placement, the first
+    stage alone: it holds both), ``position_embedding`` the first stage only.
     """
     etp = tp if etp is None else etp
     dp = data_parallel_size(world_size, tp, pp, cp)
@@ -84,7 +89,7 @@ def rank_groups(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int 
     groups["etp"] = _groups_varying(expert_coords, ("etp",))
     groups["ep"] = _groups_varying(expert_coords, ("ep",))
     groups["edp"] = _groups_varying(expert_coords, ("edp",))
-    groups["embedding"] = [sorted({g[0], g[-1]}) for g in groups["pp"]]
+    groups["embedding"] = [sorted({g[0], g[0] if v_shape else g[-1]}) for g in groups["pp"]]
     groups["position_embedding"] = [[g[0]] for g in groups["pp"]]
     return groups
 
@@ -124,6 +129,7 @@ class ParallelState:
     rank: int
     device: torch.device
     vpp_size: int | None
+    v_shape: bool = False   # ZB-V's placement: chunk 1 runs back up, rank 0 holds the loss
     tp: Group = field(repr=False, default=None)
     cp: Group = field(repr=False, default=None)
     dp: Group = field(repr=False, default=None)
@@ -152,13 +158,16 @@ class ParallelState:
         world = dist.get_world_size() if initialized else 1
         rank = dist.get_rank() if initialized else 0
         pcfg.data_parallel_size(world)  # clear error when the layout does not divide
+        v_shape = is_v_schedule(pcfg.pipeline_schedule)
         layout = rank_groups(world, pcfg.tensor_model_parallel_size,
                              pcfg.pipeline_model_parallel_size, pcfg.context_parallel_size,
-                             pcfg.expert_model_parallel_size, pcfg.expert_tensor_parallel_size)
+                             pcfg.expert_model_parallel_size, pcfg.expert_tensor_parallel_size,
+                             v_shape)
         if device is None:
             device = select_device(pcfg.device)
-        state = cls(world_size=world, rank=rank, device=device,
-                    vpp_size=pcfg.virtual_pipeline_model_parallel_size)
+        vpp = pcfg.virtual_pipeline_model_parallel_size or (2 if v_shape else None)
+        state = cls(world_size=world, rank=rank, device=device, vpp_size=vpp,
+                    v_shape=v_shape)
         minutes = timeout_minutes or pcfg.distributed_timeout_minutes
         for name in GROUP_NAMES:
             mine = None
@@ -198,10 +207,11 @@ class ParallelState:
 
     def is_pipeline_last_stage(self, chunk: int | None = None) -> bool:
         """True on the last pipeline stage; with ``chunk``, only for the piece holding the
-        output layer (the last chunk of the last stage)."""
+        output layer (the last chunk of the last stage). Under ZB-V's V placement
+        (``v_shape``) that piece is chunk 1 of the first stage, which is then the last."""
         if chunk is not None and chunk != self.num_model_chunks - 1:
             return False
-        return self.pp.rank == self.pp.size - 1
+        return self.pp.rank == (0 if self.v_shape else self.pp.size - 1)
 
     def pipeline_neighbours(self) -> tuple[int, int]:
         """Global ranks of the previous and next pipeline stage (wrapping around)."""

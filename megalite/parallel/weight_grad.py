@@ -48,6 +48,7 @@ class WeightGrad:
 
     weight: torch.Tensor
     compute: Callable[[], torch.Tensor]
+    accumulator: object = None   # keeps the parameter's accumulation node alive until W
 
 
 @contextlib.contextmanager
@@ -92,8 +93,21 @@ def weight_grad(weight: torch.Tensor, compute: Callable[[], torch.Tensor]
     backward), or None after queueing it (inside :func:`deferring`)."""
     if _queue is None:
         return compute()
-    _queue.append(WeightGrad(weight, compute))
+    _queue.append(WeightGrad(weight, compute, _accumulator(weight)))
     return None
+
+
+def _accumulator(weight: torch.Tensor):
+    """The autograd node that accumulates into ``weight`` when it is a leaf (a parameter):
+    held from B to W. Under full recomputation the weight a backward unpacks is an alias
+    of the parameter that reaches it through this node, which autograd holds only weakly:
+    once no graph uses the parameter (its chunk's last backward ran, the next forward has
+    not), the node is gone and a W step run from the alias would accumulate into the
+    alias instead."""
+    if weight.grad_fn is not None or not weight.requires_grad:
+        return None
+    with torch.enable_grad():
+        return weight.view_as(weight).grad_fn.next_functions[0][0]
 
 
 def apply(queue: list[WeightGrad]) -> None:

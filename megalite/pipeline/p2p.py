@@ -75,7 +75,8 @@ class PipeComm:
         self.wait_seconds = 0.0
 
     def exchange(self, send: tuple[str, torch.Tensor] | None,
-                 recv: Sequence[str]) -> list[Incoming]:
+                 recv: Sequence[str], send_to: int | None = None,
+                 recv_from: Sequence[int] | None = None) -> list[Incoming]:
         """Post one round's transfers together, as one batch.
 
         send: ``("F", activation)`` for the next stage, ``("B", input_grad)`` for the
@@ -83,15 +84,22 @@ class PipeComm:
         recv: the kinds to receive, forward first: ``"F"`` an activation from the
             previous stage, ``"B"`` the gradient of this stage's output from the next
             stage.
+        send_to, recv_from: the peers as pipeline ranks (indices into ``ps.pp``), where
+            they are not the neighbours above (ZB-V's chunk 1 runs up the ranks: its
+            activations go to the previous stage, its gradients to the next).
         Returns one :class:`Incoming` per ``recv``; :meth:`take` waits for its tensor.
         """
         start = time.perf_counter()
         sends = []
         if send is not None:
             kind, tensor = send
-            sends = [(tensor.detach().contiguous(),
-                      self.next_rank if kind == "F" else self.prev_rank)]
-        peers = [self.prev_rank if kind == "F" else self.next_rank for kind in recv]
+            peer = (self.pp.ranks[send_to] if send_to is not None
+                    else self.next_rank if kind == "F" else self.prev_rank)
+            sends = [(tensor.detach().contiguous(), peer)]
+        if recv_from is not None:
+            peers = [self.pp.ranks[src] for src in recv_from]
+        else:
+            peers = [self.prev_rank if kind == "F" else self.next_rank for kind in recv]
         shapes = [self.shape] * len(peers)
         if self.variable:  # the receive buffers' shapes first, waited for at once
             sizes = [torch.tensor(t.shape, dtype=torch.int64, device=self.device)

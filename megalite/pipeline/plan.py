@@ -24,6 +24,14 @@ Each rank runs its own steps in its own order, so the arithmetic is the same as 
 the plan; only where a rank waits changes. A W step (a deferred weight gradient of the
 zero-bubble schedules, :mod:`megalite.pipeline.zero_bubble`) neither waits for nor sends
 anything: it takes a round of its rank and no transfer.
+
+Where the pieces sit. The model is cut into ``p * v`` consecutive pieces. Interleaved (the
+default placement) piece ``c * p + r`` is chunk ``c`` of rank ``r``, so activations always
+flow to rank ``r + 1`` (wrapping around from the last rank to the first rank's next chunk).
+The V placement of ZB-V (``v_shape``, two chunks per rank) puts piece ``r`` on chunk 0 of
+rank ``r`` and piece ``2p - 1 - r`` on its chunk 1: activations go down the ranks in chunk
+0, turn on the last rank (its chunk 0 feeds its own chunk 1, no transfer: a ``local``
+round), and come back up in chunk 1 to rank 0, which holds the first and the last layers.
 """
 
 from __future__ import annotations
@@ -38,6 +46,20 @@ class ScheduleError(RuntimeError):
     rank will send)."""
 
 
+def piece_of(rank: int, chunk: int, pp: int, v_shape: bool = False) -> int:
+    """Position in the whole model of ``chunk`` of pipeline rank ``rank``."""
+    if v_shape:
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def place(piece: int, pp: int, v_shape: bool = False) -> tuple[int, int]:
+    """(pipeline rank, chunk) holding ``piece``; the inverse of :func:`piece_of`."""
+    if v_shape:
+        return (piece, 0) if piece < pp else (2 * pp - 1 - piece, 1)
+    return piece % pp, piece // pp
+
+
 @dataclass(frozen=True)
 class Round:
     """One round of one pipeline rank.
@@ -47,38 +69,50 @@ class Round:
         (an activation to the next stage, a gradient to the previous one).
     recvs: the rank's later steps whose input arrives at the end of the round, forward
         ones (activation from the previous stage) first; at most one each.
+    send_to: the pipeline rank the output goes to (when ``sends``).
+    recv_from: the pipeline rank each of ``recvs`` comes from.
+    local: the step's output feeds a later step of the same rank (the turn of the V
+        placement): kept, not sent.
     """
 
     step: Step | None
     sends: bool
     recvs: tuple[Step, ...]
+    send_to: int | None = None
+    recv_from: tuple[int, ...] = ()
+    local: bool = False
 
 
-def _destination(step: Step, rank: int, pp: int, vpp: int) -> tuple[int, Step] | None:
+def destination(step: Step, rank: int, pp: int, vpp: int,
+                v_shape: bool = False) -> tuple[int, Step] | None:
     """(rank, step) consuming the output of ``step`` run on ``rank``, or None (the output
     is the loss of the last piece, or the gradient of the first piece's input)."""
     kind, chunk, mb = step
     if kind == "W":  # a deferred weight gradient: nothing leaves the rank
         return None
-    piece = chunk * pp + rank  # position of this model piece in the whole model
+    piece = piece_of(rank, chunk, pp, v_shape)  # position of this piece in the model
     target = piece + 1 if kind == "F" else piece - 1
     if not 0 <= target < pp * vpp:
         return None
-    return target % pp, (kind, target // pp, mb)
+    dest_rank, dest_chunk = place(target, pp, v_shape)
+    return dest_rank, (kind, dest_chunk, mb)
 
 
-def _needs_input(step: Step, rank: int, pp: int, vpp: int) -> bool:
+def needs_input(step: Step, rank: int, pp: int, vpp: int, v_shape: bool = False) -> bool:
+    """Whether ``step`` waits for another step's output (an activation or a gradient)."""
     kind, chunk, _ = step
     if kind == "W":  # its input is this rank's own B step, run before it
         return False
-    piece = chunk * pp + rank
+    piece = piece_of(rank, chunk, pp, v_shape)
     return piece > 0 if kind == "F" else piece < pp * vpp - 1
 
 
-def plan_rounds(rank_steps: list[list[Step]], vpp: int) -> list[list[Round]]:
+def plan_rounds(rank_steps: list[list[Step]], vpp: int,
+                v_shape: bool = False) -> list[list[Round]]:
     """The rounds of every pipeline rank (index: pipeline rank), see the module docstring.
 
-    rank_steps: each pipeline rank's steps in execution order; vpp: model chunks per rank.
+    rank_steps: each pipeline rank's steps in execution order; vpp: model chunks per rank;
+    v_shape: the V placement of the pieces (ZB-V), else interleaved.
     """
     pp = len(rank_steps)
     pos = [0] * pp
@@ -90,23 +124,29 @@ def plan_rounds(rank_steps: list[list[Step]], vpp: int) -> list[list[Round]]:
             if pos[r] == len(rank_steps[r]):
                 continue
             step = rank_steps[r][pos[r]]
-            if not _needs_input(step, r, pp, vpp) or (r, step) in arrived:
+            if not needs_input(step, r, pp, vpp, v_shape) or (r, step) in arrived:
                 ran[r] = step
                 pos[r] += 1
         if not any(ran):
             raise ScheduleError(f"pipeline ranks stuck at steps {pos} of "
                                 f"{[len(s) for s in rank_steps]}: each waits for an input "
                                 "no rank sends; the step lists do not fit together")
-        sends = [False] * pp
-        recvs: list[list[Step]] = [[] for _ in range(pp)]
+        send_to: list[int | None] = [None] * pp
+        local = [False] * pp
+        recvs: list[list[tuple[Step, int]]] = [[] for _ in range(pp)]
         for r, step in enumerate(ran):
-            dest = _destination(step, r, pp, vpp) if step else None
+            dest = destination(step, r, pp, vpp, v_shape) if step else None
             if dest:
-                sends[r] = True
-                recvs[dest[0]].append(dest[1])
                 arrived.add(dest)
+                if dest[0] == r:   # the turn of the V: stays on the rank
+                    local[r] = True
+                else:
+                    send_to[r] = dest[0]
+                    recvs[dest[0]].append((dest[1], r))
         for r in range(pp):
             if ran[r] or recvs[r]:
-                recvs[r].sort(key=lambda s: s[0] != "F")
-                rounds[r].append(Round(ran[r], sends[r], tuple(recvs[r])))
+                recvs[r].sort(key=lambda s: s[0][0] != "F")
+                rounds[r].append(Round(ran[r], send_to[r] is not None, tuple(
+                    s for s, _ in recvs[r]), send_to[r], tuple(src for _, src in recvs[r]),
+                    local[r]))
     return rounds

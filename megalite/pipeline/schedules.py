@@ -12,6 +12,9 @@ deferred. A schedule function returns the ordered steps of one pipeline rank:
   chunk v-1, ..., 0 backward. Needs ``m % p == 0``.
 * :func:`~megalite.pipeline.zero_bubble.zb_h1` -- ZB-H1: 1F1B with each backward split
   into B and W, the W steps delayed into the bubble.
+* :func:`~megalite.pipeline.v_shape.zbv` and :func:`~megalite.pipeline.v_shape.dualpipev`
+  -- ZB-V and DualPipeV: two chunks per rank placed in a V (rank 0 holds the first and
+  the last layers), the split backward.
 * :func:`forward_only` -- every forward, for evaluation.
 
 :data:`PIPELINE_SCHEDULES` (``--pipeline-schedule``) names them, after torchtitan.
@@ -40,10 +43,11 @@ import torch
 
 from megalite.config.batch_schedule import check_interleaved
 from megalite.config.fields import require
-from megalite.config.parallel import PIPELINE_SCHEDULES, check_pipeline_schedule
+from megalite.config.parallel import PIPELINE_SCHEDULES, check_pipeline_schedule, is_v_schedule
 from megalite.parallel import weight_grad
 from megalite.pipeline.p2p import Incoming, PipeComm
 from megalite.pipeline.plan import Step, plan_rounds
+from megalite.pipeline.v_shape import dualpipev, v_forward_only, zbv
 from megalite.pipeline.zero_bubble import zb_h1
 
 
@@ -105,12 +109,18 @@ def build_schedule(pp_size: int, pp_rank: int, num_microbatches: int, vpp: int =
     """The steps of pipeline rank ``pp_rank`` under ``schedule`` (a name of
     :data:`PIPELINE_SCHEDULES`; default: 1F1B, or interleaved 1F1B when ``vpp > 1``), or
     every forward (``train=False``)."""
-    if not train:
-        return forward_only(num_microbatches, vpp, pp_size)
     require(schedule is None or schedule in PIPELINE_SCHEDULES,
             f"unknown pipeline schedule {schedule!r}; choose from "
             f"{', '.join(PIPELINE_SCHEDULES)}")
+    if not train:
+        if is_v_schedule(schedule):
+            return v_forward_only(pp_size, pp_rank, num_microbatches)
+        return forward_only(num_microbatches, vpp, pp_size)
     schedule = check_pipeline_schedule(schedule, vpp)
+    if schedule == "zbv":
+        return zbv(pp_size, pp_rank, num_microbatches)
+    if schedule == "dualpipev":
+        return dualpipev(pp_size, pp_rank, num_microbatches)
     if schedule == "interleaved_1f1b":
         return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, vpp)
     if schedule == "zb_h1":
@@ -135,9 +145,9 @@ def layout_schedules(layout, num_microbatches: int | None = None,
 
 
 @functools.lru_cache(maxsize=16)
-def _plan(rank_steps: tuple[tuple[Step, ...], ...], vpp: int):
+def _plan(rank_steps: tuple[tuple[Step, ...], ...], vpp: int, v_shape: bool):
     """plan_rounds, kept for the next global batch (the same steps every iteration)."""
-    return plan_rounds([list(s) for s in rank_steps], vpp)
+    return plan_rounds([list(s) for s in rank_steps], vpp, v_shape)
 
 
 @dataclass
@@ -172,7 +182,8 @@ def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
 
 def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vpp: int,
                  comm: PipeComm | None, train: bool = True,
-                 deallocate: bool = True, stats: ScheduleStats | None = None) -> None:
+                 deallocate: bool = True, stats: ScheduleStats | None = None,
+                 v_shape: bool = False) -> None:
     """Execute this rank's steps, ``rank_steps[ps.pp.rank]``.
 
     rank_steps: the steps of every pipeline rank (index: pipeline rank); together they fix
@@ -182,6 +193,9 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
     piece is the scalar loss to back-propagate (already scaled by the caller), of any
     other piece the activation ``[s, b, h]`` to send on.
     comm: the :class:`PipeComm` of this rank (None when pp == 1).
+    v_shape: the pieces sit in ZB-V's V (:mod:`megalite.pipeline.plan`): the last rank's
+    chunk 0 hands its output to its own chunk 1 (a detached copy that collects the
+    gradient, as a received activation does) and chunk 1's input gradient back to chunk 0.
     """
     rank = ps.pp.rank
     arrived: dict[Step, Incoming] = {}  # posted receives of later steps' inputs
@@ -192,7 +206,8 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
     split = train and any(s[0] == "W" for s in rank_steps[rank])
     splittable = weight_grad.splittable if split else contextlib.nullcontext
     deferred: dict[tuple[int, int], list] = {}
-    for rnd in _plan(tuple(map(tuple, rank_steps)), vpp)[rank]:
+    kept: dict[Step, torch.Tensor] = {}   # outputs for this rank's own later steps (the V)
+    for rnd in _plan(tuple(map(tuple, rank_steps)), vpp, v_shape)[rank]:
         t0 = time.perf_counter()
         waited0 = comm.wait_seconds if comm else 0.0
         send = None
@@ -200,6 +215,8 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
             kind, chunk, mb = rnd.step
             incoming = arrived.pop(rnd.step, None)  # None: first / last piece
             received = comm.take(incoming) if incoming is not None else None
+            if rnd.step in kept:
+                received = kept.pop(rnd.step)
             if kind == "F":
                 with torch.set_grad_enabled(train), splittable():
                     y = forward_step(chunk, mb, received)
@@ -217,8 +234,19 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
                 send = ("B", x.grad) if x is not None else None
             else:
                 weight_grad.apply(deferred.pop((chunk, mb)))
+            if rnd.local:   # the turn of the V: chunk 0 <-> chunk 1 on this rank
+                kind_, tensor = send
+                if kind_ == "F":
+                    # a copy, as a transfer gives: the output's storage may be a
+                    # buffer handed out again (reused_buffer) or freed below
+                    kept[("F", 1, mb)] = tensor.detach().clone().requires_grad_(train)
+                    if deallocate and train:
+                        _deallocate(tensor)
+                else:
+                    kept[("B", 0, mb)] = tensor
         if rnd.sends or rnd.recvs:
-            got = comm.exchange(send if rnd.sends else None, [s[0] for s in rnd.recvs])
+            got = comm.exchange(send if rnd.sends else None, [s[0] for s in rnd.recvs],
+                                rnd.send_to, rnd.recv_from)
             arrived.update(zip(rnd.recvs, got))
             if rnd.sends and send[0] == "F" and deallocate and train:
                 _deallocate(send[1])

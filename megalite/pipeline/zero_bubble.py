@@ -21,7 +21,7 @@ time and each rank's idle fraction: the theory every schedule's bubble is measur
 
 from __future__ import annotations
 
-from megalite.pipeline.plan import Step
+from megalite.pipeline.plan import Step, piece_of
 
 
 def zb_h1(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Step]:
@@ -48,14 +48,14 @@ def zb_h1(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Step]:
 
 
 def simulate(rank_steps: list[list[Step]], vpp: int = 1, *, forward: float = 1.0,
-             backward: float = 2.0, weight: float | None = None
-             ) -> tuple[float, list[float]]:
+             backward: float = 2.0, weight: float | None = None,
+             v_shape: bool = False) -> tuple[float, list[float]]:
     """(step time, idle fraction per rank) of ``rank_steps`` when each F takes
     ``forward``, each fused backward ``backward`` (split: B ``backward - weight``, W
     ``weight``; default ``weight = backward / 2``) and transfers take no time. The idle
     fraction of a rank is ``(step time - its busy time) / its busy time``, the measured
     bubble's definition (``tools/bench/pipeline.py``). Pieces are placed as the plan
-    places them (``megalite.pipeline.plan``)."""
+    places them (``megalite.pipeline.plan``; ``v_shape``: the V placement of ZB-V)."""
     pp = len(rank_steps)
     split = any(s[0] == "W" for steps in rank_steps for s in steps)
     w = (backward / 2 if weight is None else weight) if split else 0.0
@@ -69,7 +69,7 @@ def simulate(rank_steps: list[list[Step]], vpp: int = 1, *, forward: float = 1.0
         for r in range(pp):
             while pos[r] < len(rank_steps[r]):
                 kind, chunk, mb = rank_steps[r][pos[r]]
-                piece = chunk * pp + r
+                piece = piece_of(r, chunk, pp, v_shape)
                 deps = []
                 if kind == "F" and piece > 0:
                     deps.append((piece - 1, "F", mb))

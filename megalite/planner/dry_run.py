@@ -66,7 +66,7 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
             raise AssertionError(f"rank {rank} built {n_params:,} parameters, the planner "
                                  f"counts {dense + expert:,} from the config")
         steps = layout_schedules(layout)
-        rounds = plan_rounds(steps, layout.vpp)
+        rounds = plan_rounds(steps, layout.vpp, layout.v_shape)
         mem = estimate_memory(cfg, world_size, ps.pp.rank)
         coords = ps.describe()
         ps.destroy()

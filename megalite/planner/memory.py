@@ -57,7 +57,7 @@ from megalite.config.shapes import (dense_layer_params, dense_mlp_params, is_moe
                                     moe_mlp_params, norm_params)
 from megalite.optim.algorithms import algorithm_of
 from megalite.optim.memory import expected_bytes_per_param
-from megalite.planner.schedule import peak_in_flight, stage_layers
+from megalite.planner.schedule import output_stage, peak_in_flight, stage_layers
 
 
 # the busiest expert-parallel rank receives this many times the average routed tokens
@@ -97,7 +97,7 @@ class MemoryEstimate:
 def stage_param_counts(m, p, pp_rank: int) -> tuple[int, int]:
     """(dense, expert) parameter elements held by pipeline rank ``pp_rank`` (any tp rank):
     its layers, the embedding tables on the first stage, the final norm and output layer
-    (a copy of the tied embedding when pp > 1) on the last stage."""
+    (a copy of the tied embedding when pp > 1) on the last stage (the first under ZB-V)."""
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     dense = expert = 0
@@ -113,7 +113,7 @@ def stage_param_counts(m, p, pp_rank: int) -> tuple[int, int]:
         dense += vocab * m.hidden_size // tp
         if m.learned_positions:
             dense += m.max_position_embeddings * m.hidden_size
-    if pp_rank == pp - 1:
+    if pp_rank == output_stage(p):
         dense += norm_params(m)
         if m.untie_embeddings_and_output_weights or pp > 1:
             dense += vocab * m.hidden_size // tp
@@ -138,7 +138,7 @@ def unit_params(m, p, pp_rank: int) -> list[int]:
     if pp_rank == 0:
         units.append(vocab + (m.max_position_embeddings * m.hidden_size
                               if m.learned_positions else 0))
-    if pp_rank == p.pipeline_model_parallel_size - 1:
+    if pp_rank == output_stage(p):
         units.append(vocab + norm_params(m))
     return units
 
@@ -275,7 +275,7 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     in_flight = peak_in_flight(pp, pp_rank, lay.num_microbatches, vpp,
                                lay.pipeline_schedule)
     activations = chunk_bytes * in_flight
-    first, last = pp_rank == 0, pp_rank == pp - 1
+    first, last = pp_rank == 0, pp_rank == output_stage(p)
     vocab = lay.padded_vocab_size
     if last:  # final norm input and output (the output layer's input)
         activations += 2 * tokens * h // sp * eb

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 from megalite.config.layout import chunk_layer_ranges
+from megalite.config.parallel import is_v_schedule
 from megalite.pipeline.schedules import build_schedule
 from megalite.pipeline.zero_bubble import simulate
 
@@ -20,8 +21,15 @@ def stage_layers(m, p, pp_rank: int) -> list[int]:
     ranges = chunk_layer_ranges(m.num_layers, p.pipeline_model_parallel_size,
                                 p.virtual_pipeline_model_parallel_size,
                                 p.decoder_first_pipeline_num_layers,
-                                p.decoder_last_pipeline_num_layers)
+                                p.decoder_last_pipeline_num_layers,
+                                is_v_schedule(p.pipeline_schedule))
     return [first + i for first, n in ranges[pp_rank] for i in range(n)]
+
+
+def output_stage(p) -> int:
+    """The pipeline rank holding the final norm, the output layer and the loss: the last,
+    or under ZB-V's V placement the first (``megalite.pipeline.v_shape``)."""
+    return 0 if is_v_schedule(p.pipeline_schedule) else p.pipeline_model_parallel_size - 1
 
 
 @functools.lru_cache(maxsize=4096)
@@ -30,9 +38,10 @@ def peak_in_flight(pp: int, pp_rank: int, num_microbatches: int, vpp: int = 1,
     """Peak number of (micro-batch, chunk) forwards whose backward has not run yet on
     ``pp_rank``: the activations it holds at once, in units of one chunk's activations
     for one micro-batch (1F1B: ``min(pp - pp_rank, m)``; interleaved: more, in smaller
-    chunks). Under a zero-bubble schedule (``zb_h1``) a micro-batch counts until its W
-    step, which still needs the saved inputs of the weight GEMMs (an upper bound: B
-    frees the rest): ZB-H1 holds ``min(pp, m)`` on every rank, 1F1B's rank-0 peak."""
+    chunks). Under a zero-bubble schedule (``zb_h1``, ``zbv``) a micro-batch counts until
+    its W step, which still needs the saved inputs of the weight GEMMs (an upper bound: B
+    frees the rest): ZB-H1 holds ``min(pp, m)`` on every rank, 1F1B's rank-0 peak; ZB-V
+    at most ``2 min(pp, m)`` half-stage chunks, the same bytes."""
     steps = build_schedule(pp, pp_rank, num_microbatches, vpp, schedule=schedule)
     done = "W" if any(kind == "W" for kind, _, _ in steps) else "B"
     live = peak = 0
@@ -47,12 +56,14 @@ def bubble_fraction(pp: int, num_microbatches: int, vpp: int = 1,
                     schedule: str | None = None) -> float:
     """Idle fraction of the pipeline's ideal time. 1F1B and its interleaved variant:
     ``(pp - 1) / (vpp m)`` (Megatron-LM's). A zero-bubble schedule: its step lists played
-    with a backward twice the forward, split evenly into B and W
-    (:func:`megalite.pipeline.zero_bubble.simulate`): ZB-H1 gives ``(pp - 1) / (3 m)``
-    for ``m >= pp``, a third of 1F1B's."""
+    with a backward twice the forward, split evenly into B and W, each chunk ``1 / vpp``
+    of the stage (:func:`megalite.pipeline.zero_bubble.simulate`): ZB-H1 gives
+    ``(pp - 1) / (3 m)`` for ``m >= pp``, a third of 1F1B's; ZB-V ``(pp - 1) / (6 m)``
+    for ``m >= pp``, a sixth."""
     if schedule is None or schedule in ("1f1b", "interleaved_1f1b"):
         return (pp - 1) / (vpp * num_microbatches)
     steps = [build_schedule(pp, r, num_microbatches, vpp, schedule=schedule)
              for r in range(pp)]
-    _, idle = simulate(steps, vpp, forward=1.0, backward=2.0, weight=1.0)
+    _, idle = simulate(steps, vpp, forward=1.0 / vpp, backward=2.0 / vpp,
+                       weight=1.0 / vpp, v_shape=is_v_schedule(schedule))
     return sum(idle) / pp

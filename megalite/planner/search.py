@@ -1,7 +1,8 @@
 """Enumerate layouts for a model on a cluster, keep the legal ones that fit, rank by time.
 
 A candidate sets tp x pp x vpp x cp x ep (dp is what is left of the world), the
-pipeline schedule (1F1B or ZB-H1 with one chunk per rank, interleaved 1F1B with more), the
+pipeline schedule (1F1B or ZB-H1 with one chunk per rank, interleaved 1F1B with more, ZB-V
+with two in a V), the
 data-parallel sharding strategy, recomputation and the micro-batch size on a copy of the
 user's config; megalite's own validation (``MegaliteConfig.validate``, which calls
 ``ModelConfig.check_layout``) decides whether it is legal, so the planner never proposes a
@@ -29,9 +30,21 @@ RECOMPUTE = {"none": {"recompute_granularity": None, "recompute_method": None,
                       "recompute_num_layers": 1, "recompute_modules": None}}
 # --data-parallel-sharding-strategy values the planner proposes: all of them
 STRATEGIES = SHARDING_STRATEGIES
-# --pipeline-schedule values the planner proposes for one chunk per pipeline rank (more
-# chunks: interleaved_1f1b, the only schedule for them)
-SCHEDULES = ("1f1b", "zb_h1")
+# --pipeline-schedule values the planner proposes: 1f1b and zb_h1 with one chunk per
+# pipeline rank, zbv with two (beside interleaved_1f1b, which every vpp > 1 runs)
+SCHEDULES = ("1f1b", "zb_h1", "zbv")
+ONE_CHUNK_SCHEDULES = ("1f1b", "zb_h1")
+
+
+def schedules_for(pp: int, vpp: int, schedules=SCHEDULES) -> tuple:
+    """The ``--pipeline-schedule`` values to try at ``pp`` x ``vpp`` (None: the default by
+    vpp): the one-chunk ones of ``schedules``, or the default (interleaved 1F1B) and, at
+    vpp 2, ZB-V."""
+    if pp == 1:
+        return (None,)
+    if vpp == 1:
+        return tuple(s for s in schedules if s in ONE_CHUNK_SCHEDULES) or (None,)
+    return (None, "zbv") if vpp == 2 and "zbv" in schedules else (None,)
 
 
 @dataclass
@@ -61,8 +74,8 @@ class Candidate:
         parts = [f"tp{s['tp']}", f"pp{s['pp']}"]
         if s["vpp"] > 1:
             parts.append(f"vpp{s['vpp']}")
-        if self.schedule == "zb_h1":
-            parts.append("zb_h1")
+        if self.schedule in ("zb_h1", "zbv"):
+            parts.append(self.schedule)
         parts += [f"cp{s['cp']}"] if s["cp"] > 1 else []
         parts += [f"ep{s['ep']}"] if s["ep"] > 1 else []
         parts += [f"dp{s['dp']}", self.strategy + (f"+off{self.offload:g}" if self.offload
@@ -77,8 +90,8 @@ class Candidate:
                   "--pipeline-model-parallel-size", str(s["pp"])]
         if s["vpp"] > 1:
             flags += ["--virtual-pipeline-model-parallel-size", str(s["vpp"])]
-        if self.schedule == "zb_h1":
-            flags += ["--pipeline-schedule", "zb_h1"]
+        if self.schedule in ("zb_h1", "zbv"):
+            flags += ["--pipeline-schedule", self.schedule]
         if s["tp"] > 1:
             flags.append("--sequence-parallel")
         if s["cp"] > 1:
@@ -167,8 +180,8 @@ def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=No
     strategy); ``overlaps``: with and without ``--overlap-grad-reduce`` (and
     ``--overlap-param-gather`` under a sharded strategy), the user's own overlap flags set
     aside (tried only where there is data parallelism to overlap); ``schedules``: the
-    pipeline schedules tried with one chunk per pipeline rank and pp > 1 (of
-    :data:`SCHEDULES`; several chunks run interleaved 1F1B). ``progress``: count
+    pipeline schedules tried where pp > 1 (of :data:`SCHEDULES`: :func:`schedules_for`;
+    several chunks run interleaved 1F1B, two also ZB-V). ``progress``: count
     the candidates evaluated on stderr (:mod:`megalite.progress`)."""
     m = base.model
     world = cluster.world_size
@@ -186,7 +199,7 @@ def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=No
             continue
         sizes = {"tp": t_, "pp": p_, "vpp": v_, "cp": c_, "ep": e_,
                  "dp": data_parallel_size(world, t_, p_, c_)}
-        scheds = schedules if p_ > 1 and v_ == 1 else (None,)
+        scheds = schedules_for(p_, v_, schedules)
         for strategy, rc, mbs, off, ov, sched in itertools.product(
                 strategies, recomputes, micro_batch_sizes, offloads, overlaps, scheds):
             if strategy != "no_shard" and sizes["dp"] * c_ == 1:

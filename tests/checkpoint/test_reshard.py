@@ -89,3 +89,25 @@ def test_mla_checkpoint_resumes_at_another_tp(tmp_path):
 def _train_short(rank, world_size, layout, checkpoint):
     result, _ = run_training(tiny(layout, train={"train_iters": 4}, checkpoint=checkpoint))
     return result.losses
+
+
+def test_zbv_checkpoint_resumes_at_other_placements(tmp_path):
+    """A checkpoint saved under ZB-V's V placement (pipeline rank 0 holds the first and the
+    last layer, the word embedding and its tied copy) holds global layer numbers: it
+    resumes in one process and at pp 2 under 1F1B on the uninterrupted curve."""
+    saved = by_name("reshard-pp2-zbv")
+    save = str(tmp_path / "zbv")
+    reference = run_distributed(2, _train_short, saved,
+                                {"save": save, "save_interval": 2})[-1]
+    with open(os.path.join(save, "iter_0000002", "metadata.json")) as f:
+        assert json.load(f)["config"]["parallel"]["pipeline_schedule"] == "zbv"
+    load = only_iteration(save, str(tmp_path / "to_tp1"), 2)
+    result, _ = run_training(tiny(by_name("reshard-single-from-zbv"), train={"train_iters": 4},
+                                  checkpoint={"load": load, "save": load}))
+    load = only_iteration(save, str(tmp_path / "to_pp2"), 2)
+    pp2 = run_distributed(2, _train_short, by_name("reshard-pp2-from-zbv"),
+                          {"load": load, "save": load})[-1]
+    for losses in (result.losses, pp2):
+        assert list(losses) == [3, 4]
+        for it, loss in losses.items():
+            assert loss == pytest.approx(reference[it], rel=2e-6, abs=1e-6), it

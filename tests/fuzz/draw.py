@@ -27,7 +27,10 @@ instead of AdamW or SGD, with ``--muon-tp-mode`` duplicated or distributed and N
 momentum on or off) is drawn for a quarter of the AdamW draws from ``"optim-<seed>"``.
 The pipeline schedule comes from ``"schedule-<seed>"``: a third of the draws without
 virtual stages run zero bubble (``--pipeline-schedule zb_h1``: each backward split into B
-and the deferred weight gradients W; also at pp 1).
+and the deferred weight gradients W; also at pp 1); ZB-V (``zbv``: two chunks per rank in
+a V, the split backward) takes a third of the draws with two virtual stages and a quarter
+of the other even pipelines whose layers split into ``2 pp`` chunks, DualPipeV half of
+those with at least ``2 pp`` micro-batches.
 The attention variant comes from ``"attention-<seed>"``: multi-latent attention for a
 quarter of the seeds (with or without a query latent, value heads as wide as the keys or
 narrower, YaRN or plain RoPE, its up projections recomputed where selective
@@ -229,10 +232,23 @@ def _muon(orng: random.Random, optim: dict, split: bool, model: dict) -> None:
             optim["muon_tp_mode"] = mode
 
 
-def _schedule(zrng: random.Random, short: dict) -> None:
-    """``--pipeline-schedule zb_h1`` for a third of the draws without virtual stages."""
+def _schedule(zrng: random.Random, short: dict, num_layers: int, num_micro: int) -> None:
+    """``--pipeline-schedule zb_h1`` for a third of the draws without virtual stages; ZB-V
+    (``zbv``, two chunks per rank in a V) for a third of the draws with two virtual stages,
+    and for a quarter of the other even pipelines whose layers split into ``2 pp`` chunks
+    (drawn after the zb_h1 choice, so that choice stays what it was); half the ZB-V draws
+    with at least ``2 pp`` micro-batches run DualPipeV instead."""
+    pp = short["pp"]
     if "vpp" not in short and zrng.random() < 1 / 3:
         short["schedule"] = "zb_h1"
+    elif short.get("vpp") == 2:
+        if zrng.random() < 1 / 3:
+            short["schedule"] = "zbv"
+    elif ("vpp" not in short and pp > 1 and "first" not in short and "last" not in short
+          and num_layers % (2 * pp) == 0 and zrng.random() < 1 / 4):
+        short["schedule"] = "zbv"
+    if short.get("schedule") == "zbv" and num_micro >= 2 * pp and zrng.random() < 0.5:
+        short["schedule"] = "dualpipev"
 
 
 def _attention_variant(vrng: random.Random, model: dict) -> None:
@@ -322,7 +338,8 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
     if orng is not None:
         _muon(orng, optim, short["tp"] > 1 or short.get("etp", 1) > 1, model)
     if zrng is not None:
-        _schedule(zrng, short)
+        _schedule(zrng, short, model["num_layers"],
+                  train["global_batch_size"] // (train["micro_batch_size"] * short["dp"]))
     if vrng is not None:
         _attention_variant(vrng, model)
     if frng is not None:

@@ -91,7 +91,8 @@ def _nccl_like(name, **parallel):
 
 NCCL_LIKE = [_nccl_like(name) for name in ("pipeline-pp2", "pipeline-pp2-vpp2",
                                            "pipeline-pp4-vpp2", "pipeline-tp2-sp-pp2-vpp2",
-                                           "pipeline-pp2-zb_h1")]
+                                           "pipeline-pp2-zb_h1", "pipeline-pp2-zbv",
+                                           "pipeline-pp4-zbv", "pipeline-pp4-dualpipev")]
 NCCL_LIKE += [_nccl_like(name, variable_seq_lengths=True)
               for name in ("pipeline-pp2", "pipeline-pp2-vpp2")]
 

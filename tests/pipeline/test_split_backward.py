@@ -117,3 +117,37 @@ def _tp2_body(rank, world_size, sp, buffers):
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_split_backward_is_bitwise_tp2(sp):
     assert all(run_distributed(2, _tp2_body, sp, True))
+
+
+def test_w_after_the_graph_is_gone_under_full_recompute():
+    """Full recomputation hands B an alias of each weight that reaches its parameter only
+    through the parameter's accumulation node, which autograd holds weakly: with the
+    forward's graph dropped before W (no later forward of the chunk keeps the node), the
+    W step must still accumulate into the parameter (the queue holds the node)."""
+    import gc
+
+    from torch.utils.checkpoint import checkpoint
+
+    from megalite.layers.linear import ColumnParallelLinear
+    with parallel_state() as ps:
+        torch.manual_seed(0)
+        lin = ColumnParallelLinear(8, 8, bias=False, gather_output=True, ps=ps, init_std=0.1)
+    x = torch.randn(4, 2, 8)
+
+    def run(split):
+        lin.weight.grad = None
+        with weight_grad.splittable() if split else torch.enable_grad():
+            out = checkpoint(lambda t: lin(t)[0], x, use_reentrant=False)
+        if not split:
+            out.sum().backward()
+            return lin.weight.grad.clone()
+        with weight_grad.splittable(), weight_grad.deferring() as queue:
+            out.sum().backward()   # the recomputed forward inside builds the same graph
+        del out
+        gc.collect()
+        weight_grad.apply(queue)
+        return lin.weight.grad
+
+    fused = run(False)
+    got = run(True)
+    assert got is not None and torch.equal(got, fused)

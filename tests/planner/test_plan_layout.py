@@ -206,3 +206,35 @@ def test_cluster_refuses_what_no_machine_has(field, value):
 
     with pytest.raises(ConfigError, match=f"cluster {field} must be"):
         Cluster(**{**vars(preset("h100", 1)), field: value})
+
+
+def test_zbv_terms_follow_the_schedule():
+    """ZB-V: every rank holds at most 2p half-stage chunks (1F1B's rank-0 peak in bytes)
+    and a sixth of 1F1B's bubble once m >= p; the output layer sits on rank 0."""
+    assert [peak_in_flight(4, r, 8, vpp=2, schedule="zbv") for r in range(4)] == [8] * 4
+    assert bubble_fraction(4, 8, vpp=2, schedule="zbv") == pytest.approx(3 / 48)
+    assert bubble_fraction(8, 16, vpp=2, schedule="zbv") == pytest.approx(7 / 96)
+    # DualPipeV's phases, one stream per rank: the same bubble, one chunk more in flight
+    assert bubble_fraction(4, 8, vpp=2, schedule="dualpipev") == pytest.approx(3 / 48)
+    assert [peak_in_flight(4, r, 8, vpp=2, schedule="dualpipev") for r in range(4)] == [9] * 4
+    cfg = parse_args(SMALL + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule",
+                              "zbv"]).validate(8)
+    ofob = parse_args(SMALL + ["--pipeline-model-parallel-size", "4"]).validate(8)
+    # rank 0 holds the embedding and the output layer; the last rank neither
+    assert estimate_memory(cfg, 8, 0).total > estimate_memory(ofob, 8, 0).total
+    assert estimate_memory(cfg, 8, 3).total < estimate_memory(ofob, 8, 3).total
+
+
+def test_search_ranks_zbv_beside_interleaved():
+    """With two chunks per rank the search tries interleaved 1F1B and ZB-V: ZB-V's bubble
+    is a third of interleaved's at vpp 2, so it ranks first; its flags select it."""
+    base = parse_args(SMALL)
+    cands = search(base, preset("h100", 1), tp=[1], pp=[4], vpp=[2], micro_batch_sizes=(1,),
+                   strategies=("no_shard",), recomputes=("none",), overlaps=(False,))
+    assert [c.schedule for c in cands] == ["zbv", None]
+    zbv, interleaved = cands
+    assert zbv.time.bubble == pytest.approx(interleaved.time.bubble / 3)
+    assert zbv.time.step < interleaved.time.step
+    assert "zbv" in zbv.name()
+    assert parse_args(SMALL + zbv.launch_flags()).validate(8).parallel.pipeline_schedule \
+        == "zbv"

@@ -1,25 +1,28 @@
 """Pipeline bubble and activation memory of every schedule: measured vs theory.
 
 ``python tools/benchmark.py pipeline [--pipeline-model-parallel-size 4] [--microbatches 4 8 16]
-[--schedules 1f1b interleaved_1f1b zb_h1] [--virtual-pipeline-model-parallel-size 2]
+[--schedules 1f1b interleaved_1f1b zb_h1 zbv dualpipev] [--virtual-pipeline-model-parallel-size 2]
 [--forward-ms 30] [--compute sleep|matmul]``
 
 Runs the real schedules (megalite.pipeline.schedules, gloo p2p) on ``p`` ranks. Each
 micro-batch's forward through a whole stage costs ``--forward-ms`` and its backward twice
 that, split evenly over the stage's ``v`` chunks (``--virtual-pipeline-model-parallel-size``,
-for interleaved_1f1b). The backward is half input gradient, half weight gradient: a
-zero-bubble schedule (zb_h1) runs the second half as its W step, through megalite's own
-deferral (:mod:`megalite.parallel.weight_grad`). With ``--compute sleep`` (default) each
-cost is a sleep, so ``p`` ranks on a 2-core machine do not slow each other down and the
-measurement isolates the schedule; ``--compute matmul`` burns real FLOPs instead (then
-ranks compete for cores once p > cores, which inflates the busy time).
+for interleaved_1f1b; zbv and dualpipev always have two, in a V). The backward is half
+input gradient, half weight gradient: a zero-bubble schedule (zb_h1, zbv, dualpipev) runs
+the second half as its W step, through megalite's own deferral
+(:mod:`megalite.parallel.weight_grad`). With ``--compute sleep`` (default) each cost is a sleep, so
+``p`` ranks on a 2-core machine do not slow each other down and the measurement isolates the
+schedule; ``--compute matmul`` burns real FLOPs instead (then ranks compete for cores once p >
+cores, which inflates the busy time).
 
 Reported per (m, schedule): the bubble as (step time - busy time) / busy time, averaged
 over ranks (Megatron's definition), against the schedule's theory
 (:func:`megalite.planner.schedule.bubble_fraction`: (p-1)/m for 1F1B, (p-1)/(v m)
-interleaved, (p-1)/(3m) for ZB-H1 at m >= p); the step time; and per rank the peak number
-of micro-batches whose activations it holds (forward run, backward -- under a zero-bubble
-schedule its W step -- not yet), measured and in theory
+interleaved, (p-1)/(3m) for ZB-H1, (p-1)/(6m) for ZB-V at m >= p and DualPipeV, whose
+phases run one after the other here, at m >= 2p); the step time; and
+per rank the peak number
+of (micro-batch, chunk) pairs whose activations it holds (forward run, backward -- under a
+zero-bubble schedule its W step -- not yet), measured and in theory
 (:func:`megalite.planner.schedule.peak_in_flight`), with the bytes of the stage-boundary
 activations ``[s, b, h]`` rank 0 keeps alive; GPipe (all forwards, then all backwards:
 m) as the memory baseline.
@@ -90,7 +93,9 @@ def _schedules_on_rank(rank, world, cases, args):
     results = []
     for m, schedule, v in cases + [(m, "gpipe", 1) for m in sorted({c[0] for c in cases})]:
         pcfg = ParallelConfig(pipeline_model_parallel_size=world,
-                              virtual_pipeline_model_parallel_size=v if v > 1 else None)
+                              virtual_pipeline_model_parallel_size=v if v > 1 else None,
+                              pipeline_schedule=schedule if schedule in ("zbv", "dualpipev")
+                              else None)
         ps = ParallelState.build(pcfg)
         ms = args.forward_ms / v
 
@@ -108,7 +113,7 @@ def _schedules_on_rank(rank, world, cases, args):
         steps = ([all_forward_then_backward(m)] * world if schedule == "gpipe"
                  else build_schedules(world, m, v, schedule=schedule))
         run_schedule(steps, forward_step=forward_step,
-                     ps=ps, vpp=v, comm=comm, stats=stats)
+                     ps=ps, vpp=v, comm=comm, stats=stats, v_shape=ps.v_shape)
         total = time.perf_counter() - t0
         dist.barrier()
         results.append((m, schedule, v, total, stats.busy, stats.peak_pending_weight_grads))
@@ -120,14 +125,18 @@ def main(argv=None) -> dict:
     """Print the table; return its rows, ``{(m, schedule, v): {"bubble", "theory",
     "step": seconds, "live": peak live micro-batches per rank, "live_theory",
     "gpipe_live": the same under GPipe}}``."""
-    from megalite.config.parallel import MULTI_CHUNK_SCHEDULES, PIPELINE_SCHEDULES
+    from megalite.config.parallel import (
+        MULTI_CHUNK_SCHEDULES,
+        NOT_IMPLEMENTED_SCHEDULES,
+        PIPELINE_SCHEDULES,
+    )
     from megalite.planner.schedule import bubble_fraction, peak_in_flight
 
     parser = argparse.ArgumentParser(prog="benchmark.py pipeline")
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="*", default=[4, 8, 16])
-    parser.add_argument("--schedules", nargs="*", choices=PIPELINE_SCHEDULES,
-                        default=list(PIPELINE_SCHEDULES))
+    runnable = [s for s in PIPELINE_SCHEDULES if s not in NOT_IMPLEMENTED_SCHEDULES]
+    parser.add_argument("--schedules", nargs="*", choices=runnable, default=runnable)
     parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, nargs="*",
                         default=[2], help="model chunks per rank of interleaved_1f1b")
     parser.add_argument("--forward-ms", type=float, default=30.0)
@@ -139,7 +148,11 @@ def main(argv=None) -> dict:
     p = args.pipeline_model_parallel_size
     cases = []
     for schedule in args.schedules:
-        if schedule in MULTI_CHUNK_SCHEDULES:
+        if schedule == "zbv":   # two chunks per rank in a V, any m
+            cases += [(m, schedule, 2) for m in args.microbatches]
+        elif schedule == "dualpipev":   # the same V, m >= 2p
+            cases += [(m, schedule, 2) for m in args.microbatches if m >= 2 * p]
+        elif schedule in MULTI_CHUNK_SCHEDULES:
             cases += [(m, schedule, v) for v in args.virtual_pipeline_model_parallel_size
                       for m in args.microbatches if v > 1 and m % p == 0]
         else:

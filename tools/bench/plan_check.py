@@ -34,13 +34,12 @@ Each layout trains a small GPT (4 layers, hidden 256, seq 128, global batch 8; m
 dominate, the fixed costs are a tenth): one warm-up step, then ``--repeat`` timed steps
 (barrier to barrier, batches fetched beforehand), the median reported. The layouts are
 chosen so that their step times differ clearly (single rank with and without full
-recomputation, dp2, tp2, pp2 with 8 and 2 micro-batches, dp2 with recomputation, four
-ranks on two cores, ...). Printed: per layout, estimated and measured ms with the main
-terms, the seconds a rank spent blocked in collectives per step and how many each group
-ran (the flight recorder's count: compare with the estimate's tp/pp/dp terms), the
-Spearman rank correlation of the estimates with the measurements (>= 0.8 wanted)
-and the largest relative error (<= 25%). ``tests/planner/test_time_model.py``
-(slow) runs it and asserts both.
+recomputation, dp2, tp2, pp2 with 8 and 2 micro-batches, pp2 under ZB-V, dp2 with
+recomputation, four ranks on two cores, ...). Printed: per layout, estimated and measured
+ms with the main terms, the seconds a rank spent blocked in collectives per step and how many each
+group ran (the flight recorder's count: compare with the estimate's tp/pp/dp terms), the Spearman
+rank correlation of the estimates with the measurements (>= 0.8 wanted) and the largest relative
+error (<= 25%). ``tests/planner/test_time_model.py`` (slow) runs it and asserts both.
 """
 
 from __future__ import annotations
@@ -72,6 +71,8 @@ LAYOUTS = (
     ("w2-tp2", 2, TP2),
     ("w2-pp2", 2, PP2 + ["--micro-batch-size", "1"]),
     ("w2-pp2-mbs4", 2, PP2 + ["--micro-batch-size", "4"]),
+    # ZB-V: two 1-layer chunks per rank in a V, the split backward, 8 micro-batches
+    ("w2-pp2-zbv", 2, PP2 + ["--pipeline-schedule", "zbv", "--micro-batch-size", "1"]),
     ("w2-tp2-full", 2, TP2 + FULL),
     ("w4-dp4", 4, ["--micro-batch-size", "1"]),
     ("w4-tp2-dp2", 4, TP2 + ["--micro-batch-size", "1"]),
