@@ -180,3 +180,17 @@ def test_config_refusals():
     # a last stage without decoder layers cannot be asked for
     with pytest.raises(ConfigError, match="decoder_last_pipeline_num_layers"):
         ParallelConfig(pipeline_model_parallel_size=2, decoder_last_pipeline_num_layers=0)
+
+
+def test_formats_without_depths_say_so():
+    """Megatron checkpoints (import and export) refuse a model with depths rather than drop
+    them; a Hugging Face family without a place for them warns on export."""
+    from megalite.checkpoint.megatron.arguments import megatron_args, unsupported
+    from megalite.models.families import get_family
+
+    model = llama_config(mtp_num_layers=1)
+    problems = unsupported(megatron_args(MegaliteConfig(model=model)))
+    assert any("multi-token prediction" in p for p in problems)
+    (warning,) = get_family("llama").export_warnings(model)
+    assert "1 multi-token prediction depth(s)" in warning
+    assert get_family("llama").export_warnings(llama_config()) == []
