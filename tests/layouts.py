@@ -390,7 +390,12 @@ _RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
             # multi-latent attention: saved at tp 2 + sp (up projections split, down
             # projections whole), resumed in one process
             row("reshard", 2, "mla", model=MLA, tags=("save",), tp=2, sp=True),
-            row("reshard", 1, "mla", model=MLA)]
+            row("reshard", 1, "mla", model=MLA),
+            # multi-token prediction saved at pp 2 (the depths and the last stage's copy of
+            # the word embedding, untied output), resumed in one process
+            row("reshard", 2, "mtp", model={**MTP, "untie_embeddings_and_output_weights": True},
+                tags=("save",), pp=2),
+            row("reshard", 1, "mtp", model={**MTP, "untie_embeddings_and_output_weights": True})]
 
 # -- cp: context parallelism, each comm type, trained against one process -----------------
 # a Llama-style GQA model (4 heads, 2 query groups: a2a at cp 2 splits both) at seq 32
