@@ -130,11 +130,22 @@ def loss_divisors(batches: list[dict], tokens: torch.Tensor, per_microbatch: boo
             for b in batches]
 
 
+def mtp_loss_divisors(batches: list[dict], dp: int) -> list[torch.Tensor]:
+    """Under ``--per-microbatch-loss``: what each micro-batch's summed masked loss of each
+    prediction depth is divided by, fp64 ``[N]``: its rolled loss mask's tokens (at least
+    1) x ``len(batches)`` x ``dp``, as Megatron-Core divides each depth's loss by the
+    rolled mask's count (``num_tokens`` of its roll) and the schedule by the micro-batches."""
+    scale = float(len(batches) * dp)
+    return [b["mtp_loss_mask"].double().sum(dim=(1, 2)).clamp_min(1.0) * scale
+            for b in batches]
+
+
 def forward_backward(c, batches: list[dict], tokens, *, train: bool = True,
                      loss_scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
                      stats: ScheduleStats | None = None,
                      router_losses: RouterLosses | None = None,
-                     mtp_losses: MTPLosses | None = None) -> torch.Tensor:
+                     mtp_losses: MTPLosses | None = None,
+                     mtp_divisors: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Run this rank's micro-batches ``batches`` (dicts of ``[b, s]`` tensors).
 
     tokens: fp64 scalar tensor, valid tokens of the whole global batch (every rank), or a
@@ -145,7 +156,8 @@ def forward_backward(c, batches: list[dict], tokens, *, train: bool = True,
         carry the rolled entries (``transformer.mtp.roll_for_mtp``), and each micro-batch's
         loss gains ``mtp_loss_scaling_factor / N`` times the depths' summed masked losses,
         divided like the LM loss (Megatron-Core's ``MTPLossAutoScaler`` with
-        ``--calculate-per-token-loss``).
+        ``--calculate-per-token-loss``), or with ``mtp_divisors`` (per micro-batch, one
+        per depth: :func:`mtp_loss_divisors`) by those.
     Returns the fp64 SUM of the masked per-token loss over this rank's micro-batches,
     identical on every pipeline stage (broadcast from the last stage over ``ps.pp``).
     """
@@ -184,6 +196,9 @@ def forward_backward(c, batches: list[dict], tokens, *, train: bool = True,
             mtp_masked = [(loss.float() * mask[k]).sum() for k, loss in enumerate(per_depth)]
             mtp_losses.add(mtp_masked, mask)
             weight = c.cfg.model.mtp_loss_scaling_factor / len(per_depth)
+            if mtp_divisors is not None:
+                depths = (torch.stack(mtp_masked) / mtp_divisors[mb].float()).sum()
+                return loss_scale(masked / divisors[mb].float() + weight * depths)
             masked = masked + weight * torch.stack(mtp_masked).sum()
         return loss_scale(masked / divisors[mb].float())
 

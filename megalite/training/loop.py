@@ -51,7 +51,7 @@ from megalite.pipeline.layout import model_chunks
 from megalite.transformer.mtp import mtp_depths, roll_for_mtp
 from megalite.training.components import TrainState
 from megalite.training.forward_backward import (MTPLosses, RouterLosses, forward_backward,
-                                                loss_divisors)
+                                                loss_divisors, mtp_loss_divisors)
 from megalite.training.fp8 import finish_fp8_step
 from megalite.training.health import LossScaleError, LossScaleWatchdog  # noqa: F401 (re-export)
 from megalite.training.manual_gc import ManualGC
@@ -140,9 +140,12 @@ def _forward_backward(c: TrainingComponents, batches: list[dict], tokens: torch.
     router = RouterLosses(c.ps.device) if c.cfg.model.num_experts is not None else None
     depths = mtp_depths(c.cfg.model)
     mtp = MTPLosses(depths, c.ps.device) if depths else None
+    mtp_divisors = (mtp_loss_divisors(batches, c.ps.dp.size)   # as Megatron's default
+                    if depths and c.cfg.train.per_microbatch_loss else None)
     with c.timers("forward-backward", log_level=1):
         loss_sum = forward_backward(c, batches, divisors, loss_scale=c.optimizer.scale_loss,
-                                    router_losses=router, mtp_losses=mtp)
+                                    router_losses=router, mtp_losses=mtp,
+                                    mtp_divisors=mtp_divisors)
     if validator is not None:
         loss_sum = validator.corrupt(loss_sum, iteration, attempt, c.ps)
     lm_loss = float((all_reduce(loss_sum.clone(), c.ps.dp_cp) / tokens).item())

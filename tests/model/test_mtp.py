@@ -104,9 +104,14 @@ def test_roll_shifts_left_and_masks_the_end():
     assert roll_for_mtp(b, 0) is b
 
 
-def test_objective_adds_the_scaled_mean_of_the_depths():
+@pytest.mark.parametrize("per_microbatch", [False, True], ids=["global-tokens",
+                                                              "per-microbatch"])
+def test_objective_adds_the_scaled_mean_of_the_depths(per_microbatch):
     """forward_backward's gradients are those of ``(sum lm m + (0.3 / 2) sum_k sum l_k m_k)
-    / tokens`` summed over micro-batches; MTPLosses logs each depth's token mean."""
+    / tokens`` summed over micro-batches (``--per-microbatch-loss``: each micro-batch's LM
+    mean, and each depth's mean over its rolled mask, over the 2 micro-batches, as
+    Megatron-Core); MTPLosses logs each depth's token mean."""
+    from megalite.training.forward_backward import loss_divisors, mtp_loss_divisors
     from tests.training.common import tiny_config
 
     cfg = tiny_config(model={"mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3,
@@ -124,17 +129,23 @@ def test_objective_adds_the_scaled_mean_of_the_depths():
     model = GPTModel(cfg.model, ps, seed=3)
     logged = MTPLosses(2, ps.device)
     c = types.SimpleNamespace(cfg=cfg, ps=ps, model=model, layout=cfg.resolve(1))
-    forward_backward(c, batches, tokens, mtp_losses=logged)
+    if per_microbatch:
+        forward_backward(c, batches, loss_divisors(batches, tokens, True, 1),
+                         mtp_losses=logged, mtp_divisors=mtp_loss_divisors(batches, 1))
+    else:
+        forward_backward(c, batches, tokens, mtp_losses=logged)
 
     ref = GPTModel(cfg.model, ps, seed=3)
     total, sums, counts = 0.0, [0.0, 0.0], [0.0, 0.0]
     for b in batches:
         main = ref(b["tokens"], labels=b["labels"], mtp_tokens=b["mtp_tokens"],
                    mtp_labels=b["mtp_labels"])
-        total = total + (main * b["loss_mask"]).sum() / tokens.float()
+        lm_div = b["loss_mask"].sum() * 2 if per_microbatch else tokens.float()
+        total = total + (main * b["loss_mask"]).sum() / lm_div
         for k, loss in enumerate(ref.mtp_losses):
             masked = (loss * b["mtp_loss_mask"][k]).sum()
-            total = total + 0.3 / 2 * masked / tokens.float()
+            div = b["mtp_loss_mask"][k].sum() * 2 if per_microbatch else tokens.float()
+            total = total + 0.3 / 2 * masked / div
             sums[k] += float(masked.detach())
             counts[k] += float(b["mtp_loss_mask"][k].sum())
     total.backward()
