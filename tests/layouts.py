@@ -148,6 +148,8 @@ MLA = {"multi_latent_attention": True, "qk_layernorm": True, "q_lora_rank": 16,
 MLA_RECOMPUTE = {"recompute_granularity": "selective",
                  "recompute_modules": ["core_attn", "mla_up_proj"]}
 QK_NORM = {"qk_layernorm": True}
+# multi-token prediction: two depths (RoPE: a later pipeline stage holds no position table)
+MTP = {"mtp_num_layers": 2, "position_embedding_type": "rope"}
 _MODEL += [
     row("model", 2, "mla", model=MLA, tp=2, sp=False),
     row("model", 2, "mla", model=MLA, tp=2, sp=True),
@@ -245,6 +247,11 @@ _DEEPSEEK = [
     row("moe-training", 4, "deepseek-recompute", model={
         **DEEPSEEK_MOE, "recompute_granularity": "selective",
         "recompute_modules": ["mlp", "moe", "layernorm"]}, tp=2, sp=True, ep=2, etp=1),
+    # multi-token prediction with MLA in front of the experts; its depths' MoE layer (the
+    # last layer's kind) has an expert bias of its own: ep 2, and pp 2 (the depths on stage 1)
+    row("moe-training", 4, "deepseek-mtp", model={**DEEPSEEK_MOE, **MLA, **MTP}, ep=2),
+    row("moe-training", 4, "deepseek-mtp", model={**DEEPSEEK_MOE, **MLA, **MTP}, pp=2,
+        ep=2),
     # save at ep 2 x dp 2, resume in one process
     row("reshard", 2, "expert-bias", model=DEEPSEEK_MOE, ep=2, tags=("save",)),
     row("reshard", 1, "expert-bias", model=DEEPSEEK_MOE),
@@ -293,13 +300,26 @@ _OPTIM_MLA = [
     row("optim", 4, "mla", model={**MLA, "num_layers": 4}, pp=2, vpp=2, distopt=True),
     row("optim", 4, "mla", model=MLA, tp=2, sp=True, **ZERO3),
 ]
+# multi-token prediction: the depths' eh_proj over tp 2 + sp, on the last stage of pp 2
+# (tied: the output layer and the depths share the stage's copy of the word embedding;
+# untied: the copy is the depths' alone) and of pp 2 x vpp 2 with the distributed
+# optimizer, with MLA under ZeRO-3, and under full recomputation
+_OPTIM_MTP = [
+    row("optim", 4, "mtp", model=MTP, tp=2, sp=True),
+    row("optim", 4, "mtp", model=MTP, pp=2),
+    row("optim", 4, "mtp-untied", model={**MTP, "untie_embeddings_and_output_weights": True},
+        pp=2),
+    row("optim", 4, "mtp", model={**MTP, "num_layers": 4}, pp=2, vpp=2, distopt=True),
+    row("optim", 4, "mtp-mla", model={**MLA, **MTP}, tp=2, sp=True, **ZERO3),
+    row("optim", 2, "mtp-full", model={**MTP, **RECOMPUTE["full-uniform"]}, distopt=True),
+]
 _OPTIM = [*(row("optim", world, model=model, **sizes, **flags)
             for world, sizes, model in _OPTIM_LAYOUTS for flags in OPTIM_VARIANTS.values()),
           *(row("optim", world, variant if "offload" in variant else "", model=model,
                 optim=optim, **sizes, **flags)
             for world, sizes, model in OPTIM_EXTRA_LAYOUTS
             for variant, (flags, optim) in OPTIM_EXTRA.items()),
-          *_OPTIM_ZERO3, *_OPTIM_MLA]
+          *_OPTIM_ZERO3, *_OPTIM_MLA, *_OPTIM_MTP]
 
 # -- muon: a Llama-style GQA model (Q, K, V orthogonalised apart; SwiGLU's fused fc1 one
 # matrix), Muon's update against one process; --muon-tp-mode blockwise depends on tp and
@@ -398,7 +418,12 @@ _RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
             # process and at pp 2 under 1F1B (rank 0 holds layers 0 and 1)
             row("reshard", 2, model={"num_layers": 4}, pp=2, schedule="zbv", tags=("save",)),
             row("reshard", 1, "from-zbv", model={"num_layers": 4}),
-            row("reshard", 2, "from-zbv", model={"num_layers": 4}, pp=2)]
+            row("reshard", 2, "from-zbv", model={"num_layers": 4}, pp=2),
+            # multi-token prediction saved at pp 2 (the depths and the last stage's copy of
+            # the word embedding, untied output), resumed in one process
+            row("reshard", 2, "mtp", model={**MTP, "untie_embeddings_and_output_weights": True},
+                tags=("save",), pp=2),
+            row("reshard", 1, "mtp", model={**MTP, "untie_embeddings_and_output_weights": True})]
 
 # -- cp: context parallelism, each comm type, trained against one process -----------------
 # a Llama-style GQA model (4 heads, 2 query groups: a2a at cp 2 splits both) at seq 32
@@ -445,6 +470,11 @@ _CP = [
                                                                       "a2a")),
     _cp_row(4, "p2p", model=MLA, variant="mla", tp=2, sp=True, cp=2),
     _cp_row(2, "a2a", model={**MLA, **MLA_RECOMPUTE}, variant="mla-selective", cp=2),
+    # multi-token prediction: the tokens and labels rolled on the whole sequence, then cut
+    *(_cp_row(2, comm, model=MTP, variant="mtp", cp=2) for comm in ("p2p", "allgather",
+                                                                      "a2a")),
+    _cp_row(2, "p2p", model={**MLA, **MTP}, variant="mla-mtp", cp=2),
+    _cp_row(4, "p2p", model=MTP, variant="mtp", tp=2, sp=True, cp=2),
 ]
 
 # -- activation-offload: --cpu-offloading against the same layout without it (bitwise) ---

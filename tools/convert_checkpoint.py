@@ -160,7 +160,7 @@ UNLESS_DEFAULT = ("multi_latent_attention", "qk_layernorm", "q_lora_rank", "kv_l
                   "mscale", "mscale_all_dim", "original_max_position_embeddings",
                   "moe_layer_freq", "moe_shared_expert_intermediate_size",
                   "moe_router_score_function", "moe_router_topk_scaling_factor",
-                  "moe_router_num_groups", "moe_router_group_topk",
+                  "moe_router_num_groups", "moe_router_group_topk", "mtp_num_layers",
                   "moe_router_enable_expert_bias", "moe_router_dtype",
                   "moe_router_load_balancing_type", "moe_router_pre_softmax")
 
@@ -214,6 +214,9 @@ def hf_to_megalite(args) -> None:
         raise ConfigError(f"the target layout does not fit the model: {exc}") from None
     tokenizer_source = import_tokenizer(args, cfg)
     hf_state = read_hf_weights(args.load_dir)
+    cfg.model, note = spec.fit_to_weights(cfg.model, hf_state)
+    if note:
+        print(f"note: {args.load_dir}: {note}")
     dropped, why = spec.dropped_hf_tensors(hf_state, cfg.model)
     if dropped:
         print(f"note: dropped {len(dropped)} tensors of {args.load_dir}: {why}")

@@ -10,6 +10,7 @@ from megalite.config.data import DataConfig
 from megalite.config.fields import ConfigError, require
 from megalite.config.layout import ResolvedLayout, resolve_layout
 from megalite.config.model import ModelConfig
+from megalite.config.mtp import check_mtp_layout
 from megalite.config.optim import OptimConfig
 from megalite.config.parallel import (
     ParallelConfig,
@@ -79,6 +80,7 @@ class MegaliteConfig:
                      f"seq_length ({m.seq_length}) must be divisible by 2 x "
                      f"context_parallel_size ({p.context_parallel_size})")
         self._validate_pipeline()
+        check_mtp_layout(m, p)
         self._validate_experts(dp)
         self._validate_training_length()
         self._validate_batches(dp)

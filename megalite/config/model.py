@@ -10,6 +10,7 @@ import torch
 from megalite.config.fields import ConfigError, arg, check_choices, positive, require
 from megalite.config.fp8 import FP8_FORMATS, FP8_RECIPES, check_fp8_tiling
 from megalite.config.moe_layers import moe_layer_pattern_of, normalized_freq
+from megalite.config.mtp import check_mtp
 
 
 def _kernel_names(field: str) -> tuple[str, ...]:
@@ -85,6 +86,12 @@ class ModelConfig:
     multi_latent_attention: bool = arg(False, "Multi-latent attention (DeepSeek-V2/V3): "
                                        "queries and keys/values through low-rank latents, a "
                                        "decoupled RoPE part shared across heads, YaRN.")
+    # Multi-token prediction (DeepSeek-V3); megalite.transformer.mtp
+    mtp_num_layers: int | None = arg(None, "Multi-token prediction depths on the last "
+                                     "pipeline stage: depth k predicts the token k+1 ahead "
+                                     "(0 or unset: none).")
+    mtp_loss_scaling_factor: float = arg(0.1, "Weight of the multi-token prediction loss: "
+                                         "the depths' mean loss times this is added.")
     q_lora_rank: int | None = arg(None, "Rank of the query latent (none: the queries are one "
                                   "plain projection of the hidden state).")
     kv_lora_rank: int | None = arg(None, "Rank of the key/value latent (default 32, "
@@ -326,6 +333,7 @@ class ModelConfig:
             if self.recompute_num_layers is None:
                 self.recompute_num_layers = 1
         self._check_cpu_offloading()
+        check_mtp(self)
         if self.num_experts is not None:
             require(self.moe_router_topk <= self.num_experts,
                      f"moe_router_topk ({self.moe_router_topk}) must be <= num_experts "

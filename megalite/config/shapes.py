@@ -14,6 +14,10 @@ scores and values (``L`` layers, sequence ``s``, ``n`` heads of query/key width 
 and value width ``d_v``: ``12 L h s`` when ``n d = h``; multi-latent attention's
 ``d_qk = qk_head_dim + qk_pos_emb_head_dim``, ``d_v = v_head_dim``, and its ``N`` holds
 its down and up projections). Embedding tables are a lookup and count nothing.
+
+Each multi-token prediction depth (``--mtp-num-layers``) is one more layer of the last
+layer's kind with its own attention scores, an output layer, and in ``N`` its three norms
+and the ``2h -> h`` projection (:func:`mtp_depth_params`).
 """
 
 from __future__ import annotations
@@ -130,22 +134,41 @@ def layer_params(m, layer: int, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple
     return dense_layer_params(m, tp) + dense_mlp_params(m, tp), 0
 
 
+def mtp_depths(m) -> int:
+    """Multi-token prediction depths (``--mtp-num-layers``; 0 without)."""
+    return m.mtp_num_layers or 0
+
+
+def mtp_depth_params(m, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[int, int]:
+    """(dense, expert) elements of one multi-token prediction depth on one rank: its
+    three norms (enorm, hnorm, final), ``eh_proj`` ``[h/tp, 2h]`` and a transformer layer
+    of the kind of the last decoder layer (``megalite.transformer.mtp``)."""
+    dense, expert = layer_params(m, m.num_layers - 1, tp, ep, etp)
+    return dense + 3 * norm_params(m) + 2 * m.hidden_size * m.hidden_size // tp, expert
+
+
+def _active(m, dense: int, experts: int) -> int:
+    return dense + experts // m.num_experts * m.moe_router_topk if experts else dense
+
+
 def active_layer_params(m) -> int:
     """Transformer-layer parameters a token passes through (whole model, tp 1): attention,
-    norms and dense MLPs, the router and ``top-k`` experts of MoE layers, the final norm."""
-    n = 0
-    for layer in range(m.num_layers):
-        dense, experts = layer_params(m, layer)
-        n += dense + experts // m.num_experts * m.moe_router_topk if experts else dense
-    return n + norm_params(m)
+    norms and dense MLPs, the router and ``top-k`` experts of MoE layers, the final norm;
+    and every multi-token prediction depth's (:func:`mtp_depth_params`)."""
+    n = sum(_active(m, *layer_params(m, layer)) for layer in range(m.num_layers))
+    return n + norm_params(m) + mtp_depths(m) * _active(m, *mtp_depth_params(m))
 
 
 def flops_per_token(m, padded_vocab_size: int) -> float:
     """Training FLOPs (forward + backward) per token of the whole model:
-    ``6 N + 6 h V + 6 L s n (d_qk + d_v)`` (module docstring)."""
+    ``6 N + 6 h V + 6 L s n (d_qk + d_v)`` (module docstring), where the ``D`` multi-token
+    prediction depths add their parameters to ``N``, ``D`` output layers to ``h V`` and
+    ``D`` layers to ``L``."""
     d_qk, d_v = attention_head_dims(m)
-    return (6.0 * active_layer_params(m) + 6.0 * m.hidden_size * padded_vocab_size
-            + 6.0 * m.num_layers * m.seq_length * m.num_attention_heads * (d_qk + d_v))
+    heads = 1 + mtp_depths(m)
+    layers = m.num_layers + mtp_depths(m)
+    return (6.0 * active_layer_params(m) + 6.0 * heads * m.hidden_size * padded_vocab_size
+            + 6.0 * layers * m.seq_length * m.num_attention_heads * (d_qk + d_v))
 
 
 def attention_gemms(m, tokens: int, tp: int = 1) -> list[tuple[int, int, int]]:

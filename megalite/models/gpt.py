@@ -31,6 +31,7 @@ from megalite.moe.experts import gather_expert_full, shard_expert_full
 from megalite.parallel.params import param_meta, update_meta
 from megalite.parallel.random import RNGTracker
 from megalite.transformer.block import TransformerBlock
+from megalite.transformer.mtp import MultiTokenPrediction, mtp_depths
 from megalite.transformer.rope import RotaryEmbedding
 from megalite.transformer.yarn import YarnRotaryEmbedding
 
@@ -69,8 +70,13 @@ class GPTModel(torch.nn.Module):
         kw = {"device": ps.device, "dtype": cfg.params_dtype}
         common = dict(sequence_parallel=self.sequence_parallel, **kw)
 
+        # multi-token prediction on the last stage (megalite.transformer.mtp); a later
+        # stage holding it keeps a copy of the word embedding, as Megatron-Core's does
+        self.mtp = None
+        if post_process and mtp_depths(cfg):
+            self.mtp = MultiTokenPrediction(cfg, ps, rng=self.rng, seed=seed, **common)
         self.embedding = None
-        if pre_process:
+        if pre_process or self.mtp is not None:
             self.embedding = GPTEmbedding(cfg, self.padded_vocab_size, ps, rng=self.rng,
                                           **common)
         self.rotary = None
@@ -84,7 +90,7 @@ class GPTModel(torch.nn.Module):
                                         seed=seed, **common)
         self.output_layer = None
         if post_process:
-            share = self.tied and pre_process
+            share = self.tied and self.embedding is not None
             self.output_layer = ColumnParallelLinear(
                 cfg.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
                 init_std=cfg.init_method_std, skip_weight_param=share, reuse_buffers=True,
@@ -94,7 +100,10 @@ class GPTModel(torch.nn.Module):
                 if self.tied:  # a later pipeline stage's copy of the word embedding
                     update_meta(self.output_layer.weight, init_name=EMBEDDING_WEIGHT,
                                 shared_embedding=True)
-        if self.tied and pre_process:
+        # the word embedding lives on the first and the last stage: tied to the output
+        # layer, or looked up again by the prediction depths (summed over ps.embedding)
+        if self.embedding is not None and (
+                self.tied or (mtp_depths(cfg) and ps.pp.size > 1)):
             update_meta(self.embedding.word_embeddings.weight, shared_embedding=True)
         initialize_params(self, seed, ps)
 
@@ -109,7 +118,8 @@ class GPTModel(torch.nn.Module):
                 labels: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None,
-                inference_cache=None) -> torch.Tensor:
+                inference_cache=None, mtp_tokens: torch.Tensor | None = None,
+                mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, position_ids, labels: int64 ``[b, s]``.
 
         ``inference_cache`` (generation only, without sequence or context parallelism;
@@ -128,7 +138,13 @@ class GPTModel(torch.nn.Module):
         without them this rank's logits ``[b, s, padded_vocab/tp]`` in the compute dtype.
         ``--cross-entropy-loss-fusion`` computes the loss in chunks of tokens
         (``layers.chunked_cross_entropy``).
+
+        ``mtp_tokens`` / ``mtp_labels`` int64 ``[N, b, s]`` (the rolled batch entries of
+        :func:`megalite.transformer.mtp.roll_for_mtp`, with ``labels``, on the stage with
+        the prediction depths): their per-token losses fp32 ``[b, s]``, one per depth, are
+        left in ``self.mtp_losses`` (None otherwise) for the caller to weigh and mask.
         """
+        self.mtp_losses = None
         if inference_cache is not None and position_ids is None:
             start = inference_cache.seq_len
             given = input_ids if input_ids is not None else hidden_states.transpose(0, 1)
@@ -155,9 +171,21 @@ class GPTModel(torch.nn.Module):
             inference_cache.advance(x.shape[0])
         if not self.post_process:
             return x
+        if labels is not None and mtp_tokens is not None and self.mtp is not None:
+            def embed(ids):   # [b, s] -> [s(/tp), b, h], at the unshifted positions
+                return self.embedding(ids.t(), pos)
+
+            def head(h, k):
+                return self._loss(self.output_layer(h, weight=self.output_weight()),
+                                  mtp_labels[k])
+            self.mtp_losses = self.mtp(x, mtp_tokens, embed, head, rotary, document_ids)
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
+        return self._loss(logits, labels)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss fp32 ``[b, s]`` of ``logits`` ``[s, b, V/tp]``, ``labels`` ``[b, s]``."""
         cross_entropy = (chunked_vocab_parallel_cross_entropy
                          if self.config.cross_entropy_loss_fusion
                          else vocab_parallel_cross_entropy)

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import torch
 
-# per-token batch entries ([b, s]) that :func:`slice_batch` cuts; others pass unchanged
-PER_TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+# per-token batch entries ([b, s]; the rolled ones of multi-token prediction [N, b, s],
+# megalite.transformer.mtp) that :func:`slice_batch` cuts along the last dim; others pass
+# unchanged
+PER_TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "mtp_tokens",
+                  "mtp_labels", "mtp_loss_mask")
 
 
 def with_document_ids(batch: dict) -> dict:
@@ -82,7 +85,7 @@ def slice_batch(batch: dict, cp: int, rank: int) -> dict:
         out["position_ids"] = torch.arange(seq, device=tokens.device).expand_as(tokens)
     for key in PER_TOKEN_KEYS:
         if key in out:
-            out[key] = out[key].index_select(1, index)
+            out[key] = out[key].index_select(-1, index)
     return out
 
 

@@ -20,7 +20,8 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   (:func:`layer_activation_elements`, counted from megalite's layers: the saved inputs of
   the norms, linears, attention kernel and activation function), times the peak number of
   (micro-batch, chunk) pairs the pipeline schedule keeps in flight on this rank
-  (:func:`megalite.planner.schedule.peak_in_flight`).
+  (:func:`megalite.planner.schedule.peak_in_flight`); on the last stage also what the
+  multi-token prediction depths keep (:func:`mtp_activation_bytes`).
 * **transient** -- the largest working set on top of the saved activations: the backward
   of one layer (gradient of the MLP's widest tensor plus the layer's input gradient), on
   the last stage the logits and the cross entropy's fp32 copy of them (where the peak of
@@ -54,7 +55,8 @@ from dataclasses import dataclass, field
 
 from megalite.config.layout import resolve_layout
 from megalite.config.shapes import (dense_layer_params, dense_mlp_params, is_moe_layer,
-                                    moe_mlp_params, norm_params)
+                                    moe_mlp_params, mtp_depth_params, mtp_depths,
+                                    norm_params)
 from megalite.optim.algorithms import algorithm_of
 from megalite.optim.memory import expected_bytes_per_param
 from megalite.planner.schedule import output_stage, peak_in_flight, stage_layers
@@ -117,6 +119,12 @@ def stage_param_counts(m, p, pp_rank: int) -> tuple[int, int]:
         dense += norm_params(m)
         if m.untie_embeddings_and_output_weights or pp > 1:
             dense += vocab * m.hidden_size // tp
+        depths = mtp_depths(m)   # the prediction depths, and on a later stage with an
+        if depths:               # untied output layer a copy of the word embedding too
+            d, e = mtp_depth_params(m, tp, ep, etp)
+            dense, expert = dense + depths * d, expert + depths * e
+            if pp > 1 and m.untie_embeddings_and_output_weights:
+                dense += vocab * m.hidden_size // tp
     return dense, expert
 
 
@@ -138,8 +146,13 @@ def unit_params(m, p, pp_rank: int) -> list[int]:
     if pp_rank == 0:
         units.append(vocab + (m.max_position_embeddings * m.hidden_size
                               if m.learned_positions else 0))
+    pp = p.pipeline_model_parallel_size
     if pp_rank == output_stage(p):
         units.append(vocab + norm_params(m))
+        if mtp_depths(m):   # the depths gather as one unit (the chunk's other parameters)
+            units.append(mtp_depths(m) * sum(mtp_depth_params(m, tp, ep, etp)))
+            if pp > 1 and m.untie_embeddings_and_output_weights:
+                units.append(vocab)   # the stage's copy of the word embedding
     return units
 
 
@@ -226,6 +239,27 @@ def mla_activation_elements(m, tokens: int, tp: int, sp: int) -> tuple[int, int]
     return act, fp32
 
 
+def mtp_activation_bytes(m, p, mb: int, tokens: int, vocab: int, eb: int) -> float:
+    """Bytes the multi-token prediction depths of one micro-batch keep for backward on the
+    last stage: per depth its embedding, the two normed halves and their concatenation
+    (``[s, b, 2h]``), its transformer layer (of the last layer's kind; only its input under
+    full recomputation), the final norm's output, and its logits with the cross entropy's
+    fp32 softmax (kept from the depth's forward to the backward)."""
+    depths = mtp_depths(m)
+    if not depths:
+        return 0.0
+    tp = p.tensor_model_parallel_size
+    sp = tp if p.sequence_parallel else 1
+    h = m.hidden_size
+    if m.recompute_granularity == "full":
+        layer = tokens * h // sp * eb
+    else:
+        layer = _layer_bytes(m, p, mb, is_moe_layer(m, m.num_layers - 1), eb)
+    per_depth = (tokens * h // sp * (1 + 2 + 2 + 1) * eb + layer
+                 + tokens * vocab // tp * (eb + 4))
+    return depths * per_depth
+
+
 def _layer_bytes(m, p, mb: int, moe: bool, dtype_bytes: int) -> float:
     e = layer_activation_elements(m, p, mb, moe)
     return e["act"] * dtype_bytes + e["fp32"] * 4
@@ -279,6 +313,7 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     vocab = lay.padded_vocab_size
     if last:  # final norm input and output (the output layer's input)
         activations += 2 * tokens * h // sp * eb
+        activations += mtp_activation_bytes(m, p, mb, tokens, vocab, eb) * in_flight
     # working sets on top of the saved activations (the largest one)
     f = max(m.ffn_hidden_size, m.moe_ffn_hidden_size or 0) // tp * (2 if m.swiglu else 1)
     backward = tokens * (f + 2 * h) * eb + recompute
@@ -302,7 +337,8 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
         gathered = sum(sorted(unit_params(m, p, pp_rank), reverse=True)[:2]) * eb
     reused = 0.0
     if device_type == "cpu":   # layers.reused_buffer: weight gradients, kept logits
-        reused = vocab // tp * h * eb * (first + (last and sp == 1)) + kept_logits
+        embeds = first or (last and bool(mtp_depths(m)))   # a later stage's copy
+        reused = vocab // tp * h * eb * (embeds + (last and sp == 1)) + kept_logits
     return MemoryEstimate(params=params, grads=grads, optimizer=optimizer,
                           activations=activations, transient=transient, comm_buffers=comm,
                           gathered_params=gathered, params_elements=state["elements"],

@@ -92,6 +92,32 @@ class RouterLosses:
                 for i, key in enumerate(self.KEYS) if totals[n + i] > 0}
 
 
+class MTPLosses:
+    """The multi-token prediction losses of one step (``mtp_1_loss`` .. ``mtp_N_loss``):
+    :meth:`add` on the last stage after each micro-batch's forward sums each depth's masked
+    loss and its rolled mask's tokens; :meth:`means` gives each depth's token mean over the
+    global batch (as ``lm_loss``)."""
+
+    def __init__(self, depths: int, device: torch.device):
+        self.depths = depths
+        self.totals = torch.zeros(2 * depths, dtype=torch.float64, device=device)
+
+    def add(self, masked: list[torch.Tensor], masks: torch.Tensor) -> None:
+        """``masked``: each depth's summed masked loss (scalars); ``masks`` ``[N, b, s]``."""
+        n = self.depths
+        self.totals[:n] += torch.stack([m.detach().double() for m in masked])
+        self.totals[n:] += masks.double().sum(dim=(1, 2))
+
+    def means(self) -> dict[str, float]:
+        """Collective over the whole world (every rank must call it). The sums of the last
+        stage's tp ranks repeat each other in both the loss and the token count; cp and
+        dp ranks add their tokens."""
+        totals = all_reduce(self.totals.clone(), None)
+        n = self.depths
+        return {f"mtp_{k + 1}_loss": float(totals[k] / totals[n + k].clamp_min(1.0))
+                for k in range(n)}
+
+
 def loss_divisors(batches: list[dict], tokens: torch.Tensor, per_microbatch: bool,
                   dp: int) -> list[torch.Tensor]:
     """What each micro-batch's summed masked loss is divided by (see module docstring):
@@ -104,16 +130,34 @@ def loss_divisors(batches: list[dict], tokens: torch.Tensor, per_microbatch: boo
             for b in batches]
 
 
+def mtp_loss_divisors(batches: list[dict], dp: int) -> list[torch.Tensor]:
+    """Under ``--per-microbatch-loss``: what each micro-batch's summed masked loss of each
+    prediction depth is divided by, fp64 ``[N]``: its rolled loss mask's tokens (at least
+    1) x ``len(batches)`` x ``dp``, as Megatron-Core divides each depth's loss by the
+    rolled mask's count (``num_tokens`` of its roll) and the schedule by the micro-batches."""
+    scale = float(len(batches) * dp)
+    return [b["mtp_loss_mask"].double().sum(dim=(1, 2)).clamp_min(1.0) * scale
+            for b in batches]
+
+
 def forward_backward(c, batches: list[dict], tokens, *, train: bool = True,
                      loss_scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
                      stats: ScheduleStats | None = None,
-                     router_losses: RouterLosses | None = None) -> torch.Tensor:
+                     router_losses: RouterLosses | None = None,
+                     mtp_losses: MTPLosses | None = None,
+                     mtp_divisors: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Run this rank's micro-batches ``batches`` (dicts of ``[b, s]`` tensors).
 
     tokens: fp64 scalar tensor, valid tokens of the whole global batch (every rank), or a
         list with one divisor per micro-batch (:func:`loss_divisors`).
     loss_scale: applied to each micro-batch's normalized loss before backward (fp16).
     router_losses: if given, collects the MoE router losses of every micro-batch.
+    mtp_losses: if given, collects the multi-token prediction losses; the batches then
+        carry the rolled entries (``transformer.mtp.roll_for_mtp``), and each micro-batch's
+        loss gains ``mtp_loss_scaling_factor / N`` times the depths' summed masked losses,
+        divided like the LM loss (Megatron-Core's ``MTPLossAutoScaler`` with
+        ``--calculate-per-token-loss``), or with ``mtp_divisors`` (per micro-batch, one
+        per depth: :func:`mtp_loss_divisors`) by those.
     Returns the fp64 SUM of the masked per-token loss over this rank's micro-batches,
     identical on every pipeline stage (broadcast from the last stage over ``ps.pp``).
     """
@@ -133,16 +177,29 @@ def forward_backward(c, batches: list[dict], tokens, *, train: bool = True,
         module = chunks[chunk]
         is_last = ps.is_pipeline_last_stage(chunk)
         docs = {"document_ids": batch["document_ids"]} if "document_ids" in batch else {}
+        mtp = {}
+        if is_last and mtp_losses is not None:
+            mtp = {"mtp_tokens": batch["mtp_tokens"], "mtp_labels": batch["mtp_labels"]}
         out = module(batch["tokens"] if hidden is None else None,
                      position_ids=batch.get("position_ids"),
                      labels=batch["labels"] if is_last else None,
-                     hidden_states=hidden, **docs)
+                     hidden_states=hidden, **docs, **mtp)
         if router_losses is not None:
             router_losses.add(module)
         if not is_last:
             return out
         masked = (out.float() * batch["loss_mask"].float()).sum()
         loss_sum.add_(masked.detach().double())
+        if mtp:
+            per_depth = module.mtp_losses
+            mask = batch["mtp_loss_mask"].float()
+            mtp_masked = [(loss.float() * mask[k]).sum() for k, loss in enumerate(per_depth)]
+            mtp_losses.add(mtp_masked, mask)
+            weight = c.cfg.model.mtp_loss_scaling_factor / len(per_depth)
+            if mtp_divisors is not None:
+                depths = (torch.stack(mtp_masked) / mtp_divisors[mb].float()).sum()
+                return loss_scale(masked / divisors[mb].float() + weight * depths)
+            masked = masked + weight * torch.stack(mtp_masked).sum()
         return loss_scale(masked / divisors[mb].float())
 
     comm = None

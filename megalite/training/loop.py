@@ -58,8 +58,10 @@ from megalite.optim.qk_clip import (
 from megalite.parallel.collectives import ReduceOp, all_reduce, all_reduce_scalar
 from megalite.parallel.cp_chunks import slice_batch, with_document_ids
 from megalite.pipeline.layout import model_chunks
+from megalite.transformer.mtp import mtp_depths, roll_for_mtp
 from megalite.training.components import TrainState
-from megalite.training.forward_backward import RouterLosses, forward_backward, loss_divisors
+from megalite.training.forward_backward import (MTPLosses, RouterLosses, forward_backward,
+                                                loss_divisors, mtp_loss_divisors)
 from megalite.training.fp8 import finish_fp8_step
 from megalite.training.health import LossScaleError, LossScaleWatchdog  # noqa: F401 (re-export)
 from megalite.training.manual_gc import ManualGC
@@ -90,7 +92,8 @@ class StepResult:
     grad_norm: float | None
     loss_scale: float
     # moe_aux_loss / moe_z_loss means; with the expert bias also the load ratios
-    # (moe_load_max_ratio, moe_load_min_ratio, expert_load: megalite.moe.expert_bias)
+    # (moe_load_max_ratio, moe_load_min_ratio, expert_load: megalite.moe.expert_bias);
+    # with --mtp-num-layers N also mtp_1_loss .. mtp_N_loss
     moe_losses: dict = field(default_factory=dict)
     faulty_ranks: list | None = None   # a transient fault: ranks whose re-run differed
     num_zeros: int | None = None        # --log-num-zeros-in-grad (None: skipped step)
@@ -120,13 +123,14 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS if k in batch}
 
 
-def _local_batch(batch: dict, ps) -> dict:
+def _local_batch(batch: dict, ps, mtp: int = 0) -> dict:
     """A micro-batch on this rank's device; under context parallelism only this cp rank's
     load-balanced chunks of it (tokens, labels, loss mask, position ids:
     ``megalite.parallel.cp_chunks.slice_batch``). A document mask
     (``--reset-attention-mask``) travels as per-token ``document_ids`` of the whole
-    sequence."""
-    batch = _to_device(with_document_ids(batch), ps.device)
+    sequence. With ``mtp`` prediction depths the tokens, labels and loss mask rolled left
+    by 1..mtp are added first, from the whole sequence (``transformer.mtp.roll_for_mtp``)."""
+    batch = roll_for_mtp(_to_device(with_document_ids(batch), ps.device), mtp)
     return slice_batch(batch, ps.cp.size, ps.cp.rank)
 
 
@@ -146,13 +150,18 @@ def _forward_backward(c: TrainingComponents, batches: list[dict], tokens: torch.
     c.grads.zero_grad(num_microbatches=len(batches))  # each chunk's m-th grad is final
     reset_max_logits(c.model)   # --qk-clip: this run's logits only
     router = RouterLosses(c.ps.device) if c.cfg.model.num_experts is not None else None
+    depths = mtp_depths(c.cfg.model)
+    mtp = MTPLosses(depths, c.ps.device) if depths else None
+    mtp_divisors = (mtp_loss_divisors(batches, c.ps.dp.size)   # as Megatron's default
+                    if depths and c.cfg.train.per_microbatch_loss else None)
     with c.timers("forward-backward", log_level=1):
         loss_sum = forward_backward(c, batches, divisors, loss_scale=c.optimizer.scale_loss,
-                                    router_losses=router)
+                                    router_losses=router, mtp_losses=mtp,
+                                    mtp_divisors=mtp_divisors)
     if validator is not None:
         loss_sum = validator.corrupt(loss_sum, iteration, attempt, c.ps)
     lm_loss = float((all_reduce(loss_sum.clone(), c.ps.dp_cp) / tokens).item())
-    return loss_sum, lm_loss, router
+    return loss_sum, lm_loss, (router, mtp)
 
 
 def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
@@ -164,7 +173,7 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
     (``--rerun-mode validate_results``, :mod:`megalite.training.rerun`)."""
     ps = c.ps
     c.model.train()
-    batches = [_local_batch(b, ps) for b in batches]
+    batches = [_local_batch(b, ps, mtp_depths(c.cfg.model)) for b in batches]
     tokens = count_tokens(batches, ps.dp_cp)
     divisors = loss_divisors(batches, tokens, c.cfg.train.per_microbatch_loss, ps.dp.size)
     validating = validator is not None and validator.enabled
@@ -222,11 +231,14 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
         reason = validator.suspicious(lm_loss, iteration, found_inf=True)
         (loss_sum, lm_loss, router), faulty_ranks, outcome = rerun_and_judge(
             reason, loss_sum, step_again=True)
+    router, mtp = router
     moe_losses = router.means() if router is not None else {}  # collective (world)
     if c.cfg.model.moe_router_enable_expert_bias:   # once per step, collective (world)
-        moe_losses.update(load_metrics(update_expert_bias(
+        moe_losses.update(load_metrics(update_expert_bias(   # MTP layers numbered after
             model_chunks(c.model), ps, c.cfg.model.moe_router_bias_update_rate,
-            c.cfg.model.num_layers)))
+            c.cfg.model.num_layers + mtp_depths(c.cfg.model))))
+    if mtp is not None:
+        moe_losses.update(mtp.means())   # collective (world)
     if reason is not None and faulty_ranks is None:   # a requested validation passed
         c.metrics.print(f" iteration {iteration}: validated: the re-run reproduced the step "
                         f"bit for bit")

@@ -13,8 +13,10 @@ JSONL contract (one object per iteration; docs/training.md lists the fields)::
 
 ``grad_norm`` is null on a skipped iteration. An iteration that ran an evaluation also
 carries ``validation_loss`` and ``validation_ppl``; an MoE model's iterations carry
-``moe_aux_loss`` / ``moe_z_loss`` (means over MoE layers and the global batch), which
-also reach the human line (averaged over the log window), TensorBoard and wandb. Under a
+``moe_aux_loss`` / ``moe_z_loss`` (means over MoE layers and the global batch), and a
+model with ``--mtp-num-layers N`` ``mtp_1_loss`` .. ``mtp_N_loss`` (each depth's token mean
+over the global batch), which also reach the human line (averaged over the log window;
+``mtp_1 loss`` as Megatron names it), TensorBoard and wandb. Under a
 batch-size schedule (``--rampup-batch-size``, ``--step-batch-size-schedule``) every
 iteration carries its ``global_batch_size``. ``--log-max-attention-logit`` (or
 ``--qk-clip``) adds ``max_attention_logit``, the step's largest attention logit (line,
@@ -91,8 +93,17 @@ def arguments_block(config: dict, title: str = "arguments") -> str:
 
 
 def _moe_values(extra: dict | None) -> dict:
-    """The MoE router losses (``moe_*`` keys) among the extra JSONL fields."""
-    return {k: v for k, v in (extra or {}).items() if k.startswith("moe_")}
+    """The MoE router losses (``moe_*`` keys) and the multi-token prediction losses
+    (``mtp_<k>_loss``) among the extra JSONL fields."""
+    return {k: v for k, v in (extra or {}).items() if k.startswith(("moe_", "mtp_"))}
+
+
+def _display_name(key: str) -> str:
+    """How the line and TensorBoard name an extra loss: Megatron's ``mtp_1 loss`` for
+    ``mtp_1_loss``, else with spaces (``moe aux loss``)."""
+    if key.startswith("mtp_"):
+        return key[:-len("_loss")] + " loss"
+    return key.replace("_", " ")
 
 
 class MetricsLogger:
@@ -243,7 +254,8 @@ class MetricsLogger:
                    "batch-size": m.global_batch_size or None, "num-zeros": m.num_zeros,
                    "params-norm": m.params_norm, "max_attention_logit": m.max_attention_logit}
         scalars = {k: v for k, v in scalars.items() if v is not None}
-        scalars.update({k.replace("_", "-"): v for k, v in moe.items()})
+        scalars.update({(_display_name(k) if k.startswith("mtp_") else k.replace("_", "-")):
+                        v for k, v in moe.items()})
         if lcfg.log_world_size_to_tensorboard:
             scalars["world-size"] = self.world_size
         if lcfg.log_memory_to_tensorboard:
@@ -265,8 +277,8 @@ class MetricsLogger:
         if m.max_attention_logit is not None:
             params += f" max attention logit: {m.max_attention_logit:.3f} |"
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-        moe = "".join(f" {k.replace('_', ' ')}: {v / max(w.iters, 1):.6E} |"
-                      for k, v in w.moe_sums.items())  # e.g. " moe aux loss: ... |"
+        moe = "".join(f" {_display_name(k)}: {v / max(w.iters, 1):.6E} |"
+                      for k, v in w.moe_sums.items())  # " moe aux loss: ... | mtp_1 loss"
         throughput = (f" throughput per GPU (TFLOP/s/GPU): {w.tflops_per_gpu:.1f} |"
                       if self.lcfg.log_throughput else "")
         mfu = f" MFU: {100.0 * w.mfu:.2f}% |" if self.mfu_in_line else ""

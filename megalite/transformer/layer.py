@@ -39,15 +39,18 @@ class TransformerLayer(torch.nn.Module):
     """
 
     def __init__(self, cfg, layer_number: int, ps, *, sequence_parallel: bool, rng,
-                 seed: int = 0, device=None, dtype=None):
+                 seed: int = 0, device=None, dtype=None, spec_layer: int | None = None):
         super().__init__()
         self.layer_number = layer_number
+        # the decoder layer whose kind (MLP or MoE, fp8 recipe) this one has: itself, or
+        # the last one for a multi-token prediction depth (megalite.transformer.mtp)
+        spec_layer = layer_number if spec_layer is None else spec_layer
         self.rng = rng
         self.hidden_dropout = cfg.hidden_dropout
         self.dropout_stream = TENSOR_PARALLEL if sequence_parallel else REPLICATED
         kw = {"sequence_parallel": sequence_parallel, "device": device, "dtype": dtype}
         # the linears' fp8 recipe (None: higher precision; --first-last-layers-bf16)
-        fp8 = Fp8Recipe.for_layer(cfg, layer_number)
+        fp8 = Fp8Recipe.for_layer(cfg, spec_layer)
         par = dict(output_std=output_init_std(cfg), fp8=fp8, **kw)
         norm = dict(zero_centered=cfg.apply_layernorm_1p, **kw)
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
@@ -59,7 +62,7 @@ class TransformerLayer(torch.nn.Module):
                 cfg, ps, rng=rng, recompute_core=cfg.recomputes("core_attn"), **par)
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size,
                                             cfg.norm_epsilon, **norm)
-        self.is_moe = moe_layer_pattern(cfg)[layer_number]
+        self.is_moe = moe_layer_pattern(cfg)[spec_layer]
         if self.is_moe:
             self.mlp = MoELayer(cfg, ps, layer_number=layer_number, seed=seed,
                                 sequence_parallel=sequence_parallel)

@@ -1,9 +1,9 @@
 """DeepSeek-V3 through ``tools/convert_checkpoint.py``: a tiny random hub-style
-``DeepseekV3ForCausalLM`` checkpoint (with one MTP layer's tensors, as the hub's keep them)
-converts to megalite, dropping the MTP tensors with a note; the converted checkpoint loads
-at tp 2, pp 2 and tp 2 x ep 2 and gives transformers' logits and greedy tokens; converted
-back it is the source's tensors bit for bit (MTP aside) and config; it continues training
-(the expert bias moving)."""
+``DeepseekV3ForCausalLM`` checkpoint (with one MTP module as layer 2, as the hub's keep
+them) converts to megalite with ``--mtp-num-layers 1``; the converted checkpoint loads at
+tp 2, pp 2 and tp 2 x ep 2 and gives transformers' logits and greedy tokens; converted
+back it is the source's tensors bit for bit (the MTP module too) and config; it continues
+training (the expert bias moving, the depth's loss logged)."""
 
 import json
 import os
@@ -21,8 +21,23 @@ transformers = pytest.importorskip("transformers")
 TOKENS = [5, 12, 44, 0, 7, 33, 21, 19, 48, 2, 10, 27]
 PROMPT = [3, 17, 41, 8, 29]
 NEW = 8
-MTP = ("model.layers.2.enorm.weight", "model.layers.2.hnorm.weight",
-       "model.layers.2.eh_proj.weight", "model.layers.2.self_attn.kv_b_proj.weight")
+def _mtp_module(root: str, main: dict) -> dict:
+    """Layer 2 of a 3-layer model as written to files, plus the MTP module's own tensors
+    and copies of the main embedding and head (a hub checkpoint's MTP module)."""
+    deeper = randomize(transformers.DeepseekV3ForCausalLM(
+        hf_tiny_config(vocab_size=VOCAB, num_hidden_layers=3)), seed=4)
+    deeper.save_pretrained(root)
+    out = {k: v for k, v in load_file(os.path.join(root, "model.safetensors")).items()
+           if k.startswith("model.layers.2.")}
+    g, h = torch.Generator().manual_seed(5), 32
+    out.update({"model.layers.2.enorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+                "model.layers.2.hnorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+                "model.layers.2.eh_proj.weight": 0.15 * torch.randn(h, 2 * h, generator=g),
+                "model.layers.2.shared_head.norm.weight": 1 + 0.2 * torch.randn(h,
+                                                                                generator=g),
+                "model.layers.2.embed_tokens.weight": main["model.embed_tokens.weight"].clone(),
+                "model.layers.2.shared_head.head.weight": main["lm_head.weight"].clone()})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +52,7 @@ def converted(tmp_path_factory):
     hf.save_pretrained(src)
     weights = os.path.join(src, "model.safetensors")
     state = load_file(weights)
-    state.update({name: torch.randn(4, 4) for name in MTP})   # as hub checkpoints keep MTP
+    state.update(_mtp_module(str(root / "deeper"), state))   # as hub checkpoints keep MTP
     save_file(state, weights, metadata={"format": "pt"})
     config = transformers.GenerationConfig(max_new_tokens=NEW, do_sample=False,
                                            eos_token_id=None, pad_token_id=0)
@@ -54,10 +69,11 @@ def converted(tmp_path_factory):
     return src, mid, out.getvalue(), logits, greedy.tolist()
 
 
-def test_mtp_dropped_with_a_note_and_flags(converted):
+def test_mtp_converted_and_flags(converted):
     _, _, printed, _, _ = converted
-    assert f"note: dropped {len(MTP)} tensors" in printed and "MTP" in printed
-    for flag in ("--multi-latent-attention", "--qk-layernorm", "--q-lora-rank 12",
+    assert "dropped" not in printed
+    for flag in ("--mtp-num-layers 1", "--multi-latent-attention", "--qk-layernorm",
+                 "--q-lora-rank 12",
                  "--kv-lora-rank 16", "--moe-router-num-groups 4",
                  "--moe-router-group-topk 2", "--moe-router-enable-expert-bias",
                  "--moe-router-score-function sigmoid", "--moe-layer-freq '[0]*1+[1]*1'",
@@ -91,13 +107,13 @@ def test_megalite_to_hf_round_trip(converted, tmp_path):
     out = str(tmp_path / "back")
     convert("--source", "megalite", "--target", "hf", "--load-dir", mid, "--save-dir", out)
     want, got = _safetensors(src), _safetensors(out)
-    assert sorted(got) == sorted(k for k in want if k not in MTP)
+    assert sorted(got) == sorted(want) and "model.layers.2.eh_proj.weight" in got
     for name, tensor in got.items():
         assert torch.equal(tensor, want[name]), name
     with open(os.path.join(src, "config.json")) as f, \
             open(os.path.join(out, "config.json")) as g:
         a, b = json.load(f), json.load(g)
-    assert b["num_nextn_predict_layers"] == 0 and b["architectures"] == [
+    assert b["num_nextn_predict_layers"] == 1 and b["architectures"] == [
         "DeepseekV3ForCausalLM"]
     for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
                 "n_routed_experts", "n_shared_experts", "n_group", "topk_group",
@@ -142,6 +158,7 @@ def test_converted_checkpoint_continues_training(converted, tmp_path):
     c.close()
     assert result.iteration == 3 and result.losses[3] < result.losses[1]
     assert moved
+    assert c.cfg.model.mtp_num_layers == 1 and "mtp_1_loss" in result.moe_losses[3]
 
 
 def test_trained_checkpoint_in_transformers_gives_our_logits(tmp_path, capsys):

@@ -86,6 +86,22 @@ def test_mla_checkpoint_resumes_at_another_tp(tmp_path):
         assert loss == pytest.approx(reference[it], rel=2e-6, abs=1e-6), it
 
 
+def test_mtp_checkpoint_resumes_in_one_process(tmp_path):
+    """Multi-token prediction saved at pp 2 (its depths on stage 1, beside a copy of the
+    word embedding stored under the embedding's one key) resumes in one process on the
+    uninterrupted curve (the depths restored: their gradients reach the shared weights)."""
+    saved, single = by_name("reshard-pp2-mtp"), by_name("reshard-single-mtp")
+    save = str(tmp_path / "pp2")
+    reference = run_distributed(2, _train_short, saved,
+                                {"save": save, "save_interval": 2})[-1]
+    load = only_iteration(save, str(tmp_path / "to_pp1"), 2)
+    result, _ = run_training(tiny(single, train={"train_iters": 4},
+                                  checkpoint={"load": load, "save": load}))
+    assert list(result.losses) == [3, 4]
+    for it, loss in result.losses.items():
+        assert loss == pytest.approx(reference[it], rel=2e-6, abs=1e-6), it
+
+
 def _train_short(rank, world_size, layout, checkpoint):
     result, _ = run_training(tiny(layout, train={"train_iters": 4}, checkpoint=checkpoint))
     return result.losses

@@ -38,6 +38,10 @@ recomputation was drawn), QK norm for another sixth.
 Where selective recomputation was drawn, half the seeds widen ``--recompute-modules`` from
 ``"recompute-<seed>"``: ``layernorm`` and, in an MoE model, ``moe`` (each for half of
 those draws; ``mlp`` too for a third).
+Multi-token prediction (``--mtp-num-layers`` 1 or 2, ``--mtp-loss-scaling-factor`` 0.1 or
+0.3) comes for a fifth of the seeds from ``"mtp-<seed>"``, drawn after the others; under
+pipeline parallelism a model with learned positions then takes RoPE (megalite refuses
+the position table on a later stage), so the draw is not rejected.
 fp8 GEMMs (``--fp8-format`` e4m3 or hybrid with ``--fp8-recipe`` tensorwise, delayed or
 mxfp8; blockwise's 128-element blocks do not tile these sizes) come for a third of the
 seeds from ``"fp8-<seed>"``; a drawn model whose GEMMs the recipe cannot tile
@@ -283,6 +287,18 @@ def _recompute_modules(mrng: random.Random, model: dict) -> None:
     model["recompute_modules"] = modules
 
 
+def _mtp(trng: random.Random, model: dict, pp: int, schedule: str | None = None) -> None:
+    """Multi-token prediction depths (a fifth of the draws; not under a V schedule, which
+    refuses them), into ``model``."""
+    if trng.random() >= 0.2 or schedule in ("zbv", "dualpipev"):
+        return
+    model.update(mtp_num_layers=trng.choice((1, 2)),
+                 mtp_loss_scaling_factor=trng.choice((0.1, 0.3)))
+    if pp > 1 and model.get("position_embedding_type", "learned_absolute") \
+            == "learned_absolute":
+        model["position_embedding_type"] = "rope"
+
+
 FP8_RECIPES = ("tensorwise", "delayed", "mxfp8")
 
 
@@ -323,7 +339,8 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                vrng: random.Random | None = None,
                frng: random.Random | None = None,
                mrng: random.Random | None = None,
-               qrng: random.Random | None = None) -> Layout | None:
+               qrng: random.Random | None = None,
+               trng: random.Random | None = None) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -348,6 +365,8 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
         _recompute_modules(mrng, model)
     if qrng is not None:
         _qk_clip(qrng, model)
+    if trng is not None:
+        _mtp(trng, model, short["pp"], short.get("schedule"))
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model),
                              ("bias", model.get("moe_router_enable_expert_bias")),
@@ -362,7 +381,9 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                               and not model.get("multi_latent_attention")),
                              (f"fp8{model.get('fp8_recipe')}", model.get("fp8_format")),
                              ("qkclip", model.get("qk_clip")),
-                             ("maxlogit", model.get("log_max_attention_logit")))
+                             ("maxlogit", model.get("log_max_attention_logit")),
+                             (f"mtp{model.get('mtp_num_layers')}",
+                              model.get("mtp_num_layers")))
              if on]
     if "cp" in short:
         marks.insert(0, model["cp_comm_type"])
@@ -394,10 +415,10 @@ def draw_layout(seed: int) -> Layout:
     rrng, orng = random.Random(f"route-{seed}"), random.Random(f"optim-{seed}")
     zrng, vrng = random.Random(f"schedule-{seed}"), random.Random(f"attention-{seed}")
     frng, mrng = random.Random(f"fp8-{seed}"), random.Random(f"recompute-{seed}")
-    qrng = random.Random(f"qkclip-{seed}")
+    qrng, trng = random.Random(f"qkclip-{seed}"), random.Random(f"mtp-{seed}")
     for _ in range(MAX_ATTEMPTS):
         layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng, vrng, frng, mrng,
-                            qrng)
+                            qrng, trng)
         if layout is None:
             continue
         if rejection(layout) is None:

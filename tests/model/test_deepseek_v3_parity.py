@@ -38,7 +38,8 @@ def hf_tiny_config(**overrides):
               routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=12,
               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
               max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+              num_nextn_predict_layers=0)   # transformers' models hold no MTP modules
     kw.update(overrides)
     cfg = transformers.DeepseekV3Config(**kw)
     cfg._attn_implementation = "eager"
@@ -150,7 +151,7 @@ def test_config_round_trip_and_refusals():
     assert plain.moe_router_num_groups is None
 
 
-def test_mtp_layers_are_named_for_dropping():
+def test_mtp_layers_past_the_depths_are_named_for_dropping():
     cfg = our_config(hf_tiny_config())
     state = {"model.layers.1.mlp.gate.weight": torch.zeros(1),
              "model.layers.2.eh_proj.weight": torch.zeros(1),
@@ -161,6 +162,12 @@ def test_mtp_layers_are_named_for_dropping():
                        "model.layers.2.self_attn.q_a_proj.weight"]
     assert "MTP" in why and "[2]" in why
     assert get_family("llama").dropped_hf_tensors(state, cfg) == ([], "")
+    one = dataclasses.replace(cfg, mtp_num_layers=1)   # layer 2 is its depth: kept
+    assert SPEC.dropped_hf_tensors(state, one) == ([], "")
+    # config.json promising a depth the weights lack (transformers' save_pretrained)
+    assert SPEC.fit_to_weights(one, state) == (one, "")
+    fitted, note = SPEC.fit_to_weights(one, {"model.norm.weight": torch.zeros(1)})
+    assert fitted.mtp_num_layers is None and "num_nextn_predict_layers 1" in note
 
 
 def test_latent_norm_eps_warnings():
@@ -172,3 +179,59 @@ def test_latent_norm_eps_warnings():
     assert cfg.norm_epsilon == 1e-6 and SPEC.export_warnings(cfg) == []
     (warning,) = SPEC.export_warnings(dataclasses.replace(cfg, norm_epsilon=1e-5))
     assert "--norm-epsilon 1e-05" in warning
+
+
+def _hf_with_mtp_layer(seed=0):
+    """(HF model of 2 layers, a hub-style state dict: its tensors plus one MTP module as
+    layer 2: transformers' own layer-2 tensors of a 3-layer model, enorm, hnorm,
+    eh_proj, shared_head.norm and copies of the embedding and head)."""
+    torch.manual_seed(seed)
+    hf = randomize(transformers.DeepseekV3ForCausalLM(hf_tiny_config()).eval())
+    deeper = randomize(transformers.DeepseekV3ForCausalLM(
+        hf_tiny_config(num_hidden_layers=3)), seed=4)
+    state = dict(hf.state_dict())
+    state.update({k: v for k, v in deeper.state_dict().items()
+                  if k.startswith("model.layers.2.")})
+    g = torch.Generator().manual_seed(5)
+    h = 32
+    state.update({"model.layers.2.enorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+                  "model.layers.2.hnorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+                  "model.layers.2.eh_proj.weight": 0.15 * torch.randn(h, 2 * h, generator=g),
+                  "model.layers.2.shared_head.norm.weight": 1 + 0.2 * torch.randn(h,
+                                                                                  generator=g),
+                  "model.layers.2.embed_tokens.weight": state["model.embed_tokens.weight"],
+                  "model.layers.2.shared_head.head.weight": state["lm_head.weight"]})
+    return hf, state
+
+
+def test_mtp_module_round_trips_and_leaves_the_logits_alone():
+    """num_nextn_predict_layers 1 <-> --mtp-num-layers 1: the hub's MTP module (layer 2,
+    named as transformers names a decoder layer) loads into mtp.layers.0 and is written
+    back bit for bit; the main logits still equal transformers'; a depth head that differs
+    from the main one is refused."""
+    hf, state = _hf_with_mtp_layer()
+    cfg = our_config(hf_tiny_config(num_nextn_predict_layers=1))
+    assert cfg.mtp_num_layers == 1
+    assert SPEC.hf_config(cfg).num_nextn_predict_layers == 1
+    assert SPEC.dropped_hf_tensors(state, cfg) == ([], "")
+    ours = GPTModel(cfg, single_process_state(), seed=1).eval()
+    full = SPEC.from_hf(state, cfg)
+    ours.load_full_state_dict(full)
+    assert torch.equal(full["mtp.layers.0.eh_proj.weight"], state["model.layers.2.eh_proj.weight"])
+    assert torch.equal(full["mtp.layers.0.final_layernorm.weight"],
+                       state["model.layers.2.shared_head.norm.weight"])
+    assert torch.equal(full["mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj"
+                            ".weight"], state["model.layers.2.self_attn.kv_b_proj.weight"])
+    assert ours.mtp.layers[0].transformer_layer.is_moe   # layer 2 is an MoE layer in HF too
+    back = SPEC.to_hf(ours.full_state_dict(), cfg)
+    assert sorted(back) == sorted(state)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours(ids)[..., :cfg.vocab_size]
+    assert (got - want).abs().max().item() < TOL
+    other = dict(state, **{"model.layers.2.shared_head.head.weight":
+                           state["lm_head.weight"] + 1})
+    with pytest.raises(ValueError, match="shared_head.head.weight differs"):
+        SPEC.from_hf(other, cfg)

@@ -90,6 +90,11 @@ def _check_rows(rows, ref_rows, what):
             assert row[key] == pytest.approx(ref[key], rel=AUX_RTOL), (what, it, key)
         # the expert bias: the load of the global batch, counted the same at any layout
         assert row.get("expert_load") == ref.get("expert_load"), (what, it)
+        # multi-token prediction: each depth's loss (token mean over the global batch)
+        mtp = sorted(k for k in ref if k.startswith("mtp_"))
+        assert sorted(k for k in row if k.startswith("mtp_")) == mtp, (what, it)
+        for key in mtp:
+            assert abs(row[key] - ref[key]) < LOSS_TOL, (what, it, key, row[key], ref[key])
         assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=NORM_RTOL), (what, it)
 
 

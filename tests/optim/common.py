@@ -64,11 +64,12 @@ DATASETS = CachedDatasets()
 
 def full_params(model) -> dict:
     """name -> full (tp-gathered, collective over tp) parameter of every chunk; the last
-    stage's tied output weight is reported under the embedding's name."""
+    stage's tied output weight is reported under the embedding's name (an untied output
+    layer under its own)."""
     out = {}
     for chunk in model_chunks(model):
         for name, tensor in chunk.full_state_dict().items():
-            out[EMBEDDING if name == OUTPUT else name] = tensor
+            out[EMBEDDING if name == OUTPUT and chunk.tied else name] = tensor
     return out
 
 

@@ -25,6 +25,9 @@ MEMORY_CASES: tuple[Layout, ...] = (
     row("mem", 1),
     row("mem", 1, "full", model=FULL),
     row("mem", 1, "llama", model=LLAMA),
+    # two multi-token prediction depths: their layers, logits and the embedding looked up
+    # again
+    row("mem", 1, "llama-mtp", model={**LLAMA, "mtp_num_layers": 2}),
     row("mem", 2, tp=2),
     row("mem", 2, "sel", model=SEL, tp=2),
     row("mem", 2, distopt=True),

@@ -81,3 +81,18 @@ def test_dry_run_deepseek_v3_attention_tp8_pp2(rank):
     cfg.model.vocab_size = 129281
     expected = sum(stage_param_counts(cfg.model, cfg.parallel, rank // 32))
     assert f"parameters on this rank: {expected:,}" in out.stdout, out.stdout
+
+
+def test_dry_run_deepseek_v3_multi_token_prediction_on_the_last_stage():
+    """One prediction depth (an MLA layer, untied output): the last stage of tp 8 x pp 2
+    holds the depth and a copy of the word embedding, as the planner counts them."""
+    layout = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2",
+              "--sequence-parallel", "--use-distributed-optimizer", "--mtp-num-layers", "1"]
+    out = _dry("--world-size", "64", "--rank", "63", *DEEPSEEK_V3_ATTENTION, *layout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = parse_args(DEEPSEEK_V3_ATTENTION + layout).validate(64)
+    cfg.model.vocab_size = 129281
+    expected = sum(stage_param_counts(cfg.model, cfg.parallel, 1))
+    cfg.model.mtp_num_layers = None
+    assert expected > sum(stage_param_counts(cfg.model, cfg.parallel, 1))
+    assert f"parameters on this rank: {expected:,}" in out.stdout, out.stdout

@@ -2,8 +2,8 @@
 from examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh) trains here with only the sizes,
 the parallel sizes and the paths changed: 2 layers (the first dense), 16 experts in 8
 groups, multi-latent attention, expert parallel 2 on 2 ranks, a tiny HuggingFace tokenizer
-file for DeepSeek-V3's, mock data for ``--data-path``. Multi-token prediction
-(``--mtp-*``) is left out: megalite does not offer it yet."""
+file for DeepSeek-V3's, mock data for ``--data-path``; with its multi-token prediction
+(``--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1``), whose depth's loss is logged."""
 
 import os
 
@@ -13,7 +13,7 @@ from tests.distributed.harness import run_distributed
 from tests.tools import load_tool
 from tests.training.common import read_jsonl, run_training
 
-LEFT_OUT = {"--mtp-num-layers", "--mtp-loss-scaling-factor", "--data-path"}
+LEFT_OUT = {"--data-path"}
 
 
 def _sizes(tmp: str) -> dict:
@@ -61,6 +61,7 @@ def test_deepseek_v3_script_trains(tmp_path):
     assert sorted(losses) == [1, 2, 3, 4] and sorted(valid) == [2, 4]
     rows = read_jsonl(str(tmp_path / "m.jsonl"))
     assert all(r["params_norm"] > 0 and r["num_zeros"] >= 0 for r in rows)
+    assert all(r["mtp_1_loss"] > 0 for r in rows) and "mtp_2_loss" not in rows[0]
     assert rows[0]["lr"] == 3.9e-7          # --lr-warmup-init: the warm-up starts there
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000004")
     for flag in ("--transformer-impl transformer_engine", "--use-flash-attn",

@@ -117,6 +117,7 @@ def megatron_args(cfg, tp: int = 1, pp: int = 1) -> Namespace:
               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
               rotary_interleaved=False, openai_gelu=False, squared_relu=False,
               qk_layernorm=m.qk_layernorm, multi_latent_attention=m.multi_latent_attention,
+              mtp_num_layers=m.mtp_num_layers,   # refused by unsupported(), not dropped
               use_legacy_models=False, bf16=False, fp16=False,
               data_parallel_random_init=False,
               num_experts=m.num_experts)

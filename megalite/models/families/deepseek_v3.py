@@ -31,17 +31,21 @@ n_group``), when group scores choose nothing.
 
 Multi-token prediction: hub checkpoints keep ``num_nextn_predict_layers`` MTP modules as
 extra layer indices ``model.layers.{num_hidden_layers + j}.*`` that transformers never
-loads. megalite has no MTP yet (``--mtp-num-layers``), so :meth:`DeepseekV3Spec.dropped_hf_tensors`
-names them and the converter drops them with one note; an export writes none and
-config.json says ``num_nextn_predict_layers: 0``.
+loads. They become megalite's ``--mtp-num-layers`` depths ``mtp.layers.{j}.`` and back
+(:mod:`megalite.models.families.deepseek_mtp`: the depths' own embedding and head must
+equal the main model's, which megalite shares); config.json's ``num_nextn_predict_layers``
+is ``--mtp-num-layers``. Layer indices past those the converter drops with one note
+(:meth:`DeepseekV3Spec.dropped_hf_tensors`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
 
+from megalite.models.families.deepseek_mtp import mtp_from_hf, mtp_to_hf
 from megalite.models.families.experts import (
     experts_from_hf,
     experts_to_hf,
@@ -155,6 +159,7 @@ class DeepseekV3Spec(FamilySpec):
         for i in range(model_cfg.num_layers):
             ours, hf = OUR_LAYER_PREFIX.format(i) + "mlp.", HF_LAYER_PREFIX.format(i) + "mlp."
             out.update(experts_to_hf(state, ours, hf))
+        out.update(mtp_to_hf(state, model_cfg, self.name_table(model_cfg)))
         return {k: v.contiguous() for k, v in out.items()}
 
     def from_hf(self, hf_state: dict[str, torch.Tensor], model_cfg
@@ -163,6 +168,7 @@ class DeepseekV3Spec(FamilySpec):
         for i in range(model_cfg.num_layers):
             ours, hf = OUR_LAYER_PREFIX.format(i) + "mlp.", HF_LAYER_PREFIX.format(i) + "mlp."
             out.update(experts_from_hf(hf_state, hf, ours, model_cfg.num_experts))
+        out.update(mtp_from_hf(hf_state, model_cfg, self.name_table(model_cfg)))
         return {k: v.contiguous() for k, v in out.items()}
 
     def to_hub_names(self, hf_state: dict[str, torch.Tensor], model_cfg
@@ -171,14 +177,28 @@ class DeepseekV3Spec(FamilySpec):
         return experts_to_hub_names(hf_state, model_cfg.moe_ffn_hidden_size)
 
     def dropped_hf_tensors(self, hf_state, model_cfg) -> tuple[list[str], str]:
-        """The multi-token-prediction modules' tensors (layer indices past the model's) and
-        why they are dropped."""
+        """Multi-token-prediction modules' tensors past the model's ``--mtp-num-layers``
+        depths (layer indices from ``num_layers + mtp_num_layers``) and why they are
+        dropped."""
+        kept = model_cfg.num_layers + (model_cfg.mtp_num_layers or 0)
         extra = sorted(k for k in hf_state if (m := _HF_LAYER.match(k))
-                       and int(m.group(1)) >= model_cfg.num_layers)
+                       and int(m.group(1)) >= kept)
         layers = sorted({int(_HF_LAYER.match(k).group(1)) for k in extra})
-        why = (f"multi-token prediction (MTP) layers {layers}: megalite has no MTP yet "
-               f"(transformers does not load them either)") if extra else ""
+        why = (f"multi-token prediction (MTP) layers {layers}: past the model's "
+               f"--mtp-num-layers {model_cfg.mtp_num_layers or 0} (transformers does not "
+               f"load them either)") if extra else ""
         return extra, why
+
+    def fit_to_weights(self, model_cfg, hf_state):
+        """Without the MTP modules' tensors (a checkpoint transformers wrote) the model has
+        no prediction depths, whatever ``num_nextn_predict_layers`` says."""
+        n = model_cfg.mtp_num_layers or 0
+        if n and not any(k.startswith(HF_LAYER_PREFIX.format(model_cfg.num_layers))
+                         for k in hf_state):
+            return dataclasses.replace(model_cfg, mtp_num_layers=None), (
+                f"config.json has num_nextn_predict_layers {n} but the weights hold no "
+                f"multi-token prediction module: converted without --mtp-num-layers")
+        return model_cfg, ""
 
     # -- configs -------------------------------------------------------------------------
     def hf_config(self, model_cfg, token_ids: tuple[int, int] | None = None):
@@ -212,7 +232,7 @@ class DeepseekV3Spec(FamilySpec):
             v_head_dim=c.v_head_dim, hidden_act="silu",
             max_position_embeddings=max(c.max_position_embeddings, c.seq_length),
             rms_norm_eps=c.norm_epsilon, rope_parameters=rope, rope_interleave=True,
-            attention_bias=False, num_nextn_predict_layers=0,
+            attention_bias=False, num_nextn_predict_layers=c.mtp_num_layers or 0,
             tie_word_embeddings=not c.untie_embeddings_and_output_weights)
         return self.with_token_ids(hf_cfg, c, token_ids)
 
@@ -290,7 +310,8 @@ class DeepseekV3Spec(FamilySpec):
                 "moe_layer_freq": moe_layer_freq(layers, dense),
                 "moe_router_topk_scaling_factor": float(h.routed_scaling_factor),
                 "moe_router_num_groups": groups if gk < groups else None,
-                "moe_router_group_topk": gk if gk < groups else None}
+                "moe_router_group_topk": gk if gk < groups else None,
+                "mtp_num_layers": getattr(h, "num_nextn_predict_layers", 0) or None}
 
 
 SPEC = DeepseekV3Spec()

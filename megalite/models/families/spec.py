@@ -118,6 +118,12 @@ class FamilySpec:
         prediction layers, which transformers does not load either, are such tensors."""
         return [], ""
 
+    def fit_to_weights(self, model_cfg, hf_state: dict[str, torch.Tensor]):
+        """(``model_cfg`` as the checkpoint's tensors allow, a note or ""): what config.json
+        promises but the weights lack is left out (DeepSeek-V3's MTP modules, which
+        transformers' ``save_pretrained`` never writes); unchanged by default."""
+        return model_cfg, ""
+
     # -- configs -------------------------------------------------------------------------
     def hf_config(self, model_cfg, token_ids: tuple[int, int] | None = None):
         """A ``transformers`` config equivalent to ``model_cfg`` (imported lazily), with
@@ -149,8 +155,13 @@ class FamilySpec:
         return []
 
     def export_warnings(self, model_cfg) -> list[str]:
-        """Differences :meth:`hf_config` cannot carry that change the logits slightly."""
-        return []
+        """Differences :meth:`hf_config` cannot carry that change the logits slightly, and
+        what an export leaves out: multi-token prediction depths (``--mtp-num-layers``),
+        which only DeepSeek-V3's format holds (its spec writes them)."""
+        n = model_cfg.mtp_num_layers or 0
+        return [f"the {n} multi-token prediction depth(s) (--mtp-num-layers) are not "
+                f"written: {self.hf_architecture} has no place for them (the logits are "
+                f"unaffected)"] if n else []
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
