@@ -24,7 +24,10 @@ from tests.training.common import ENTRYPOINT, PYTHON, read_jsonl, subprocess_env
 FIXTURES = os.path.join(os.path.dirname(__file__), "megatron", "fixtures")
 NAMES = sorted(os.listdir(FIXTURES))
 DIST_NAMES = [n for n in NAMES if not n.endswith("_legacy")]   # torch_dist
-FAMILY = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral"}
+# the Hugging Face family of each fixture's model (None: none has multi-latent attention
+# with a dense MLP, or a DeepSeek-V3 router with standard attention)
+FAMILY = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral", "qwen3": "qwen3", "mla": None,
+          "moe": None}
 TOLERANCE = 1e-5
 
 
@@ -53,7 +56,9 @@ def _reference(name):
 def test_fixtures_are_megatron_core_checkpoints():
     assert {"gpt2_tp1_pp1", "gpt2_tp2_pp2", "llama_tp1_pp1", "llama_tp2_pp2",
             "mixtral_tp1_pp1", "mixtral_ep2", "llama_pp2_vpp2", "gpt2_tp2_pp2_legacy",
-            "llama_tp2_pp2_legacy", "mixtral_ep2_legacy", "llama_pp2_vpp2_legacy"} <= set(NAMES)
+            "llama_tp2_pp2_legacy", "mixtral_ep2_legacy", "llama_pp2_vpp2_legacy",
+            "qwen3_tp1_pp1", "qwen3_tp2_pp2", "mla_tp2_pp2", "mla_noqlora_pp2",
+            "moe_bias_ep2"} <= set(NAMES)
     for name in NAMES:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
         assert ckpt.iteration == 1
@@ -73,7 +78,12 @@ def test_fixtures_are_megatron_core_checkpoints():
 @pytest.mark.parametrize("name", NAMES)
 def test_imported_logits_equal_megatrons(converted, name):
     cfg, model = load_full_model(converted[name])
-    assert family_of(cfg.model).name == FAMILY[name.split("_")[0]]
+    family = FAMILY[name.split("_")[0]]
+    if family is None:
+        with pytest.raises(ValueError, match="no Hugging Face family"):
+            family_of(cfg.model)
+    else:
+        assert family_of(cfg.model).name == family
     tokens, want = _reference(name)
     with torch.no_grad():
         got = model.eval()(tokens)
@@ -90,20 +100,25 @@ def test_qkv_interleave_round_trips():
     assert torch.equal(ours[12:15], w[18:21])
 
 
-def _layout_logits(rank, world_size, root, tp, pp, tokens):
+def _layout_logits(rank, world_size, root, tp, pp, tokens, ep=1):
     from megalite.inference.loading import inference_state, load_model
     from tests.inference.common import sequence_logits
 
-    _, model = load_model(root, None, inference_state(tp, pp))
+    state = inference_state(tp, pp, ep, 1) if ep > 1 else inference_state(tp, pp)
+    _, model = load_model(root, None, state)
     return torch.stack([sequence_logits(model, row.tolist(), use_cache=False)
                         for row in tokens])
 
 
-@pytest.mark.parametrize("name,tp,pp", [("llama_tp2_pp2", 2, 1), ("gpt2_tp2_pp2", 1, 2)])
-def test_imported_checkpoint_loads_resharded(converted, name, tp, pp):
-    """Saved by Megatron at tp2 x pp2, imported, loaded at tp2 (or pp2): the same logits."""
+@pytest.mark.parametrize("name,tp,pp,ep", [
+    ("llama_tp2_pp2", 2, 1, 1), ("gpt2_tp2_pp2", 1, 2, 1), ("qwen3_tp2_pp2", 2, 1, 1),
+    ("mla_tp2_pp2", 2, 1, 1), ("mla_noqlora_pp2", 2, 1, 1), ("moe_bias_ep2", 2, 1, 2)])
+def test_imported_checkpoint_loads_resharded(converted, name, tp, pp, ep):
+    """Saved by Megatron at tp2 x pp2 (or pp2, ep2), imported, loaded at tp2 (or pp2, or
+    tp2 with the experts over ep2): the same logits."""
     tokens, want = _reference(name)
-    for got in run_distributed(tp * pp, _layout_logits, converted[name], tp, pp, tokens):
+    for got in run_distributed(tp * pp, _layout_logits, converted[name], tp, pp, tokens,
+                               ep):
         assert (got - want[..., :got.shape[-1]]).abs().max().item() <= TOLERANCE
 
 
@@ -177,11 +192,44 @@ def test_megatron_source_errors_are_one_line(tmp_path, capsys):
 
 
 def test_unmapped_model_is_refused(tmp_path, capsys):
-    """A feature megalite's model lacks (here --qk-layernorm, read from common.pt as
-    older Megatron-Core versions write it) is named, not imported with other logits."""
-    root = _with_args(tmp_path, "llama_tp1_pp1", qk_layernorm=True)
+    """A feature megalite's model lacks (here multi-token prediction and a gated shared
+    expert, read from common.pt as older Megatron-Core versions write it) is named, not
+    imported with other logits."""
+    root = _with_args(tmp_path, "moe_bias_ep2", mtp_num_layers=1, moe_shared_expert_gate=True)
     line = _one_line_error(capsys, *_from_megatron(root, tmp_path / "o"))
-    assert "--qk-layernorm" in line and "megalite imports" in line
+    assert "multi-token prediction layers (--mtp-num-layers)" in line
+    assert "--moe-shared-expert-gate" in line and "megalite imports" in line
+
+
+def test_deepseek_routing_args_and_expert_bias_are_imported(converted):
+    """The router flags come from the args, and each MoE layer's saved expert bias (seeded
+    noise, so that it changes the routing) is its router's ``expert_bias``."""
+    from megalite.checkpoint.megatron.files import read_tensors
+
+    cfg, model = load_full_model(converted["moe_bias_ep2"])
+    m = cfg.model
+    assert (m.moe_layer_freq, m.moe_shared_expert_intermediate_size, m.moe_router_num_groups,
+            m.moe_router_group_topk, m.moe_router_score_function,
+            m.moe_router_topk_scaling_factor, m.moe_router_enable_expert_bias) == \
+        ("[0,1,1]", 32, 2, 1, "sigmoid", 2.5, True)
+    ckpt = find_checkpoint(os.path.join(FIXTURES, "moe_bias_ep2"))
+    keys = [f"decoder.layers.{i}.mlp.router.expert_bias" for i in (1, 2)]
+    saved = read_tensors(ckpt, keys)
+    state = model.state_dict()
+    assert "decoder.layers.0.mlp.router.expert_bias" not in state   # the dense layer
+    for key in keys:
+        assert saved[key].abs().min() > 0
+        assert torch.equal(state[key], saved[key])
+
+
+def test_multi_latent_attention_args_are_imported(converted):
+    cfg, _ = load_full_model(converted["mla_tp2_pp2"])
+    m = cfg.model
+    assert (m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim,
+            m.qk_pos_emb_head_dim, m.v_head_dim, m.qk_layernorm, m.rotary_scaling_factor,
+            m.mscale, m.mscale_all_dim, m.original_max_position_embeddings) == \
+        (True, 16, 16, 8, 8, 8, True, 4.0, 1.0, 0.8, 4096)
+    assert load_full_model(converted["mla_noqlora_pp2"])[0].model.q_lora_rank is None
 
 
 def test_hf_source_that_is_not_hf_is_one_line(tmp_path, capsys):
