@@ -27,7 +27,7 @@ DIST_NAMES = [n for n in NAMES if not n.endswith("_legacy")]   # torch_dist
 # the Hugging Face family of each fixture's model (None: none has multi-latent attention
 # with a dense MLP, or a DeepSeek-V3 router with standard attention)
 FAMILY = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral", "qwen3": "qwen3", "mla": None,
-          "moe": None}
+          "moe": None, "deepseek": "deepseek_v3"}
 TOLERANCE = 1e-5
 
 

@@ -87,13 +87,16 @@ MLA_NO_Q_LORA = [f for i, f in enumerate(MLA) if f != "--qk-layernorm"
                  and i not in (MLA.index("--q-lora-rank"), MLA.index("--q-lora-rank") + 1)]
 # DeepSeek-V3's routing: a dense first layer, fine-grained experts with a shared expert,
 # sigmoid scores, aux-loss-free balancing (a nonzero expert bias is saved), group-limited
-MOE_BIAS = [*LLAMA, "--num-layers", "3", "--num-experts", "8", "--moe-router-topk", "2",
-            "--moe-ffn-hidden-size", "16", "--moe-shared-expert-intermediate-size", "32",
-            "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-            "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
-            "--moe-router-topk-scaling-factor", "2.5", "--moe-layer-freq", "[0]+[1]*2",
-            "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.0",
-            "--moe-token-dispatcher-type", "allgather"]
+DEEPSEEK_ROUTING = [
+    "--num-layers", "3", "--num-experts", "8", "--moe-router-topk", "2",
+    "--moe-ffn-hidden-size", "16", "--moe-shared-expert-intermediate-size", "32",
+    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+    "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+    "--moe-router-topk-scaling-factor", "2.5", "--moe-layer-freq", "[0]+[1]*2",
+    "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.0",
+    "--moe-token-dispatcher-type", "allgather"]
+MOE_BIAS = [*LLAMA, *DEEPSEEK_ROUTING]
+DEEPSEEK_V3 = [*MLA, *DEEPSEEK_ROUTING]   # both: multi-latent attention in every layer
 # name -> (model flags, tp, pp)
 FIXTURES = {
     "gpt2_tp1_pp1": (GPT2, 1, 1),
@@ -117,15 +120,17 @@ FIXTURES = {
     "mla_tp2_pp2": (MLA, 2, 2),
     "mla_noqlora_pp2": (MLA_NO_Q_LORA, 1, 2),
     "moe_bias_ep2": ([*MOE_BIAS, "--expert-model-parallel-size", "2"], 1, 1),
-    # legacy files of the same (not committed, to keep the fixtures small: write them
-    # elsewhere with FIXTURES_OUT and import them by hand)
+    # not committed, to keep the fixtures small (write them elsewhere with FIXTURES_OUT,
+    # import them and --check-export them by hand): legacy files of the same, and
+    # DeepSeek-V3's attention and routing together
     "mla_tp2_pp2_legacy": ([*MLA, "--ckpt-format", "torch"], 2, 2),
     "moe_bias_tp2_ep2_legacy": ([*MOE_BIAS, "--expert-model-parallel-size", "2",
                                  "--ckpt-format", "torch"], 2, 1),
+    "deepseek_v3_ep2": ([*DEEPSEEK_V3, "--expert-model-parallel-size", "2"], 1, 1),
 }
 # fixtures whose layers Megatron builds with the decoder block spec (qk norm, multi-latent
 # attention, a --moe-layer-freq list); the others keep the one-layer local spec
-BLOCK_SPEC = ("qwen3_", "mla_", "moe_bias_")
+BLOCK_SPEC = ("qwen3_", "mla_", "moe_bias_", "deepseek_")
 
 
 def _ep(flags: list[str]) -> int:
