@@ -7,6 +7,7 @@ what cannot be imported is refused in one line with exit code 4."""
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 
@@ -122,13 +123,15 @@ def test_imported_checkpoint_loads_resharded(converted, name, tp, pp, ep):
         assert (got - want[..., :got.shape[-1]]).abs().max().item() <= TOLERANCE
 
 
-def test_pretrain_finetunes_from_an_import(tmp_path, capsys):
-    """The flags the converter prints train on from the import (--finetune)."""
+@pytest.mark.parametrize("name", ["llama_tp1_pp1", "moe_bias_ep2"])
+def test_pretrain_finetunes_from_an_import(tmp_path, capsys, name):
+    """The flags the converter prints train on from the import (--finetune); the imported
+    expert biases are where the bias updates start from."""
     save = str(tmp_path / "imported")
     assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
-                   os.path.join(FIXTURES, "llama_tp1_pp1"), "--save-dir", save) == 0
+                   os.path.join(FIXTURES, name), "--save-dir", save) == 0
     printed = capsys.readouterr().out
-    flags = printed.split("pretrain/pretrain_gpt.py ", 1)[1].split(" --load ")[0].split()
+    flags = shlex.split(printed.split("pretrain/pretrain_gpt.py ", 1)[1].split(" --load ")[0])
     assert "--swiglu" in flags and "--num-query-groups" in flags
     run = tmp_path / "run"
     proc = subprocess.run(
@@ -142,6 +145,12 @@ def test_pretrain_finetunes_from_an_import(tmp_path, capsys):
     assert [r["iteration"] for r in rows] == [1, 2]
     assert all(0 < r["lm_loss"] < 10 for r in rows), rows   # ln(101) = 4.6 from scratch
     assert os.path.exists(run / "ck" / "iter_0000002")
+    imported, trained = (load_full_model(d)[1].state_dict() for d in (save, str(run / "ck")))
+    biases = [k for k in imported if k.endswith("expert_bias")]
+    assert len(biases) == (2 if name == "moe_bias_ep2" else 0)
+    for key in biases:   # two steps of --moe-router-bias-update-rate 1e-3 from the import
+        step = (trained[key] - imported[key]).abs()
+        assert imported[key].abs().min() > 0.01 and 0 < step.max() <= 2e-3 + 1e-6, key
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -230,6 +239,14 @@ def test_multi_latent_attention_args_are_imported(converted):
             m.mscale, m.mscale_all_dim, m.original_max_position_embeddings) == \
         (True, 16, 16, 8, 8, 8, True, 4.0, 1.0, 0.8, 4096)
     assert load_full_model(converted["mla_noqlora_pp2"])[0].model.q_lora_rank is None
+
+
+def test_args_that_name_tensors_the_checkpoint_lacks_are_one_line(tmp_path, capsys):
+    """Args with --qk-layernorm over a checkpoint without q/k norms: the missing tensors are
+    named in one line."""
+    root = _with_args(tmp_path, "llama_tp1_pp1", qk_layernorm=True)
+    line = _one_line_error(capsys, *_from_megatron(root, tmp_path / "o"))
+    assert "missing ['decoder.layers.0.self_attention.k_layernorm.weight'" in line
 
 
 def test_hf_source_that_is_not_hf_is_one_line(tmp_path, capsys):
