@@ -121,16 +121,21 @@ FIXTURES = {
     "mla_noqlora_pp2": (MLA_NO_Q_LORA, 1, 2),
     "moe_bias_ep2": ([*MOE_BIAS, "--expert-model-parallel-size", "2"], 1, 1),
     # not committed, to keep the fixtures small (write them elsewhere with FIXTURES_OUT,
-    # import them and --check-export them by hand): legacy files of the same, and
-    # DeepSeek-V3's attention and routing together
+    # import them and --check-export them by hand): legacy files of the same, DeepSeek-V3's
+    # attention and routing together, and a Qwen3-MoE
     "mla_tp2_pp2_legacy": ([*MLA, "--ckpt-format", "torch"], 2, 2),
     "moe_bias_tp2_ep2_legacy": ([*MOE_BIAS, "--expert-model-parallel-size", "2",
                                  "--ckpt-format", "torch"], 2, 1),
     "deepseek_v3_ep2": ([*DEEPSEEK_V3, "--expert-model-parallel-size", "2"], 1, 1),
+    # Qwen3-MoE with norm_topk_prob=False (--moe-router-pre-softmax), every other layer MoE
+    "qwen3_moe_pre_softmax_tp2": ([*QWEN3, "--num-experts", "4", "--moe-router-topk", "2",
+                                   "--moe-ffn-hidden-size", "16", "--moe-router-pre-softmax",
+                                   "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "0.0",
+                                   "--moe-token-dispatcher-type", "allgather"], 2, 1),
 }
 # fixtures whose layers Megatron builds with the decoder block spec (qk norm, multi-latent
 # attention, a --moe-layer-freq list); the others keep the one-layer local spec
-BLOCK_SPEC = ("qwen3_", "mla_", "moe_bias_", "deepseek_")
+BLOCK_SPEC = ("qwen3", "mla_", "moe_bias_", "deepseek_")
 
 
 def _ep(flags: list[str]) -> int:
