@@ -133,3 +133,24 @@ def test_flag_table_says_torch_dist_is_megalites_own_format():
     status, reason = flag_status("--ckpt-format", ["torch_dist"])
     assert status == DIFFERENT
     assert "--source megatron" in reason and "--target megatron" in reason
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_experts": 4, "add_bias_linear": True, "swiglu": False,
+      "normalization": "LayerNorm"},
+     "tensors with no Megatron-Core counterpart, e.g. decoder.layers.0.mlp.experts.fc1_bias"),
+    ({**DEEPSEEK, "original_max_position_embeddings": 8192},
+     "--original-max-position-embeddings 8192 (Megatron-Core's multi-latent attention "
+     "corrects YaRN for 4096 positions)"),
+])
+def test_what_megatron_would_build_otherwise_is_refused(tmp_path, capsys, changes, message):
+    from megalite.checkpoint.consolidated import save_full_model, single_process_state
+    from megalite.models.gpt import GPTModel
+
+    cfg = tiny_config(model=changes)
+    save = str(tmp_path / "ml")
+    save_full_model(cfg, GPTModel(cfg.model, single_process_state()).full_state_dict(), save)
+    assert convert("--source", "megalite", "--target", "megatron", "--load-dir", save,
+                   "--save-dir", str(tmp_path / "mt")) == 4
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
