@@ -123,7 +123,7 @@ def test_imported_checkpoint_loads_resharded(converted, name, tp, pp, ep):
         assert (got - want[..., :got.shape[-1]]).abs().max().item() <= TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["llama_tp1_pp1", "moe_bias_ep2"])
+@pytest.mark.parametrize("name", ["llama_tp1_pp1", "moe_bias_ep2", "mla_tp2_pp2"])
 def test_pretrain_finetunes_from_an_import(tmp_path, capsys, name):
     """The flags the converter prints train on from the import (--finetune); the imported
     expert biases are where the bias updates start from."""
@@ -132,7 +132,8 @@ def test_pretrain_finetunes_from_an_import(tmp_path, capsys, name):
                    os.path.join(FIXTURES, name), "--save-dir", save) == 0
     printed = capsys.readouterr().out
     flags = shlex.split(printed.split("pretrain/pretrain_gpt.py ", 1)[1].split(" --load ")[0])
-    assert "--swiglu" in flags and "--num-query-groups" in flags
+    assert "--swiglu" in flags and ("--num-query-groups" in flags
+                                    or "--multi-latent-attention" in flags)
     run = tmp_path / "run"
     proc = subprocess.run(
         [PYTHON, ENTRYPOINT, *flags, "--load", save, "--finetune", "--save", str(run / "ck"),
@@ -229,6 +230,35 @@ def test_deepseek_routing_args_and_expert_bias_are_imported(converted):
     for key in keys:
         assert saved[key].abs().min() > 0
         assert torch.equal(state[key], saved[key])
+
+
+def test_transformer_engine_names_of_mla_norms_are_read():
+    """Transformer Engine's spec saves multi-latent attention's latent norms inside the up
+    projections (``linear_q_up_proj.layer_norm_weight``) and the pre-MLP norm inside
+    ``linear_fc1``: the same megalite state as the local spec's names."""
+    from megalite.checkpoint.megatron import arguments, mapping
+    from megalite.checkpoint.megatron.files import read_tensors, tensor_shapes
+    from megalite.config import ModelConfig
+
+    ckpt = find_checkpoint(os.path.join(FIXTURES, "mla_tp2_pp2"))
+    shapes = tensor_shapes(ckpt)
+    tensors = read_tensors(ckpt, [k for k in shapes if mapping.is_model_key(k)])
+    chunks = {k: v[1] for k, v in shapes.items()}
+    cfg = ModelConfig(**arguments.model_kwargs(read_common(ckpt)["args"]))
+    want = mapping.to_megalite(tensors, chunks, cfg)
+    te = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+          "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+          "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    renamed, renamed_chunks = {}, {}
+    for key, t in tensors.items():
+        new = key
+        for local, fused in te.items():
+            new = new.replace(mapping.LAYERS + local, mapping.LAYERS + fused)
+        renamed[new], renamed_chunks[new] = t, chunks[key]
+    assert len(set(renamed) - set(tensors)) == 3 and not mapping.unknown_keys(renamed)
+    got = mapping.to_megalite(renamed, renamed_chunks, cfg)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_multi_latent_attention_args_are_imported(converted):
