@@ -27,6 +27,9 @@ activation-     tests/model/test_activation_offload.py: --cpu-offloading against
 offload         layout without it, bitwise (rows tagged ``slow`` outside the default run)
 fp8             tests/fp8/test_layouts.py: fp8 GEMMs of each recipe x tp + sp, pp, dp, cp,
                 ep, loss, grad norm, params (and the delayed amax histories)
+qk-clip         tests/optim/test_qk_clip_layouts.py: --qk-clip (AdamW and Muon) at tp 2 + sp,
+                cp 2 (p2p, a2a), pp 2, dp 2 with the distributed optimizer, ZeRO-3, and
+                multi-latent attention, loss, grad norm, max attention logit, params
 grad-stats      tests/training/test_grad_stats.py: --log-params-norm and
                 --log-num-zeros-in-grad at dp x distributed optimizer (with both overlaps,
                 ZeRO-3), tp + sp, pp (tied embedding), ep, against the one-process run
@@ -457,16 +460,52 @@ _FP8 = [
       for sizes in ({"tp": 2, "sp": True}, {"pp": 2}, {})),
     *(row("fp8", 2, recipe, model={**FP8_MODEL[recipe], **_FP8_CP[0]}, train=_FP8_CP[1], cp=2)
       for recipe in ("tensorwise", "delayed", "mxfp8")),
+    # the routed experts' fp8 GEMMs (per-row scales): ep2, etp2 under tp2 + sp (a row's
+    # amax over the split contraction), dp2 x ep2 (an expert multiplies two data-parallel
+    # ranks' micro-batches at once), block recipes
     row("fp8", 2, "tensorwise", model={**FP8_MODEL["tensorwise"], **_FP8_MOE}, ep=2),
+    row("fp8", 2, "tensorwise-moe", model={**FP8_MODEL["tensorwise"], **_FP8_MOE}, tp=2,
+        sp=True),
+    row("fp8", 4, "delayed-moe", model={**FP8_MODEL["delayed"], **_FP8_MOE}, ep=2),
+    row("fp8", 2, "mxfp8-moe", model={**FP8_MODEL["mxfp8"], **_FP8_MOE}, tp=2, sp=True),
+    row("fp8", 2, "blockwise-moe", model={**FP8_MODEL["blockwise"], **_FP8_MOE}, ep=2),
     row("fp8", 2, "blockwise", model=FP8_MODEL["blockwise"]),
     row("fp8", 4, "delayed", model=FP8_MODEL["delayed"], tp=2, sp=True, pp=2),
 ]
 
+# -- qk-clip: --qk-clip (Kimi-K2's MuonClip) at a threshold the tiny models' logits pass
+# from the first step, so every step clips some heads; the max over micro-batches (4 per
+# step at dp 1), dp and cp ranks, and the clip on the distributed optimizer's pieces of the
+# masters, against one process. A Qwen-style GQA model (a QKV bias, scaled with its rows)
+QK_CLIP = {"qk_clip": True, "qk_clip_threshold": 0.04, "qk_clip_alpha": 0.3}
+QK_CLIP_MODEL = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+                 "add_bias_linear": False, "add_qkv_bias": True,
+                 "group_query_attention": True, "num_query_groups": 2, **QK_CLIP}
+QK_CLIP_MLA = {**MLA, **QK_CLIP, "qk_clip_threshold": 0.02}
+_QK_CLIP = [
+    row("qk-clip", 2, model=QK_CLIP_MODEL, tp=2, sp=True),
+    row("qk-clip", 2, model=QK_CLIP_MODEL, cp=2),
+    row("qk-clip", 2, "a2a", model={**QK_CLIP_MODEL, "cp_comm_type": "a2a"}, cp=2),
+    row("qk-clip", 2, model=QK_CLIP_MODEL, pp=2),
+    row("qk-clip", 2, model=QK_CLIP_MODEL, distopt=True),
+    row("qk-clip", 2, "muon", model=QK_CLIP_MODEL, optim=MUON, distopt=True),
+    row("qk-clip", 2, "muon", model=QK_CLIP_MODEL, optim=MUON, tp=2, sp=True),
+    row("qk-clip", 4, model=QK_CLIP_MODEL, tp=2, sp=True, strategy="optim_grads_params"),
+    row("qk-clip", 4, "muon", model=QK_CLIP_MODEL, optim=MUON, cp=2, distopt=True),
+    row("qk-clip", 2, "mla", model=QK_CLIP_MLA, tp=2, sp=True),
+    row("qk-clip", 2, "mla", model=QK_CLIP_MLA, cp=2),
+    # the forward replayed by full recomputation observes again (the same maxima, and under
+    # cp the same all-gather); bf16 with fp32 masters: the clip scales the masters
+    row("qk-clip", 2, "full", model={**QK_CLIP_MODEL, **RECOMPUTE["full-uniform"]}, cp=2),
+    row("qk-clip", 2, "bf16", model={**QK_CLIP_MODEL, "bf16": True}, distopt=True),
+]
+
 SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "muon", "pipeline",
-          "training", "resume", "reshard", "cp", "activation-offload", "fp8", "grad-stats")
+          "training", "resume", "reshard", "cp", "activation-offload", "fp8", "grad-stats",
+          "qk-clip")
 LAYOUTS: tuple[Layout, ...] = (*_MODEL, *_MIXTRAL, *_MOE_LAYER, *_MOE_TRAINING, *_DEEPSEEK,
                                *_OPTIM, *_MUON, *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD,
-                               *_CP, *_ACT_OFFLOAD, *_FP8, *_GRAD_STATS)
+                               *_CP, *_ACT_OFFLOAD, *_FP8, *_GRAD_STATS, *_QK_CLIP)
 
 
 def layouts(tag: str | None = None, world: int | None = None,

@@ -12,7 +12,8 @@ The flags below are those the four scripts in Megatron-LM's ``examples/`` pass t
 expert and routing flags of its DeepSeek-V3 post-training configuration, the model flags
 of its Qwen3-30B-A3B post-training configuration, and Megatron-LM's Muon flags
 (``--optimizer muon`` and the ``--muon-*`` options of its
-``megatron/training/arguments.py``, with values a Muon run passes). Each flag's
+``megatron/training/arguments.py``, with values a Muon run passes, and MuonClip's
+``--qk-clip*`` / ``--log-max-attention-logit``). Each flag's
 status comes from megalite's parser and the ``no_effect`` reasons declared on the config
 fields (:func:`megalite.compat.flag_status`), so the table follows the code.
 """
@@ -115,14 +116,15 @@ DEEPSEEK_V3_MOE = """
 """
 
 # Megatron-LM's Muon options (not in an example script): the values of a Moonlight-style run,
-# and the scalar optimizer megalite does not offer
+# the scalar optimizer megalite does not offer, and QK-clip (MuonClip)
 MUON = """
 --optimizer muon --muon-momentum 0.95 --muon-nesterov --muon-num-ns-steps 5
 --muon-coefficient-type quintic --muon-coefficient-type polar_express
 --muon-scale-mode spectral --muon-extra-scale-factor 0.2 --muon-no-split-qkv
 --muon-tp-mode blockwise --muon-tp-mode duplicated --muon-tp-mode distributed
 --muon-scalar-optimizer adam --muon-scalar-optimizer lion --muon-fp32-matmul-prec medium
---use-distributed-optimizer
+--use-distributed-optimizer --qk-clip --qk-clip-threshold 100 --qk-clip-alpha 0.5
+--log-max-attention-logit
 """
 
 # examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh (its defaults TP=1, EP=8, MBS=4,
@@ -190,7 +192,8 @@ SCRIPTS = {
                         DEEPSEEK_V3_MOE),
     "Qwen3-30B-A3B": ("examples/post_training/modelopt/conf/qwen/Qwen3-30B-A3B.sh",
                       QWEN3_30B_A3B),
-    "Muon": ("megatron/training/arguments.py (--optimizer muon, --muon-*)", MUON),
+    "Muon": ("megatron/training/arguments.py (--optimizer muon, --muon-*, --qk-clip*)",
+             MUON),
 }
 
 

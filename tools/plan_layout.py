@@ -9,16 +9,16 @@
 
 The model and batch come after ``--`` as megalite / Megatron flags (``--config run.yaml``
 works there too), or from a launch script (``--megatron-script train.sh``: every ``--flag``
-in it; layout flags are ignored, unknown ones skipped with a note). The cluster is a
-preset (``--preset h100|h200|a100`` x ``--nodes``) or given in full (``--gpus-per-node``,
-``--gpu-memory-gib``, ``--peak-tflops``, ``--intra-node-gbps``, ``--inter-node-gbps``, GB/s
-per GPU one way). ``--tp/--pp/--vpp/--cp/--ep N ...``, ``--strategies``, ``--recompute``,
-``--micro-batch-sizes``, ``--offload-fractions`` and ``--pipeline-schedules`` (1f1b, zb_h1:
-the schedules tried with one model chunk per pipeline rank) narrow the search (e.g. to one published
-layout: ``examples/planner/``). Prints the best ``--top`` feasible layouts with memory per
-rank by term, compute, communication time and bytes per parallelism, bubble and MFU; then the best
-layout's flags ready to paste; ``--show-infeasible N`` lists rejected layouts and the limit
-each breaks.
+in it; layout flags are ignored, unknown ones skipped with a note). The cluster is a preset
+(``--preset h100|h800|h200|a100`` x ``--nodes``) or given in full (``--gpus-per-node``,
+``--gpu-memory-gib``, ``--peak-tflops``, ``--peak-fp8-tflops``, ``--intra-node-gbps``,
+``--inter-node-gbps``, GB/s per GPU one way). ``--tp/--pp/--vpp/--cp/--ep N ...``,
+``--strategies``, ``--recompute``, ``--micro-batch-sizes``, ``--offload-fractions`` and
+``--pipeline-schedules`` (1f1b, zb_h1: the schedules tried with one model chunk per pipeline
+rank) narrow the search (e.g. to one published layout: ``examples/planner/``). Prints the
+best ``--top`` feasible layouts with memory per rank by term, compute, communication time
+and bytes per parallelism, bubble and MFU; then the best layout's flags ready to paste;
+``--show-infeasible N`` lists rejected layouts and the limit each breaks.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 from megalite.arguments import build_parser, parse_args  # noqa: E402
+from megalite.config import shapes  # noqa: E402
 from megalite.config.fields import ConfigError  # noqa: E402
 from megalite.errors import EXIT_CONFIG, report_tool_error  # noqa: E402
 from megalite.planner.cluster import GIB, PRESETS, Cluster, preset  # noqa: E402
@@ -168,9 +169,22 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / GIB:.1f}"
 
 
-def report(candidates, cluster: Cluster, top: int, show_infeasible: int) -> str:
+def model_line(model) -> str:
+    """The searched model's size: parameters in all, per token, and training FLOPs per
+    token (tp 1 vocabulary padding)."""
+    vocab = model.padded_vocab_size(1)
+    total, active = shapes.model_params(model, vocab)
+    moe = f", {active / 1e9:.1f}B active per token" if model.num_experts else ""
+    return (f"model: {total / 1e9:.1f}B parameters{moe}; "
+            f"{shapes.flops_per_token(model, vocab) / 1e9:.1f} GFLOP per token "
+            f"(forward and backward, seq {model.seq_length})")
+
+
+def report(candidates, cluster: Cluster, top: int, show_infeasible: int,
+           model=None) -> str:
     feasible = [c for c in candidates if c.feasible]
-    lines = [f"cluster: {cluster.nodes} x {cluster.gpus_per_node} {cluster.name} "
+    lines = [*([model_line(model)] if model is not None else []),
+             f"cluster: {cluster.nodes} x {cluster.gpus_per_node} {cluster.name} "
              f"({cluster.gpu_memory / GIB:.0f} GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s "
              f"peak, {cluster.intra_node_bw / 1e9:.0f} / {cluster.inter_node_bw / 1e9:.0f} "
              f"GB/s intra / inter node); {len(candidates)} layouts, {len(feasible)} feasible",
@@ -218,6 +232,7 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int) -> str:
 CLUSTER_FLAGS = {"gpus_per_node": ("gpus_per_node", 1, "an integer >= 1"),
                  "gpu_memory_gib": ("gpu_memory", GIB, "a positive number"),
                  "peak_tflops": ("peak_flops", 1e12, "a positive number"),
+                 "peak_fp8_tflops": ("fp8_flops", 1e12, "a positive number"),
                  "intra_node_gbps": ("intra_node_bw", 1e9, "a positive number"),
                  "inter_node_gbps": ("inter_node_bw", 1e9, "a positive number"),
                  "matmul_efficiency": ("matmul_efficiency", 1, "in (0, 1]")}
@@ -269,6 +284,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=int)
     parser.add_argument("--gpu-memory-gib", type=float)
     parser.add_argument("--peak-tflops", type=float)
+    parser.add_argument("--peak-fp8-tflops", type=float, help="dense fp8 rate (used under "
+                        "--fp8-format; the presets know theirs, the A100 has none)")
     parser.add_argument("--intra-node-gbps", type=float)
     parser.add_argument("--inter-node-gbps", type=float)
     parser.add_argument("--matmul-efficiency", type=float)
@@ -332,6 +349,10 @@ def plan(argv: list[str]):
         parser.error("give --global-batch-size after --")
     args.base = base   # the model and batch the search lays out
     cluster = build_cluster(args)
+    if base.model.fp8_format is not None and not cluster.fp8_flops:
+        parser.error(f"--fp8-format {base.model.fp8_format}: the {cluster.name} GPU has no "
+                     "fp8 GEMMs (compute capability 8.9+: --preset h100, h800 or h200), "
+                     "or give its rate with --peak-fp8-tflops")
     candidates = search(base, cluster, strategies=tuple(args.strategies),
                         recomputes=tuple(args.recompute),
                         micro_batch_sizes=tuple(args.micro_batch_sizes),
@@ -389,7 +410,7 @@ def main(argv=None) -> int:
         return EXIT_CONFIG
     for line in reasons:
         print(f"note: left out {line}")
-    print(report(candidates, cluster, args.top, args.show_infeasible))
+    print(report(candidates, cluster, args.top, args.show_infeasible, args.base.model))
     return 0 if any(c.feasible for c in candidates) else 1
 
 

@@ -81,7 +81,8 @@ class MegaliteConfig:
         self._validate_experts(dp)
         self._validate_training_length()
         self._validate_batches(dp)
-        m.check_fp8_tiling(tp, p.context_parallel_size, t.micro_batch_size)
+        m.check_fp8_tiling(tp, p.context_parallel_size, t.micro_batch_size,
+                           p.expert_tensor_parallel_size)
         if self.checkpoint.save_interval is not None and self.checkpoint.save is None:
             raise ConfigError("--save-interval needs --save DIR")
         if not self.data.mock_data and self.data.tokenizer_type == "NullTokenizer":

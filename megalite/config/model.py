@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.config.fields import ConfigError, arg, check_choices, positive, require
+from megalite.config.fp8 import FP8_FORMATS, FP8_RECIPES, check_fp8_tiling
 from megalite.config.moe_layers import moe_layer_pattern_of, normalized_freq
 
 
@@ -26,11 +27,6 @@ def _kernel_names(field: str) -> tuple[str, ...]:
     return (*CP_KERNELS, "a2a+p2p")
 
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe")
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
-# the multiple each fp8 GEMM dimension must be: 16 for per-tensor scales (the kernels'
-# rule), the block length for block scales (megalite.layers.fp8.recipes)
-FP8_TILE = {"delayed": 16, "tensorwise": 16, "mxfp8": 32, "blockwise": 128}
 
 
 @dataclass
@@ -107,6 +103,18 @@ class ModelConfig:
     original_max_position_embeddings: int | None = arg(
         None, "The context length the YaRN correction range is computed for (default 4096, "
         "Megatron-Core's MLA default).", aliases=("--yarn-original-max-position-embeddings",))
+    # QK-clip (Kimi-K2's MuonClip, Megatron-Core's qk_clip); megalite.transformer.max_logits
+    qk_clip: bool = arg(False, "QK-clip: track each head's largest attention logit over the "
+                        "global batch and, after every optimizer step, scale the query and "
+                        "key weights of a head whose logit passed --qk-clip-threshold by "
+                        "(threshold / logit) ** alpha and ** (1 - alpha).")
+    qk_clip_threshold: float = arg(100.0, "QK-clip's threshold tau on the largest "
+                                   "(softmax-scaled) attention logit of a head.")
+    qk_clip_alpha: float = arg(0.5, "QK-clip's balance: the queries take (tau / logit) ** "
+                               "alpha, the keys ** (1 - alpha).")
+    log_max_attention_logit: bool = arg(False, "Log the largest attention logit of the "
+                                        "model (all layers and heads, global batch) every "
+                                        "iteration; on with --qk-clip too.")
     masked_softmax_fusion: bool = arg(
         True, "the fused masked-softmax kernel.", flag="--no-masked-softmax-fusion",
         action="store_false",
@@ -310,6 +318,7 @@ class ModelConfig:
                  f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                  f"num_query_groups ({self.num_query_groups})")
         self._check_attention_variant()
+        self._check_qk_clip()
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.learned_positions:
@@ -439,6 +448,24 @@ class ModelConfig:
         for name in ("mscale", "mscale_all_dim"):
             require(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
 
+    def _check_qk_clip(self) -> None:
+        """QK-clip's constants (Megatron's bounds), and the query/key layouts it knows."""
+        if not self.qk_clip:
+            for name, default in (("qk_clip_threshold", 100.0), ("qk_clip_alpha", 0.5)):
+                require(getattr(self, name) == default,
+                        f"--{name.replace('_', '-')} ({getattr(self, name)}) needs --qk-clip")
+            return
+        require(0.0 < self.qk_clip_alpha < 1.0,
+                f"--qk-clip-alpha must be between 0 and 1 (exclusive), got "
+                f"{self.qk_clip_alpha}")
+        require(self.qk_clip_threshold > 0,
+                f"--qk-clip-threshold must be > 0, got {self.qk_clip_threshold}")
+        require(self.multi_latent_attention or not self.qk_layernorm,
+                "--qk-clip scales the query/key projection weights, which --qk-layernorm "
+                "normalizes away after them (the logits would not move); drop one of the two "
+                "(with --multi-latent-attention the norms sit on the latents and QK-clip "
+                "works)")
+
     @property
     def mla_q_head_dim(self) -> int:
         """A multi-latent attention query/key head: ``qk_head_dim + qk_pos_emb_head_dim``."""
@@ -474,55 +501,11 @@ class ModelConfig:
                     f"got {getattr(self, name)}")
         require(self.fp8_margin >= 0, f"--fp8-margin must be >= 0, got {self.fp8_margin}")
 
-    def fp8_gemm_dims(self, tp: int, cp: int, micro_batch_size: int) -> dict[str, int]:
-        """Every dimension one rank's fp8 GEMMs contract over (each linear's local input
-        and output features, and the tokens of one micro-batch: under context parallelism
-        each of a rank's two sequence chunks), named for error messages."""
-        d, nh, ng = self.kv_channels, self.num_attention_heads, self.num_query_groups
-        fc1 = (2 if self.swiglu else 1) * self.ffn_hidden_size
-        tokens = (self.seq_length // (2 * cp) if cp > 1 else self.seq_length) * micro_batch_size
-        dims = {"hidden_size": self.hidden_size,
-                "the MLP's fc1 output per tp rank": fc1 // tp,
-                "ffn_hidden_size / tp": self.ffn_hidden_size // tp}
-        if self.multi_latent_attention:   # the tp-split up and output projections
-            qk = self.mla_q_head_dim
-            dims.update({
-                "kv_lora_rank": self.kv_lora_rank,
-                "the kv up projection's output per tp rank":
-                    nh * (self.qk_head_dim + self.v_head_dim) // tp,
-                "the query projection's output per tp rank": nh * qk // tp,
-                "the attention output per tp rank (heads x v_head_dim / tp)":
-                    nh * self.v_head_dim // tp})
-            if self.q_lora_rank is not None:
-                dims["q_lora_rank"] = self.q_lora_rank
-        else:
-            dims.update({
-                "the QKV projection's output per tp rank": (nh + 2 * ng) * d // tp,
-                "the attention output per tp rank (heads x kv_channels / tp)": nh * d // tp})
-        shared = self.moe_shared_expert_intermediate_size
-        if shared:
-            dims["moe_shared_expert_intermediate_size / tp"] = shared // tp
-        key = ("tokens per micro-batch and sequence chunk (seq_length / (2 x cp) x "
-               "micro_batch_size)" if cp > 1 else "tokens per micro-batch (seq_length x "
-               "micro_batch_size)")
-        dims[key] = tokens
-        return dims
-
-    def check_fp8_tiling(self, tp: int, cp: int, micro_batch_size: int) -> None:
-        """fp8 GEMMs tile each contraction dimension: multiples of 16 for per-tensor scales
-        (the kernels' rule), of the block (32 mxfp8, 128 blockwise) for block scales, so
-        that no tp or cp split cuts a block. One ConfigError naming the first dimension that
-        does not tile."""
-        if self.fp8_format is None:
-            return
-        multiple = FP8_TILE[self.fp8_recipe]
-        for what, n in self.fp8_gemm_dims(tp, cp, micro_batch_size).items():
-            require(n % multiple == 0,
-                    f"--fp8-recipe {self.fp8_recipe} needs every fp8 GEMM dimension to be a "
-                    f"multiple of {multiple}: {what} is {n} (tp {tp}, cp {cp}, "
-                    f"micro_batch_size {micro_batch_size}); change the sizes"
-                    + ("" if self.fp8_recipe in ("tensorwise", "delayed") else
-                       " or use --fp8-recipe tensorwise (multiples of 16)"))
+    def check_fp8_tiling(self, tp: int, cp: int, micro_batch_size: int,
+                         etp: int | None = None) -> None:
+        """One ConfigError naming the first fp8 GEMM dimension the recipe cannot tile
+        (:func:`megalite.config.fp8.check_fp8_tiling`)."""
+        check_fp8_tiling(self, tp, cp, micro_batch_size, etp)
 
     def _check_cpu_offloading(self) -> None:
         """Megatron's rule (0 <= layers < num_layers) and what megalite offloads."""

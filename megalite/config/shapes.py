@@ -30,6 +30,17 @@ def is_moe_layer(m, layer: int) -> bool:
     return m.moe_layer_pattern[layer]
 
 
+def fp8_layer(m, layer: int) -> bool:
+    """Whether global layer ``layer`` runs its linears in fp8: ``--fp8-format`` is set and
+    ``--first-last-layers-bf16`` does not keep it in higher precision (the first
+    ``--num-layers-at-start-in-bf16`` and last ``--num-layers-at-end-in-bf16``)."""
+    if m.fp8_format is None:
+        return False
+    if not m.first_last_layers_bf16:
+        return True
+    return m.num_layers_at_start_in_bf16 <= layer < m.num_layers - m.num_layers_at_end_in_bf16
+
+
 def moe_layer_count(m) -> int:
     """MoE layers of the model."""
     return sum(is_moe_layer(m, layer) for layer in range(m.num_layers))
@@ -165,3 +176,16 @@ def layer_gemms(m, tokens: int, tp: int = 1) -> list[tuple[int, int, int]]:
     fc1 = (2 if m.swiglu else 1) * m.ffn_hidden_size
     return [*attention_gemms(m, tokens, tp),
             (tokens, h, fc1 // tp), (tokens, m.ffn_hidden_size // tp, h)]
+
+
+def model_params(m, padded_vocab_size: int) -> tuple[int, int]:
+    """(total, active per token) parameter elements of the whole model at tp 1: the word
+    embedding, learned absolute positions where used, every transformer layer (all experts;
+    the router and ``top-k`` experts for the active count), the final norm and, untied, the
+    output layer -- the figures model cards state (DeepSeek-V3: 671B total, 37B active)."""
+    h = m.hidden_size
+    outer = padded_vocab_size * h * (2 if m.untie_embeddings_and_output_weights else 1)
+    if m.learned_positions:
+        outer += m.max_position_embeddings * h
+    total = sum(sum(layer_params(m, layer)) for layer in range(m.num_layers))
+    return total + norm_params(m) + outer, active_layer_params(m) + outer

@@ -100,12 +100,13 @@ class MoELayer(torch.nn.Module):
         num_local = cfg.num_experts // ps.ep.size
         self.dispatcher = DISPATCHERS[cfg.moe_token_dispatcher_type](
             cfg.num_experts, ps, CommCounter())
-        self.experts = GroupedMLP(cfg, num_local, self.dispatcher.first_expert, ps, **kw)
+        fp8 = Fp8Recipe.for_layer(cfg, layer_number)
+        self.experts = GroupedMLP(cfg, num_local, self.dispatcher.first_expert, ps, fp8=fp8,
+                                  **kw)
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpertMLP(   # fp8 GEMMs as the dense MLP's
-                cfg, cfg.moe_shared_expert_intermediate_size, ps,
-                fp8=Fp8Recipe.for_layer(cfg, layer_number), **kw)
+                cfg, cfg.moe_shared_expert_intermediate_size, ps, fp8=fp8, **kw)
         self.recompute = cfg.recomputes("moe")
         self.aux_loss_scale = 1.0
         self.aux_losses: dict = {}

@@ -215,9 +215,13 @@ class DistributedOptimizer(LossScaledOptimizer):
                 for g in inner.param_groups]
 
     @torch.no_grad()
-    def step(self) -> StepOutcome:
+    def step(self, row_scales: dict | None = None) -> StepOutcome:
         """Unscale, check, clip, update this rank's shard (the offloaded part on the CPU),
-        all-gather the parameters."""
+        all-gather the parameters. ``row_scales`` ``{parameter: factor}`` (QK-clip): after
+        the update each piece of such a parameter is multiplied by its elements of the
+        factor (broadcast to the parameter's shape), before the shard is written into
+        ``param_data`` and gathered, so masters and model agree with the one-process step;
+        a skipped step applies none."""
         self.grads.wait_param_sync()
         grads = [sh.grad for sh in self.shards]
         if self._unscale_and_check(grads):
@@ -246,6 +250,9 @@ class DistributedOptimizer(LossScaledOptimizer):
                 inner.apply({id(pc.master): o for (pc, _), o in zip(pairs, outs)})
         for pc in self.pieces:
             pc.master.grad = None
+            if row_scales and pc.param in row_scales:
+                factor = row_scales[pc.param].expand(pc.param.shape).reshape(-1)
+                pc.master.mul_(factor[pc.start:pc.start + pc.hi - pc.lo].to(pc.master.device))
         for sh in self.shards:
             mine = sh.bucket.shard_param()
             if self.half:

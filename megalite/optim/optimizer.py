@@ -204,9 +204,12 @@ class MixedPrecisionOptimizer(LossScaledOptimizer):
         return self.inner.param_groups
 
     @torch.no_grad()
-    def step(self) -> StepOutcome:
+    def step(self, row_scales: dict | None = None) -> StepOutcome:
         """Unscale, check, clip and apply the update (collectives over the world for the
-        inf check and the norm)."""
+        inf check and the norm). ``row_scales`` ``{parameter: factor}`` (QK-clip,
+        :mod:`megalite.optim.qk_clip`): after the update each such master is multiplied by
+        its factor (broadcast to its shape), before the copy into the model; a skipped step
+        applies none."""
         grads = [p.main_grad for p in self.params]
         if self._unscale_and_check(grads):
             return StepOutcome(updated=False, found_inf=True, grad_norm=None)
@@ -219,6 +222,9 @@ class MixedPrecisionOptimizer(LossScaledOptimizer):
         self.inner.step()
         for master in self.masters:
             master.grad = None
+        for master, p in zip(self.masters, self.params):
+            if row_scales and p in row_scales:
+                master.mul_(row_scales[p])
         if self.half:
             torch._foreach_copy_(self.params, self.masters)
         self.num_steps += 1

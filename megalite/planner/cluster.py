@@ -60,6 +60,7 @@ class Cluster:
     memory_margin: float = 0.9  # fraction of gpu_memory a layout may plan for (the CUDA
                                 # context, allocator fragmentation and NCCL take the rest)
     name: str = "custom"
+    fp8_flops: float = 0.0     # dense fp8 FLOP/s per GPU; 0: the GPU has no fp8 GEMMs
 
     def __post_init__(self) -> None:
         """Refuse sizes below one and non-positive or NaN rates (a step time from them
@@ -96,17 +97,22 @@ class Cluster:
 
 
 # per-GPU figures: NVLink 4 (H100/H200) 450 GB/s and NVLink 3 (A100) 300 GB/s one way;
-# one 400 Gb/s (H100/H200) or 200 Gb/s (A100) NIC per GPU
+# one 400 Gb/s (H100/H200) or 200 Gb/s (A100) NIC per GPU; the H800 is an H100 with NVLink
+# cut to 200 GB/s one way (400 GB/s both ways)
 PRESETS = {
-    "h100": Cluster(8, 1, 80 * GIB, 989e12, 450e9, 50e9, memory_bw=3.35e12, name="H100 SXM"),
-    "h200": Cluster(8, 1, 141 * GIB, 989e12, 450e9, 50e9, memory_bw=4.8e12, name="H200 SXM"),
+    "h100": Cluster(8, 1, 80 * GIB, 989e12, 450e9, 50e9, memory_bw=3.35e12, name="H100 SXM",
+                    fp8_flops=1979e12),
+    "h800": Cluster(8, 1, 80 * GIB, 989e12, 200e9, 50e9, memory_bw=3.35e12, name="H800 SXM",
+                    fp8_flops=1979e12),
+    "h200": Cluster(8, 1, 141 * GIB, 989e12, 450e9, 50e9, memory_bw=4.8e12, name="H200 SXM",
+                    fp8_flops=1979e12),
     "a100": Cluster(8, 1, 80 * GIB, 312e12, 300e9, 25e9, memory_bw=2.0e12,
                     name="A100 SXM 80GB"),
 }
 
 
 def preset(name: str, nodes: int = 1) -> Cluster:
-    """A preset node type (``h100``, ``h200``, ``a100``) times ``nodes``."""
+    """A preset node type (``h100``, ``h800``, ``h200``, ``a100``) times ``nodes``."""
     try:
         return PRESETS[name.lower()].with_nodes(nodes)
     except KeyError:

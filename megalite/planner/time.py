@@ -12,7 +12,11 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   :func:`megalite.config.shapes.flops_per_token` of the active parameters: top-k
   experts, not all) divided over the ``world`` ranks, plus what recomputation adds
   (full: the forward again, 2N per token of the layers; selective: the attention core's
-  forward, 4 L h s per token), at ``peak_flops x matmul_efficiency``.
+  forward, 4 L h s per token), at ``peak_flops x matmul_efficiency``; under
+  ``--fp8-format`` the GEMMs megalite runs in fp8 (:func:`fp8_gemm_flops_per_token`: the
+  column- and row-parallel linears of the layers not kept in bf16 -- attention, dense
+  MLP, shared expert; not the routed experts, the output layer or the attention core) at
+  ``fp8_flops x matmul_efficiency`` instead.
   Plus the memory-bound work (norms, activation functions, softmax, copies): ``4 x`` the
   bytes the layers save for backward (:func:`layer_activation_elements`) at
   ``memory_bw``. Plus the fixed costs: ``layer_overhead_s`` per layer and micro-batch
@@ -67,6 +71,7 @@ from megalite.config.shapes import (
     active_layer_params,
     attention_head_dims,
     dense_mlp_params,
+    fp8_layer,
     mla_up_proj_params,
     moe_layer_count,
     moe_mlp_params,
@@ -152,6 +157,34 @@ def _ring(bytes_: float, size: int, bw: float, latency: float, steps: int = 1) -
     return steps * (2.0 * (size - 1) / size * bytes_ / bw + 2 * (size - 1) * latency)
 
 
+def fp8_gemm_flops_per_token(m) -> float:
+    """Training FLOPs per token (forward and backward: 6 per weight) of the GEMMs that
+    ``--fp8-format`` runs in fp8: each transformer layer's tensor-parallel linears
+    (attention's qkv and output projections, or multi-latent attention's up and output
+    projections; the dense MLP or the shared expert), the layers kept in bf16
+    (``--first-last-layers-bf16``) excepted; 0 without fp8."""
+    if m.fp8_format is None:
+        return 0.0
+    h, n = m.hidden_size, m.num_attention_heads
+    if m.multi_latent_attention:
+        attention = mla_up_proj_params(m) + n * m.v_head_dim * h
+    else:
+        attention = h * (n + 2 * m.num_query_groups) * m.kv_channels + n * m.kv_channels * h
+    weights = 0
+    for layer, moe in enumerate(m.moe_layer_pattern):
+        if not fp8_layer(m, layer):
+            continue
+        shared = m.moe_shared_expert_intermediate_size
+        mlp = (0 if not shared else _mlp_weights(m, shared)) if moe else \
+            _mlp_weights(m, m.ffn_hidden_size)
+        weights += attention + mlp
+    return 6.0 * weights
+
+
+def _mlp_weights(m, ffn: int) -> int:
+    return m.hidden_size * ffn * (3 if m.swiglu else 2)
+
+
 def compute_seconds(ctx: StepContext) -> float:
     """Matmuls (model FLOPs plus recomputation) at the cluster's rate, the memory-bound
     work, and the fixed per-layer and per-micro-batch costs (module docstring)."""
@@ -177,8 +210,9 @@ def compute_seconds(ctx: StepContext) -> float:
             per_token = experts // m.num_experts * m.moe_router_topk + (
                 dense_mlp_params(m, 1, shared) if shared else 0)
             extra += 2.0 * moe_layer_count(m) * per_token * all_tokens
-    compute = (lay.model_flops_per_step + extra) / lay.world_size / (
-        cluster.peak_flops * cluster.matmul_efficiency)
+    fp8 = fp8_gemm_flops_per_token(m) * all_tokens if cluster.fp8_flops else 0.0
+    compute = ((lay.model_flops_per_step + extra - fp8) / cluster.peak_flops
+               + fp8 / (cluster.fp8_flops or 1.0)) / lay.world_size / cluster.matmul_efficiency
     # memory-bound work (norms, activations, softmax, residual adds, copies): each element
     # the layers keep for backward is written and read in forward and backward
     per_layer = [layer_activation_elements(m, p, lay.micro_batch_size, moe=moe)

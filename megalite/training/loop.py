@@ -29,6 +29,10 @@ last iteration just did) and the test set (where ``--split`` gives one), printed
 ``validation loss at the end of training | ...`` and ``test loss at the end of training``.
 With ``--moe-router-enable-expert-bias`` every step ends with the bias update over the
 global batch's expert loads (:mod:`megalite.moe.expert_bias`), after the optimizer.
+With ``--qk-clip`` / ``--log-max-attention-logit`` the attention layers' per-head maximum
+logits of the step are reduced before the optimizer (:mod:`megalite.optim.qk_clip`), the
+step scales the clipped heads' query/key rows of its masters, and the largest logit is
+logged.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ from megalite.checkpoint import CheckpointSaver, save_checkpoint
 from megalite.errors import NumericalError
 from megalite.moe.expert_bias import load_metrics, update_expert_bias
 from megalite.optim.grad_stats import num_zeros, params_norm
+from megalite.optim.qk_clip import (
+    clip_factors,
+    max_attention_logit,
+    reset_max_logits,
+    step_max_logits,
+)
 from megalite.parallel.collectives import ReduceOp, all_reduce, all_reduce_scalar
 from megalite.parallel.cp_chunks import slice_batch, with_document_ids
 from megalite.pipeline.layout import model_chunks
@@ -85,6 +95,7 @@ class StepResult:
     faulty_ranks: list | None = None   # a transient fault: ranks whose re-run differed
     num_zeros: int | None = None        # --log-num-zeros-in-grad (None: skipped step)
     params_norm: float | None = None    # --log-params-norm, after the update
+    max_attention_logit: float | None = None   # --log-max-attention-logit / --qk-clip
 
 
 @dataclass
@@ -133,6 +144,7 @@ def _forward_backward(c: TrainingComponents, batches: list[dict], tokens: torch.
     """Zero the gradients, run the schedule; (local loss sum ``[1]`` fp64, global lm_loss,
     router losses). ``attempt`` 1 is a validation re-run."""
     c.grads.zero_grad(num_microbatches=len(batches))  # each chunk's m-th grad is final
+    reset_max_logits(c.model)   # --qk-clip: this run's logits only
     router = RouterLosses(c.ps.device) if c.cfg.model.num_experts is not None else None
     with c.timers("forward-backward", log_level=1):
         loss_sum = forward_backward(c, batches, divisors, loss_scale=c.optimizer.scale_loss,
@@ -159,6 +171,7 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
     snapshot = validator.snapshot(c) if validating else None
     loss_sum, lm_loss, router = _forward_backward(c, batches, tokens, divisors, iteration,
                                                   validator)
+    clip: dict = {}   # --qk-clip: the step's row factors (set below, before the step)
 
     def rerun_and_judge(reason: str, first: torch.Tensor, step_again: bool = False):
         """The same step again from the same state (the parameters are unchanged), judged
@@ -173,7 +186,8 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
         if step_again:
             c.grads.finish_grad_sync()
             with c.timers("optimizer", log_level=1):
-                outcome = c.optimizer.step()
+                outcome = (c.optimizer.step(row_scales=clip) if clip
+                           else c.optimizer.step())
             reproduced = outcome.found_inf
         faulty = validator.judge(reason, iteration, first, result[0], ps, samples,
                                  reproduced=reproduced)
@@ -191,12 +205,18 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
                                  "or writing a checkpoint")
     c.grads.finish_grad_sync()
     finish_fp8_step(model_chunks(c.model), ps)   # delayed scaling: this step's amaxes
-    lcfg = c.cfg.logging
+    lcfg, mcfg = c.cfg.logging, c.cfg.model
+    top_logit = None
+    if mcfg.qk_clip or mcfg.log_max_attention_logit:   # collectives (dp_cp, world)
+        maxima = step_max_logits(c.model, ps)
+        top_logit = max_attention_logit(maxima, ps)
+        if mcfg.qk_clip:
+            clip = clip_factors(c.model, maxima, mcfg.qk_clip_threshold, mcfg.qk_clip_alpha)
     with c.timers("optimizer", log_level=1):
         lr = c.scheduler.apply(c.optimizer)
         zeros = (num_zeros(c.optimizer.owned_grads(), ps)   # collective (world)
                  if lcfg.log_num_zeros_in_grad else None)
-        outcome = c.optimizer.step()
+        outcome = c.optimizer.step(row_scales=clip) if clip else c.optimizer.step()
     if outcome.found_inf and check and not c.optimizer.fp16 and validating \
             and reason is None:   # NaN/inf gradients: nothing was updated; re-run the same way
         reason = validator.suspicious(lm_loss, iteration, found_inf=True)
@@ -227,7 +247,8 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
     return StepResult(lm_loss=lm_loss, lr=lr, updated=outcome.updated,
                       grad_norm=outcome.grad_norm, loss_scale=c.optimizer.loss_scale,
                       moe_losses=moe_losses, faulty_ranks=faulty_ranks,
-                      num_zeros=zeros if outcome.updated else None, params_norm=pnorm)
+                      num_zeros=zeros if outcome.updated else None, params_norm=pnorm,
+                      max_attention_logit=top_logit)
 
 
 @torch.no_grad()
@@ -360,7 +381,8 @@ def train(c: TrainingComponents) -> TrainResult:
                 tokens_per_sec=tokens_per_sec, mfu=mfu, elapsed_s=elapsed,
                 consumed_samples=state.consumed_train_samples, global_batch_size=gbs,
                 tflops_per_gpu=flops / (elapsed * c.ps.world_size) / 1e12,
-                num_zeros=step.num_zeros, params_norm=step.params_norm),
+                num_zeros=step.num_zeros, params_norm=step.params_norm,
+                max_attention_logit=step.max_attention_logit),
                 extra=extra or None)
             if "validation_loss" in extra:
                 metrics.record_eval(state.iteration, extra["validation_loss"])

@@ -16,7 +16,9 @@ carries ``validation_loss`` and ``validation_ppl``; an MoE model's iterations ca
 ``moe_aux_loss`` / ``moe_z_loss`` (means over MoE layers and the global batch), which
 also reach the human line (averaged over the log window), TensorBoard and wandb. Under a
 batch-size schedule (``--rampup-batch-size``, ``--step-batch-size-schedule``) every
-iteration carries its ``global_batch_size``.
+iteration carries its ``global_batch_size``. ``--log-max-attention-logit`` (or
+``--qk-clip``) adds ``max_attention_logit``, the step's largest attention logit (line,
+JSONL, and TensorBoard / wandb under Megatron-LM's name ``max_attention_logit``).
 """
 
 from __future__ import annotations
@@ -50,13 +52,15 @@ class IterationMetrics:
     tflops_per_gpu: float = 0.0   # model TFLOP/s per rank (the line's, --log-throughput)
     num_zeros: int | None = None       # --log-num-zeros-in-grad
     params_norm: float | None = None   # --log-params-norm
+    max_attention_logit: float | None = None   # --log-max-attention-logit, --qk-clip
 
     def jsonl(self) -> dict:
         keys = ("iteration", "lm_loss", "grad_norm", "lr", "loss_scale", "skipped",
                 "tokens_per_sec", "mfu")
         full = asdict(self)
         row = {k: full[k] for k in keys}
-        row.update({k: full[k] for k in ("num_zeros", "params_norm") if full[k] is not None})
+        row.update({k: full[k] for k in ("num_zeros", "params_norm", "max_attention_logit")
+                    if full[k] is not None})
         return row
 
 
@@ -237,7 +241,7 @@ class MetricsLogger:
                    "tokens-per-sec": m.tokens_per_sec, "mfu": m.mfu,
                    "iteration-time": m.elapsed_s, "consumed-samples": m.consumed_samples,
                    "batch-size": m.global_batch_size or None, "num-zeros": m.num_zeros,
-                   "params-norm": m.params_norm}
+                   "params-norm": m.params_norm, "max_attention_logit": m.max_attention_logit}
         scalars = {k: v for k, v in scalars.items() if v is not None}
         scalars.update({k.replace("_", "-"): v for k, v in moe.items()})
         if lcfg.log_world_size_to_tensorboard:
@@ -258,6 +262,8 @@ class MetricsLogger:
         grad = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "skipped"
         zeros = f" num zeros: {m.num_zeros} |" if m.num_zeros is not None else ""
         params = f" params norm: {m.params_norm:.3f} |" if m.params_norm is not None else ""
+        if m.max_attention_logit is not None:
+            params += f" max attention logit: {m.max_attention_logit:.3f} |"
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         moe = "".join(f" {k.replace('_', ' ')}: {v / max(w.iters, 1):.6E} |"
                       for k, v in w.moe_sums.items())  # e.g. " moe aux loss: ... |"

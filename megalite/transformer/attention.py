@@ -20,6 +20,7 @@ from megalite.transformer.attention_kernels import (  # noqa: F401  (re-exported
     build_core_attention,
     select_attention_backend,
 )
+from megalite.transformer.max_logits import MaxLogitTracker
 from megalite.transformer.norms import build_norm
 from megalite.transformer.rope import apply_rotary
 
@@ -36,6 +37,11 @@ class SelfAttention(torch.nn.Module):
     keys are normalized per head over ``d`` (``--normalization``) before RoPE; the two
     weights ``[d]`` are replicated and, since each tp rank sees only its own heads, marked
     ``sequence_parallel`` so that their gradients are summed over ``ps.tp``.
+
+    ``--qk-clip`` / ``--log-max-attention-logit``: ``max_logits`` (a
+    :class:`~megalite.transformer.max_logits.MaxLogitTracker`) records each local head's
+    largest logit of the training forwards; :meth:`qk_clip_scales` gives the row scales
+    of the fused QKV projection that clip them.
     """
 
     def __init__(self, cfg, ps, *, sequence_parallel: bool, rng, output_std: float,
@@ -60,6 +66,26 @@ class SelfAttention(torch.nn.Module):
         self.core_attention = build_core_attention(cfg, ps, rng, device=device, dtype=dtype)
         self.linear_proj = RowParallelLinear(nh * d, cfg.hidden_size, bias=cfg.add_bias_linear,
                                              input_is_parallel=True, init_std=output_std, **kw)
+        self.max_logits = (MaxLogitTracker(ps.cp)
+                           if cfg.qk_clip or cfg.log_max_attention_logit else None)
+
+    def qk_clip_scales(self, eta: torch.Tensor, alpha: float) -> dict:
+        """QK-clip's factors for this rank's heads: ``eta`` ``[nh/tp]`` is ``min(1, tau /
+        max logit)`` per local query head. As Megatron-Core does under grouped-query
+        attention, a query group takes its heads' smallest ``eta`` (its largest logit):
+        its query heads' rows of ``linear_qkv`` are scaled by ``eta ** alpha``, its key
+        rows by ``eta ** (1 - alpha)``, the value rows not at all. Returns ``{parameter:
+        factor}`` with a factor ``[rows, 1]`` for the weight and ``[rows]`` for the bias
+        (scaled too, unlike Megatron-Core, so that the logits scale exactly)."""
+        nh, ng, d = self.local_heads, self.local_groups, self.head_dim
+        group = eta.view(ng, nh // ng).amin(dim=1)                    # [ng]
+        rows = torch.cat([(group ** alpha).repeat_interleave(d * nh // ng),
+                          (group ** (1.0 - alpha)).repeat_interleave(d),
+                          torch.ones(ng * d, dtype=eta.dtype, device=eta.device)])
+        out = {self.linear_qkv.weight: rows.unsqueeze(1)}
+        if self.linear_qkv.bias is not None:
+            out[self.linear_qkv.bias] = rows
+        return out
 
     def forward(self, x: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -82,6 +108,8 @@ class SelfAttention(torch.nn.Module):
         if rotary is not None:  # one kernel for q and k together
             qk = apply_rotary(qk, *rotary)
         q, k = qk.split([nh, ng], dim=2)
+        if self.max_logits is not None and self.training and kv_cache is None:
+            self.max_logits.observe(q, k, document_ids)   # no gradient, output untouched
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
             return self.linear_proj(kv_cache.attend(q, k, v))

@@ -55,6 +55,7 @@ from megalite.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel import mappings
 from megalite.parallel.params import mark_param
 from megalite.transformer.attention_kernels import build_core_attention
+from megalite.transformer.max_logits import MaxLogitTracker
 from megalite.transformer.norms import build_norm
 from megalite.transformer.rope import apply_rotary
 from megalite.transformer.yarn import softmax_scale_factor
@@ -137,6 +138,25 @@ class MLASelfAttention(torch.nn.Module):
         self.linear_proj = RowParallelLinear(n * self.dv, h, bias=cfg.add_bias_linear,
                                              input_is_parallel=True, init_std=output_std,
                                              **tp_kw)
+        self.max_logits = (MaxLogitTracker(ps.cp)
+                           if cfg.qk_clip or cfg.log_max_attention_logit else None)
+
+    def qk_clip_scales(self, eta: torch.Tensor, alpha: float) -> dict:
+        """QK-clip's factors for this rank's heads (Kimi-K2's rule for MLA, as
+        Megatron-Core applies it): ``eta`` ``[n/tp]`` is ``min(1, tau / max logit)`` per
+        local head. In the query projection (``linear_q_proj``, or ``linear_q_up_proj``
+        with ``--q-lora-rank``) a head's ``dq`` rows are scaled by ``eta ** alpha`` and its
+        ``dr`` RoPE rows by ``eta``; in ``linear_kv_up_proj`` its ``dq`` key rows by ``eta
+        ** (1 - alpha)`` and its value rows not at all. The RoPE key, shared by every head
+        (in ``linear_kv_down_proj``), is not touched. Returns ``{parameter: [rows, 1]}``."""
+        up = self.linear_q_proj if self.q_lora_rank is None else self.linear_q_up_proj
+        q_rows = torch.cat([(eta ** alpha).unsqueeze(1).expand(-1, self.dq),
+                            eta.unsqueeze(1).expand(-1, self.dr)], dim=1).reshape(-1)
+        k_rows = torch.cat([(eta ** (1.0 - alpha)).unsqueeze(1).expand(-1, self.dq),
+                            torch.ones_like(eta).unsqueeze(1).expand(-1, self.dv)],
+                           dim=1).reshape(-1)
+        return {up.weight: q_rows.unsqueeze(1), self.linear_kv_up_proj.weight:
+                k_rows.unsqueeze(1)}
 
     def _latents(self, x: torch.Tensor):
         """Down projections and norms: (query latent or ``x``, kv latent, shared RoPE key
@@ -185,8 +205,15 @@ class MLASelfAttention(torch.nn.Module):
         key = torch.cat([k_nope, k_pe.expand(s, b, nh, self.dr)], dim=-1)
         return query, key, v.contiguous()
 
+    def _observe(self, q, k, document_ids) -> None:
+        """``--qk-clip`` / ``--log-max-attention-logit``: this forward's logits per head
+        (training only; no gradient, the output is not touched)."""
+        if self.max_logits is not None and self.training:
+            self.max_logits.observe(q, k, document_ids)
+
     def _attend(self, q_latent, kv_latent, k_pe, cos, sin, document_ids):
         q, k, v = self._up_proj_and_rope(q_latent, kv_latent, k_pe, cos, sin)
+        self._observe(q, k, document_ids)
         return self.core_attention(q, k, v, document_ids)
 
     def _cached(self, kv_cache, q_latent, kv_latent, k_pe, cos, sin) -> torch.Tensor:
@@ -247,6 +274,7 @@ class MLASelfAttention(torch.nn.Module):
                 q, k, v = checkpoint(self._up_proj_and_rope, *latents, cos, sin, **ckpt)
             else:
                 q, k, v = self._up_proj_and_rope(*latents, cos, sin)
+            self._observe(q, k, document_ids)
             if training and self.recompute_core:
                 ctx = checkpoint(self.core_attention, q, k, v, document_ids, **ckpt)
             else:

@@ -1,15 +1,22 @@
 """tools/benchmark.py optimizer on a tiny model: a row per optimizer, whose state bytes per
 parameter are the algorithms' (AdamW 8, SGD 4, Muon 4 on the matrices and 8 elsewhere) and
-whose Newton-Schulz FLOPs are counted for Muon only."""
+whose Newton-Schulz FLOPs are counted for Muon only; and the communication of one step at
+dp 2, tp 2 and dp 2 x tp 2 (AdamW and Muon, with and without the distributed optimizer),
+counted per collective, against theory: the gradient all-reduce / reduce-scatter and the
+parameter all-gather of data parallelism, Muon's tp gather to owner ranks and its owner
+exchange over dp, exactly (the buckets of this model need no padding), and only scalars
+besides."""
 
 import pytest
 
 from tools.bench import optimizer as bench
 
 
-def test_rows(capsys):
+def test_rows(capsys, pooled_ranks):
     rows = bench.main(["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
-                       "--vocab-size", "256", "--repeat", "1"])
+                       "--vocab-size", "256", "--repeat", "1",
+                       "--comm-layouts", "2x1", "1x2", "2x2"])
+    comm = rows.pop("comm")
     assert list(rows) == ["adam", "sgd", "muon"]
     assert rows["adam"]["bytes"] == pytest.approx(8, rel=0.01)
     assert rows["sgd"]["bytes"] == pytest.approx(4, rel=0.01)
@@ -18,4 +25,31 @@ def test_rows(capsys):
     assert rows["muon"]["bytes"] == pytest.approx(4 * frac + 8 * (1 - frac), rel=0.01)
     assert rows["muon"]["ns_flops"] > 0 == rows["adam"]["ns_flops"]
     assert all(r["step"] > 0 for r in rows.values())
-    assert "NS GFLOP/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "NS GFLOP/s" in out and "optimizer communication per step" in out
+
+    assert set(comm) == {(dp, tp, o, d) for dp, tp in ((2, 1), (1, 2), (2, 2))
+                         for o in ("adam", "muon") for d in ((False, True) if dp > 1
+                                                             else (False,))}
+    for (dp, tp, optimizer, distributed), row in comm.items():
+        what = (dp, tp, optimizer, distributed)
+        for kind, (got, want) in row.items():
+            if kind == "other":        # the inf/nan check and the norm's scalars
+                assert got < 64 and want == 0, (what, got)
+            else:
+                assert got == pytest.approx(want, rel=1e-9, abs=1e-9), (what, kind)
+        big = {k for k, (got, _) in row.items() if got and k != "other"}
+        want_kinds = set()
+        if dp > 1:
+            want_kinds |= ({"grad reduce-scatter", "param all-gather"} if distributed
+                           else {"grad all-reduce"})
+        if optimizer == "muon" and tp > 1:
+            want_kinds.add("muon tp gather")
+        if optimizer == "muon" and distributed:
+            want_kinds.add("muon owner exchange")
+        assert big == want_kinds, (what, big)
+    # the distributed optimizer halves the gradient traffic and adds the same again as
+    # the parameter all-gather; Muon's tp gather happens on one dp rank per matrix with it
+    plain, sharded = comm[(2, 2, "muon", False)], comm[(2, 2, "muon", True)]
+    assert sharded["grad reduce-scatter"][0] * 2 == plain["grad all-reduce"][0]
+    assert sharded["muon tp gather"][0] * 2 == plain["muon tp gather"][0]

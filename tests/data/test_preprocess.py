@@ -155,10 +155,12 @@ def test_interrupted_run_leaves_nothing(tmp_path):
 
     from tests.data.conftest import REPO
 
-    # ~5 s of work: the signal must land mid-run even when this process is descheduled
-    # for a while after the bar appears (12,000 documents took 0.4 s, and under load the
-    # run sometimes finished before the signal arrived)
-    src = write_jsonl(tmp_path / "big.jsonl", [json.dumps({"text": t}) for t in TEXTS * 500])
+    # ~25 s of work (the signal ends it within a second): the signal must land mid-run even
+    # when this process is descheduled for a while after the bar appears (12,000 documents
+    # took 0.4 s; with ~5 s of work the run sometimes finished first under load)
+    block = "".join(json.dumps({"text": t}) + "\n" for t in TEXTS).encode()
+    src = tmp_path / "big.jsonl"
+    src.write_bytes(block * 2500)
     cmd = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(src),
            "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
            "GPTSentencePieceTokenizer", "--tokenizer-model", BUNDLED_TOKENIZER_MODEL,

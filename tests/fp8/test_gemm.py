@@ -139,3 +139,39 @@ def test_no_fp8_wgrad_keeps_the_weight_gradient_in_the_training_precision(name):
     torch.testing.assert_close(gw, dy.t() @ x, rtol=1e-6, atol=1e-6)
     assert _rel(fp8_gw, dy.t() @ x) > 1e-2
     assert torch.equal(y, fp8_y) and torch.equal(gx, fp8_gx)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "delayed"])
+def test_the_weight_is_quantised_once_per_training_step(name):
+    """Every micro-batch of a step multiplies the same fp8 copy of the weight (one saved
+    for backward, not one per micro-batch); finish_step forgets it before the optimizer
+    changes the weight; outside training each call quantises afresh."""
+    from megalite.layers.fp8.scaling import finish_step
+
+    scaling = Fp8Scaling(Fp8Recipe("hybrid", name), ((), (), ()))
+    x, w, _ = _operands(False)
+    w = w.clone().requires_grad_()
+    ys = [fp8_linear(x[i::2].clone().requires_grad_(), w, None, scaling) for i in range(2)]
+    saved = [y.grad_fn.saved_tensors[1] for y in ys]     # (qx, qw, dx, dw, x)
+    assert saved[0].data_ptr() == saved[1].data_ptr()
+    with torch.no_grad():
+        w.mul_(2.0)                                       # the optimizer's update
+    model = torch.nn.Module()
+    model.scaling = scaling
+    finish_step([model], None if name == "tensorwise" else _LocalPS())
+    y = fp8_linear(x.clone().requires_grad_(), w, None, scaling)
+    assert y.grad_fn.saved_tensors[1].data_ptr() != saved[0].data_ptr()
+    ref = _run(Fp8Recipe("hybrid", name), x, w.detach(),
+               torch.zeros(x.shape[0], w.shape[0]), history=scaling.amax_history[:, 0]
+               if name == "delayed" else None)[0]
+    torch.testing.assert_close(y.detach(), ref, rtol=0, atol=0)
+    scaling.eval()
+    a = fp8_linear(x, w, None, scaling).grad_fn.saved_tensors[1]
+    b = fp8_linear(x, w, None, scaling).grad_fn.saved_tensors[1]
+    assert a.data_ptr() != b.data_ptr()
+
+
+class _LocalPS:
+    """The groups finish_step reduces over, for one process."""
+
+    tp = dp_cp = None

@@ -9,7 +9,9 @@ Compared, on every rank:
 * ``lm_loss`` of every iteration (the global-batch token mean, reported by every rank)
   and ``grad_norm`` (the global norm before clipping, from the metrics file of the logging
   rank): the norm sees a gradient off by a constant factor even where AdamW and clipping
-  would hide it from the parameters;
+  would hide it from the parameters; with ``--qk-clip`` / ``--log-max-attention-logit``
+  also the logged ``max_attention_logit`` (the maximum over the global batch, all layers
+  and heads), at the grad norm's relative tolerance;
 * every parameter the rank holds after the last step, gathered to its full shape
   (``full_state_dict`` of each model chunk: over tp, and for experts over etp and ep),
   against the reference; a tied output layer (pp > 1) against the word embedding.
@@ -39,6 +41,10 @@ Tolerances (absolute, on losses about 4 and parameters about 0.02-1):
   in 2 of 12288 elements). A tp weight amax left unreduced moved the first iteration's
   grad norm by 1.7e-3 relative; amaxes of delayed scaling left unreduced over dp show in
   the histories (tests/fp8/test_checkpoint.py compares them with one process at 1e-5).
+  With routed experts (fp8 GEMMs there too) later iterations at loss 2e-3 and grad norm
+  1e-2 relative: once the parameters differ by those steps, a token near a routing tie
+  takes another expert (observed: loss 7.5e-4 at iteration 3, mxfp8 at tp2 + sp); the
+  first iteration, where the scales must match, keeps the fp32 tolerances.
 """
 
 from __future__ import annotations
@@ -75,12 +81,15 @@ BF16 = Tolerance(loss_abs=1e-2, loss_rel=0.0, norm_rel=5e-2, param_abs=1e-2,
                  param_rel=2 ** -6)
 FP8 = Tolerance(loss_abs=2e-4, loss_rel=0.0, norm_rel=3e-3, param_abs=8e-3,
                 first_loss_abs=FP32.loss_abs, first_norm_rel=FP32.norm_rel)
+FP8_MOE = dataclasses.replace(FP8, loss_abs=2e-3, norm_rel=1e-2)
 
 
 def tolerance(layout: Layout) -> Tolerance:
     if layout.model.get("bf16"):
         return BF16
-    return FP8 if layout.model.get("fp8_format") else FP32
+    if layout.model.get("fp8_format"):
+        return FP8_MOE if layout.model.get("num_experts") else FP8
+    return FP32
 
 
 def config(layout: Layout, metrics_jsonl: str | None = None):
@@ -124,7 +133,8 @@ def reference_layout(layout: Layout) -> Layout:
 def train_and_gather(layout: Layout) -> tuple[dict, dict, dict]:
     """Train ``layout`` in this process's world; (iteration -> lm_loss, name -> full
     parameter of every chunk this rank holds, iteration -> grad_norm if this rank logs
-    metrics, else empty). Collective over the whole world."""
+    metrics, else empty; that dict also maps ``("max_attention_logit", iteration)`` when
+    it is logged). Collective over the whole world."""
     import os
     import tempfile
 
@@ -152,6 +162,8 @@ def train_and_gather(layout: Layout) -> tuple[dict, dict, dict]:
             ps.destroy()
         rows = read_jsonl(jsonl) if os.path.exists(jsonl) else []   # the logging rank's
     norms = {row["iteration"]: row["grad_norm"] for row in rows if "grad_norm" in row}
+    norms.update({("max_attention_logit", row["iteration"]): row["max_attention_logit"]
+                  for row in rows if "max_attention_logit" in row})
     return result.losses, params, norms
 
 
@@ -185,7 +197,8 @@ def compare(layout: Layout, ranks: list[tuple[dict, dict, dict]],
             got = norms.get(it, float("nan"))
             rel = tol.first_norm_rel if it == 1 and tol.first_norm_rel else tol.norm_rel
             if not abs(got - want) <= rel * abs(want):
-                problems.append(f"rank {rank}: grad_norm at iteration {it}: {got:.7g} vs "
+                what, at = ("grad_norm", it) if isinstance(it, int) else it
+                problems.append(f"rank {rank}: {what} at iteration {at}: {got:.7g} vs "
                                 f"{want:.7g}")
         if list(losses) != list(ref_losses):
             problems.append(f"rank {rank}: iterations {list(losses)} vs {list(ref_losses)}")

@@ -39,6 +39,10 @@ fp8 GEMMs (``--fp8-format`` e4m3 or hybrid with ``--fp8-recipe`` tensorwise, del
 mxfp8; blockwise's 128-element blocks do not tile these sizes) come for a third of the
 seeds from ``"fp8-<seed>"``; a drawn model whose GEMMs the recipe cannot tile
 (validation refuses it) keeps its other dimensions and drops fp8.
+QK-clip (``--qk-clip``) comes for a quarter of the seeds from ``"qkclip-<seed>"``, drawn
+last: a threshold the tiny models' logits pass at once (0.02, 0.04) or never (100), alpha
+0.3 / 0.5 / 0.7; where QK norm without multi-latent attention was drawn (which QK-clip
+refuses) it becomes ``--log-max-attention-logit``, as it is for another eighth of the seeds.
 
 Which combinations are legal is megalite's business, not the fuzzer's: a draw is kept only
 if ``MegaliteConfig.validate`` and the pipeline's own layer split
@@ -278,6 +282,18 @@ def _fp8(frng: random.Random, model: dict) -> None:
                      fp8_amax_compute_algo=frng.choice(("max", "most_recent")))
 
 
+def _qk_clip(qrng: random.Random, model: dict) -> None:
+    """--qk-clip (a quarter of the draws; its threshold, alpha) or only
+    --log-max-attention-logit (an eighth, and the QK-clip draws of a QK-norm model)."""
+    x = qrng.random()
+    threshold, alpha = qrng.choice((0.02, 0.04, 100.0)), qrng.choice((0.3, 0.5, 0.7))
+    clip_ok = model.get("multi_latent_attention") or not model.get("qk_layernorm")
+    if x < 0.25 and clip_ok:
+        model.update(qk_clip=True, qk_clip_threshold=threshold, qk_clip_alpha=alpha)
+    elif x < 0.25 + 1 / 8:
+        model["log_max_attention_logit"] = True
+
+
 def _without_fp8(layout: Layout) -> Layout:
     model = {k: v for k, v in layout.model.items() if not k.startswith("fp8_")}
     name = layout.name.replace(f"-fp8{layout.model.get('fp8_recipe')}", "")
@@ -290,7 +306,8 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                zrng: random.Random | None = None,
                vrng: random.Random | None = None,
                frng: random.Random | None = None,
-               mrng: random.Random | None = None) -> Layout | None:
+               mrng: random.Random | None = None,
+               qrng: random.Random | None = None) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -312,6 +329,8 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
         _fp8(frng, model)
     if mrng is not None:
         _recompute_modules(mrng, model)
+    if qrng is not None:
+        _qk_clip(qrng, model)
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model),
                              ("bias", model.get("moe_router_enable_expert_bias")),
@@ -324,7 +343,9 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                              ("mla", model.get("multi_latent_attention")),
                              ("qknorm", model.get("qk_layernorm")
                               and not model.get("multi_latent_attention")),
-                             (f"fp8{model.get('fp8_recipe')}", model.get("fp8_format")))
+                             (f"fp8{model.get('fp8_recipe')}", model.get("fp8_format")),
+                             ("qkclip", model.get("qk_clip")),
+                             ("maxlogit", model.get("log_max_attention_logit")))
              if on]
     if "cp" in short:
         marks.insert(0, model["cp_comm_type"])
@@ -356,8 +377,10 @@ def draw_layout(seed: int) -> Layout:
     rrng, orng = random.Random(f"route-{seed}"), random.Random(f"optim-{seed}")
     zrng, vrng = random.Random(f"schedule-{seed}"), random.Random(f"attention-{seed}")
     frng, mrng = random.Random(f"fp8-{seed}"), random.Random(f"recompute-{seed}")
+    qrng = random.Random(f"qkclip-{seed}")
     for _ in range(MAX_ATTEMPTS):
-        layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng, vrng, frng, mrng)
+        layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng, vrng, frng, mrng,
+                            qrng)
         if layout is None:
             continue
         if rejection(layout) is None:

@@ -32,8 +32,8 @@ from tests.fuzz.draw import draw_layout
 #  56  tp2 + sp x pp2 (ZB-H1) with an uneven last stage x dp2, distributed optimizer +
 #      overlap, bf16, optimizer offload
 #  77  tp2 + sp x pp2 x dp2, MoE ep2 etp2 alltoall, distributed optimizer + overlap, bf16,
-#      the expert bias, QK norm
-#  93  tp4 + sp x pp2 x vpp2, tied embeddings across stages
+#      the expert bias, QK norm, --log-max-attention-logit
+#  93  tp4 + sp x pp2 x vpp2, tied embeddings across stages, QK-clip
 # 143  tp2 + sp x cp2 (p2p ring), MoE ep2 etp1 with pre-softmax routing, distributed
 #      optimizer + overlap, SGD, split backward (ZB-H1 at pp 1)
 # Together they caught each of these planted bugs: a loss normalised by local token
@@ -87,8 +87,9 @@ def test_default_draws_cover_every_parallelism():
             ("bf16", m.get("bf16")), ("cp", lay.get("cp") > 1), ("fp8", m.get("fp8_format")),
             ("expert bias", m.get("moe_router_enable_expert_bias")),
             ("zb pp", lay.get("pp") > 1 and lay.get("schedule") == "zb_h1"),
+            ("qk-clip", m.get("qk_clip")),
             *((f"ep {m.get('moe_token_dispatcher_type')}", lay.get("ep") > 1),)) if on}
     assert covered == {"tp+sp", "vpp", "uneven", "dp", "ep", "etp!=tp", "tied pp", "distopt",
                        "overlap", "bf16", "ep alltoall", "ep allgather", "cp", "fp8",
-                       "expert bias", "zb pp"}, covered
+                       "expert bias", "zb pp", "qk-clip"}, covered
     assert all(lay.world_size in (4, 8) for lay in draws)

@@ -98,7 +98,7 @@ def test_deepseek_v3_logging_flags(tmp_path, on):
     log = MetricsLogger(lcfg, train_iters=2, enabled=True, stream=out)
     m = _metrics(1, 4.0)
     if on:   # what the loop fills in when the flags are given
-        m.num_zeros, m.params_norm = 96, 12.5
+        m.num_zeros, m.params_norm, m.max_attention_logit = 96, 12.5, 31.25
     log.record(m)
     log.record_eval(1, 2.5)
     log.record_timers(1, {"forward-backward": 12.0, "optimizer": 3.0})
@@ -108,17 +108,21 @@ def test_deepseek_v3_logging_flags(tmp_path, on):
     scalars = _tb_scalars(tmp_path / "tb")
     assert scalars["lm loss validation"] == [(1, 2.5)]
     if on:
-        assert "| grad norm: 0.500 | num zeros: 96 | params norm: 12.500 | number of" in line
+        assert ("| grad norm: 0.500 | num zeros: 96 | params norm: 12.500 | max attention "
+                "logit: 31.250 | number of") in line
         assert (row["num_zeros"], row["params_norm"]) == (96, 12.5)
+        assert row["max_attention_logit"] == 31.25   # --log-max-attention-logit, --qk-clip
         assert scalars["num-zeros"] == [(1, 96.0)] and scalars["params-norm"] == [(1, 12.5)]
+        assert scalars["max_attention_logit"] == [(1, 31.25)]
         assert scalars["forward-backward-time"] == [(1, 12.0)]
         assert scalars["optimizer-time"] == [(1, 3.0)]
         assert scalars["lm loss validation ppl"] == [(1, pytest.approx(12.182494))]
     else:
         assert "num zeros" not in line and "params norm" not in line
         assert "num_zeros" not in row and "params_norm" not in row
+        assert "max attention logit" not in line and "max_attention_logit" not in row
         assert not {"num-zeros", "params-norm", "forward-backward-time",
-                    "lm loss validation ppl"} & set(scalars)
+                    "lm loss validation ppl", "max_attention_logit"} & set(scalars)
 
 
 def test_timers_ms_per():

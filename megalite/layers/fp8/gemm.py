@@ -10,7 +10,8 @@ dgrad   ``dx = dy w``         N (out features)     dy e5m2, w e4m3
 wgrad   ``dw = dy^T x``       M (tokens)           dy e5m2, x e4m3
 ======  ====================  ===================  ======================
 
-Per-tensor recipes (tensorwise, delayed) quantise ``x``, ``w`` and ``dy`` once each and run
+Per-tensor recipes (tensorwise, delayed) quantise ``x`` and ``dy`` once each, ``w`` once
+per training step (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8`), and run
 ``torch._scaled_mm`` (it takes per-tensor scales on the CPU and on GPUs of compute
 capability 8.9+, accumulating in fp32); where the kernel cannot take the operands
 (another GPU, or a dimension not a multiple of 16 on a GPU) the same product is formed
@@ -31,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from megalite.layers.fp8.recipes import block_dequantize, block_quantize, quantize
-from megalite.layers.fp8.scaling import GRAD, INPUT, WEIGHT
+from megalite.layers.fp8.scaling import GRAD, INPUT
 
 
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -77,8 +78,8 @@ class Fp8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x2, weight)
         else:
             dx = scaling.scale(INPUT, x2, fwd, record)
-            dw = scaling.scale(WEIGHT, weight, fwd, record)
-            qx, qw = quantize(x2, dx, fwd), quantize(weight, dw, fwd)
+            dw, qw = scaling.weight_fp8(weight, fwd, record)   # once per training step
+            qx = quantize(x2, dx, fwd)
             y = scaled_mm(qx, qw, dx, dw)
             # --no-fp8-wgrad: the weight gradient from the unquantised input
             ctx.save_for_backward(qx, qw, dx, dw, None if recipe.wgrad else x2)

@@ -26,7 +26,8 @@ import dataclasses
 
 import torch
 
-from megalite.config.model import FP8_TILE
+from megalite.config.fp8 import FP8_TILE
+from megalite.config.shapes import fp8_layer
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: float(torch.finfo(E4M3).max), E5M2: float(torch.finfo(E5M2).max)}
@@ -60,13 +61,7 @@ class Fp8Recipe:
         """The recipe of transformer layer ``layer_number`` (global, 0-based): None for
         the layers ``--first-last-layers-bf16`` keeps in higher precision
         (``--num-layers-at-start-in-bf16`` first, ``--num-layers-at-end-in-bf16`` last)."""
-        recipe = cls.from_config(cfg)
-        if recipe is None or not cfg.first_last_layers_bf16:
-            return recipe
-        start, end = cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16
-        if layer_number < start or layer_number >= cfg.num_layers - end:
-            return None
-        return recipe
+        return cls.from_config(cfg) if fp8_layer(cfg, layer_number) else None
 
     @property
     def forward_dtype(self) -> torch.dtype:

@@ -17,13 +17,22 @@ the maximum over exactly the ranks that hold pieces of the same logical tensor:
   micro-batches of the global batch and all shards of each tensor) and pushes it into
   the history. History entry 0 is the newest. Every layout thus holds the one-process
   run's history after every step; steps before any history use scale 1.
+
+A weight is quantised once per training step (per-tensor recipes): the first forward of
+the step computes its scale and fp8 values, and every later micro-batch, recomputed
+forward and backward of the step reuses them (one fp8 copy of the weight saved for
+backward, not one per micro-batch in flight, and one tp reduction of its amax per step).
+:func:`finish_step` forgets them before the optimizer changes the weights. The decision
+depends only on the step's calls, which every rank of a tp group makes alike, never on
+storage addresses (which a per-layer parameter gather changes on one rank and not
+another). Evaluation and inference quantise afresh every time.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megalite.layers.fp8.recipes import amax_of, dequant_scale
+from megalite.layers.fp8.recipes import amax_of, dequant_scale, quantize
 from megalite.parallel import collectives as C
 from megalite.parallel.collectives import ReduceOp
 
@@ -49,6 +58,7 @@ class Fp8Scaling(torch.nn.Module):
             self.register_buffer("amax_history", torch.zeros(3, recipe.history_len, **kw),
                                  persistent=False)
             self.register_buffer("step_amax", torch.zeros(3, **kw), persistent=False)
+        self._weight: tuple | None = None   # this step's (dequantisation scale, fp8 weight)
 
     def history_amax(self) -> torch.Tensor:
         """``[3]``: the amax each role's scale is computed from this step."""
@@ -71,8 +81,32 @@ class Fp8Scaling(torch.nn.Module):
             C.all_reduce(amax, group, ReduceOp.MAX)
         return dequant_scale(amax[0], dtype, self.recipe.margin)
 
+    def weight_fp8(self, weight: torch.Tensor, dtype: torch.dtype, record: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(0-d fp32 dequantisation scale, fp8 values) of ``weight``: computed at the
+        step's first training call (:meth:`scale`'s collectives), reused until
+        :meth:`forget_weight`; afresh at every call outside training. Delayed scaling still
+        records the weight's amax on a reuse (a step skipped for inf/nan gradients left
+        the weights, and so this copy, as they were)."""
+        if record and self._weight is not None:
+            if self.delayed:
+                self.step_amax[WEIGHT] = torch.maximum(self.step_amax[WEIGHT],
+                                                       amax_of(weight))
+            return self._weight
+        d = self.scale(WEIGHT, weight, dtype, record)
+        out = (d, quantize(weight, d, dtype))
+        if record:
+            self._weight = out
+        return out
+
+    def forget_weight(self) -> None:
+        """Drop the step's fp8 weight (the optimizer is about to change the weight)."""
+        self._weight = None
+
     def push(self, amax: torch.Tensor) -> None:
-        """Shift the history by one step and put ``amax`` ``[3]`` first; clear the step."""
+        """Shift the history by one step and put ``amax`` ``[3]`` first; clear the step
+        (and its fp8 weight, whose scale came from the old history)."""
+        self._weight = None
         self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=1))
         self.amax_history[:, 0] = amax
         self.step_amax.zero_()
@@ -91,9 +125,14 @@ def delayed_scalings(model_chunks) -> list[tuple[str, Fp8Scaling]]:
 
 @torch.no_grad()
 def finish_step(model_chunks, ps) -> None:
-    """End of a step under delayed scaling: reduce the step's amaxes of all linears
-    (one MAX all-reduce over ``ps.tp``, then one over ``ps.dp_cp``) and push them into
-    the histories. Nothing without delayed-scaling linears."""
+    """End of a step, before the optimizer step: every fp8 linear forgets its step's fp8
+    weight; under delayed scaling, reduce the step's amaxes of all linears (one MAX
+    all-reduce over ``ps.tp``, then one over ``ps.dp_cp``) and push them into the
+    histories."""
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, Fp8Scaling):
+                module.forget_weight()
     scalings = [s for _, s in delayed_scalings(model_chunks)]
     if not scalings:
         return

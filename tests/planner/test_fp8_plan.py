@@ -1,0 +1,75 @@
+"""The planner under ``--fp8-format``: the GEMMs megalite runs in fp8 (the layers'
+tensor-parallel linears, not the routed experts, the output layer or the attention core;
+not the layers ``--first-last-layers-bf16`` keeps) are timed at the GPU's fp8 rate, the
+rest at its bf16 rate, and a GPU without fp8 GEMMs is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from megalite.arguments import parse_args
+from megalite.config import ModelConfig, shapes
+from megalite.layers.fp8 import Fp8Recipe
+from megalite.planner.cluster import preset
+from megalite.planner.time import estimate_time, fp8_gemm_flops_per_token
+from tests.tools import load_tool
+
+LLAMA = ["--num-layers", "8", "--hidden-size", "1024", "--ffn-hidden-size", "2816",
+         "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "4",
+         "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+         "--vocab-size", "32000", "--seq-length", "2048", "--max-position-embeddings", "2048",
+         "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16",
+         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--mock-data",
+         "--tokenizer-type", "NullTokenizer"]
+FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+
+
+def _config(*extra):
+    cfg = parse_args(LLAMA + list(extra))
+    cfg.validate(8)
+    return cfg
+
+
+def test_fp8_flops_are_the_layers_linear_weights():
+    m = _config(*FP8).model
+    h, f, d = 1024, 2816, 64
+    per_layer = h * (16 + 2 * 4) * d + 16 * d * h + 3 * h * f     # qkv, proj, fc1 (x2), fc2
+    assert fp8_gemm_flops_per_token(m) == 6.0 * 8 * per_layer
+    assert fp8_gemm_flops_per_token(_config().model) == 0.0
+    edges = _config(*FP8, "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "2",
+                    "--num-layers-at-end-in-bf16", "1").model
+    assert fp8_gemm_flops_per_token(edges) == 6.0 * 5 * per_layer
+    # the rule the model's layers use
+    assert [Fp8Recipe.for_layer(edges, i) is not None for i in range(8)] == \
+        [shapes.fp8_layer(edges, i) for i in range(8)] == [False] * 2 + [True] * 5 + [False]
+
+
+def test_moe_layers_count_the_shared_expert_not_the_routed_ones():
+    kw = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+              ffn_hidden_size=128, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
+              moe_shared_expert_intermediate_size=48, swiglu=True, fp8_format="hybrid",
+              moe_layer_freq="[0]+[1]")
+    m = ModelConfig(**kw)
+    attention = 64 * (4 + 2 * 4) * 16 + 4 * 16 * 64
+    assert fp8_gemm_flops_per_token(m) == 6.0 * (2 * attention + 3 * 64 * 128 + 3 * 64 * 48)
+
+
+def test_fp8_gemms_run_at_the_fp8_rate():
+    cluster = preset("h100", 1)
+    bf16, fp8 = estimate_time(_config(), 8, cluster), estimate_time(_config(*FP8), 8, cluster)
+    tokens = 64 * 2048
+    saved = fp8_gemm_flops_per_token(_config(*FP8).model) * tokens / 8 * (
+        1 / 989e12 - 1 / 1979e12) / cluster.matmul_efficiency
+    assert bf16.compute - fp8.compute == pytest.approx(saved, rel=1e-9)
+    assert fp8.model_flops == bf16.model_flops      # MFU: model FLOPs over the bf16 peak
+    assert fp8.mfu > bf16.mfu
+
+
+def test_a_gpu_without_fp8_is_refused(capsys):
+    tool = load_tool("plan_layout")
+    flags = [f for f in LLAMA if f not in ("--mock-data", "--tokenizer-type", "NullTokenizer")]
+    with pytest.raises(SystemExit):
+        tool.plan(["--preset", "a100", "--tp", "2", "--pp", "1", "--", *flags, *FP8])
+    err = capsys.readouterr().err
+    assert "--fp8-format hybrid: the A100 SXM 80GB GPU has no fp8 GEMMs" in err
