@@ -350,7 +350,7 @@ def tokenizer_flags(cfg: MegaliteConfig) -> list[str]:
 
 def megalite_to_megatron(args) -> None:
     from megalite.checkpoint.consolidated import checkpoint_config, load_full_model
-    from megalite.checkpoint.megatron import SUPPORTED, arguments
+    from megalite.checkpoint.megatron import SUPPORTED, arguments, mapping
     from megalite.checkpoint.megatron.writer import write_megatron
 
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
@@ -359,17 +359,18 @@ def megalite_to_megatron(args) -> None:
         _, iteration = checkpoint_config(args.load_dir, args.ckpt_step)
         cfg, model = load_full_model(args.load_dir, iteration)
         bar.update(1)
-        problems = arguments.unsupported(arguments.megatron_args(cfg, tp, pp))
-        try:
-            family_of(cfg.model)
-        except ValueError as exc:
-            problems.append(str(exc))
+        problems = (arguments.unsupported(arguments.megatron_args(cfg, tp, pp))
+                    + arguments.unexportable(cfg.model))
+        full = model.full_state_dict()
+        unmapped = mapping.unmapped(full)
+        if unmapped:
+            problems.append(f"{len(unmapped)} tensors with no Megatron-Core counterpart, "
+                            f"e.g. {', '.join(unmapped[:3])}")
         if problems:
             raise ConversionError(f"cannot convert {args.load_dir} to Megatron: "
                                   f"{'; '.join(problems)}; megalite writes {SUPPORTED}")
         bar.set_postfix_str("writing torch_dist")
-        directory = write_megatron(cfg, model.full_state_dict(), args.save_dir, iteration,
-                                   tp, pp)
+        directory = write_megatron(cfg, full, args.save_dir, iteration, tp, pp)
         bar.update(1)
     print(f"wrote {directory} (Megatron-Core torch_dist, iteration {iteration}, vocabulary "
           f"padded to {cfg.model.padded_vocab_size(tp)}); load it in Megatron-LM with "

@@ -9,8 +9,9 @@ docs/megatron.md, generated from megalite's parser.
 
 The flags below are those the four scripts in Megatron-LM's ``examples/`` pass to
 ``pretrain_gpt.py`` (values as the scripts give them; paths as their variables), the
-expert and routing flags of its DeepSeek-V3 post-training configuration, and
-Megatron-LM's Muon flags (``--optimizer muon`` and the ``--muon-*`` options of its
+expert and routing flags of its DeepSeek-V3 post-training configuration, the model flags
+of its Qwen3-30B-A3B post-training configuration, and Megatron-LM's Muon flags
+(``--optimizer muon`` and the ``--muon-*`` options of its
 ``megatron/training/arguments.py``, with values a Muon run passes, and MuonClip's
 ``--qk-clip*`` / ``--log-max-attention-logit``). Each flag's
 status comes from megalite's parser and the ``no_effect`` reasons declared on the config
@@ -167,6 +168,21 @@ DEEPSEEK_V3 = """
 --tensorboard-dir $OUTPUT_PATH/tensorboard --bf16 --enable-experimental
 """
 
+# examples/post_training/modelopt/conf/qwen/Qwen3-30B-A3B.sh: its MODEL_ARGS (Qwen3-MoE:
+# GQA with QK norm, 128 experts of which 8 per token, softmax routing, every layer MoE)
+QWEN3_30B_A3B = """
+--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion
+--disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope
+--no-rope-fusion --normalization RMSNorm --swiglu --num-layers 48 --hidden-size 2048
+--ffn-hidden-size 6144 --num-attention-heads 32 --group-query-attention --num-query-groups 4
+--kv-channels 128 --qk-layernorm --num-experts 128 --moe-ffn-hidden-size 768
+--moe-router-topk 8 --moe-router-dtype fp32 --moe-aux-loss-coeff 1e-3
+--moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss
+--moe-layer-recompute --seq-length 4096 --max-position-embeddings 40960
+--tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 1187 --use-mcore-models
+--rotary-percent 1.0 --rotary-base 1000000 --no-bias-swiglu-fusion --sequence-parallel
+"""
+
 SCRIPTS = {
     "Llama-3 8B": ("examples/llama/train_llama3_8b_h100_fp8.sh", LLAMA3_8B),
     "Mixtral 8x7B": ("examples/mixtral/train_mixtral_8x7b_distributed.sh", MIXTRAL_8X7B),
@@ -174,6 +190,8 @@ SCRIPTS = {
     "DeepSeek-V3": ("examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh", DEEPSEEK_V3),
     "DeepSeek-V3 MoE": ("examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh",
                         DEEPSEEK_V3_MOE),
+    "Qwen3-30B-A3B": ("examples/post_training/modelopt/conf/qwen/Qwen3-30B-A3B.sh",
+                      QWEN3_30B_A3B),
     "Muon": ("megatron/training/arguments.py (--optimizer muon, --muon-*, --qk-clip*)",
              MUON),
 }

@@ -127,6 +127,17 @@ class ModelConfig:
         action="store_false",
         no_effect="the attention kernel (--attention-backend) computes its own softmax; "
                   "megalite has no separate masked-softmax kernel to turn off")
+    apply_rope_fusion: bool = arg(
+        True, "the fused RoPE kernel.", flag="--no-rope-fusion", action="store_false",
+        no_effect="megalite's RoPE is one autograd function eagerly and one inductor kernel "
+                  "under torch.compile, the plain formula's values either way; there is no "
+                  "separate kernel to turn off")
+    bias_swiglu_fusion: bool = arg(
+        True, "the fused bias + SwiGLU kernel.", flag="--no-bias-swiglu-fusion",
+        action="store_false",
+        no_effect="megalite's SwiGLU is one autograd function eagerly and one inductor kernel "
+                  "under torch.compile, the plain formula's values either way; there is no "
+                  "separate kernel to turn off")
     transformer_impl: str | None = arg(
         None, "Megatron's choice of layer implementation (Transformer Engine's or "
         "Megatron-Core's local one).", choices=("transformer_engine", "local"),
@@ -159,6 +170,10 @@ class ModelConfig:
         "(multi-latent attention's up projections and RoPE), mlp (the dense MLPs), moe "
         "(the MoE layers' dispatch, experts and shared experts; not the router).",
         nargs="*", choices=RECOMPUTE_MODULES)
+    moe_layer_recompute: bool = arg(False, "Megatron's older spelling of "
+                                    "--recompute-granularity selective with moe added to "
+                                    "--recompute-modules (core_attn by default): the MoE "
+                                    "layers are recomputed in backward.")
     cpu_offloading: bool = arg(False, "Offload the saved activations of the first "
                                "--cpu-offloading-num-layers layers of each model chunk to "
                                "host memory during forward, brought back in backward.")
@@ -326,6 +341,13 @@ class ModelConfig:
         if self.recompute_method is not None:
             require(self.recompute_granularity == "full",
                      "--recompute-method needs --recompute-granularity full")
+        if self.moe_layer_recompute:
+            require(self.recompute_granularity != "full",
+                    "--moe-layer-recompute recomputes the MoE layers selectively; it cannot "
+                    "be combined with --recompute-granularity full")
+            self.recompute_granularity = "selective"
+            modules = self.recompute_modules or ["core_attn"]
+            self.recompute_modules = modules if "moe" in modules else [*modules, "moe"]
         self._check_recompute_modules()
         if self.recompute_granularity == "full":
             if self.recompute_method is None:

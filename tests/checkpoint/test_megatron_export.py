@@ -61,31 +61,70 @@ def test_export_writes_what_megatron_core_writes(tmp_path, name):
                   "num_query_groups", "kv_channels", "normalization", "swiglu",
                   "position_embedding_type", "add_bias_linear",
                   "untie_embeddings_and_output_weights", "padded_vocab_size", "vocab_size",
-                  "tokenizer_type", "num_experts", "max_position_embeddings"):
+                  "tokenizer_type", "num_experts", "max_position_embeddings", "qk_layernorm",
+                  "multi_latent_attention"):
         assert getattr(args_got, field) == getattr(args_want, field), field
+    if args_want.multi_latent_attention:
+        for field in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                      "v_head_dim", "rotary_scaling_factor", "mscale", "mscale_all_dim"):
+            assert getattr(args_got, field) == getattr(args_want, field), field
+    if args_want.num_experts:
+        for field in ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+                      "moe_shared_expert_intermediate_size", "moe_router_score_function",
+                      "moe_router_enable_expert_bias", "moe_router_num_groups",
+                      "moe_router_group_topk", "moe_router_topk_scaling_factor",
+                      "moe_router_pre_softmax"):
+            assert getattr(args_got, field) == getattr(args_want, field), field
     with open(os.path.join(os.path.dirname(ours.directory),
                            "latest_checkpointed_iteration.txt")) as f:
         assert f.read() == "0"
 
 
-def test_trained_megalite_checkpoint_round_trips_through_megatron(tmp_path):
-    """A megalite run's checkpoint -> Megatron torch_dist -> megalite: the same weights."""
+LLAMA = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+         "group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 48,
+         "position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+         "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
+# DeepSeek-V3's shape: multi-latent attention with latent norms and YaRN, a dense first
+# layer, fine-grained experts with a shared one, sigmoid group-limited routing, the expert
+# bias (moved by the three steps, so nonzero: two steps can cancel)
+DEEPSEEK = {**LLAMA, "num_layers": 3, "group_query_attention": False, "num_query_groups": None,
+            "multi_latent_attention": True, "q_lora_rank": 16, "kv_lora_rank": 16,
+            "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 8, "qk_layernorm": True,
+            "rotary_scaling_factor": 4.0, "mscale_all_dim": 1.0, "num_experts": 4,
+            "moe_router_topk": 2, "moe_ffn_hidden_size": 16,
+            "moe_shared_expert_intermediate_size": 16, "moe_layer_freq": "[0]+[1]*2",
+            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_bias_update_rate": 0.01, "moe_router_num_groups": 2,
+            "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.0,
+            "moe_router_load_balancing_type": "none"}
+
+
+@pytest.mark.parametrize("model", [LLAMA, DEEPSEEK], ids=["llama", "deepseek"])
+def test_trained_megalite_checkpoint_round_trips_through_megatron(tmp_path, model):
+    """A megalite run's checkpoint -> Megatron torch_dist -> megalite: the same weights
+    (and expert biases) and the same model flags."""
     save, mt = str(tmp_path / "run"), str(tmp_path / "megatron")
-    model = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
-             "group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 48,
-             "position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
-             "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
-    run_training(tiny_config(model=model, train={"train_iters": 2},
+    iters = 3 if model is DEEPSEEK else 2
+    run_training(tiny_config(model=model, train={"train_iters": iters},
                              checkpoint={"save": save}))
     assert convert("--source", "megalite", "--target", "megatron", "--load-dir", save,
                    "--save-dir", mt, "--target-pipeline-parallel-size", "2") == 0
-    assert find_checkpoint(mt).iteration == 2
+    assert find_checkpoint(mt).iteration == iters
     back = read_megatron(mt)
     _, trained = load_full_model(save)
     want = trained.full_state_dict()
     assert back.state.keys() == want.keys()
     for key, tensor in want.items():
         assert torch.equal(back.state[key], tensor), key
+    biases = [t for k, t in want.items() if k.endswith("expert_bias")]
+    assert len(biases) == (2 if model is DEEPSEEK else 0)
+    assert all(b.abs().max() > 0 for b in biases)
+    for field, value in model.items():
+        if value is None:   # a default the config fills in
+            continue
+        got = getattr(back.cfg.model, field)
+        assert got == (value.replace("[0]+[1]*2", "[0,1,1]") if field == "moe_layer_freq"
+                       else value), field
 
 
 def test_flag_table_says_torch_dist_is_megalites_own_format():
@@ -94,3 +133,24 @@ def test_flag_table_says_torch_dist_is_megalites_own_format():
     status, reason = flag_status("--ckpt-format", ["torch_dist"])
     assert status == DIFFERENT
     assert "--source megatron" in reason and "--target megatron" in reason
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_experts": 4, "add_bias_linear": True, "swiglu": False,
+      "normalization": "LayerNorm"},
+     "tensors with no Megatron-Core counterpart, e.g. decoder.layers.0.mlp.experts.fc1_bias"),
+    ({**DEEPSEEK, "original_max_position_embeddings": 8192},
+     "--original-max-position-embeddings 8192 (Megatron-Core's multi-latent attention "
+     "corrects YaRN for 4096 positions)"),
+])
+def test_what_megatron_would_build_otherwise_is_refused(tmp_path, capsys, changes, message):
+    from megalite.checkpoint.consolidated import save_full_model, single_process_state
+    from megalite.models.gpt import GPTModel
+
+    cfg = tiny_config(model=changes)
+    save = str(tmp_path / "ml")
+    save_full_model(cfg, GPTModel(cfg.model, single_process_state()).full_state_dict(), save)
+    assert convert("--source", "megalite", "--target", "megatron", "--load-dir", save,
+                   "--save-dir", str(tmp_path / "mt")) == 4
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines

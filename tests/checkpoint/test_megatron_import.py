@@ -7,6 +7,7 @@ what cannot be imported is refused in one line with exit code 4."""
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 
@@ -24,7 +25,10 @@ from tests.training.common import ENTRYPOINT, PYTHON, read_jsonl, subprocess_env
 FIXTURES = os.path.join(os.path.dirname(__file__), "megatron", "fixtures")
 NAMES = sorted(os.listdir(FIXTURES))
 DIST_NAMES = [n for n in NAMES if not n.endswith("_legacy")]   # torch_dist
-FAMILY = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral"}
+# the Hugging Face family of each fixture's model (None: none has multi-latent attention
+# with a dense MLP, or a DeepSeek-V3 router with standard attention)
+FAMILY = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral", "qwen3": "qwen3", "mla": None,
+          "moe": None, "deepseek": "deepseek_v3"}
 TOLERANCE = 1e-5
 
 
@@ -53,7 +57,9 @@ def _reference(name):
 def test_fixtures_are_megatron_core_checkpoints():
     assert {"gpt2_tp1_pp1", "gpt2_tp2_pp2", "llama_tp1_pp1", "llama_tp2_pp2",
             "mixtral_tp1_pp1", "mixtral_ep2", "llama_pp2_vpp2", "gpt2_tp2_pp2_legacy",
-            "llama_tp2_pp2_legacy", "mixtral_ep2_legacy", "llama_pp2_vpp2_legacy"} <= set(NAMES)
+            "llama_tp2_pp2_legacy", "mixtral_ep2_legacy", "llama_pp2_vpp2_legacy",
+            "qwen3_tp1_pp1", "qwen3_tp2_pp2", "mla_tp2_pp2", "mla_noqlora_pp2",
+            "moe_bias_ep2"} <= set(NAMES)
     for name in NAMES:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
         assert ckpt.iteration == 1
@@ -73,7 +79,12 @@ def test_fixtures_are_megatron_core_checkpoints():
 @pytest.mark.parametrize("name", NAMES)
 def test_imported_logits_equal_megatrons(converted, name):
     cfg, model = load_full_model(converted[name])
-    assert family_of(cfg.model).name == FAMILY[name.split("_")[0]]
+    family = FAMILY[name.split("_")[0]]
+    if family is None:
+        with pytest.raises(ValueError, match="no Hugging Face family"):
+            family_of(cfg.model)
+    else:
+        assert family_of(cfg.model).name == family
     tokens, want = _reference(name)
     with torch.no_grad():
         got = model.eval()(tokens)
@@ -90,31 +101,39 @@ def test_qkv_interleave_round_trips():
     assert torch.equal(ours[12:15], w[18:21])
 
 
-def _layout_logits(rank, world_size, root, tp, pp, tokens):
+def _layout_logits(rank, world_size, root, tp, pp, tokens, ep=1):
     from megalite.inference.loading import inference_state, load_model
     from tests.inference.common import sequence_logits
 
-    _, model = load_model(root, None, inference_state(tp, pp))
+    state = inference_state(tp, pp, ep, 1) if ep > 1 else inference_state(tp, pp)
+    _, model = load_model(root, None, state)
     return torch.stack([sequence_logits(model, row.tolist(), use_cache=False)
                         for row in tokens])
 
 
-@pytest.mark.parametrize("name,tp,pp", [("llama_tp2_pp2", 2, 1), ("gpt2_tp2_pp2", 1, 2)])
-def test_imported_checkpoint_loads_resharded(converted, name, tp, pp):
-    """Saved by Megatron at tp2 x pp2, imported, loaded at tp2 (or pp2): the same logits."""
+@pytest.mark.parametrize("name,tp,pp,ep", [
+    ("llama_tp2_pp2", 2, 1, 1), ("gpt2_tp2_pp2", 1, 2, 1), ("qwen3_tp2_pp2", 2, 1, 1),
+    ("mla_tp2_pp2", 2, 1, 1), ("mla_noqlora_pp2", 2, 1, 1), ("moe_bias_ep2", 2, 1, 2)])
+def test_imported_checkpoint_loads_resharded(converted, name, tp, pp, ep):
+    """Saved by Megatron at tp2 x pp2 (or pp2, ep2), imported, loaded at tp2 (or pp2, or
+    tp2 with the experts over ep2): the same logits."""
     tokens, want = _reference(name)
-    for got in run_distributed(tp * pp, _layout_logits, converted[name], tp, pp, tokens):
+    for got in run_distributed(tp * pp, _layout_logits, converted[name], tp, pp, tokens,
+                               ep):
         assert (got - want[..., :got.shape[-1]]).abs().max().item() <= TOLERANCE
 
 
-def test_pretrain_finetunes_from_an_import(tmp_path, capsys):
-    """The flags the converter prints train on from the import (--finetune)."""
+@pytest.mark.parametrize("name", ["llama_tp1_pp1", "moe_bias_ep2", "mla_tp2_pp2"])
+def test_pretrain_finetunes_from_an_import(tmp_path, capsys, name):
+    """The flags the converter prints train on from the import (--finetune); the imported
+    expert biases are where the bias updates start from."""
     save = str(tmp_path / "imported")
     assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
-                   os.path.join(FIXTURES, "llama_tp1_pp1"), "--save-dir", save) == 0
+                   os.path.join(FIXTURES, name), "--save-dir", save) == 0
     printed = capsys.readouterr().out
-    flags = printed.split("pretrain/pretrain_gpt.py ", 1)[1].split(" --load ")[0].split()
-    assert "--swiglu" in flags and "--num-query-groups" in flags
+    flags = shlex.split(printed.split("pretrain/pretrain_gpt.py ", 1)[1].split(" --load ")[0])
+    assert "--swiglu" in flags and ("--num-query-groups" in flags
+                                    or "--multi-latent-attention" in flags)
     run = tmp_path / "run"
     proc = subprocess.run(
         [PYTHON, ENTRYPOINT, *flags, "--load", save, "--finetune", "--save", str(run / "ck"),
@@ -127,6 +146,12 @@ def test_pretrain_finetunes_from_an_import(tmp_path, capsys):
     assert [r["iteration"] for r in rows] == [1, 2]
     assert all(0 < r["lm_loss"] < 10 for r in rows), rows   # ln(101) = 4.6 from scratch
     assert os.path.exists(run / "ck" / "iter_0000002")
+    imported, trained = (load_full_model(d)[1].state_dict() for d in (save, str(run / "ck")))
+    biases = [k for k in imported if k.endswith("expert_bias")]
+    assert len(biases) == (2 if name == "moe_bias_ep2" else 0)
+    for key in biases:   # two steps of --moe-router-bias-update-rate 1e-3 from the import
+        step = (trained[key] - imported[key]).abs()
+        assert imported[key].abs().min() > 0.01 and 0 < step.max() <= 2e-3 + 1e-6, key
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -177,11 +202,81 @@ def test_megatron_source_errors_are_one_line(tmp_path, capsys):
 
 
 def test_unmapped_model_is_refused(tmp_path, capsys):
-    """A feature megalite's model lacks (here --qk-layernorm, read from common.pt as
-    older Megatron-Core versions write it) is named, not imported with other logits."""
+    """A feature megalite's model lacks (here multi-token prediction and a gated shared
+    expert, read from common.pt as older Megatron-Core versions write it) is named, not
+    imported with other logits."""
+    root = _with_args(tmp_path, "moe_bias_ep2", mtp_num_layers=1, moe_shared_expert_gate=True)
+    line = _one_line_error(capsys, *_from_megatron(root, tmp_path / "o"))
+    assert "multi-token prediction layers (--mtp-num-layers)" in line
+    assert "--moe-shared-expert-gate" in line and "megalite imports" in line
+
+
+def test_deepseek_routing_args_and_expert_bias_are_imported(converted):
+    """The router flags come from the args, and each MoE layer's saved expert bias (seeded
+    noise, so that it changes the routing) is its router's ``expert_bias``."""
+    from megalite.checkpoint.megatron.files import read_tensors
+
+    cfg, model = load_full_model(converted["moe_bias_ep2"])
+    m = cfg.model
+    assert (m.moe_layer_freq, m.moe_shared_expert_intermediate_size, m.moe_router_num_groups,
+            m.moe_router_group_topk, m.moe_router_score_function,
+            m.moe_router_topk_scaling_factor, m.moe_router_enable_expert_bias) == \
+        ("[0,1,1]", 32, 2, 1, "sigmoid", 2.5, True)
+    ckpt = find_checkpoint(os.path.join(FIXTURES, "moe_bias_ep2"))
+    keys = [f"decoder.layers.{i}.mlp.router.expert_bias" for i in (1, 2)]
+    saved = read_tensors(ckpt, keys)
+    state = model.state_dict()
+    assert "decoder.layers.0.mlp.router.expert_bias" not in state   # the dense layer
+    for key in keys:
+        assert saved[key].abs().min() > 0
+        assert torch.equal(state[key], saved[key])
+
+
+def test_transformer_engine_names_of_mla_norms_are_read():
+    """Transformer Engine's spec saves multi-latent attention's latent norms inside the up
+    projections (``linear_q_up_proj.layer_norm_weight``) and the pre-MLP norm inside
+    ``linear_fc1``: the same megalite state as the local spec's names."""
+    from megalite.checkpoint.megatron import arguments, mapping
+    from megalite.checkpoint.megatron.files import read_tensors, tensor_shapes
+    from megalite.config import ModelConfig
+
+    ckpt = find_checkpoint(os.path.join(FIXTURES, "mla_tp2_pp2"))
+    shapes = tensor_shapes(ckpt)
+    tensors = read_tensors(ckpt, [k for k in shapes if mapping.is_model_key(k)])
+    chunks = {k: v[1] for k, v in shapes.items()}
+    cfg = ModelConfig(**arguments.model_kwargs(read_common(ckpt)["args"]))
+    want = mapping.to_megalite(tensors, chunks, cfg)
+    te = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+          "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+          "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    renamed, renamed_chunks = {}, {}
+    for key, t in tensors.items():
+        new = key
+        for local, fused in te.items():
+            new = new.replace(mapping.LAYERS + local, mapping.LAYERS + fused)
+        renamed[new], renamed_chunks[new] = t, chunks[key]
+    assert len(set(renamed) - set(tensors)) == 3 and not mapping.unknown_keys(renamed)
+    got = mapping.to_megalite(renamed, renamed_chunks, cfg)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_multi_latent_attention_args_are_imported(converted):
+    cfg, _ = load_full_model(converted["mla_tp2_pp2"])
+    m = cfg.model
+    assert (m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim,
+            m.qk_pos_emb_head_dim, m.v_head_dim, m.qk_layernorm, m.rotary_scaling_factor,
+            m.mscale, m.mscale_all_dim, m.original_max_position_embeddings) == \
+        (True, 16, 16, 8, 8, 8, True, 4.0, 1.0, 0.8, 4096)
+    assert load_full_model(converted["mla_noqlora_pp2"])[0].model.q_lora_rank is None
+
+
+def test_args_that_name_tensors_the_checkpoint_lacks_are_one_line(tmp_path, capsys):
+    """Args with --qk-layernorm over a checkpoint without q/k norms: the missing tensors are
+    named in one line."""
     root = _with_args(tmp_path, "llama_tp1_pp1", qk_layernorm=True)
     line = _one_line_error(capsys, *_from_megatron(root, tmp_path / "o"))
-    assert "--qk-layernorm" in line and "megalite imports" in line
+    assert "missing ['decoder.layers.0.self_attention.k_layernorm.weight'" in line
 
 
 def test_hf_source_that_is_not_hf_is_one_line(tmp_path, capsys):

@@ -29,13 +29,17 @@ def test_check_fails_on_a_stale_table_and_write_fixes_it(tmp_path, capsys):
     assert tool.main(["--check", str(readme)]) == 0
     text = readme.read_text()
     assert text.startswith("# x\n") and text.endswith(f"{tool.END}\nafter\n")
-    # columns: Llama-3 8B, Mixtral 8x7B, GPT-3 175B, DeepSeek-V3, DeepSeek-V3 MoE, Muon
-    assert "| `--no-mmap-bin-files` | ✓ |  |  | ✓ |  |  | accepted, no effect here: " in text
-    assert "| `--tokenizer-type Llama2Tokenizer` |  | ✓ |  |  |  |  | implemented |" in text
-    assert "| `--moe-router-enable-expert-bias` |  |  |  | ✓ | ✓ |  | implemented |" in text
-    assert "| `--multi-latent-attention` |  |  |  | ✓ |  |  | implemented |" in text
-    assert "| `--muon-tp-mode distributed` |  |  |  |  |  | ✓ | implemented |" in text
-    assert "| `--muon-scalar-optimizer lion` |  |  |  |  |  | ✓ | refused: " in text
+    # columns: Llama-3 8B, Mixtral 8x7B, GPT-3 175B, DeepSeek-V3, DeepSeek-V3 MoE,
+    # Qwen3-30B-A3B, Muon
+    assert "| `--no-mmap-bin-files` | ✓ |  |  | ✓ |  |  |  | accepted, no effect here: " in text
+    assert "| `--tokenizer-type Llama2Tokenizer` |  | ✓ |  |  |  |  |  | implemented |" in text
+    assert "| `--moe-router-enable-expert-bias` |  |  |  | ✓ | ✓ |  |  | implemented |" in text
+    assert "| `--multi-latent-attention` |  |  |  | ✓ |  |  |  | implemented |" in text
+    assert "| `--qk-layernorm` |  |  |  | ✓ |  | ✓ |  | implemented |" in text
+    assert "| `--moe-layer-recompute` |  |  |  |  |  | ✓ |  | implemented |" in text
+    assert "| `--no-rope-fusion` |  |  |  |  |  | ✓ |  | accepted, no effect here: " in text
+    assert "| `--muon-tp-mode distributed` |  |  |  |  |  |  | ✓ | implemented |" in text
+    assert "| `--muon-scalar-optimizer lion` |  |  |  |  |  |  | ✓ | refused: " in text
 
 
 def test_rows_come_from_the_parser():

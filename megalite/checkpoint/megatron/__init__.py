@@ -26,8 +26,9 @@ from megalite.checkpoint.megatron.files import (
     tensor_shapes,
 )
 
-SUPPORTED = ("Megatron-Core torch_dist and legacy per-rank checkpoints of GPT-2-, Llama- "
-             "and Mixtral-style models")
+SUPPORTED = ("Megatron-Core torch_dist and legacy per-rank checkpoints of GPT models "
+             "(GPT-2, Llama, Qwen3, multi-latent attention; MoE as Mixtral, Qwen3-MoE, "
+             "DeepSeek-V3) without multi-token prediction")
 
 
 @dataclass

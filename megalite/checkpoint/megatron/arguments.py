@@ -16,10 +16,17 @@ SAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "
         "position_embedding_type", "rotary_base", "rotary_percent", "normalization", "swiglu",
         "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
         "add_position_embedding", "make_vocab_size_divisible_by", "init_method_std",
-        "hidden_dropout", "attention_dropout")
+        "hidden_dropout", "attention_dropout", "qk_layernorm")
+# multi-latent attention's sizes and YaRN (Megatron-Core's MLA reads its YaRN correction
+# range from its config defaults, original context 4096, beta 32 / 1: megalite's defaults)
+MLA_SAME = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+            "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor", "mscale",
+            "mscale_all_dim")
 MOE_SAME = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
             "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
-            "moe_aux_loss_coeff", "moe_z_loss_coeff")
+            "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_shared_expert_intermediate_size",
+            "moe_router_pre_softmax", "moe_router_num_groups", "moe_router_group_topk",
+            "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_dtype")
 TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "tiktoken_pattern",
              "tiktoken_num_special_tokens", "tiktoken_special_tokens")
 NULL_TOKENIZER = "NullTokenizer"
@@ -32,16 +39,20 @@ def _get(args: Namespace, name: str, default=None):
 def unsupported(args: Namespace) -> list[str]:
     """What in Megatron's ``args`` megalite's model cannot reproduce (empty: nothing)."""
     a = args
-    freq = _get(a, "moe_layer_freq", 1)
+    mla = _get(a, "multi_latent_attention", False)
     checks = [
         (_get(a, "use_legacy_models", False), "a legacy (non-Megatron-Core) model"),
         (_get(a, "rotary_interleaved", False), "--rotary-interleaved"),
         (_get(a, "use_rope_scaling", False), "--use-rope-scaling"),
         (_get(a, "openai_gelu", False), "--openai-gelu (tanh GeLU)"),
         (_get(a, "squared_relu", False), "--squared-relu"),
-        (_get(a, "qk_layernorm", False), "--qk-layernorm"),
-        (_get(a, "multi_latent_attention", False), "multi-latent attention"),
-        (_get(a, "mtp_num_layers", None), "multi-token prediction layers"),
+        (_get(a, "qk_l2_norm", False), "--qk-l2-norm"),
+        (mla and _get(a, "rope_type", None) == "rope" and
+         (_get(a, "rotary_scaling_factor", 1.0) != 1.0 or _get(a, "rotary_percent", 1.0) != 1.0),
+         "multi-latent attention with --rope-type rope and a --rotary-scaling-factor or "
+         "--rotary-percent (megalite's is YaRN)"),
+        (_get(a, "mla_down_proj_fusion", False), "--mla-down-proj-fusion"),
+        (_get(a, "mtp_num_layers", None), "multi-token prediction layers (--mtp-num-layers)"),
         (_get(a, "heterogeneous_layers_config_path", None), "heterogeneous layers"),
         (_get(a, "position_embedding_type", "learned_absolute") not in
          ("learned_absolute", "rope", "none"),
@@ -51,17 +62,25 @@ def unsupported(args: Namespace) -> list[str]:
     ]
     if _get(a, "num_experts"):
         checks += [
-            (freq not in (1, None) and not (isinstance(freq, list) and set(freq) == {1}),
-             f"--moe-layer-freq {freq} (megalite imports MoE in every layer)"),
-            (_get(a, "moe_shared_expert_intermediate_size"), "shared experts"),
-            (_get(a, "moe_router_pre_softmax", False), "--moe-router-pre-softmax"),
-            (_get(a, "moe_router_enable_expert_bias", False), "router expert bias"),
-            (_get(a, "moe_router_num_groups", None), "group-limited routing "
-             "(--moe-router-num-groups)"),
+            (_get(a, "moe_shared_expert_gate", False), "--moe-shared-expert-gate"),
+            (_get(a, "moe_latent_size", None), "--moe-latent-size"),
+            (_get(a, "moe_router_load_balancing_type", None) == "quantile_balancing",
+             "--moe-router-load-balancing-type quantile_balancing"),
             (_get(a, "moe_router_score_function", "softmax") not in ("softmax", "sigmoid"),
              f"--moe-router-score-function {_get(a, 'moe_router_score_function')}"),
         ]
     return [text for bad, text in checks if bad]
+
+
+def unexportable(model_cfg) -> list[str]:
+    """What of megalite's model Megatron-LM would build otherwise from the exported args
+    (empty: nothing)."""
+    m = model_cfg
+    return [text for bad, text in [
+        (m.multi_latent_attention and m.original_max_position_embeddings not in (None, 4096),
+         f"--original-max-position-embeddings {m.original_max_position_embeddings} "
+         "(Megatron-Core's multi-latent attention corrects YaRN for 4096 positions)"),
+    ] if bad]
 
 
 def vocab_size_of(args: Namespace) -> int:
@@ -89,10 +108,17 @@ def model_kwargs(args: Namespace) -> dict:
         kw["norm_epsilon"] = eps
     kw["apply_layernorm_1p"] = bool(_get(args, "apply_layernorm_1p", False)
                                     or _get(args, "layernorm_zero_centered_gamma", False))
+    if _get(args, "multi_latent_attention", False):
+        kw.update({n: getattr(args, n) for n in MLA_SAME if _get(args, n) is not None})
+        kw.pop("kv_channels", None)   # MLA's head dims are its own
+        kw["rotary_percent"] = 1.0    # YaRN rotates the whole RoPE part
     if _get(args, "num_experts"):
         kw.update({n: getattr(args, n) for n in MOE_SAME if _get(args, n) is not None})
         if kw.get("moe_router_load_balancing_type") not in ("aux_loss", "seq_aux_loss", "none"):
             kw["moe_router_load_balancing_type"] = "aux_loss"
+        freq = _get(args, "moe_layer_freq", 1)
+        if freq is not None:
+            kw["moe_layer_freq"] = freq   # an int, or the evaluated list
     kw["vocab_size"] = vocab_size_of(args)
     return kw
 
@@ -116,21 +142,21 @@ def megatron_args(cfg, tp: int = 1, pp: int = 1) -> Namespace:
               padded_vocab_size=m.padded_vocab_size(tp),
               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
               rotary_interleaved=False, openai_gelu=False, squared_relu=False,
-              qk_layernorm=m.qk_layernorm, multi_latent_attention=m.multi_latent_attention,
+              qk_layernorm=m.qk_layernorm, qk_l2_norm=False,
+              multi_latent_attention=m.multi_latent_attention,
               mtp_num_layers=m.mtp_num_layers,   # refused by unsupported(), not dropped
               use_legacy_models=False, bf16=False, fp16=False,
               data_parallel_random_init=False,
               num_experts=m.num_experts)
+    if m.multi_latent_attention:
+        kw.update({n: getattr(m, n) for n in MLA_SAME})
+        kw.update(rope_type="yarn", mla_down_proj_fusion=False,
+                  yarn_original_max_position_embeddings=m.original_max_position_embeddings)
     if m.num_experts:
         kw.update({n: getattr(m, n) for n in MOE_SAME})
         kw.update(moe_layer_freq=(m.moe_layer_freq if isinstance(m.moe_layer_freq, int)
                                   else [int(f) for f in m.moe_layer_pattern]),
-                  moe_router_pre_softmax=m.moe_router_pre_softmax,
-                  moe_router_num_groups=m.moe_router_num_groups,
-                  moe_router_group_topk=m.moe_router_group_topk,
-                  moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
-                  moe_router_bias_update_rate=m.moe_router_bias_update_rate,
-                  moe_router_dtype=m.moe_router_dtype,
+                  moe_shared_expert_gate=False, moe_latent_size=None,
                   moe_grouped_gemm=False, expert_model_parallel_size=1)
     d = cfg.data
     kw.update({n: getattr(d, n, None) for n in TOKENIZER})

@@ -10,11 +10,13 @@ pipelining) with stage-local layer numbers and its tensor-parallel shards, next 
 
 * layers: a stage's local layers follow the earlier stages' (for each virtual chunk in
   turn, then each stage: Megatron's interleaved order), so uneven splits need no args;
-* tensor parallel: column-parallel weights (``linear_qkv``, ``linear_fc1``, the embedding
-  and output layer, ``[out/tp, in]``) concatenate along dim 0, SwiGLU's ``linear_fc1``
-  as gate and up halves separately; row-parallel ones (``linear_proj``, ``linear_fc2``,
-  ``[out, in/tp]``) along dim 1; everything else (norms, row biases, the router) is
-  replicated and taken from tp rank 0;
+* tensor parallel: column-parallel weights (``linear_qkv``, ``linear_fc1`` and the shared
+  experts', multi-latent attention's ``linear_q_proj`` / ``linear_q_up_proj`` /
+  ``linear_kv_up_proj`` and, under the local spec only, its down projections, the
+  embedding and output layer, ``[out/tp, in]``) concatenate along dim 0, SwiGLU's
+  ``linear_fc1`` as gate and up halves separately; row-parallel ones (``linear_proj``,
+  ``linear_fc2``, ``[out, in/tp]``) along dim 1; everything else (norms, QK norms, row
+  biases, the router and its expert bias) is replicated and taken from tp rank 0;
 * experts: ``local_experts.{j}`` (or Transformer Engine's ``weight{j}``) of ep rank ``e``
   is global expert ``e * E/ep + j``, stacked ``[E, ...]``.
 
@@ -36,11 +38,20 @@ RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 EXPERT_KEY = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|"
                         r"(linear_fc[12])\.weight(\d+))$")
+MLA_COLUMN = tuple(f"self_attention.{proj}.{p}" for proj in (
+    "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj") for p in ("weight", "bias"))
+# the latent down projections: column-parallel in Megatron-Core's local spec, whole on every
+# rank in Transformer Engine's (--transformer-impl transformer_engine)
+MLA_DOWN = tuple(f"self_attention.{proj}.{p}" for proj in (
+    "linear_q_down_proj", "linear_kv_down_proj") for p in ("weight", "bias"))
 COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
           "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "embedding.word_embeddings.weight",
-          "output_layer.weight", "linear_fc1")
-ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "linear_fc2")
-GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "linear_fc1")
+          "output_layer.weight", "linear_fc1", "mlp.shared_experts.linear_fc1.weight",
+          "mlp.shared_experts.linear_fc1.bias", *MLA_COLUMN)
+ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "linear_fc2",
+       "mlp.shared_experts.linear_fc2.weight")
+GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "linear_fc1",
+         "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc1.bias")
 
 
 def _rank_files(directory: str) -> dict[tuple[int, int, int], str]:
@@ -77,9 +88,11 @@ def _load(path: str) -> dict:
     return state
 
 
-def _merge_tp(name: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
-    """One tensor from its tp shards (``name``: the key, or an expert's ``linear_fc1/2``)."""
-    if len(shards) == 1 or name not in COLUMN + ROW:
+def _merge_tp(name: str, shards: list[torch.Tensor], gated: bool,
+              column: tuple[str, ...] = COLUMN) -> torch.Tensor:
+    """One tensor from its tp shards (``name``: the key, or an expert's ``linear_fc1/2``;
+    ``column``: the column-parallel names)."""
+    if len(shards) == 1 or name not in column + ROW:
         return shards[0]
     if name in ROW:
         return torch.cat(shards, dim=1)
@@ -117,6 +130,8 @@ def read_legacy(ckpt: MegatronCheckpoint) -> tuple[dict, dict, dict]:
     if "args" not in common:
         raise CheckpointError(f"{ckpt.directory}: the rank files hold no Megatron args")
     gated = bool(getattr(common["args"], "swiglu", False))
+    local = getattr(common["args"], "transformer_impl", "transformer_engine") == "local"
+    column = COLUMN + MLA_DOWN if local else COLUMN
     num_chunks = len(_chunks(states[(0, 0, 0)]))
     # global layer number of (stage, chunk, local layer): chunk-major, then stage
     offsets, start = {}, 0
@@ -144,7 +159,7 @@ def read_legacy(ckpt: MegatronCheckpoint) -> tuple[dict, dict, dict]:
                     if x is None:
                         name = key if m is None else \
                             f"decoder.layers.{offsets[(p, v)] + int(m[1])}.{suffix}"
-                        merged[name] = _merge_tp(suffix, shards, gated)
+                        merged[name] = _merge_tp(suffix, shards, gated, column)
                         continue
                     j, which = (int(x[1]), x[2]) if x[1] is not None else (int(x[4]), x[3])
                     layer = offsets[(p, v)] + int(m[1])

@@ -3,8 +3,10 @@
 
 Megatron-Core (``torch_dist``) stores each layer's tensors stacked under one key with a
 leading layer dimension, ``decoder.layers.<suffix>`` ``[L, ...]`` (``[L, E, ...]`` for
-experts), every tensor with its global (tp = 1) shape; megalite's full state dict has
-``decoder.layers.<i>.<suffix>``. Where the two differ:
+experts), every tensor with its global (tp = 1) shape -- except when its layers differ
+(``--moe-layer-freq`` other than 1: dense and MoE layers), where each layer has its own
+keys ``decoder.layers.<i>.<suffix>`` (global ``i``, no layer dimension). megalite's full
+state dict has ``decoder.layers.<i>.<suffix>``. Where the two differ:
 
 ==========================================  ==============================================
 Megatron-Core (per layer)                   megalite
@@ -22,7 +24,20 @@ group its q heads, then its k, then its v   head-major (the head of q row block 
 ``[E, 2f, h]``                              (transposed: experts multiply ``x @ w``)
 ``mlp.experts.experts.linear_fc2.weight``   ``mlp.experts.fc2`` ``[E, f, h]``
 ``[E, h, f]``
+``mlp.shared_experts.linear_fc{1,2}.*``     ``mlp.shared_experts.fc{1,2}.*``
+``self_attention.linear_q_up_proj.``        ``self_attention.q_layernorm.*`` (multi-latent
+``layer_norm_*`` (Transformer Engine)       attention's query latent norm; the local spec
+                                            writes ``q_layernorm.*``, as we do)
+``self_attention.linear_kv_up_proj.``       ``self_attention.kv_layernorm.*``
+``layer_norm_*`` (Transformer Engine)
 ==========================================  ==============================================
+
+Everything else has the same name on both sides: QK norm (``self_attention.q_layernorm``,
+``k_layernorm``), multi-latent attention's projections (``linear_q_proj`` or
+``linear_q_down_proj`` / ``linear_q_up_proj``, ``linear_kv_down_proj`` ``[kv_lora_rank +
+qk_pos_emb_head_dim, h]``, ``linear_kv_up_proj`` ``[nh * (qk_head_dim + v_head_dim),
+kv_lora_rank]``, per head its key part then its value part), the router's ``weight`` and its
+``expert_bias`` ``[E]`` (fp32, aux-loss-free balancing).
 
 Embedding and output rows beyond the vocabulary (Megatron pads it to a multiple of
 ``make_vocab_size_divisible_by x tp``) are dropped on import and zero on export; a tied
@@ -31,11 +46,13 @@ output layer is not stored.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
 LAYERS = "decoder.layers."
+PER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 OURS_LAYER = "decoder.layers.{}."
 WORD = "embedding.word_embeddings.weight"
 POSITION = "embedding.position_embeddings.weight"
@@ -54,8 +71,10 @@ class Rule:
     kind: str = PLAIN
 
 
-# The first rule for a megalite name is the one an export writes (the names the
-# Transformer Engine and local layer specs both load); the others are read too.
+# The first rule for a megalite name is the one an export writes (the names Megatron-Core's
+# local layer spec saves and loads: for standard attention Transformer Engine's too); the
+# others are read too. Multi-latent attention's local spec keeps the layer norms' own
+# names (MLA_SKIPS: not written for it).
 LAYER_RULES = (
     Rule("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
     Rule("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
@@ -74,10 +93,23 @@ LAYER_RULES = (
     Rule("mlp.linear_fc2.weight", "mlp.linear_fc2.weight"),
     Rule("mlp.linear_fc2.bias", "mlp.linear_fc2.bias"),
     Rule("mlp.router.weight", "mlp.router.weight"),
+    Rule("mlp.router.expert_bias", "mlp.router.expert_bias"),
     Rule("mlp.experts.experts.linear_fc1.weight", "mlp.experts.fc1", EXPERT),
     Rule("mlp.experts.experts.linear_fc2.weight", "mlp.experts.fc2", EXPERT),
+    *(Rule(f"mlp.shared_experts.linear_{fc}.{p}", f"mlp.shared_experts.{fc}.{p}")
+      for fc in ("fc1", "fc2") for p in ("weight", "bias")),
+    *(Rule(f"self_attention.{norm}.{p}", f"self_attention.{norm}.{p}")
+      for norm in ("q_layernorm", "k_layernorm", "kv_layernorm") for p in ("weight", "bias")),
+    *(Rule(f"self_attention.{proj}.{p}", f"self_attention.{proj}.{p}")
+      for proj in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                   "linear_kv_down_proj", "linear_kv_up_proj") for p in ("weight", "bias")),
+    # Transformer Engine's spec folds multi-latent attention's latent norms into the up
+    # projections
+    *(Rule(f"self_attention.linear_{x}_up_proj.layer_norm_{p}", f"self_attention.{x}_layernorm.{p}")
+      for x in ("q", "kv") for p in ("weight", "bias")),
 )
 BY_MEGATRON = {r.megatron: r for r in LAYER_RULES}
+MLA_SKIPS = ("self_attention.linear_qkv.layer_norm_", "mlp.linear_fc1.layer_norm_")
 
 
 # -- q/k/v ------------------------------------------------------------------------------------
@@ -111,10 +143,36 @@ def layers_held(chunks) -> list[int]:
     return sorted(held)
 
 
+def layer_key(key: str) -> tuple[int | None, str] | None:
+    """(layer, suffix) of a layer key: ``decoder.layers.<i>.<suffix>`` -> ``(i, suffix)``,
+    a stacked ``decoder.layers.<suffix>`` -> ``(None, suffix)``; None for other keys."""
+    m = PER_LAYER.match(key)
+    if m:
+        return int(m[1]), m[2]
+    return (None, key[len(LAYERS):]) if key.startswith(LAYERS) else None
+
+
+def per_layer_keys(model_cfg) -> bool:
+    """Whether Megatron-Core keys this model's layers one by one (its layers differ:
+    ``--moe-layer-freq`` other than 1) rather than stacked."""
+    return bool(model_cfg.num_experts) and model_cfg.moe_layer_freq != 1
+
+
 def unknown_keys(keys) -> list[str]:
     """Model keys of a Megatron checkpoint that no rule maps."""
-    return sorted(k for k in keys if is_model_key(k) and k not in GLOBALS and not (
-        k.startswith(LAYERS) and k[len(LAYERS):] in BY_MEGATRON))
+    def known(k):
+        parsed = layer_key(k)
+        return k in GLOBALS or (parsed is not None and parsed[1] in BY_MEGATRON)
+
+    return sorted(k for k in keys if is_model_key(k) and not known(k))
+
+
+def unmapped(full_keys) -> list[str]:
+    """megalite state dict keys that no rule writes to Megatron (a feature whose tensors
+    Megatron-Core names otherwise or lacks)."""
+    ours = {r.ours for r in LAYER_RULES}
+    return sorted(k for k in full_keys if k not in GLOBALS and not (
+        (m := PER_LAYER.match(k)) and m[2] in ours))
 
 
 def to_megalite(tensors: dict[str, torch.Tensor], chunks: dict[str, list], model_cfg
@@ -130,11 +188,14 @@ def to_megalite(tensors: dict[str, torch.Tensor], chunks: dict[str, list], model
         t = tensors[key]
         out[key] = t[:vocab] if key in (WORD, OUTPUT) else t
     for key, t in tensors.items():
-        if not key.startswith(LAYERS) or key[len(LAYERS):] not in BY_MEGATRON:
+        parsed = layer_key(key)
+        if parsed is None or parsed[1] not in BY_MEGATRON:
             continue
-        rule = BY_MEGATRON[key[len(LAYERS):]]
-        for i in layers_held(chunks[key]):
-            x = t[i]
+        layer, suffix = parsed
+        rule = BY_MEGATRON[suffix]
+        held = [(layer, t)] if layer is not None else \
+            [(i, t[i]) for i in layers_held(chunks[key])]
+        for i, x in held:
             if rule.kind == QKV:
                 x = qkv_from_megatron(x, c.num_attention_heads, c.num_query_groups,
                                       c.kv_channels)
@@ -146,8 +207,9 @@ def to_megalite(tensors: dict[str, torch.Tensor], chunks: dict[str, list], model
 
 def to_megatron(full: dict[str, torch.Tensor], model_cfg, padded_vocab: int
                 ) -> dict[str, torch.Tensor]:
-    """megalite's full state dict -> Megatron-Core's stacked sharded keys (the inverse of
-    :func:`to_megalite`; vocabulary rows padded with zeros to ``padded_vocab``)."""
+    """megalite's full state dict -> Megatron-Core's sharded keys, stacked or per layer
+    as :func:`per_layer_keys` says (the inverse of :func:`to_megalite`; vocabulary rows
+    padded with zeros to ``padded_vocab``)."""
     c = model_cfg
     out = {}
     for key in GLOBALS:
@@ -156,18 +218,24 @@ def to_megatron(full: dict[str, torch.Tensor], model_cfg, padded_vocab: int
             if key in (WORD, OUTPUT):
                 t = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
             out[key] = t
+    per_layer = per_layer_keys(c)
     written = set()
     for rule in LAYER_RULES:
-        if rule.ours in written:
+        if rule.ours in written or (c.multi_latent_attention
+                                    and rule.megatron.startswith(MLA_SKIPS)):
             continue
-        per_layer = [full.get(OURS_LAYER.format(i) + rule.ours) for i in range(c.num_layers)]
-        if any(x is None for x in per_layer):
+        layers = [full.get(OURS_LAYER.format(i) + rule.ours) for i in range(c.num_layers)]
+        if all(x is None for x in layers) or (not per_layer and any(x is None for x in layers)):
             continue
         written.add(rule.ours)
         if rule.kind == QKV:
-            per_layer = [qkv_to_megatron(x, c.num_attention_heads, c.num_query_groups,
-                                         c.kv_channels) for x in per_layer]
+            layers = [x if x is None else qkv_to_megatron(
+                x, c.num_attention_heads, c.num_query_groups, c.kv_channels) for x in layers]
         elif rule.kind == EXPERT:
-            per_layer = [x.transpose(-1, -2) for x in per_layer]
-        out[LAYERS + rule.megatron] = torch.stack(per_layer).contiguous()
+            layers = [x if x is None else x.transpose(-1, -2) for x in layers]
+        if per_layer:
+            out.update({f"{LAYERS}{i}.{rule.megatron}": x.contiguous()
+                        for i, x in enumerate(layers) if x is not None})
+        else:
+            out[LAYERS + rule.megatron] = torch.stack(layers).contiguous()
     return out

@@ -28,28 +28,40 @@ from megalite.checkpoint.megatron.arguments import megatron_args
 from megalite.checkpoint.megatron.files import METADATA, TRACKER
 
 CHECKPOINT_VERSION = 3.0
-LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-           "mlp.linear_fc2")
-EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+EXPERTS = "mlp.experts.experts."
 
 
 def _extra_states(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, list]:
-    """The ``_extra_state`` objects (``[None]`` outside fp8) Megatron's linear layers save,
-    one per layer (and expert), keyed as its ShardedObjects are."""
+    """The ``_extra_state`` objects (``[None]`` outside fp8) Megatron's linear layers (the
+    ``linear_*`` modules) save, one per layer (and expert), keyed as its ShardedObjects are:
+    ``<module>._extra_state/shard_<layer>_<L>`` (``shard_<layer>.<e>_<L>.<E>`` for experts)
+    for stacked layers, ``decoder.layers.<i>.<module>._extra_state/shard_0_1``
+    (``shard_<e>_<E>``) for per-layer keys."""
     out = {}
-    for name in LINEARS:
-        if f"{mapping.LAYERS}{name}.weight" in tensors:
-            for i in range(num_layers):
-                out[f"{mapping.LAYERS}{name}._extra_state/shard_{i}_{num_layers}"] = [None]
-    for name in EXPERT_LINEARS:
-        weight = tensors.get(f"{mapping.LAYERS}{name}.weight")
-        if weight is not None:
-            experts = weight.shape[1]
-            for i in range(num_layers):
-                for e in range(experts):
-                    key = f"{mapping.LAYERS}{name}._extra_state/shard_{i}.{e}_{num_layers}." \
-                          f"{experts}"
-                    out[key] = [None]
+    for key, t in tensors.items():
+        parsed = mapping.layer_key(key)
+        if parsed is None or not parsed[1].endswith(".weight"):
+            continue
+        layer, suffix = parsed
+        module = suffix[:-len(".weight")]
+        if not module.rsplit(".", 1)[-1].startswith("linear_"):
+            continue
+        if layer is not None:
+            name = f"{mapping.LAYERS}{layer}.{module}._extra_state"
+            if module.startswith(EXPERTS):
+                experts = t.shape[0]
+                out.update({f"{name}/shard_{e}_{experts}": [None] for e in range(experts)})
+            else:
+                out[f"{name}/shard_0_1"] = [None]
+            continue
+        name = f"{mapping.LAYERS}{module}._extra_state"
+        for i in range(num_layers):
+            if module.startswith(EXPERTS):
+                experts = t.shape[1]
+                out.update({f"{name}/shard_{i}.{e}_{num_layers}.{experts}": [None]
+                            for e in range(experts)})
+            else:
+                out[f"{name}/shard_{i}_{num_layers}"] = [None]
     return out
 
 

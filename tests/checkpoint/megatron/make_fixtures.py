@@ -69,6 +69,34 @@ MIXTRAL = [*LLAMA, "--num-layers", "2", "--ffn-hidden-size", "48", "--num-expert
            "--moe-router-topk", "2",
            "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.0",
            "--moe-token-dispatcher-type", "allgather"]
+# Qwen3: grouped-query attention with per-head QK RMSNorm, a head dim other than hidden/heads
+QWEN3 = [*LLAMA, "--num-layers", "2", "--kv-channels", "16", "--qk-layernorm",
+         "--rotary-base", "1000000"]
+# DeepSeek-V3's multi-latent attention: query and key/value latents (normed: --qk-layernorm),
+# a decoupled RoPE part, YaRN (a factor, mscale, mscale_all_dim)
+MLA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16",
+       "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8",
+       "--qk-layernorm", "--rotary-scaling-factor", "4", "--mscale", "1.0",
+       "--mscale-all-dim", "0.8", "--ffn-hidden-size", "64", "--normalization", "RMSNorm",
+       "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
+       "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-6"]
+# DeepSeek-V2-Lite's: the queries not low-rank (and no latent norms: Megatron-Core's local
+# spec refuses --qk-layernorm without --q-lora-rank)
+MLA_NO_Q_LORA = [f for i, f in enumerate(MLA) if f != "--qk-layernorm"
+                 and i not in (MLA.index("--q-lora-rank"), MLA.index("--q-lora-rank") + 1)]
+# DeepSeek-V3's routing: a dense first layer, fine-grained experts with a shared expert,
+# sigmoid scores, aux-loss-free balancing (a nonzero expert bias is saved), group-limited
+DEEPSEEK_ROUTING = [
+    "--num-layers", "3", "--num-experts", "8", "--moe-router-topk", "2",
+    "--moe-ffn-hidden-size", "16", "--moe-shared-expert-intermediate-size", "32",
+    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+    "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+    "--moe-router-topk-scaling-factor", "2.5", "--moe-layer-freq", "[0]+[1]*2",
+    "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.0",
+    "--moe-token-dispatcher-type", "allgather"]
+MOE_BIAS = [*LLAMA, *DEEPSEEK_ROUTING]
+DEEPSEEK_V3 = [*MLA, *DEEPSEEK_ROUTING]   # both: multi-latent attention in every layer
 # name -> (model flags, tp, pp)
 FIXTURES = {
     "gpt2_tp1_pp1": (GPT2, 1, 1),
@@ -87,7 +115,27 @@ FIXTURES = {
                                "--ckpt-format", "torch"], 1, 2),
     "mixtral_ep2_legacy": ([*MIXTRAL, "--expert-model-parallel-size", "2", "--ckpt-format",
                             "torch"], 1, 1),
+    "qwen3_tp1_pp1": (QWEN3, 1, 1),
+    "qwen3_tp2_pp2": (QWEN3, 2, 2),
+    "mla_tp2_pp2": (MLA, 2, 2),
+    "mla_noqlora_pp2": (MLA_NO_Q_LORA, 1, 2),
+    "moe_bias_ep2": ([*MOE_BIAS, "--expert-model-parallel-size", "2"], 1, 1),
+    # not committed, to keep the fixtures small (write them elsewhere with FIXTURES_OUT,
+    # import them and --check-export them by hand): legacy files of the same, DeepSeek-V3's
+    # attention and routing together, and a Qwen3-MoE
+    "mla_tp2_pp2_legacy": ([*MLA, "--ckpt-format", "torch"], 2, 2),
+    "moe_bias_tp2_ep2_legacy": ([*MOE_BIAS, "--expert-model-parallel-size", "2",
+                                 "--ckpt-format", "torch"], 2, 1),
+    "deepseek_v3_ep2": ([*DEEPSEEK_V3, "--expert-model-parallel-size", "2"], 1, 1),
+    # Qwen3-MoE with norm_topk_prob=False (--moe-router-pre-softmax), every other layer MoE
+    "qwen3_moe_pre_softmax_tp2": ([*QWEN3, "--num-experts", "4", "--moe-router-topk", "2",
+                                   "--moe-ffn-hidden-size", "16", "--moe-router-pre-softmax",
+                                   "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "0.0",
+                                   "--moe-token-dispatcher-type", "allgather"], 2, 1),
 }
+# fixtures whose layers Megatron builds with the decoder block spec (qk norm, multi-latent
+# attention, a --moe-layer-freq list); the others keep the one-layer local spec
+BLOCK_SPEC = ("qwen3", "mla_", "moe_bias_", "deepseek_")
 
 
 def _ep(flags: list[str]) -> int:
@@ -162,15 +210,33 @@ def _shims():
 
     mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda *a, **k: None
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    # Megatron-Core 0.19.2's multi-latent attention passes k_channels / v_channels to its
+    # core attention, which the local DotProductAttention does not take (only Transformer
+    # Engine's does): it reads the key head dim from the tensors and lays the context out
+    # by kv_channels, so the MLA fixtures keep --v-head-dim equal to hidden / heads
+    init = DotProductAttention.__init__
+
+    def local_attention(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+        assert v_channels in (None, config.kv_channels), (v_channels, config.kv_channels)
+        init(self, config, *args, **kwargs)
+
+    DotProductAttention.__init__ = local_attention
 
 
 def _perturb(model, tp_rank: int) -> None:
     """Norm weights and biases, which Megatron initializes to constants, get seeded noise
     (by name, and by tp rank where tensor-parallel) so a mapping slip shows in the logits;
-    replicated tensors stay equal across tp ranks."""
+    replicated tensors stay equal across tp ranks. A router's expert bias (zero at
+    initialization) gets seeded noise of the scores' scale, so it changes the routing."""
     import torch
 
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
         for name, p in model.named_parameters():
             if not (name.endswith("bias") or "norm" in name):
                 continue
@@ -181,16 +247,24 @@ def _perturb(model, tp_rank: int) -> None:
             p.add_(0.2 * torch.randn(p.shape, generator=g))
 
 
-def _build(args, vp_stage=None):
+def _build(args, name, vp_stage=None):
     import torch
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
     tied = not args.untie_embeddings_and_output_weights
-    spec = get_gpt_layer_local_spec(args.num_experts, False, normalization=args.normalization)
+    if name.startswith(BLOCK_SPEC):   # local (non-Transformer-Engine) layers, per layer
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=args.normalization, vp_stage=vp_stage)
+    else:
+        spec = get_gpt_layer_local_spec(args.num_experts, False,
+                                        normalization=args.normalization)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings,
@@ -265,7 +339,8 @@ def worker(name: str, dest: str, check: bool = False) -> None:
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     vpp = args.virtual_pipeline_model_parallel_size
-    models = [_build(args, v) for v in range(vpp)] if vpp else [_build(args)]
+    models = ([_build(args, name, v) for v in range(vpp)] if vpp
+              else [_build(args, name)])
     tokens = torch.randint(0, 100, TOKENS_SHAPE, generator=torch.Generator().manual_seed(5))
     if check:
         load_checkpoint(models, None, None)
