@@ -99,7 +99,7 @@ class GPTModel(torch.nn.Module):
                 update_meta(self.output_layer.weight, unpadded_size=cfg.vocab_size)
                 if self.tied:  # a later pipeline stage's copy of the word embedding
                     update_meta(self.output_layer.weight, init_name=EMBEDDING_WEIGHT,
-                                shared_embedding=True)
+                                shared_embedding=True, embedding_copy=True)
         # the word embedding lives on the first and the last stage: tied to the output
         # layer, or looked up again by the prediction depths (summed over ps.embedding)
         if self.embedding is not None and (

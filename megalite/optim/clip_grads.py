@@ -11,7 +11,7 @@ Each rank adds the squares of the gradient elements it *owns* and one SUM over t
   only (expert-tp rank 0 for expert parameters), and a word embedding shared between the
   first and last pipeline stage (``param_meta(p).shared_embedding``) on the first stage only
   (under ZB-V's V placement both are on the first stage: the word embedding counts, the
-  output layer's copy, drawn from its ``init_name``, does not);
+  output layer's copy, ``param_meta(p).embedding_copy``, does not);
 - data parallel: after the data-parallel reduction every replica holds the same gradient,
   so :func:`global_grad_norm` counts it on data-parallel rank 0 only (``ps.dp_cp``, or
   ``ps.edp`` for expert parameters), while the distributed optimizer passes each rank's
@@ -39,9 +39,9 @@ def param_grad(param: torch.Tensor) -> torch.Tensor | None:
 def counts_in_norm(param: torch.Tensor, ps: ParallelState) -> bool:
     """Whether this rank's copy of ``param`` counts in the norm across model parallelism."""
     meta = param_meta(param)
-    # the output layer's copy of the word embedding: on a later stage, or (ZB-V) beside it
-    if meta.shared_embedding and (not ps.is_pipeline_first_stage()
-                                  or meta.init_name is not None):
+    # a copy of the word embedding: on a later stage (the output layer's, or the one the
+    # prediction depths look up), or (ZB-V) the output layer's beside it on the first stage
+    if meta.shared_embedding and (not ps.is_pipeline_first_stage() or meta.embedding_copy):
         return False
     tp_rank = ps.etp.rank if is_expert_param(param) else ps.tp.rank
     return param_meta(param).tensor_parallel or tp_rank == 0

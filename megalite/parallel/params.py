@@ -18,6 +18,8 @@ Fields of :class:`ParamMeta`:
                        partial and is summed over ``ps.tp`` before the data-parallel reduction
 ``shared_embedding``   the word embedding tied to the output layer (summed over
                        ``ps.embedding`` between the first and last pipeline stage)
+``embedding_copy``     the output layer's copy of that word embedding (a later stage's, or
+                       ZB-V's beside it on the first stage): not counted in the gradient norm
 ``expert``             one of an MoE layer's experts: stacked ``[E_local, ...]``, expert ``i``
                        of this rank is global expert ``first_expert + i`` (sharded over
                        ``ps.ep`` along dim 0, over ``ps.etp`` along ``partition_dim``);
@@ -51,6 +53,7 @@ class ParamMeta:
     unpadded_size: int | None = None
     sequence_parallel: bool = False
     shared_embedding: bool = False
+    embedding_copy: bool = False
     expert: bool = False
     first_expert: int = 0
     init_std: float | None = None

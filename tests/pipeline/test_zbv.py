@@ -15,6 +15,7 @@ from megalite.pipeline.plan import piece_of, place, plan_rounds
 from megalite.pipeline.schedules import build_schedules
 from megalite.pipeline.zero_bubble import simulate
 from tests.pipeline.test_pipeline_schedules import nccl_matching
+from tests.pipeline.test_zero_bubble import _in_flight   # (chunk, micro-batch) pairs here
 from tests.training.common import tiny_config
 
 ZBV_CASES = [("zbv", p, m) for p, m in itertools.product([2, 3, 4, 8], [1, 2, 3, 4, 8, 12, 16])]
@@ -44,15 +45,6 @@ def _v_batches(rounds, r, p):
         if ops:
             out.append(ops)
     return out
-
-
-def _in_flight(steps):
-    """Peak number of (chunk, micro-batch) forwards whose W did not run yet."""
-    live = peak = 0
-    for kind, _, _ in steps:
-        live += {"F": 1, "B": 0, "W": -1}[kind]
-        peak = max(peak, live)
-    return peak
 
 
 def test_v_placement_of_the_layers():

@@ -73,6 +73,21 @@ def run_training(cfg: MegaliteConfig, **build_kwargs):
     return result, components
 
 
+def megatron_script_argv(script: str, sizes: dict, skip=()) -> list[str]:
+    """The flags of one of ``tools/megatron_flags.py``'s Megatron-LM scripts (``script``:
+    its name there, e.g. ``"DEEPSEEK_V3"``), each value in ``sizes`` put in its flag's
+    place and the flags in ``skip`` left out: the script "with only sizes, parallel sizes
+    and paths changed"."""
+    from tests.tools import load_tool
+
+    flags = load_tool("megatron_flags")
+    argv = []
+    for flag, values in flags.split_flags(getattr(flags, script)):
+        if flag not in skip:
+            argv += [flag, *([sizes[flag]] if flag in sizes else values)]
+    return argv
+
+
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

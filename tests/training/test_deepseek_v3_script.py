@@ -10,8 +10,7 @@ import os
 from megalite.arguments import parse_args
 from megalite.compat import no_effect_line
 from tests.distributed.harness import run_distributed
-from tests.tools import load_tool
-from tests.training.common import read_jsonl, run_training
+from tests.training.common import megatron_script_argv, read_jsonl, run_training
 
 LEFT_OUT = {"--data-path"}
 
@@ -37,13 +36,8 @@ def _sizes(tmp: str) -> dict:
 
 
 def _argv(tmp: str) -> list[str]:
-    sizes = _sizes(tmp)
-    argv = ["--mock-data", "--metrics-jsonl", os.path.join(tmp, "m.jsonl")]
-    for flag, values in load_tool("megatron_flags").split_flags(
-            load_tool("megatron_flags").DEEPSEEK_V3):
-        if flag not in LEFT_OUT:
-            argv += [flag, *([sizes[flag]] if flag in sizes else values)]
-    return argv
+    return ["--mock-data", "--metrics-jsonl", os.path.join(tmp, "m.jsonl"),
+            *megatron_script_argv("DEEPSEEK_V3", _sizes(tmp), skip=LEFT_OUT)]
 
 
 def _train(rank, world_size, argv):

@@ -13,8 +13,7 @@ import pytest
 from megalite.arguments import parse_args
 from megalite.compat import no_effect_line
 from tests.distributed.harness import run_distributed
-from tests.tools import load_tool
-from tests.training.common import read_jsonl, run_training
+from tests.training.common import megatron_script_argv, read_jsonl, run_training
 
 SIZES = {
     "--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "64",
@@ -28,12 +27,9 @@ LAUNCH = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "
 
 
 def _argv(tmp: str) -> list[str]:
-    argv = [*LAUNCH, "--tokenizer-model", os.path.join(tmp, "tokenizer.json"),
-            "--save", os.path.join(tmp, "ckpt"), "--metrics-jsonl", os.path.join(tmp, "m.jsonl")]
-    flags = load_tool("megatron_flags")
-    for flag, values in flags.split_flags(flags.QWEN3_30B_A3B):
-        argv += [flag, *([SIZES[flag]] if flag in SIZES else values)]
-    return argv
+    return [*LAUNCH, "--tokenizer-model", os.path.join(tmp, "tokenizer.json"),
+            "--save", os.path.join(tmp, "ckpt"), "--metrics-jsonl", os.path.join(tmp, "m.jsonl"),
+            *megatron_script_argv("QWEN3_30B_A3B", SIZES)]
 
 
 def _train(rank, world_size, argv):
