@@ -94,6 +94,9 @@ def _exit_on_sigterm(signum, frame):
 def main(argv=None) -> int:
     args = vars(parse_args(argv))
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # a parent that blocked SIGTERM / SIGINT (a blocked mask is inherited across exec) must
+    # not leave this run unstoppable: the cleanup that deletes partial outputs needs them
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     ignored = []
     if args.pop("lang") != "english":
         ignored.append("--lang (sentences are split by a punctuation rule, not a per-language "
