@@ -70,60 +70,63 @@ def test_resume_at_tp4_pp1_dp2(original):
     _assert_continues(losses[-1], reference)
 
 
+def _train_short(rank, world_size, layout, checkpoint):
+    result, _ = run_training(tiny(layout, train={"train_iters": 4}, checkpoint=checkpoint))
+    return result.losses
+
+
+def _save_short(layout, save: str) -> dict:
+    """Train ``layout`` (2 ranks) for 4 iterations, saving at 2; its losses by iteration."""
+    return run_distributed(2, _train_short, layout, {"save": save, "save_interval": 2})[-1]
+
+
+def _resume_in_one_process(layout, load: str) -> dict:
+    result, _ = run_training(tiny(layout, train={"train_iters": 4},
+                                  checkpoint={"load": load, "save": load}))
+    return result.losses
+
+
+def _assert_short_continues(losses: dict, reference: dict) -> None:
+    """Iterations 3 and 4 after a resume from iteration 2 are the uninterrupted run's."""
+    assert list(losses) == [3, 4]
+    for it, loss in losses.items():
+        assert loss == pytest.approx(reference[it], rel=2e-6, abs=1e-6), it
+
+
 def test_mla_checkpoint_resumes_at_another_tp(tmp_path):
     """Multi-latent attention saved at tp 2 + sp (its up projections split over tp, its
     down projections and latent norms whole on each rank) resumes in one process on the
     uninterrupted curve."""
-    saved, single = by_name("reshard-tp2-sp-mla"), by_name("reshard-single-mla")
     save = str(tmp_path / "tp2")
-    reference = run_distributed(2, _train_short, saved,
-                                {"save": save, "save_interval": 2})[-1]
+    reference = _save_short(by_name("reshard-tp2-sp-mla"), save)
     load = only_iteration(save, str(tmp_path / "to_tp1"), 2)
-    result, _ = run_training(tiny(single, train={"train_iters": 4},
-                                  checkpoint={"load": load, "save": load}))
-    assert list(result.losses) == [3, 4]
-    for it, loss in result.losses.items():
-        assert loss == pytest.approx(reference[it], rel=2e-6, abs=1e-6), it
+    _assert_short_continues(_resume_in_one_process(by_name("reshard-single-mla"), load),
+                            reference)
 
 
 def test_mtp_checkpoint_resumes_in_one_process(tmp_path):
     """Multi-token prediction saved at pp 2 (its depths on stage 1, beside a copy of the
     word embedding stored under the embedding's one key) resumes in one process on the
     uninterrupted curve (the depths restored: their gradients reach the shared weights)."""
-    saved, single = by_name("reshard-pp2-mtp"), by_name("reshard-single-mtp")
     save = str(tmp_path / "pp2")
-    reference = run_distributed(2, _train_short, saved,
-                                {"save": save, "save_interval": 2})[-1]
+    reference = _save_short(by_name("reshard-pp2-mtp"), save)
     load = only_iteration(save, str(tmp_path / "to_pp1"), 2)
-    result, _ = run_training(tiny(single, train={"train_iters": 4},
-                                  checkpoint={"load": load, "save": load}))
-    assert list(result.losses) == [3, 4]
-    for it, loss in result.losses.items():
-        assert loss == pytest.approx(reference[it], rel=2e-6, abs=1e-6), it
-
-
-def _train_short(rank, world_size, layout, checkpoint):
-    result, _ = run_training(tiny(layout, train={"train_iters": 4}, checkpoint=checkpoint))
-    return result.losses
+    _assert_short_continues(_resume_in_one_process(by_name("reshard-single-mtp"), load),
+                            reference)
 
 
 def test_zbv_checkpoint_resumes_at_other_placements(tmp_path):
     """A checkpoint saved under ZB-V's V placement (pipeline rank 0 holds the first and the
     last layer, the word embedding and its tied copy) holds global layer numbers: it
     resumes in one process and at pp 2 under 1F1B on the uninterrupted curve."""
-    saved = by_name("reshard-pp2-zbv")
     save = str(tmp_path / "zbv")
-    reference = run_distributed(2, _train_short, saved,
-                                {"save": save, "save_interval": 2})[-1]
+    reference = _save_short(by_name("reshard-pp2-zbv"), save)
     with open(os.path.join(save, "iter_0000002", "metadata.json")) as f:
         assert json.load(f)["config"]["parallel"]["pipeline_schedule"] == "zbv"
-    load = only_iteration(save, str(tmp_path / "to_tp1"), 2)
-    result, _ = run_training(tiny(by_name("reshard-single-from-zbv"), train={"train_iters": 4},
-                                  checkpoint={"load": load, "save": load}))
+    single = _resume_in_one_process(by_name("reshard-single-from-zbv"),
+                                    only_iteration(save, str(tmp_path / "to_tp1"), 2))
     load = only_iteration(save, str(tmp_path / "to_pp2"), 2)
     pp2 = run_distributed(2, _train_short, by_name("reshard-pp2-from-zbv"),
                           {"load": load, "save": load})[-1]
-    for losses in (result.losses, pp2):
-        assert list(losses) == [3, 4]
-        for it, loss in losses.items():
-            assert loss == pytest.approx(reference[it], rel=2e-6, abs=1e-6), it
+    for losses in (single, pp2):
+        _assert_short_continues(losses, reference)
