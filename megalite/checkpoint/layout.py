@@ -160,11 +160,10 @@ def global_shape(param, tp_size: int, ep_size: int = 1) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def is_tied_copy(key: str, param) -> bool:
-    """The output layer of a later pipeline stage that mirrors the word embedding."""
-    meta = param_meta(param)
-    return (key != EMBEDDING_WEIGHT and meta.shared_embedding
-            and meta.init_name == EMBEDDING_WEIGHT)
+def is_tied_copy(param) -> bool:
+    """The output layer's copy of the word embedding (a later pipeline stage's, or ZB-V's
+    beside the embedding on the first stage: ``param_meta(p).embedding_copy``)."""
+    return param_meta(param).embedding_copy
 
 
 def param_layouts(model, ps) -> list[ParamLayout]:
@@ -174,7 +173,7 @@ def param_layouts(model, ps) -> list[ParamLayout]:
     embedding = next((local for _, local, _ in named if local == EMBEDDING_WEIGHT), None)
     for name, local_name, param in named:
         key, saved, mirror = local_name, True, None
-        if is_tied_copy(key, param):
+        if is_tied_copy(param):
             key, saved, mirror = EMBEDDING_WEIGHT, False, embedding
         if key in seen and mirror is None:   # a mirror shares the embedding's key
             raise ValueError(f"two parameters of this rank map to checkpoint key {key!r}")

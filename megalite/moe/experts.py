@@ -96,19 +96,18 @@ def grouped_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Ten
     index = index.to(x.device)
     padded = x.new_zeros(num_experts * cap, h).index_copy(0, index, x)
     split = etp_group is not None and etp_group.size > 1
-    if fp8 is None:
-        hidden = _bmm(padded.view(num_experts, cap, h), fc1)  # [E_l, C, f1]
-    else:
-        hidden = fp8_expert_bmm(padded.view(num_experts, cap, h), fc1, fp8, split_in=False,
-                                split_out=split, etp_group=etp_group)
+
+    def gemm(a, w, split_in: bool, split_out: bool):
+        if fp8 is None:
+            return _bmm(a, w)
+        return fp8_expert_bmm(a, w, fp8, split_in=split_in, split_out=split_out,
+                              etp_group=etp_group)
+
+    hidden = gemm(padded.view(num_experts, cap, h), fc1, False, split)  # [E_l, C, f1]
     if fc1_bias is not None:
         hidden = hidden + fc1_bias.unsqueeze(1)
     hidden = activation(hidden, swiglu)
-    if fp8 is None:
-        out = _bmm(hidden, fc2)  # [E_l, C, h]
-    else:
-        out = fp8_expert_bmm(hidden, fc2, fp8, split_in=split, split_out=False,
-                             etp_group=etp_group)
+    out = gemm(hidden, fc2, split, False)  # [E_l, C, h]
     if fc2_bias is not None:
         out = out + fc2_bias.unsqueeze(1)
     return out.reshape(num_experts * cap, out.shape[-1]).index_select(0, index)
