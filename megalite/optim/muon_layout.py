@@ -119,10 +119,11 @@ def orthogonalize_full(full: torch.Tensor, mat: Matrix, ocfg,
     """Orthogonalised and scaled ``full`` (the matrix, or its ``[E, a, b]`` stack), part by
     part along dimension 0 when ``parts`` (sizes) is given."""
     steps, kind = ocfg.muon_num_ns_steps, ocfg.muon_coefficient_type
+    prec = ocfg.muon_fp32_matmul_prec
     full = full.float()
     if parts is None:
-        return _scaled(orthogonalize(full, steps, kind), full.shape, mat.expert, ocfg)
-    return torch.cat([_scaled(orthogonalize(x, steps, kind), x.shape, mat.expert, ocfg)
+        return _scaled(orthogonalize(full, steps, kind, prec), full.shape, mat.expert, ocfg)
+    return torch.cat([_scaled(orthogonalize(x, steps, kind, prec), x.shape, mat.expert, ocfg)
                       for x in full.split(list(parts), dim=0)], dim=0)
 
 
@@ -155,7 +156,8 @@ def _distributed(u: torch.Tensor, mat: Matrix, ocfg) -> torch.Tensor:
         shape = list(x.shape)
         shape[meta.partition_dim] *= group.size
         y = x.mT if rows else x                  # its columns are the split dimension
-        o = newton_schulz(y, ocfg.muon_num_ns_steps, ocfg.muon_coefficient_type, group)
+        o = newton_schulz(y, ocfg.muon_num_ns_steps, ocfg.muon_coefficient_type, group,
+                          ocfg.muon_fp32_matmul_prec)
         outs.append(_scaled(o.mT if rows else o, tuple(shape), mat.expert, ocfg))
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 

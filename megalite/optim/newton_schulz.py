@@ -31,6 +31,7 @@ per step (``[m, m]``, SUM over the group) lets every rank advance its own column
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -77,14 +78,42 @@ def coefficients(kind: str, steps: int) -> list[tuple[float, float, float]]:
     return (table * math.ceil(steps / len(table)))[:steps]
 
 
+# --muon-fp32-matmul-prec -> torch's float32 matmul precision for the iteration on a GPU
+# (Megatron-LM passes the value to torch; torch has no "low", which is taken as "medium")
+MATMUL_PRECISION = {"low": "medium", "medium": "medium", "high": "high"}
+
+
+@contextlib.contextmanager
+def matmul_precision(x: torch.Tensor, precision: str | None):
+    """On a GPU, the iteration's fp32 matmuls at ``precision`` (``--muon-fp32-matmul-prec``:
+    ``high`` TF32, ``medium`` / ``low`` torch's ``medium``, bf16 inside where the GPU
+    has it); IEEE fp32 elsewhere (the CPU runs, and the layout tests that compare them,
+    stay exact) and with ``precision`` None."""
+    if precision is None or x.device.type != "cuda":
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(MATMUL_PRECISION[precision])
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def newton_schulz(x: torch.Tensor, steps: int, kind: str = "quintic",
-                  group=None) -> torch.Tensor:
+                  group=None, precision: str | None = None) -> torch.Tensor:
     """Orthogonalise ``x`` ``[..., m, n]`` (fp32; a batch of matrices) along its last two
-    dimensions, as given (no transpose: pass ``m <= n`` for the cheap side).
+    dimensions, as given (no transpose: pass ``m <= n`` for the cheap side); its matmuls
+    at ``precision`` on a GPU (:func:`matmul_precision`).
 
     ``group`` (a :class:`~megalite.parallel.state.Group`, or None): ``x`` holds this rank's
     columns of each matrix; the squared norms ``[...]`` and the Gram matrices
     ``[..., m, m]`` are all-reduced (SUM) over ``group`` (collective over it)."""
+    with matmul_precision(x, precision):
+        return _iterate(x, steps, kind, group)
+
+
+def _iterate(x: torch.Tensor, steps: int, kind: str, group) -> torch.Tensor:
     sq = x.square().sum(dim=(-2, -1), keepdim=True)
     if group is not None:
         collectives.all_reduce(sq, group)
@@ -98,12 +127,13 @@ def newton_schulz(x: torch.Tensor, steps: int, kind: str = "quintic",
     return x
 
 
-def orthogonalize(x: torch.Tensor, steps: int, kind: str = "quintic") -> torch.Tensor:
+def orthogonalize(x: torch.Tensor, steps: int, kind: str = "quintic",
+                  precision: str | None = None) -> torch.Tensor:
     """:func:`newton_schulz` of whole matrices ``[..., m, n]`` on one rank, on the side
     with the smaller Gram matrix (transposed when ``m > n``)."""
     if x.shape[-2] > x.shape[-1]:
-        return newton_schulz(x.mT, steps, kind).mT
-    return newton_schulz(x, steps, kind)
+        return newton_schulz(x.mT, steps, kind, precision=precision).mT
+    return newton_schulz(x, steps, kind, precision=precision)
 
 
 def scale_factor(size_out: int, size_in: int, mode: str) -> float:

@@ -19,7 +19,7 @@ import torch
 
 from megalite.config import OptimConfig
 from megalite.optim.algorithms import algorithm_of
-from megalite.optim.algorithms.adam import ADAM_KEYS, fresh_adam_state, scalar_dtype
+from megalite.optim.algorithms.adam import ADAM_KEYS, fresh_adam_state, step_tensor
 from megalite.pipeline.layout import model_chunks
 
 __all__ = ["ADAM_KEYS", "SGD_KEYS", "fresh_adam_state", "state_keys", "keys_by_name",
@@ -76,7 +76,7 @@ def set_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, keys: tuple[str
     """Install ``values[key]`` (any shape with ``p.numel()`` elements) as ``p``'s state."""
     state = {}
     if keys == ADAM_KEYS:
-        state["step"] = torch.tensor(float(step), dtype=scalar_dtype())
+        state["step"] = step_tensor(p, step)
     for key in keys:
         state[key] = values[key].detach().to(p.device, p.dtype).reshape(p.shape).clone()
     optimizer.state[p] = state

@@ -40,6 +40,16 @@ def test_newton_schulz_singular_values(shape):
     assert (torch.linalg.svdvals(orthogonalize(x, 5, "quintic")) - 1).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("precision", ["low", "medium", "high"])
+def test_matmul_precision_leaves_the_cpu_in_ieee_fp32(precision):
+    """--muon-fp32-matmul-prec lowers the iteration's precision on GPUs only: on the CPU
+    the result is bitwise the IEEE one and torch's global setting is left as it was."""
+    x = torch.randn(24, 40, generator=torch.Generator().manual_seed(5))
+    before = torch.get_float32_matmul_precision()
+    assert torch.equal(orthogonalize(x, 5, "quintic", precision), orthogonalize(x, 5))
+    assert torch.get_float32_matmul_precision() == before
+
+
 def test_coefficient_schedules():
     assert coefficients("simple", 3) == [COEFFICIENTS["simple"][0]] * 3
     assert coefficients("quintic", 10) == list(COEFFICIENTS["quintic"]) * 2

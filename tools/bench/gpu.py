@@ -11,6 +11,10 @@ shape for smoke runs. In one run, on the same weights and inputs:
   fused AdamW), per-layer ``torch.compile`` (unless ``--no-compile``), the chunked
   cross entropy (``--cross-entropy-loss-fusion``) and attention ``auto`` (flash-attn when
   installed, else PyTorch's SDPA);
+* extra megalite rows, each from the same seed: ``--fp8-recipe tensorwise,delayed`` (the
+  tensor-parallel linears in fp8, hybrid format; the real ``torch._scaled_mm`` kernel on
+  compute capability 8.9+, block recipes emulated) and ``--muon`` (``--optimizer muon``),
+  each printed as a ratio to the bf16 AdamW row;
 * transformers: LlamaForCausalLM with fp32 weights under bf16 autocast, SDPA attention,
   ``torch.optim.AdamW(fused=True)``.
 
@@ -26,6 +30,7 @@ read from the resolved layout), as in ``tools/bench/model.py``. Without CUDA (an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import time
@@ -54,6 +59,15 @@ def parse(argv):
     p.add_argument("--no-compile", action="store_true", help="megalite eager")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode for megalite")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--fp8-recipe", default="",
+                   help="comma-separated fp8 recipes (tensorwise, delayed, mxfp8, blockwise) "
+                        "timed as extra megalite rows against the bf16 row (--fp8-format "
+                        "hybrid); empty: none")
+    p.add_argument("--muon", action="store_true",
+                   help="an extra megalite row with --optimizer muon (its step's cost "
+                        "against AdamW's)")
+    p.add_argument("--no-bf16", action="store_true",
+                   help="skip megalite's bf16 AdamW row (the reference of the extra rows)")
     p.add_argument("--top", type=int, default=10, help="kernels in the profile (0: none)")
     args = p.parse_args(argv)
     base = SHAPES["small" if args.small else "default"]
@@ -63,9 +77,9 @@ def parse(argv):
     return args
 
 
-def build_config(args):
-    """The benchmarked run's config: the bf16 model, AdamW, one micro-batch per step on one
-    rank."""
+def build_config(args, fp8_recipe: str | None = None, optimizer: str = "adam"):
+    """The benchmarked run's config: the bf16 model (its linears in fp8 with ``fp8_recipe``,
+    hybrid format), AdamW (or ``optimizer``), one micro-batch per step on one rank."""
     from megalite.config import MegaliteConfig, ModelConfig, OptimConfig, TrainConfig
 
     model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -78,8 +92,11 @@ def build_config(args):
                         untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
                         attention_dropout=0.0, attention_backend="auto", bf16=True,
                         cross_entropy_loss_fusion=True)
+    if fp8_recipe:
+        model = dataclasses.replace(model, fp8_format="hybrid", fp8_recipe=fp8_recipe)
     batch = args.micro_batch_size
-    return MegaliteConfig(model=model, optim=OptimConfig(lr=1e-4, weight_decay=0.01),
+    optim = OptimConfig(optimizer=optimizer, lr=1e-4, weight_decay=0.01)
+    return MegaliteConfig(model=model, optim=optim,
                           train=TrainConfig(micro_batch_size=batch, global_batch_size=batch))
 
 
@@ -193,10 +210,6 @@ def tflops(rate: float) -> str:
     return f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e11 else f"{rate / 1e9:.1f} GFLOP/s"
 
 
-def matmul_params(model, skip: str) -> int:
-    return sum(p.numel() for n, p in model.named_parameters() if skip not in n)
-
-
 def main(argv=None) -> None:
     args = parse(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -216,42 +229,55 @@ def main(argv=None) -> None:
     tokens = mbs * seq
 
     compiled = not args.no_compile
-    model, step = make_megalite(run, dev, compiled, args.compile_mode)
-    state = None if args.no_hf else {k: v.cpu() for k, v in model.full_state_dict().items()}
-    n = matmul_params(model, "word_embeddings")
+    suffix = "+compile" if compiled else ""
+    variants = [] if args.no_bf16 else [("megalite" + suffix, run)]
+    for recipe in filter(None, args.fp8_recipe.split(",")):
+        variants.append((f"megalite{suffix}+fp8-{recipe}", build_config(args, recipe)))
+    if args.muon:
+        variants.append((f"megalite{suffix}+muon", build_config(args, optimizer="muon")))
+    for _, variant in variants:   # bad shapes (fp8 tiling) fail here, before any timing
+        variant.resolve(1)
     flops = layout.flops_per_token * tokens
-    results = {}
-    name = "megalite" + ("+compile" if compiled else "")
-    results[name] = time_steps(step, ids, labels, dev, args.warmup, args.steps)
-    profile = top_kernels(step, ids, labels, dev, args.top) if args.top else ""
-    if not args.no_hf:  # the same initial weights
-        del model, step
-        hf_model, hf_step = make_transformers(cfg, state, dev)
-        del state
-        results["transformers"] = time_steps(hf_step, ids, labels, dev, args.warmup,
-                                             args.steps)
-        del hf_model, hf_step
     print(f"device: {device_name}; config: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"heads {cfg.num_attention_heads}/{cfg.num_query_groups} groups, ffn "
           f"{cfg.ffn_hidden_size}, vocab {cfg.vocab_size}, seq {seq} x batch {mbs},"
-          f" bf16; {n / 1e6:.1f} M matmul params, {flops / 1e12:.3f} TFLOP/step")
+          f" bf16; {flops / 1e12:.3f} TFLOP/step")
     table = tflops(table_peak) if table_peak else "n/a"
     print(f"peaks: table {table}; measured bf16 torch.mm {tflops(measured_peak)}; first "
-          "losses should agree to bf16 rounding (same weights and inputs)")
-    rates = {}
-    for name, (first, warm, times, memory) in results.items():
+          "losses should agree to bf16 rounding (same weights and inputs)", flush=True)
+    rates, state, profile = {}, None, ""
+
+    def report(name, first, warm, times, memory):   # a row as soon as it is timed
         med = statistics.median(times)
         rates[name] = tokens / med
         mfu_table = f"{flops / med / table_peak:6.1%}" if table_peak else "   n/a"
-        print(f"{name:>18}: {rates[name]:9.1f} tokens/s  MFU {mfu_table} of table, "
+        print(f"{name:>30}: {rates[name]:9.1f} tokens/s  MFU {mfu_table} of table, "
               f"{flops / med / measured_peak:6.1%} of measured  step {med * 1e3:7.1f} ms  "
-              f"peak memory {memory}  first loss {first:.4f}  warm-up {warm:.1f} s")
+              f"peak memory {memory}  first loss {first:.4f}  warm-up {warm:.1f} s",
+              flush=True)
+
+    for i, (name, variant) in enumerate(variants):   # the same initial weights (one seed)
+        model, step = make_megalite(variant, dev, compiled, args.compile_mode)
+        if state is None and not args.no_hf:
+            state = {k: v.cpu() for k, v in model.full_state_dict().items()}
+        report(name, *time_steps(step, ids, labels, dev, args.warmup, args.steps))
+        if i == 0 and args.top:
+            profile = top_kernels(step, ids, labels, dev, args.top)
+        del model, step
+    if not args.no_hf and state is not None:
+        hf_model, hf_step = make_transformers(cfg, state, dev)
+        del state
+        report("transformers", *time_steps(hf_step, ids, labels, dev, args.warmup, args.steps))
+        del hf_model, hf_step
     if "transformers" in rates:
         for name, rate in rates.items():
             if name != "transformers":
                 print(f"{name} / transformers: {rate / rates['transformers']:.2f}x tokens/s")
+    reference = variants[0][0] if variants and not args.no_bf16 else None
+    for name, rate in rates.items():
+        if reference and name not in (reference, "transformers"):
+            print(f"{name} / {reference}: {rate / rates[reference]:.2f}x tokens/s")
     if profile:
-        print(f"top {args.top} kernels of megalite's step (2 steps, by self "
+        print(f"top {args.top} kernels of {variants[0][0]}'s step (2 steps, by self "
               f"{'CUDA' if dev.cuda else 'CPU'} time):")
         print(profile)
-

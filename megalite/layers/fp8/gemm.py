@@ -43,13 +43,19 @@ def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(n % 16 == 0 for n in (*a.shape, b.shape[0]))
 
 
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor
-              ) -> torch.Tensor:
-    """``(a * da) @ (b * db)^T`` in fp32: ``a`` ``[M, K]``, ``b`` ``[N, K]`` fp8 (row-major),
-    ``da`` / ``db`` 0-d fp32 dequantisation scales -> ``[M, N]`` fp32."""
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(a * da) @ (b * db)^T`` accumulated in fp32: ``a`` ``[M, K]``, ``b`` ``[N, K]`` fp8
+    (row-major), ``da`` / ``db`` 0-d fp32 dequantisation scales -> ``[M, N]`` in
+    ``out_dtype``. A GPU kernel rounds its fp32 accumulator to ``out_dtype`` in its
+    epilogue (no fp32 ``[M, N]`` in memory); elsewhere the fp32 result is cast."""
     if _kernel_takes(a, b):
-        return torch._scaled_mm(a, b.t(), scale_a=da, scale_b=db, out_dtype=torch.float32)
-    return (a.float() * da) @ (b.float() * db).t()
+        direct = a.device.type == "cuda"
+        y = torch._scaled_mm(a, b.t(), scale_a=da, scale_b=db,
+                             out_dtype=out_dtype if direct else torch.float32)
+    else:
+        y = (a.float() * da) @ (b.float() * db).t()
+    return y.to(out_dtype)
 
 
 def block_mm(a: torch.Tensor, b: torch.Tensor, block: int, a_dtype, b_dtype, mx: bool
@@ -80,7 +86,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             dx = scaling.scale(INPUT, x2, fwd, record)
             dw, qw = scaling.weight_fp8(weight, fwd, record)   # once per training step
             qx = quantize(x2, dx, fwd)
-            y = scaled_mm(qx, qw, dx, dw)
+            y = scaled_mm(qx, qw, dx, dw, x.dtype)
             # --no-fp8-wgrad: the weight gradient from the unquantised input
             ctx.save_for_backward(qx, qw, dx, dw, None if recipe.wgrad else x2)
         ctx.scaling, ctx.record, ctx.has_bias = scaling, record, bias is not None
@@ -105,9 +111,10 @@ class Fp8LinearFunction(torch.autograd.Function):
             qx, qw, dx, dw, x2 = ctx.saved_tensors
             dg = scaling.scale(GRAD, g2, gdt, ctx.record)
             qg = quantize(g2, dg, gdt)
-            gx = scaled_mm(qg, qw.t().contiguous(), dg, dw)
+            gx = scaled_mm(qg, qw.t().contiguous(), dg, dw, ctx.x_dtype)
             if ctx.needs_input_grad[1] and recipe.wgrad:
-                gw = scaled_mm(qg.t().contiguous(), qx.t().contiguous(), dg, dx)
+                gw = scaled_mm(qg.t().contiguous(), qx.t().contiguous(), dg, dx,
+                               ctx.w_dtype)
         if ctx.needs_input_grad[1] and not recipe.wgrad:   # in the training precision
             gw = g2.t().mm(x2)
         gx = gx.to(ctx.x_dtype).view(ctx.x_shape)

@@ -17,10 +17,18 @@ def scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+def step_tensor(p: torch.Tensor, step: int) -> torch.Tensor:
+    """Adam's 0-d step count for ``p``, where torch keeps it: on the GPU beside a CUDA
+    parameter (the fused kernel reads it there, :func:`foreach_or_fused`), on the CPU
+    otherwise."""
+    device = p.device if p.device.type == "cuda" else None
+    return torch.tensor(float(step), dtype=scalar_dtype(), device=device)
+
+
 def fresh_adam_state(p: torch.Tensor, step: int) -> dict:
     """Adam's state of ``p`` at ``step`` with zero moments: exactly what torch creates at
     the first step."""
-    return {"step": torch.tensor(float(step), dtype=scalar_dtype()),
+    return {"step": step_tensor(p, step),
             "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
