@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.config.attention import check_attention_variant, check_qk_clip
 from megalite.config.fields import ConfigError, arg, check_choices, positive, require
 from megalite.config.fp8 import FP8_FORMATS, FP8_RECIPES, check_fp8_tiling
 from megalite.config.moe_layers import moe_layer_pattern_of, normalized_freq
+from megalite.config.moe_router import check_router
 from megalite.config.mtp import check_mtp
 
 
@@ -324,8 +326,8 @@ class ModelConfig:
         require(self.num_attention_heads % self.num_query_groups == 0,
                  f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                  f"num_query_groups ({self.num_query_groups})")
-        self._check_attention_variant()
-        self._check_qk_clip()
+        check_attention_variant(self)
+        check_qk_clip(self)
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.learned_positions:
@@ -376,44 +378,7 @@ class ModelConfig:
         if self.moe_pad_expert_input_to_capacity:
             require(self.moe_expert_capacity_factor is not None,
                      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-        self._check_router()
-
-    def _check_router(self) -> None:
-        """Group-limited routing, pre-softmax and the expert bias (Megatron's rules)."""
-        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
-        positive(self, "moe_router_num_groups", "moe_router_group_topk")
-        require((groups is None) == (group_topk is None),
-                "group-limited routing needs both --moe-router-num-groups and "
-                "--moe-router-group-topk")
-        require(self.moe_router_bias_update_rate > 0,
-                f"moe_router_bias_update_rate must be positive, got "
-                f"{self.moe_router_bias_update_rate}")
-        if self.num_experts is None:
-            return
-        E, k = self.num_experts, self.moe_router_topk
-        if groups is not None:
-            require(E % groups == 0,
-                    f"num_experts ({E}) must be divisible by moe_router_num_groups "
-                    f"({groups}): every group holds the same number of experts")
-            require(group_topk <= groups,
-                    f"moe_router_group_topk ({group_topk}) must be <= moe_router_num_groups "
-                    f"({groups})")
-            require(group_topk <= k,
-                    f"moe_router_group_topk ({group_topk}) must be <= moe_router_topk ({k}): "
-                    f"a group is scored by its top moe_router_topk / moe_router_group_topk "
-                    f"experts")
-            require(k // group_topk <= E // groups and group_topk * (E // groups) >= k,
-                    f"moe_router_topk ({k}) cannot be chosen from moe_router_group_topk "
-                    f"({group_topk}) groups of {E // groups} experts")
-        if self.moe_router_enable_expert_bias:
-            require(self.moe_router_score_function == "sigmoid",
-                    "--moe-router-enable-expert-bias needs --moe-router-score-function "
-                    "sigmoid (the bias is added to the sigmoid scores, as in DeepSeek-V3)")
-            require(self.moe_expert_capacity_factor is None,
-                    "--moe-router-enable-expert-bias balances a dropless router: with "
-                    "--moe-expert-capacity-factor the tokens over capacity are dropped, so "
-                    "the load the bias steers is not what the experts compute; drop one of "
-                    "the two")
+        check_router(self)
 
     @property
     def moe_layer_pattern(self) -> tuple[bool, ...]:
@@ -422,57 +387,6 @@ class ModelConfig:
         if self.num_experts is None:
             return (False,) * self.num_layers
         return moe_layer_pattern_of(self.moe_layer_freq, self.num_layers)
-
-    def _check_attention_variant(self) -> None:
-        """Multi-latent attention's sizes (Megatron's defaults where unset) and the flags
-        that only it reads."""
-        mla_only = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-                    "v_head_dim", "original_max_position_embeddings")
-        positive(self, *mla_only, "rotary_scaling_factor")
-        if not self.multi_latent_attention:
-            for name in mla_only:
-                require(getattr(self, name) is None,
-                        f"--{name.replace('_', '-')} needs --multi-latent-attention")
-            for name, default in (("rotary_scaling_factor", 1.0), ("mscale", 1.0),
-                                  ("mscale_all_dim", 0.0)):
-                require(getattr(self, name) == default,
-                        f"--{name.replace('_', '-')} ({getattr(self, name)}) is YaRN's, which "
-                        "megalite implements for --multi-latent-attention only")
-            return
-        require(not self.group_query_attention,
-                "--multi-latent-attention and --group-query-attention cannot be combined: "
-                "multi-latent attention has one key/value head per query head")
-        for name, default in (("kv_lora_rank", 32), ("qk_head_dim", 128),
-                              ("qk_pos_emb_head_dim", 64), ("v_head_dim", 128),
-                              ("original_max_position_embeddings", 4096)):
-            if getattr(self, name) is None:
-                setattr(self, name, default)
-        require(self.qk_pos_emb_head_dim % 2 == 0,
-                f"--qk-pos-emb-head-dim ({self.qk_pos_emb_head_dim}) must be even: RoPE "
-                "rotates pairs of channels")
-        require(self.rotary_percent == 1.0,
-                f"--rotary-percent ({self.rotary_percent}) does not apply to multi-latent "
-                "attention, whose RoPE part is --qk-pos-emb-head-dim; leave it at 1.0")
-        for name in ("mscale", "mscale_all_dim"):
-            require(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
-
-    def _check_qk_clip(self) -> None:
-        """QK-clip's constants (Megatron's bounds), and the query/key layouts it knows."""
-        if not self.qk_clip:
-            for name, default in (("qk_clip_threshold", 100.0), ("qk_clip_alpha", 0.5)):
-                require(getattr(self, name) == default,
-                        f"--{name.replace('_', '-')} ({getattr(self, name)}) needs --qk-clip")
-            return
-        require(0.0 < self.qk_clip_alpha < 1.0,
-                f"--qk-clip-alpha must be between 0 and 1 (exclusive), got "
-                f"{self.qk_clip_alpha}")
-        require(self.qk_clip_threshold > 0,
-                f"--qk-clip-threshold must be > 0, got {self.qk_clip_threshold}")
-        require(self.multi_latent_attention or not self.qk_layernorm,
-                "--qk-clip scales the query/key projection weights, which --qk-layernorm "
-                "normalizes away after them (the logits would not move); drop one of the two "
-                "(with --multi-latent-attention the norms sit on the latents and QK-clip "
-                "works)")
 
     @property
     def mla_q_head_dim(self) -> int:
