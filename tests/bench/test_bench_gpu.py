@@ -29,3 +29,20 @@ def test_without_cuda_one_line_and_success(capsys):
     bench.main([])
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "needs CUDA" in out[0]
+
+
+def test_smoke_mode_times_fp8_and_muon_rows_against_bf16(capsys):
+    bench.main(["--device", "cpu", "--small", "--no-compile", "--no-hf", "--seq-length", "32",
+                "--steps", "1", "--warmup", "1", "--top", "0",
+                "--fp8-recipe", "tensorwise,mxfp8", "--muon"])
+    out = capsys.readouterr().out
+    first = {m[0]: float(m[1]) for m in re.findall(
+        r"^\s*(megalite\S*): .* first loss ([0-9.]+)", out, re.M)}
+    assert set(first) == {"megalite", "megalite+fp8-tensorwise", "megalite+fp8-mxfp8",
+                          "megalite+muon"}, out
+    # one seed, one batch: the first loss is the bf16 model's up to fp8 rounding
+    assert first["megalite+muon"] == first["megalite"]
+    for recipe in ("tensorwise", "mxfp8"):
+        assert 0 < abs(first[f"megalite+fp8-{recipe}"] - first["megalite"]) < 0.02
+        assert re.search(rf"megalite\+fp8-{recipe} / megalite: [0-9.]+x tokens/s", out)
+    assert re.search(r"megalite\+muon / megalite: [0-9.]+x tokens/s", out)
