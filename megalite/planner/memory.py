@@ -25,8 +25,10 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
 * **transient** -- the largest working set on top of the saved activations: the backward
   of one layer (gradient of the MLP's widest tensor plus the layer's input gradient), on
   the last stage the logits and the cross entropy's fp32 copy of them (where the peak of
-  a step usually is: every activation of the micro-batch is still held), and under full
-  recomputation one recomputed unit's activations.
+  a step usually is: every activation of the micro-batch is still held), under full
+  recomputation one recomputed unit's activations, and under ``--qk-clip`` the
+  largest-logit pass's scores and fp32 copies (:func:`megalite.planner.qk_clip.
+  transient_bytes`; it keeps nothing for backward).
 * **comm buffers** -- pipeline transfers of one round (an activation and a gradient
   each way on a middle stage or any stage of an interleaved pipeline, one way on the first
   and last stages of 1F1B), the
@@ -59,6 +61,7 @@ from megalite.config.shapes import (dense_layer_params, dense_mlp_params, is_moe
                                     norm_params)
 from megalite.optim.algorithms import algorithm_of
 from megalite.optim.memory import expected_bytes_per_param
+from megalite.planner import qk_clip
 from megalite.planner.schedule import output_stage, peak_in_flight, stage_layers
 
 
@@ -320,7 +323,9 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     if sp > 1:   # a column-parallel linear's input, gathered again for its weight gradient
         backward += tokens * h * eb
     loss = tokens * vocab // tp * (eb + 4) if last else 0  # logits, fp32 shifted logits
-    transient = max(backward, loss)
+    # --qk-clip: the largest-logit pass in a layer's forward (scores, fp32 q and k copies)
+    logits = qk_clip.transient_bytes(m, tp, lay.cp, mb, eb)
+    transient = max(backward, loss, logits)
     # on CPU the kept logits storage is held while the layers run backward
     kept_logits = max(0, backward + tokens * vocab // tp * eb - transient) \
         if last and sp == 1 else 0
