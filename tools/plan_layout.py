@@ -14,8 +14,9 @@ in it; layout flags are ignored, unknown ones skipped with a note). The cluster 
 ``--gpu-memory-gib``, ``--peak-tflops``, ``--peak-fp8-tflops``, ``--intra-node-gbps``,
 ``--inter-node-gbps``, GB/s per GPU one way). ``--tp/--pp/--vpp/--cp/--ep N ...``,
 ``--strategies``, ``--recompute``, ``--micro-batch-sizes``, ``--offload-fractions`` and
-``--pipeline-schedules`` (1f1b, zb_h1: tried with one model chunk per pipeline rank; zbv:
-with two, in a V) narrow the search (e.g. to one published layout: ``examples/planner/``).
+``--pipeline-schedules`` (1f1b, zb_h1: tried with one model chunk per pipeline rank; zbv,
+dualpipev: with two, in a V) narrow the search (e.g. to one published layout:
+``examples/planner/``).
 Prints the best ``--top`` feasible layouts with memory per rank by term, compute,
 communication time and bytes per parallelism, bubble and MFU; then the best layout's flags
 ready to paste; ``--show-infeasible N`` lists rejected layouts and the limit each breaks.
@@ -299,8 +300,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pipeline-schedules", nargs="*", default=list(SCHEDULES),
                         choices=SCHEDULES,
                         help="--pipeline-schedule values to try: 1f1b / zb_h1 with one "
-                             "model chunk per pipeline rank, zbv with two (more chunks run "
-                             "interleaved_1f1b)")
+                             "model chunk per pipeline rank, zbv / dualpipev with two (more "
+                             "chunks run interleaved_1f1b)")
     parser.add_argument("--offload-fractions", type=float, nargs="*", default=[0.0, 1.0],
                         help="--optimizer-offload-fraction values to try (0: no offload)")
     for dim in ("tp", "pp", "vpp", "cp", "ep"):
