@@ -84,7 +84,11 @@ from megalite.config.shapes import (
 )
 from megalite.planner import qk_clip
 from megalite.planner.cluster import Cluster
-from megalite.planner.memory import layer_activation_elements, stage_param_counts
+from megalite.planner.memory import (
+    fp8_linear_weights,
+    layer_activation_elements,
+    stage_param_counts,
+)
 from megalite.planner.schedule import bubble_fraction
 
 
@@ -172,24 +176,8 @@ def fp8_gemm_flops_per_token(m) -> float:
     (``--first-last-layers-bf16``) excepted; 0 without fp8."""
     if m.fp8_format is None:
         return 0.0
-    h, n = m.hidden_size, m.num_attention_heads
-    if m.multi_latent_attention:
-        attention = mla_up_proj_params(m) + n * m.v_head_dim * h
-    else:
-        attention = h * (n + 2 * m.num_query_groups) * m.kv_channels + n * m.kv_channels * h
-    weights = 0
-    for layer, moe in enumerate(m.moe_layer_pattern):
-        if not fp8_layer(m, layer):
-            continue
-        shared = m.moe_shared_expert_intermediate_size
-        mlp = (0 if not shared else _mlp_weights(m, shared)) if moe else \
-            _mlp_weights(m, m.ffn_hidden_size)
-        weights += attention + mlp
-    return 6.0 * weights
-
-
-def _mlp_weights(m, ffn: int) -> int:
-    return m.hidden_size * ffn * (3 if m.swiglu else 2)
+    return 6.0 * sum(fp8_linear_weights(m, layer) for layer in range(m.num_layers)
+                     if fp8_layer(m, layer))
 
 
 def compute_seconds(ctx: StepContext) -> float:
@@ -223,9 +211,11 @@ def compute_seconds(ctx: StepContext) -> float:
     compute += max_logit_seconds(ctx)
     # memory-bound work (norms, activations, softmax, residual adds, copies): each element
     # the layers keep for backward is written and read in forward and backward
-    per_layer = [layer_activation_elements(m, p, lay.micro_batch_size, moe=moe)
-                 for moe in m.moe_layer_pattern]
-    act_elems = sum(e["act"] * lay.dtype_bytes + e["fp32"] * 4 for e in per_layer) / lay.pp
+    per_layer = [layer_activation_elements(m, p, lay.micro_batch_size, moe=moe,
+                                           fp8=fp8_layer(m, layer))
+                 for layer, moe in enumerate(m.moe_layer_pattern)]
+    act_elems = sum(e["act"] * lay.dtype_bytes + e["fp32"] * 4 + e["fp8"]
+                    for e in per_layer) / lay.pp
     memory_bound = MEMORY_PASSES * act_elems * lay.num_microbatches / cluster.memory_bw
     # fixed costs per layer and micro-batch (dispatch / launches), the rank's layers
     layer_fixed = cluster.layer_overhead_s + (cluster.layer_forward_overhead_s
