@@ -27,9 +27,10 @@ def _elements(fp8=True, p=TP2, **kw):
 
 def test_per_tensor_recipes_keep_the_gathered_inputs_in_fp8():
     bf16 = _elements(fp8=False)
-    # qkv and fc1 keep their [s/tp, b, h] input in bf16; proj and fc2 their [s, b, */tp]
-    own = 2 * TOKENS * H // 2 + TOKENS * PROJ + TOKENS * F
-    # in fp8 each keeps its whole input (qkv and fc1 the gathered [s, b, h])
+    # qkv and fc1 keep their [s/tp, b, h] input in bf16, fc2 its [s, b, ffn/tp]; the
+    # projection's input is the attention kernel's output, which the kernel keeps anyway
+    own = 2 * TOKENS * H // 2 + TOKENS * F
+    # in fp8 each keeps its whole input quantised (qkv and fc1 the gathered [s, b, h])
     whole = 2 * TOKENS * H + TOKENS * PROJ + TOKENS * F
     for recipe in ("tensorwise", "delayed"):
         e = _elements(fp8_format="hybrid", fp8_recipe=recipe)
@@ -37,9 +38,16 @@ def test_per_tensor_recipes_keep_the_gathered_inputs_in_fp8():
     assert bf16["fp8"] == 0
     # the same model outside an fp8 layer (--first-last-layers-bf16) keeps bf16
     assert _elements(fp8=False, fp8_format="hybrid") == bf16
-    # --no-fp8-wgrad: the weight gradient takes the unquantised (whole) input too
+    # --no-fp8-wgrad: the weight gradient takes the unquantised (whole) input too (the
+    # projection's is the kernel's output, already counted)
     e = _elements(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_wgrad=False)
-    assert e == {"act": bf16["act"] - own + whole, "fp32": bf16["fp32"], "fp8": whole}
+    assert e == {"act": bf16["act"] - own + whole - TOKENS * PROJ, "fp32": bf16["fp32"],
+                 "fp8": whole}
+    # --recompute-modules core_attn: the kernel keeps nothing, the projection its fp8 copy
+    sel = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    bf16_sel = _elements(fp8=False, **sel)
+    e = _elements(fp8_format="hybrid", fp8_recipe="tensorwise", **sel)
+    assert e["act"] == bf16_sel["act"] - own - TOKENS * PROJ and e["fp8"] == whole
 
 
 def test_block_recipes_keep_the_gathered_inputs_in_bf16():
@@ -65,7 +73,7 @@ def test_recomputed_mlp_keeps_only_its_bf16_input():
                   recompute_granularity="selective", recompute_modules=["mlp"])
     # only attention's qkv and projection change
     assert e["fp8"] == TOKENS * H + TOKENS * PROJ
-    assert e["act"] == bf16["act"] - TOKENS * H // 2 - TOKENS * PROJ
+    assert e["act"] == bf16["act"] - TOKENS * H // 2
 
 
 def test_shared_expert_inputs_in_fp8_routed_experts_unchanged():
@@ -77,7 +85,7 @@ def test_shared_expert_inputs_in_fp8_routed_experts_unchanged():
     e = layer_activation_elements(m8, TP2, 2, moe=True, fp8=True)
     shared_in, shared_mid = TOKENS * H, TOKENS * 64 // 2
     assert e["fp8"] == TOKENS * H + TOKENS * PROJ + shared_in + shared_mid
-    assert e["act"] == bf16["act"] - TOKENS * H // 2 - TOKENS * PROJ - shared_in - shared_mid
+    assert e["act"] == bf16["act"] - TOKENS * H // 2 - shared_in - shared_mid
 
 
 def test_per_tensor_recipes_keep_one_fp8_weight_copy_per_step():
@@ -104,8 +112,8 @@ def test_estimate_memory_counts_the_fp8_savings():
     fp8 = estimate_memory(parse_args(base + ["--fp8-format", "hybrid", "--fp8-recipe",
                                              "tensorwise"]).validate(1), 1)
     tokens, h, f, layers = 2048, 1024, 4096, 4
-    # per layer the four linears' inputs lose a byte per element; the weights' fp8 copies
-    # (12 h^2 + ... per layer) come on top
-    inputs = tokens * (h + h + h + f)
+    # per layer qkv's, fc1's and fc2's inputs lose a byte per element, the projection's
+    # gains its fp8 copy; the weights' fp8 copies come on top
+    inputs = tokens * (h - h + h + f)
     weights = 4 * h * h + 2 * h * f
     assert bf16.activations - fp8.activations == layers * (inputs - weights)
