@@ -148,6 +148,7 @@ MODEL = SMALL[:-4]   # the model and batch, without the tokenizer and data flags
     (["--matmul-efficiency", "nan"], "--matmul-efficiency must be in (0, 1], got nan"),
     (["--matmul-efficiency", "1.5"], "--matmul-efficiency must be in (0, 1], got 1.5"),
     (["--peak-tflops", "-100"], "--peak-tflops must be a positive number, got -100.0"),
+    (["--peak-fp32-tflops", "0"], "--peak-fp32-tflops must be a positive number, got 0.0"),
     (["--inter-node-gbps", "nan"], "--inter-node-gbps must be a positive number, got nan"),
     (["--megatron-script", "/nonexistent.sh"],
      "--megatron-script /nonexistent.sh: cannot read it (No such file or directory)"),

@@ -88,3 +88,13 @@ def test_the_pass_keeps_nothing_and_its_working_set_is_transient():
                       for f in ([], ["--qk-clip"]))
     assert clipped.activations == plain.activations
     assert clipped.transient >= plain.transient
+
+
+def test_the_fp32_rate_comes_from_the_preset_or_the_flag():
+    from tests.tools import load_tool
+
+    tool = load_tool("plan_layout")
+    parse = tool._parser().parse_args
+    assert tool.build_cluster(parse(["--preset", "a100"])).fp32_flops == 19.5e12
+    assert tool.build_cluster(parse(["--preset", "h100", "--peak-fp32-tflops", "60"])
+                              ).fp32_flops == 60e12
