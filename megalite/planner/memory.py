@@ -21,7 +21,10 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   the norms, linears, attention kernel and activation function), times the peak number of
   (micro-batch, chunk) pairs the pipeline schedule keeps in flight on this rank
   (:func:`megalite.planner.schedule.peak_in_flight`); on the last stage also what the
-  multi-token prediction depths keep (:func:`mtp_activation_bytes`).
+  multi-token prediction depths keep (:func:`mtp_activation_bytes`). Under
+  ``--fp8-format`` the fp8 linears' inputs as they keep them (one byte per element under
+  the per-tensor recipes, :func:`fp8_linear_input`) and, per step, the per-tensor recipes'
+  fp8 weight copies (:func:`fp8_weight_copies`).
 * **transient** -- the largest working set on top of the saved activations: the backward
   of one layer (gradient of the MLP's widest tensor plus the layer's input gradient), on
   the last stage the logits and the cross entropy's fp32 copy of them (where the peak of
@@ -48,7 +51,8 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   itself and megalite keeps nothing (0).
 
 Elements are multiplied by the activation dtype's bytes (4 fp32, 2 bf16/fp16); softmax
-statistics and the cross entropy's probabilities are fp32 whatever the dtype.
+statistics and the cross entropy's probabilities are fp32 whatever the dtype, fp8 copies
+one byte.
 """
 
 from __future__ import annotations

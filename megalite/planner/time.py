@@ -52,9 +52,10 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   ``--qk-clip`` the layers' ``[nh/tp]`` maxima all-reduced over dp x cp and their largest
   over the world.
 * **bubble** -- ``(pp - 1) / (vpp m)`` of the per-micro-batch path (compute, tp, cp, ep,
-  pp transfers; not the once-per-step reductions); under ``--pipeline-schedule zb_h1`` the
-  schedule's own (:func:`megalite.planner.schedule.bubble_fraction`: ``(pp - 1) / (3 m)``
-  for ``m >= pp``).
+  pp transfers; not the once-per-step reductions); under ``--pipeline-schedule zb_h1``,
+  ``zbv`` or ``dualpipev`` the schedule's own (:func:`megalite.planner.schedule.
+  bubble_fraction`: ``(pp - 1) / (3 m)`` for ZB-H1 and DualPipeV, ``(pp - 1) / (6 m)`` for
+  ZB-V, once ``m >= pp``).
   Under optim_grads_params each unit's parameters are all-gathered before every forward
   and backward (``passes x m`` gathers of the stage's parameters), exposed.
 * **optimizer** -- the step reads and writes the local optimizer state at memory bandwidth;
@@ -113,8 +114,8 @@ class TimeEstimate:
     calls: dict = None   # tp / pp / dp -> blocking collectives per step per rank counted
                          # above (tp: the layers', embedding's, output layer's, cross
                          # entropy's, replicated gradients'; pp: the embedding gradient's
-                         # and the loss's;
-                         # dp: the loss and gradient norm; not the bucketed gradient
+                         # and the loss's; dp: the loss and gradient norm, under
+                         # --qk-clip the maxima's two; not the bucketed gradient
                          # reduction or the stage-to-stage transfers)
 
 
