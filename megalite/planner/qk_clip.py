@@ -4,9 +4,11 @@ the attention scores that finds each head's largest logit
 
 In every training forward of an attention layer (decoder layers and multi-token prediction
 depths; again in the recomputed forward under full recomputation, which re-runs the
-layer's attention before the checkpoint stops), :class:`~megalite.transformer.max_logits.
-MaxLogitTracker` forms ``q . k * scale`` for **all** (query, key) pairs of the rank's
-queries and then masks them (the causal mask saves nothing), in fp32, without gradients:
+layer's attention before the checkpoint stops, and under multi-latent attention's
+recomputed up projections and kernel: :func:`layer_passes`),
+:class:`~megalite.transformer.max_logits.MaxLogitTracker` forms ``q . k * scale`` for
+**all** (query, key) pairs of the rank's queries and then masks them (the causal mask
+saves nothing), in fp32, without gradients:
 
 * **FLOPs** -- ``2 nh d_qk s^2`` per sequence and layer pass (heads over tp; under cp each
   rank's ``s/cp`` queries against all ``s`` keys, so the same total), forward only, at the
@@ -39,9 +41,15 @@ def enabled(m) -> bool:
 
 
 def layer_passes(m) -> int:
-    """Training forwards of each attention layer per micro-batch: 2 under full
-    recomputation (the recomputed forward observes again), else 1."""
-    return 2 if m.recompute_granularity == "full" else 1
+    """Training forwards of each attention layer's pass per micro-batch: 2 where backward
+    recomputes it -- full recomputation, or multi-latent attention recomputing both
+    ``mla_up_proj`` and ``core_attn`` (one checkpoint around up projections, the pass and
+    the kernel) -- else 1."""
+    if m.recompute_granularity == "full":
+        return 2
+    mla_both = m.multi_latent_attention and m.recompute_granularity == "selective" and \
+        m.recomputes("mla_up_proj") and m.recomputes("core_attn")
+    return 2 if mla_both else 1
 
 
 def attention_layers(m) -> int:

@@ -43,6 +43,14 @@ def test_flops_are_one_fp32_qk_product_per_layer_forward():
     mla = parse_args(mla_flags).validate(8).model
     assert qk_clip.flops_per_sequence(mla) == 2 * nh * (32 + 16) * s * s * layers
     assert qk_clip.key_heads(mla) == nh
+    # its up projections and kernel recomputed together: one checkpoint around the pass
+    both = parse_args(mla_flags + ["--recompute-granularity", "selective",
+                                   "--recompute-modules", "mla_up_proj", "core_attn"]
+                      ).validate(8).model
+    assert qk_clip.flops_per_sequence(both) == 2 * 2 * nh * (32 + 16) * s * s * layers
+    core = parse_args(mla_flags + ["--recompute-granularity", "selective",
+                                   "--recompute-modules", "core_attn"]).validate(8).model
+    assert qk_clip.flops_per_sequence(core) == 2 * nh * (32 + 16) * s * s * layers
 
 
 def test_qk_clip_adds_its_pass_to_the_predicted_time():
