@@ -11,11 +11,13 @@ The model and batch come after ``--`` as megalite / Megatron flags (``--config r
 works there too), or from a launch script (``--megatron-script train.sh``: every ``--flag``
 in it; layout flags are ignored, unknown ones skipped with a note). The cluster is a preset
 (``--preset h100|h800|h200|a100`` x ``--nodes``) or given in full (``--gpus-per-node``,
-``--gpu-memory-gib``, ``--peak-tflops``, ``--peak-fp8-tflops``, ``--intra-node-gbps``,
-``--inter-node-gbps``, GB/s per GPU one way). ``--tp/--pp/--vpp/--cp/--ep N ...``,
-``--strategies``, ``--recompute``, ``--micro-batch-sizes``, ``--offload-fractions`` and
-``--pipeline-schedules`` (1f1b, zb_h1: tried with one model chunk per pipeline rank; zbv:
-with two, in a V) narrow the search (e.g. to one published layout: ``examples/planner/``).
+``--gpu-memory-gib``, ``--peak-tflops``, ``--peak-fp8-tflops``, ``--peak-fp32-tflops``,
+``--intra-node-gbps``, ``--inter-node-gbps``, GB/s per GPU one way).
+``--tp/--pp/--vpp/--cp/--ep N ...``, ``--strategies``, ``--recompute``,
+``--micro-batch-sizes``, ``--offload-fractions`` and
+``--pipeline-schedules`` (1f1b, zb_h1: tried with one model chunk per pipeline rank; zbv,
+dualpipev: with two, in a V) narrow the search (e.g. to one published layout:
+``examples/planner/``).
 Prints the best ``--top`` feasible layouts with memory per rank by term, compute,
 communication time and bytes per parallelism, bubble and MFU; then the best layout's flags
 ready to paste; ``--show-infeasible N`` lists rejected layouts and the limit each breaks.
@@ -233,6 +235,7 @@ CLUSTER_FLAGS = {"gpus_per_node": ("gpus_per_node", 1, "an integer >= 1"),
                  "gpu_memory_gib": ("gpu_memory", GIB, "a positive number"),
                  "peak_tflops": ("peak_flops", 1e12, "a positive number"),
                  "peak_fp8_tflops": ("fp8_flops", 1e12, "a positive number"),
+                 "peak_fp32_tflops": ("fp32_flops", 1e12, "a positive number"),
                  "intra_node_gbps": ("intra_node_bw", 1e9, "a positive number"),
                  "inter_node_gbps": ("inter_node_bw", 1e9, "a positive number"),
                  "matmul_efficiency": ("matmul_efficiency", 1, "in (0, 1]")}
@@ -286,6 +289,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak-tflops", type=float)
     parser.add_argument("--peak-fp8-tflops", type=float, help="dense fp8 rate (used under "
                         "--fp8-format; the presets know theirs, the A100 has none)")
+    parser.add_argument("--peak-fp32-tflops", type=float, help="fp32 matmul rate (the "
+                        "--qk-clip score pass; the presets know theirs, default the bf16 "
+                        "peak)")
     parser.add_argument("--intra-node-gbps", type=float)
     parser.add_argument("--inter-node-gbps", type=float)
     parser.add_argument("--matmul-efficiency", type=float)
@@ -299,8 +305,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pipeline-schedules", nargs="*", default=list(SCHEDULES),
                         choices=SCHEDULES,
                         help="--pipeline-schedule values to try: 1f1b / zb_h1 with one "
-                             "model chunk per pipeline rank, zbv with two (more chunks run "
-                             "interleaved_1f1b)")
+                             "model chunk per pipeline rank, zbv / dualpipev with two (more "
+                             "chunks run interleaved_1f1b)")
     parser.add_argument("--offload-fractions", type=float, nargs="*", default=[0.0, 1.0],
                         help="--optimizer-offload-fraction values to try (0: no offload)")
     for dim in ("tp", "pp", "vpp", "cp", "ep"):

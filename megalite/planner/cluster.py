@@ -19,6 +19,10 @@ ranks compute on, and a rank that arrives first waits for the other's compute), 
 by :func:`megalite.planner.measure.tp_collective_cost`; 0 in the presets (NCCL kernels
 queue behind the compute on their own stream).
 
+``fp32_flops`` times the fp32 matmuls megalite runs besides the training dtype's (the
+``--qk-clip`` score pass, :mod:`megalite.planner.qk_clip`): the GPU's non-tensor-core
+fp32 rate, as torch runs fp32 matmuls at its default precision.
+
 ``host_bw`` (bytes/s per GPU, one direction, PCIe) and ``host_memory_bw`` (each GPU's
 share of the host's memory bandwidth) time ``--optimizer-cpu-offload``: the offloaded
 gradients go to the host and the parameters come back, and the host steps Adam.
@@ -61,6 +65,8 @@ class Cluster:
                                 # context, allocator fragmentation and NCCL take the rest)
     name: str = "custom"
     fp8_flops: float = 0.0     # dense fp8 FLOP/s per GPU; 0: the GPU has no fp8 GEMMs
+    fp32_flops: float = 0.0    # fp32 matmul FLOP/s per GPU (torch's default "highest"
+                               # precision: no TF32); 0: peak_flops (a CPU run in fp32)
 
     def __post_init__(self) -> None:
         """Refuse sizes below one and non-positive or NaN rates (a step time from them
@@ -101,13 +107,13 @@ class Cluster:
 # cut to 200 GB/s one way (400 GB/s both ways)
 PRESETS = {
     "h100": Cluster(8, 1, 80 * GIB, 989e12, 450e9, 50e9, memory_bw=3.35e12, name="H100 SXM",
-                    fp8_flops=1979e12),
+                    fp8_flops=1979e12, fp32_flops=67e12),
     "h800": Cluster(8, 1, 80 * GIB, 989e12, 200e9, 50e9, memory_bw=3.35e12, name="H800 SXM",
-                    fp8_flops=1979e12),
+                    fp8_flops=1979e12, fp32_flops=67e12),
     "h200": Cluster(8, 1, 141 * GIB, 989e12, 450e9, 50e9, memory_bw=4.8e12, name="H200 SXM",
-                    fp8_flops=1979e12),
+                    fp8_flops=1979e12, fp32_flops=67e12),
     "a100": Cluster(8, 1, 80 * GIB, 312e12, 300e9, 25e9, memory_bw=2.0e12,
-                    name="A100 SXM 80GB"),
+                    name="A100 SXM 80GB", fp32_flops=19.5e12),
 }
 
 

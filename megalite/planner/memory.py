@@ -21,12 +21,17 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   the norms, linears, attention kernel and activation function), times the peak number of
   (micro-batch, chunk) pairs the pipeline schedule keeps in flight on this rank
   (:func:`megalite.planner.schedule.peak_in_flight`); on the last stage also what the
-  multi-token prediction depths keep (:func:`mtp_activation_bytes`).
+  multi-token prediction depths keep (:func:`mtp_activation_bytes`). Under
+  ``--fp8-format`` the fp8 linears' inputs as they keep them (one byte per element under
+  the per-tensor recipes, :func:`fp8_linear_input`) and, per step, the per-tensor recipes'
+  fp8 weight copies (:func:`fp8_weight_copies`).
 * **transient** -- the largest working set on top of the saved activations: the backward
   of one layer (gradient of the MLP's widest tensor plus the layer's input gradient), on
   the last stage the logits and the cross entropy's fp32 copy of them (where the peak of
-  a step usually is: every activation of the micro-batch is still held), and under full
-  recomputation one recomputed unit's activations.
+  a step usually is: every activation of the micro-batch is still held), under full
+  recomputation one recomputed unit's activations, and under ``--qk-clip`` the
+  largest-logit pass's scores and fp32 copies (:func:`megalite.planner.qk_clip.
+  transient_bytes`; it keeps nothing for backward).
 * **comm buffers** -- pipeline transfers of one round (an activation and a gradient
   each way on a middle stage or any stage of an interleaved pipeline, one way on the first
   and last stages of 1F1B), the
@@ -46,7 +51,8 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   itself and megalite keeps nothing (0).
 
 Elements are multiplied by the activation dtype's bytes (4 fp32, 2 bf16/fp16); softmax
-statistics and the cross entropy's probabilities are fp32 whatever the dtype.
+statistics and the cross entropy's probabilities are fp32 whatever the dtype, fp8 copies
+one byte.
 """
 
 from __future__ import annotations
@@ -54,11 +60,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megalite.config.layout import resolve_layout
-from megalite.config.shapes import (dense_layer_params, dense_mlp_params, is_moe_layer,
-                                    moe_mlp_params, mtp_depth_params, mtp_depths,
-                                    norm_params)
+from megalite.config.shapes import (dense_layer_params, dense_mlp_params, fp8_layer,
+                                    is_moe_layer, mla_up_proj_params, moe_mlp_params,
+                                    mtp_depth_params, mtp_depths, norm_params)
+from megalite.layers.fp8.recipes import BLOCK_RECIPES
 from megalite.optim.algorithms import algorithm_of
 from megalite.optim.memory import expected_bytes_per_param
+from megalite.planner import qk_clip
 from megalite.planner.schedule import output_stage, peak_in_flight, stage_layers
 
 
@@ -156,34 +164,70 @@ def unit_params(m, p, pp_rank: int) -> list[int]:
     return units
 
 
-def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict:
+def layer_activation_elements(m, p, micro_batch: int, moe: bool = False,
+                              fp8: bool = False) -> dict:
     """Elements one transformer layer keeps for backward for one micro-batch, by dtype:
-    ``{"act": elements in the compute dtype, "fp32": elements always fp32}``; the layer's
-    input is included, its output is not (it is the next layer's input).
+    ``{"act": elements in the compute dtype, "fp32": elements always fp32, "fp8":
+    elements of one byte}``; the layer's input is included, its output is not (it is the
+    next layer's input).
 
     Sequence ``S = seq / cp`` per rank; ``h``-sized tensors on the residual stream are
     split over tp under sequence parallelism, and so are the norm outputs feeding the
     column-parallel linears (they keep their ``[s/tp, b, h]`` input and gather it again
-    in backward); heads and ffn are split over tp."""
+    in backward); heads and ffn are split over tp.
+
+    ``fp8``: the layer runs its tensor-parallel linears in fp8
+    (:func:`megalite.config.shapes.fp8_layer`; :mod:`megalite.layers.fp8.gemm`), which
+    keep their inputs as :func:`fp8_linear_input` says -- whole (gathered under sequence
+    parallelism, not this rank's ``s/tp``): attention's qkv and output projections, the
+    dense MLP's fc1 (unless ``--recompute-modules mlp`` keeps only its input) and fc2, the
+    shared expert's. Multi-latent attention: its output projection (its up projections
+    are counted as in the training dtype)."""
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     sp = tp if p.sequence_parallel else 1
     tokens = m.seq_length // cp * micro_batch
     h, nh, ng, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
     stats = 1 if m.normalization == "RMSNorm" else 2
-    act = fp32 = 0
+    act = fp32 = low = 0
+
+    def linear_input(own: int, whole: int) -> int:
+        """Adds what a linear keeps of its input to ``low`` and returns the training-dtype
+        elements: ``own`` without fp8, else :func:`fp8_linear_input` of ``whole``."""
+        nonlocal low
+        if not fp8:
+            return own
+        high, one_byte = fp8_linear_input(m, whole)
+        low += one_byte
+        return high
+
+    def attention_output(elements: int) -> int:
+        """The output projection's input: the attention kernel's output, which the kernel
+        keeps for its own backward (its storage; under ``--recompute-modules core_attn``
+        the checkpoint keeps nothing inside); an fp8 projection keeps its quantisation
+        beside it (its unquantised input is that same storage)."""
+        if m.recomputes("core_attn"):
+            return linear_input(elements, elements)
+        linear_input(elements, elements)
+        return elements
+
     # residual stream: layer input (saved by input norm), mid-layer sum (pre-MLP norm)
     act += 2 * tokens * h // sp
     fp32 += 2 * stats * tokens // sp
     # normed inputs of qkv and fc1 (this rank's [s/tp, b, h] under sp)
-    act += tokens * h // sp * (1 if moe else 2)
+    if m.multi_latent_attention:   # the normed input of its replicated down projections
+        act += tokens * h // sp
+    else:
+        act += linear_input(tokens * h // sp, tokens * h)
     if m.multi_latent_attention:
         a, f32 = mla_activation_elements(m, tokens, tp, sp)
-        act, fp32 = act + a, fp32 + f32
+        proj = tokens * nh * m.v_head_dim // tp                  # attention output
+        act, fp32 = act + a - proj + attention_output(proj), fp32 + f32
     else:
         act += tokens * (nh + 2 * ng) * d // tp               # q, k, v (views of qkv)
         if m.position_embedding_type == "rope":
             act += tokens * (nh + ng) * d // tp               # rotated q, k
-        act += tokens * nh * d // tp                          # attention output (proj input)
+        proj = tokens * nh * d // tp
+        act += attention_output(proj)                         # attention output (proj input)
         if m.qk_layernorm:
             act += tokens * (nh + ng) * d // tp               # normed q, k
             fp32 += tokens * (nh + ng) * stats // tp
@@ -192,10 +236,12 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
         act += 2 * tokens * h // sp // m.params_dtype.itemsize  # bool masks, 1 byte
     if not moe:
         f = m.ffn_hidden_size // tp
-        if m.recomputes("mlp"):       # only its input is kept (counted above)
-            return {"act": act, "fp32": fp32}
-        act += tokens * f * (3 if m.swiglu else 2)            # fc1 out, fc2 in
-        return {"act": act, "fp32": fp32}
+        if m.recomputes("mlp"):       # only its input is kept
+            return {"act": act + tokens * h // sp, "fp32": fp32, "fp8": low}
+        act += linear_input(tokens * h // sp, tokens * h)     # fc1 in
+        act += tokens * f * (2 if m.swiglu else 1)            # fc1 out
+        act += linear_input(tokens * f, tokens * f)           # fc2 in
+        return {"act": act, "fp32": fp32, "fp8": low}
     # MoE: tokens split over tp inside the layer, routed top-k to local experts
     etp = p.expert_tensor_parallel_size
     local = tokens // tp
@@ -203,7 +249,7 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
     act += local * h * (1 if sp > 1 else 2)                   # router / dispatcher input
     fp32 += local * m.num_experts * 3                         # router logits, probs, top-k
     if m.recomputes("moe"):   # dispatch and experts run again in backward: input only
-        return {"act": act, "fp32": fp32}
+        return {"act": act, "fp32": fp32, "fp8": low}
     # tokens this rank's experts see: the average, times an allowance for the imbalance of
     # dropless routing (the capacity factor when tokens are dropped)
     imbalance = m.moe_expert_capacity_factor or MOE_IMBALANCE
@@ -211,10 +257,52 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False) -> dict
     act += routed * h * 2                                     # permuted, expert fc1 input
     act += routed * f * (3 if m.swiglu else 2)
     act += routed * h                                         # expert outputs (combine)
-    if m.moe_shared_expert_intermediate_size:
-        act += tokens * m.moe_shared_expert_intermediate_size // tp * (
-            3 if m.swiglu else 2) + tokens * h
-    return {"act": act, "fp32": fp32}
+    shared = m.moe_shared_expert_intermediate_size
+    if shared:   # fc1 out; fc2 in; fc1 in
+        act += tokens * shared // tp * (2 if m.swiglu else 1)
+        act += linear_input(tokens * shared // tp, tokens * shared // tp)
+        act += linear_input(tokens * h, tokens * h)
+    return {"act": act, "fp32": fp32, "fp8": low}
+
+
+def fp8_linear_input(m, elements: int) -> tuple[int, int]:
+    """(training-dtype, one-byte) elements an fp8 linear keeps of an input of
+    ``elements`` (:class:`megalite.layers.fp8.gemm.Fp8LinearFunction`): per-tensor recipes
+    (delayed, tensorwise) its fp8 quantisation, and under ``--no-fp8-wgrad`` the input
+    itself too (the weight gradient's operand); block recipes (mxfp8, blockwise) the
+    input itself (quantised again per GEMM)."""
+    if m.fp8_recipe in BLOCK_RECIPES:
+        return elements, 0
+    return (0 if m.fp8_wgrad else elements), elements
+
+
+def fp8_weight_copies(m, p, pp_rank: int) -> int:
+    """Bytes of the fp8 weights per-tensor recipes keep through a training step on
+    pipeline rank ``pp_rank`` (:meth:`megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8`:
+    quantised at the step's first forward, saved for every backward, dropped before the
+    optimizer): one byte per local weight element of each fp8 layer's tensor-parallel
+    linears; 0 under block recipes or without fp8."""
+    if m.fp8_format is None or m.fp8_recipe in BLOCK_RECIPES:
+        return 0
+    tp = p.tensor_model_parallel_size
+    return sum(fp8_linear_weights(m, layer) // tp for layer in stage_layers(m, p, pp_rank)
+               if fp8_layer(m, layer))
+
+
+def fp8_linear_weights(m, layer: int) -> int:
+    """Weight elements of the linears ``--fp8-format`` runs in fp8 in global layer
+    ``layer`` (whole, over all tp ranks): attention's qkv and output projections, or
+    multi-latent attention's up and output projections; the dense MLP, or an MoE layer's
+    shared expert (not the routed experts' grouped GEMMs)."""
+    h, n = m.hidden_size, m.num_attention_heads
+    if m.multi_latent_attention:
+        attention = mla_up_proj_params(m) + n * m.v_head_dim * h
+    else:
+        attention = h * (n + 2 * m.num_query_groups) * m.kv_channels + n * m.kv_channels * h
+    mult = 3 if m.swiglu else 2
+    if is_moe_layer(m, layer):
+        return attention + h * (m.moe_shared_expert_intermediate_size or 0) * mult
+    return attention + h * m.ffn_hidden_size * mult
 
 
 def mla_activation_elements(m, tokens: int, tp: int, sp: int) -> tuple[int, int]:
@@ -254,15 +342,16 @@ def mtp_activation_bytes(m, p, mb: int, tokens: int, vocab: int, eb: int) -> flo
     if m.recompute_granularity == "full":
         layer = tokens * h // sp * eb
     else:
-        layer = _layer_bytes(m, p, mb, is_moe_layer(m, m.num_layers - 1), eb)
+        layer = _layer_bytes(m, p, mb, m.num_layers - 1, eb)   # the last layer's kind
     per_depth = (tokens * h // sp * (1 + 2 + 2 + 1) * eb + layer
                  + tokens * vocab // tp * (eb + 4))
     return depths * per_depth
 
 
-def _layer_bytes(m, p, mb: int, moe: bool, dtype_bytes: int) -> float:
-    e = layer_activation_elements(m, p, mb, moe)
-    return e["act"] * dtype_bytes + e["fp32"] * 4
+def _layer_bytes(m, p, mb: int, layer: int, dtype_bytes: int) -> float:
+    """Bytes global layer ``layer`` keeps for backward for one micro-batch."""
+    e = layer_activation_elements(m, p, mb, is_moe_layer(m, layer), fp8_layer(m, layer))
+    return e["act"] * dtype_bytes + e["fp32"] * 4 + e["fp8"]
 
 
 def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
@@ -291,7 +380,7 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     tokens = lay.tokens_per_microbatch
     sp = lay.sp
     h = m.hidden_size
-    layer_bytes = [_layer_bytes(m, p, mb, is_moe_layer(m, layer), eb) for layer in layers]
+    layer_bytes = [_layer_bytes(m, p, mb, layer, eb) for layer in layers]
     full = m.recompute_granularity == "full"
     if full:  # each recompute unit keeps its input only; one unit recomputed at a time
         unit = m.recompute_num_layers or 1
@@ -308,7 +397,7 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     chunk_bytes = saved / vpp          # one (micro-batch, chunk) pair
     in_flight = peak_in_flight(pp, pp_rank, lay.num_microbatches, vpp,
                                lay.pipeline_schedule)
-    activations = chunk_bytes * in_flight
+    activations = chunk_bytes * in_flight + fp8_weight_copies(m, p, pp_rank)
     first, last = pp_rank == 0, pp_rank == output_stage(p)
     vocab = lay.padded_vocab_size
     if last:  # final norm input and output (the output layer's input)
@@ -320,7 +409,9 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     if sp > 1:   # a column-parallel linear's input, gathered again for its weight gradient
         backward += tokens * h * eb
     loss = tokens * vocab // tp * (eb + 4) if last else 0  # logits, fp32 shifted logits
-    transient = max(backward, loss)
+    # --qk-clip: the largest-logit pass in a layer's forward (scores, fp32 q and k copies)
+    logits = qk_clip.transient_bytes(m, tp, lay.cp, mb, eb)
+    transient = max(backward, loss, logits)
     # on CPU the kept logits storage is held while the layers run backward
     kept_logits = max(0, backward + tokens * vocab // tp * eb - transient) \
         if last and sp == 1 else 0

@@ -41,7 +41,8 @@ def peak_in_flight(pp: int, pp_rank: int, num_microbatches: int, vpp: int = 1,
     chunks). Under a zero-bubble schedule (``zb_h1``, ``zbv``) a micro-batch counts until
     its W step, which still needs the saved inputs of the weight GEMMs (an upper bound: B
     frees the rest): ZB-H1 holds ``min(pp, m)`` on every rank, 1F1B's rank-0 peak; ZB-V
-    at most ``2 min(pp, m)`` half-stage chunks, the same bytes."""
+    at most ``2 min(pp, m)`` half-stage chunks, the same bytes; DualPipeV ``2 pp + 1``
+    (:func:`dualpipev_in_flight`)."""
     steps = build_schedule(pp, pp_rank, num_microbatches, vpp, schedule=schedule)
     done = "W" if any(kind == "W" for kind, _, _ in steps) else "B"
     live = peak = 0
@@ -49,6 +50,38 @@ def peak_in_flight(pp: int, pp_rank: int, num_microbatches: int, vpp: int = 1,
         live += 1 if kind == "F" else -1 if kind == done else 0
         peak = max(peak, live)
     return peak
+
+
+# DualPipeV's chunk times in units of one chunk's forward: the backward twice the forward,
+# split evenly into B (input gradient) and W (weight gradients)
+DUALPIPEV_F, DUALPIPEV_B, DUALPIPEV_W = 1.0, 2.0, 1.0
+
+
+def dualpipev_bubble(pp: int, num_microbatches: int) -> float:
+    """DualPipeV's idle fraction by DeepSeek-V3's formula (DeepSeek-AI, "DeepSeek-V3
+    Technical Report", arXiv:2412.19437, Table 2; the DualPipe repository's table for
+    DualPipeV over ``PP = 2 pp`` stages): a bubble of ``(PP/2 - 1)(F&B + B - 3W)`` chunk
+    times, ``B`` the full backward, over the ideal ``2 m (F + B)`` of a rank's two chunks.
+
+    ``F&B`` is a forward and a backward of the other chunk paired in the main phase.
+    DualPipe overlaps them (each one's all-to-all behind the other's compute, on two
+    streams); megalite runs the pair one after the other on one stream
+    (:func:`megalite.pipeline.v_shape.dualpipev`), so no overlap is credited: ``F&B = F +
+    B``. With ``B = 2F``, ``W = F``: ``2 (pp - 1) F`` idle of ``6 m F``, ``(pp - 1) /
+    (3 m)`` -- ZB-H1's, twice ZB-V's. (megalite's step lists played with free transfers,
+    :func:`megalite.pipeline.zero_bubble.simulate`, give ``(pp - 1) / (6 m)``; the
+    measured bubble, ``docs/benchmarks.md``, lies between the two, nearer the formula at
+    p 2 and at m 16.)"""
+    pair = DUALPIPEV_F + DUALPIPEV_B          # F&B without overlap
+    bubble = (pp - 1) * (pair + DUALPIPEV_B - 3 * DUALPIPEV_W)
+    return bubble / (2 * num_microbatches * (DUALPIPEV_F + DUALPIPEV_B))
+
+
+def dualpipev_in_flight(pp: int) -> int:
+    """DualPipeV's activation per rank by DeepSeek-V3's table: ``PP + 1`` chunks of one
+    micro-batch (``PP = 2 pp`` stages of ``L / 2pp`` layers), one chunk more than ZB-V's
+    ``2 pp`` (what :func:`peak_in_flight` walks from the step lists, too)."""
+    return 2 * pp + 1
 
 
 @functools.lru_cache(maxsize=4096)
@@ -59,9 +92,12 @@ def bubble_fraction(pp: int, num_microbatches: int, vpp: int = 1,
     with a backward twice the forward, split evenly into B and W, each chunk ``1 / vpp``
     of the stage (:func:`megalite.pipeline.zero_bubble.simulate`): ZB-H1 gives
     ``(pp - 1) / (3 m)`` for ``m >= pp``, a third of 1F1B's; ZB-V ``(pp - 1) / (6 m)``
-    for ``m >= pp``, a sixth."""
+    for ``m >= pp``, a sixth. DualPipeV: DeepSeek-V3's formula without the overlap megalite
+    does not do (:func:`dualpipev_bubble`: ``(pp - 1) / (3 m)``)."""
     if schedule is None or schedule in ("1f1b", "interleaved_1f1b"):
         return (pp - 1) / (vpp * num_microbatches)
+    if schedule == "dualpipev":
+        return dualpipev_bubble(pp, num_microbatches)
     steps = [build_schedule(pp, r, num_microbatches, vpp, schedule=schedule)
              for r in range(pp)]
     _, idle = simulate(steps, vpp, forward=1.0 / vpp, backward=2.0 / vpp,

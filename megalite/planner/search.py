@@ -2,7 +2,7 @@
 
 A candidate sets tp x pp x vpp x cp x ep (dp is what is left of the world), the
 pipeline schedule (1F1B or ZB-H1 with one chunk per rank, interleaved 1F1B with more, ZB-V
-with two in a V), the
+and DualPipeV with two in a V), the
 data-parallel sharding strategy, recomputation and the micro-batch size on a copy of the
 user's config; megalite's own validation (``MegaliteConfig.validate``, which calls
 ``ModelConfig.check_layout``) decides whether it is legal, so the planner never proposes a
@@ -31,20 +31,25 @@ RECOMPUTE = {"none": {"recompute_granularity": None, "recompute_method": None,
 # --data-parallel-sharding-strategy values the planner proposes: all of them
 STRATEGIES = SHARDING_STRATEGIES
 # --pipeline-schedule values the planner proposes: 1f1b and zb_h1 with one chunk per
-# pipeline rank, zbv with two (beside interleaved_1f1b, which every vpp > 1 runs)
-SCHEDULES = ("1f1b", "zb_h1", "zbv")
+# pipeline rank, zbv and dualpipev with two (beside interleaved_1f1b, which every vpp > 1
+# runs); megalite's validation keeps dualpipev to m >= 2 pp and no multi-token prediction
+SCHEDULES = ("1f1b", "zb_h1", "zbv", "dualpipev")
 ONE_CHUNK_SCHEDULES = ("1f1b", "zb_h1")
+V_SCHEDULES = ("zbv", "dualpipev")
+NAMED_SCHEDULES = ("zb_h1", *V_SCHEDULES)   # named in a candidate and its flags
 
 
 def schedules_for(pp: int, vpp: int, schedules=SCHEDULES) -> tuple:
     """The ``--pipeline-schedule`` values to try at ``pp`` x ``vpp`` (None: the default by
     vpp): the one-chunk ones of ``schedules``, or the default (interleaved 1F1B) and, at
-    vpp 2, ZB-V."""
+    vpp 2, the V schedules of ``schedules`` (ZB-V, DualPipeV)."""
     if pp == 1:
         return (None,)
     if vpp == 1:
         return tuple(s for s in schedules if s in ONE_CHUNK_SCHEDULES) or (None,)
-    return (None, "zbv") if vpp == 2 and "zbv" in schedules else (None,)
+    if vpp != 2:
+        return (None,)
+    return (None, *(s for s in V_SCHEDULES if s in schedules))
 
 
 @dataclass
@@ -74,7 +79,7 @@ class Candidate:
         parts = [f"tp{s['tp']}", f"pp{s['pp']}"]
         if s["vpp"] > 1:
             parts.append(f"vpp{s['vpp']}")
-        if self.schedule in ("zb_h1", "zbv"):
+        if self.schedule in NAMED_SCHEDULES:
             parts.append(self.schedule)
         parts += [f"cp{s['cp']}"] if s["cp"] > 1 else []
         parts += [f"ep{s['ep']}"] if s["ep"] > 1 else []
@@ -90,7 +95,7 @@ class Candidate:
                   "--pipeline-model-parallel-size", str(s["pp"])]
         if s["vpp"] > 1:
             flags += ["--virtual-pipeline-model-parallel-size", str(s["vpp"])]
-        if self.schedule in ("zb_h1", "zbv"):
+        if self.schedule in NAMED_SCHEDULES:
             flags += ["--pipeline-schedule", self.schedule]
         if s["tp"] > 1:
             flags.append("--sequence-parallel")
@@ -181,7 +186,7 @@ def search(base, cluster: Cluster, *, tp=None, pp=None, vpp=None, cp=None, ep=No
     ``--overlap-param-gather`` under a sharded strategy), the user's own overlap flags set
     aside (tried only where there is data parallelism to overlap); ``schedules``: the
     pipeline schedules tried where pp > 1 (of :data:`SCHEDULES`: :func:`schedules_for`;
-    several chunks run interleaved 1F1B, two also ZB-V). ``progress``: count
+    several chunks run interleaved 1F1B, two also ZB-V and DualPipeV). ``progress``: count
     the candidates evaluated on stderr (:mod:`megalite.progress`)."""
     m = base.model
     world = cluster.world_size

@@ -21,7 +21,10 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   bytes the layers save for backward (:func:`layer_activation_elements`) at
   ``memory_bw``. Plus the fixed costs: ``layer_overhead_s`` per layer and micro-batch
   (and ``layer_forward_overhead_s`` again under full recomputation), and
-  ``microbatch_overhead_s`` per micro-batch.
+  ``microbatch_overhead_s`` per micro-batch. Under ``--qk-clip`` (or
+  ``--log-max-attention-logit``) the largest-logit pass (:mod:`megalite.planner.qk_clip`:
+  ``2 nh d_qk s^2`` fp32 FLOPs per sequence and layer forward, at ``fp32_flops``, and its
+  score traffic).
 * **tp** -- per layer and micro-batch, forward and backward, two all-gathers and two
   reduce-scatters of the activations ``[s/cp, b, h]`` over tp under sequence parallelism
   (two all-reduces without: the same bytes), each moving ``(t-1)/t`` of them; full
@@ -33,7 +36,8 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   positions) summed over tp. Each collective also pays ``collective_overhead_s`` (0 on
   the GPU presets; on a CPU the cost of a blocking gloo call between compute, measured).
 * **cp** -- ring attention: each layer's keys and values pass ``cp - 1`` hops forward and
-  the same plus their gradients backward.
+  the same plus their gradients backward; under ``--qk-clip`` each layer forward's keys
+  all-gathered once more.
 * **ep** -- the MoE all-to-all: dispatch and combine, forward and backward, of the routed
   tokens ``top-k x tokens x h`` (the fraction ``(ep-1)/ep`` leaves the rank).
 * **pp** -- one activation per micro-batch and chunk boundary forward and its gradient
@@ -44,11 +48,14 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   all-reduce or reduce-scatter + parameter all-gather), exposed in full unless
   ``--overlap-grad-reduce`` (the reduction) and ``--overlap-param-gather`` (the gather)
   hide all but the last bucket (``OVERLAP_EXPOSED`` of it left). Plus the step's two scalar
-  all-reduces over the world (the loss and the gradient norm; latency only, a tree).
+  all-reduces over the world (the loss and the gradient norm; latency only, a tree); under
+  ``--qk-clip`` the layers' ``[nh/tp]`` maxima all-reduced over dp x cp and their largest
+  over the world.
 * **bubble** -- ``(pp - 1) / (vpp m)`` of the per-micro-batch path (compute, tp, cp, ep,
-  pp transfers; not the once-per-step reductions); under ``--pipeline-schedule zb_h1`` the
-  schedule's own (:func:`megalite.planner.schedule.bubble_fraction`: ``(pp - 1) / (3 m)``
-  for ``m >= pp``).
+  pp transfers; not the once-per-step reductions); under ``--pipeline-schedule zb_h1``,
+  ``zbv`` or ``dualpipev`` the schedule's own (:func:`megalite.planner.schedule.
+  bubble_fraction`: ``(pp - 1) / (3 m)`` for ZB-H1 and DualPipeV, ``(pp - 1) / (6 m)`` for
+  ZB-V, once ``m >= pp``).
   Under optim_grads_params each unit's parameters are all-gathered before every forward
   and backward (``passes x m`` gathers of the stage's parameters), exposed.
 * **optimizer** -- the step reads and writes the local optimizer state at memory bandwidth;
@@ -76,8 +83,13 @@ from megalite.config.shapes import (
     moe_layer_count,
     moe_mlp_params,
 )
+from megalite.planner import qk_clip
 from megalite.planner.cluster import Cluster
-from megalite.planner.memory import layer_activation_elements, stage_param_counts
+from megalite.planner.memory import (
+    fp8_linear_weights,
+    layer_activation_elements,
+    stage_param_counts,
+)
 from megalite.planner.schedule import bubble_fraction
 
 
@@ -102,8 +114,8 @@ class TimeEstimate:
     calls: dict = None   # tp / pp / dp -> blocking collectives per step per rank counted
                          # above (tp: the layers', embedding's, output layer's, cross
                          # entropy's, replicated gradients'; pp: the embedding gradient's
-                         # and the loss's;
-                         # dp: the loss and gradient norm; not the bucketed gradient
+                         # and the loss's; dp: the loss and gradient norm, under
+                         # --qk-clip the maxima's two; not the bucketed gradient
                          # reduction or the stage-to-stage transfers)
 
 
@@ -165,24 +177,8 @@ def fp8_gemm_flops_per_token(m) -> float:
     (``--first-last-layers-bf16``) excepted; 0 without fp8."""
     if m.fp8_format is None:
         return 0.0
-    h, n = m.hidden_size, m.num_attention_heads
-    if m.multi_latent_attention:
-        attention = mla_up_proj_params(m) + n * m.v_head_dim * h
-    else:
-        attention = h * (n + 2 * m.num_query_groups) * m.kv_channels + n * m.kv_channels * h
-    weights = 0
-    for layer, moe in enumerate(m.moe_layer_pattern):
-        if not fp8_layer(m, layer):
-            continue
-        shared = m.moe_shared_expert_intermediate_size
-        mlp = (0 if not shared else _mlp_weights(m, shared)) if moe else \
-            _mlp_weights(m, m.ffn_hidden_size)
-        weights += attention + mlp
-    return 6.0 * weights
-
-
-def _mlp_weights(m, ffn: int) -> int:
-    return m.hidden_size * ffn * (3 if m.swiglu else 2)
+    return 6.0 * sum(fp8_linear_weights(m, layer) for layer in range(m.num_layers)
+                     if fp8_layer(m, layer))
 
 
 def compute_seconds(ctx: StepContext) -> float:
@@ -213,17 +209,33 @@ def compute_seconds(ctx: StepContext) -> float:
     fp8 = fp8_gemm_flops_per_token(m) * all_tokens if cluster.fp8_flops else 0.0
     compute = ((lay.model_flops_per_step + extra - fp8) / cluster.peak_flops
                + fp8 / (cluster.fp8_flops or 1.0)) / lay.world_size / cluster.matmul_efficiency
+    compute += max_logit_seconds(ctx)
     # memory-bound work (norms, activations, softmax, residual adds, copies): each element
     # the layers keep for backward is written and read in forward and backward
-    per_layer = [layer_activation_elements(m, p, lay.micro_batch_size, moe=moe)
-                 for moe in m.moe_layer_pattern]
-    act_elems = sum(e["act"] * lay.dtype_bytes + e["fp32"] * 4 for e in per_layer) / lay.pp
+    per_layer = [layer_activation_elements(m, p, lay.micro_batch_size, moe=moe,
+                                           fp8=fp8_layer(m, layer))
+                 for layer, moe in enumerate(m.moe_layer_pattern)]
+    act_elems = sum(e["act"] * lay.dtype_bytes + e["fp32"] * 4 + e["fp8"]
+                    for e in per_layer) / lay.pp
     memory_bound = MEMORY_PASSES * act_elems * lay.num_microbatches / cluster.memory_bw
     # fixed costs per layer and micro-batch (dispatch / launches), the rank's layers
     layer_fixed = cluster.layer_overhead_s + (cluster.layer_forward_overhead_s
                                               if m.recompute_granularity == "full" else 0.0)
     overhead = lay.num_microbatches * (ctx.layers * layer_fixed + cluster.microbatch_overhead_s)
     return compute + memory_bound + overhead
+
+
+def max_logit_seconds(ctx: StepContext) -> float:
+    """``--qk-clip`` / ``--log-max-attention-logit``: the largest-logit pass over the
+    attention scores (:mod:`megalite.planner.qk_clip`), this rank's share: its fp32
+    query-key products at ``fp32_flops x matmul_efficiency`` and its score traffic at
+    memory bandwidth; 0 without."""
+    m, lay, cluster = ctx.cfg.model, ctx.lay, ctx.cluster
+    sequences = lay.global_batch_size / lay.world_size
+    flops = qk_clip.flops_per_sequence(m) * sequences
+    traffic = qk_clip.SCORE_PASSES * 4 * qk_clip.score_elements_per_sequence(m) * sequences
+    rate = (cluster.fp32_flops or cluster.peak_flops) * cluster.matmul_efficiency
+    return flops / rate + traffic / cluster.memory_bw
 
 
 def tp_cost(ctx: StepContext) -> Cost:
@@ -287,9 +299,18 @@ def cp_cost(ctx: StepContext) -> Cost:
         return Cost()
     kv = ctx.tokens * 2 * m.num_query_groups * m.kv_channels // lay.tp * lay.dtype_bytes
     sent = 3 * (cp - 1) * kv * ctx.layers * lay.num_microbatches
-    return Cost(path=sent / cluster.group_bw(cp, lay.tp) + (cp - 1) * ctx.layers
+    cost = Cost(path=sent / cluster.group_bw(cp, lay.tp) + (cp - 1) * ctx.layers
                 * lay.num_microbatches * (cluster.latency_s + cluster.collective_overhead_s),
                 sent=sent)
+    # --qk-clip: the keys all-gathered for the largest-logit pass, per layer forward
+    gather = qk_clip.gather_bytes_per_microbatch(m, lay.tp, cp, lay.micro_batch_size,
+                                                 lay.dtype_bytes)
+    if gather:
+        gathers = qk_clip.layer_passes(m) * ctx.layers * lay.num_microbatches
+        cost.sent += gathers * gather
+        cost.path += gathers * (gather / cluster.group_bw(cp, lay.tp) + (cp - 1)
+                                * cluster.latency_s + cluster.collective_overhead_s)
+    return cost
 
 
 def ep_cost(ctx: StepContext) -> Cost:
@@ -364,6 +385,14 @@ def dp_cost(ctx: StepContext) -> Cost:
         scalars = 2 * (2 * math.ceil(math.log2(lay.world_size)) * lat
                        + cluster.collective_overhead_s)
         cost.calls = 2
+    if qk_clip.enabled(ctx.cfg.model):   # the layers' maxima over dp x cp, the top one
+        m = ctx.cfg.model                  # over the world
+        maxima = 4 * ctx.layers * m.num_attention_heads // lay.tp
+        scalars += _ring(maxima, d, bw, lat) + cluster.collective_overhead_s * (d > 1)
+        if lay.world_size > 1:
+            scalars += 2 * math.ceil(math.log2(lay.world_size)) * lat \
+                + cluster.collective_overhead_s
+            cost.calls += 1 + (d > 1)
     cost.once = dp_time + scalars
     return cost
 

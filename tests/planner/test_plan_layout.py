@@ -148,6 +148,7 @@ MODEL = SMALL[:-4]   # the model and batch, without the tokenizer and data flags
     (["--matmul-efficiency", "nan"], "--matmul-efficiency must be in (0, 1], got nan"),
     (["--matmul-efficiency", "1.5"], "--matmul-efficiency must be in (0, 1], got 1.5"),
     (["--peak-tflops", "-100"], "--peak-tflops must be a positive number, got -100.0"),
+    (["--peak-fp32-tflops", "0"], "--peak-fp32-tflops must be a positive number, got 0.0"),
     (["--inter-node-gbps", "nan"], "--inter-node-gbps must be a positive number, got nan"),
     (["--megatron-script", "/nonexistent.sh"],
      "--megatron-script /nonexistent.sh: cannot read it (No such file or directory)"),
@@ -214,9 +215,6 @@ def test_zbv_terms_follow_the_schedule():
     assert [peak_in_flight(4, r, 8, vpp=2, schedule="zbv") for r in range(4)] == [8] * 4
     assert bubble_fraction(4, 8, vpp=2, schedule="zbv") == pytest.approx(3 / 48)
     assert bubble_fraction(8, 16, vpp=2, schedule="zbv") == pytest.approx(7 / 96)
-    # DualPipeV's phases, one stream per rank: the same bubble, one chunk more in flight
-    assert bubble_fraction(4, 8, vpp=2, schedule="dualpipev") == pytest.approx(3 / 48)
-    assert [peak_in_flight(4, r, 8, vpp=2, schedule="dualpipev") for r in range(4)] == [9] * 4
     cfg = parse_args(SMALL + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule",
                               "zbv"]).validate(8)
     ofob = parse_args(SMALL + ["--pipeline-model-parallel-size", "4"]).validate(8)
@@ -230,7 +228,8 @@ def test_search_ranks_zbv_beside_interleaved():
     is a third of interleaved's at vpp 2, so it ranks first; its flags select it."""
     base = parse_args(SMALL)
     cands = search(base, preset("h100", 1), tp=[1], pp=[4], vpp=[2], micro_batch_sizes=(1,),
-                   strategies=("no_shard",), recomputes=("none",), overlaps=(False,))
+                   strategies=("no_shard",), recomputes=("none",), overlaps=(False,),
+                   schedules=("1f1b", "zbv"))
     assert [c.schedule for c in cands] == ["zbv", None]
     zbv, interleaved = cands
     assert zbv.time.bubble == pytest.approx(interleaved.time.bubble / 3)

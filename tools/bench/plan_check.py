@@ -79,10 +79,11 @@ LAYOUTS = (
 )
 
 
-def layout_config(world: int, flags: list[str]):
+def layout_config(world: int, flags: list[str], base: list[str] | None = None):
+    """The layout's validated config: ``flags`` over ``base`` (:data:`BASE_FLAGS`)."""
     from megalite.arguments import parse_args
 
-    return parse_args(BASE_FLAGS + flags).validate(world)
+    return parse_args((BASE_FLAGS if base is None else base) + flags).validate(world)
 
 
 def planner_config(cfg):
@@ -168,22 +169,22 @@ def _time_layout(cfg, world: int, repeats: int, overhead) -> dict:
     return {"steps": steps, "probes": probes, "comm": comm, "calls": calls}
 
 
-def _body(rank: int, world: int, rows: list, repeats: int) -> list[dict]:
+def _body(rank: int, world: int, rows: list, repeats: int, base: list[str]) -> list[dict]:
     from megalite.planner.measure import OverheadProbe
 
     overhead = OverheadProbe(world)
     try:
-        return [_time_layout(layout_config(world, flags), world, repeats, overhead)
+        return [_time_layout(layout_config(world, flags, base), world, repeats, overhead)
                 for _, _, flags in rows]
     finally:
         overhead.close()
 
 
-def _run_world(world: int, rows: list, repeats: int) -> list[list[dict]]:
+def _run_world(world: int, rows: list, repeats: int, base: list[str]) -> list[list[dict]]:
     """Per row, the per-rank results."""
     from tools.bench import _ranks
 
-    per_rank = _ranks.run_on_ranks(_body, world, rows, repeats, timeout=1800)
+    per_rank = _ranks.run_on_ranks(_body, world, rows, repeats, base, timeout=1800)
     return [[r[i] for r in per_rank] for i in range(len(rows))]
 
 
@@ -231,9 +232,13 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
-def check(repeats: int = 5, names: list[str] | None = None, echo=print) -> dict:
-    """Measure and estimate every layout; ``{"rows": [...], "spearman": rho,
-    "max_error": e, "seconds": wall}``; prints the table through ``echo``."""
+def check(repeats: int = 5, names: list[str] | None = None, echo=print,
+          base: list[str] | None = None) -> dict:
+    """Measure and estimate every layout (or those in ``names``; over ``base``, default
+    :data:`BASE_FLAGS`: a smaller model makes a quick run of the code path);
+    ``{"rows": [...], "spearman": rho (nan for one layout), "max_error": e, "seconds":
+    wall}``; prints the table through ``echo``."""
+    base = list(BASE_FLAGS if base is None else base)
     from megalite.planner.time import estimate_time
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -242,12 +247,13 @@ def check(repeats: int = 5, names: list[str] | None = None, echo=print) -> dict:
     rows = []
     for world in sorted({w for _, w, _ in layouts}):
         group = [lay for lay in layouts if lay[1] == world]
-        results = _run_world(world, group, repeats)
+        results = _run_world(world, group, repeats, base)
         for (name, _, flags), per_rank in zip(group, results):
             cluster = cluster_of(world, per_rank)
             measured = statistics.median(max(r["steps"][i] for r in per_rank)
                                          for i in range(repeats))
-            t = estimate_time(planner_config(layout_config(world, flags)), world, cluster)
+            t = estimate_time(planner_config(layout_config(world, flags, base)), world,
+                              cluster)
             row = {"name": name, "world": world, "measured_s": measured, "estimated_s": t.step,
                    "compute_s": t.compute, "comm_s": dict(t.comm), "bubble_s": t.bubble,
                    "optimizer_s": t.optimizer,
@@ -285,7 +291,7 @@ def check(repeats: int = 5, names: list[str] | None = None, echo=print) -> dict:
                     if row["calls"] else ""))
     est = [r["estimated_s"] for r in rows]
     meas = [r["measured_s"] for r in rows]
-    rho = spearman(est, meas)
+    rho = spearman(est, meas) if len(rows) > 1 else float("nan")   # one layout: no ranking
     worst = max(abs(e / m - 1) for e, m in zip(est, meas))
     wall = time.perf_counter() - start
     echo(f"{len(rows)} layouts: Spearman rank correlation {rho:.3f} (>= 0.8 wanted), largest "

@@ -1,0 +1,101 @@
+"""DualPipeV in the planner: DeepSeek-V3's bubble ``(PP/2 - 1)(F&B + B - 3W)`` with the
+paired forward and backward not overlapped (megalite runs them one after the other) and
+its ``PP + 1`` chunks of activations; the search tries it beside ZB-V at vpp 2 and
+megalite's validation keeps it to m >= 2p, layers divisible by 2p and no MTP."""
+
+from __future__ import annotations
+
+import pytest
+
+from megalite.arguments import parse_args
+from megalite.planner.cluster import preset
+from megalite.planner.memory import estimate_memory
+from megalite.planner.schedule import (
+    bubble_fraction,
+    dualpipev_bubble,
+    dualpipev_in_flight,
+    peak_in_flight,
+)
+from megalite.planner.search import schedules_for, search
+from megalite.planner.time import estimate_time
+
+SMALL = ["--num-layers", "8", "--hidden-size", "768", "--num-attention-heads", "12",
+         "--seq-length", "2048", "--vocab-size", "32000", "--global-batch-size", "64",
+         "--bf16", "--tokenizer-type", "NullTokenizer", "--mock-data"]
+
+
+@pytest.mark.parametrize("p, m, want", [
+    # (p - 1) x (F&B + B - 3W) with F 1, B 2, W 1 and F&B = F + B = 3: 2 (p - 1) chunk
+    # forwards idle, of 2 m (F + B) = 6 m
+    (2, 4, 2 / 24), (2, 8, 2 / 48), (4, 8, 6 / 48), (4, 16, 6 / 96), (8, 16, 14 / 96)])
+def test_bubble_is_deepseeks_formula_without_overlap(p, m, want):
+    assert dualpipev_bubble(p, m) == pytest.approx(want)
+    assert bubble_fraction(p, m, vpp=2, schedule="dualpipev") == pytest.approx(want)
+    # ZB-H1's bubble, twice ZB-V's
+    assert want == pytest.approx(bubble_fraction(p, m, schedule="zb_h1"))
+    assert want == pytest.approx(2 * bubble_fraction(p, m, vpp=2, schedule="zbv"))
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16)])
+def test_activations_are_pp_plus_one_chunks(p, m):
+    """``PP + 1`` = ``2p + 1`` half-stage chunks on every rank, as the step lists walk."""
+    assert dualpipev_in_flight(p) == 2 * p + 1
+    assert [peak_in_flight(p, r, m, 2, "dualpipev") for r in range(p)] == [2 * p + 1] * p
+
+
+def test_estimates_use_the_schedule_terms():
+    cfgs = {s: parse_args(SMALL + ["--pipeline-model-parallel-size", "4",
+                                   "--pipeline-schedule", s]).validate(8)
+            for s in ("zbv", "dualpipev")}
+    cluster = preset("h100", 1)
+    t = {s: estimate_time(c, 8, cluster) for s, c in cfgs.items()}
+    # 32 micro-batches (global 64, dp 2): the same path, twice ZB-V's bubble
+    assert t["dualpipev"].bubble == pytest.approx(2 * t["zbv"].bubble)
+    assert t["dualpipev"].bubble / (t["dualpipev"].step - t["dualpipev"].bubble) \
+        > dualpipev_bubble(4, 32) * 0.9
+    # the last rank holds neither embedding nor output layer: only its layers' chunks,
+    # 9 of them against ZB-V's 8
+    mem = {s: estimate_memory(c, 8, 3) for s, c in cfgs.items()}
+    assert mem["dualpipev"].in_flight == 9 and mem["zbv"].in_flight == 8
+    assert mem["dualpipev"].activations == pytest.approx(mem["zbv"].activations * 9 / 8)
+
+
+def test_search_ranks_it_between_zbv_and_interleaved():
+    """The bubbles are (p-1)/6m (ZB-V), (p-1)/3m (DualPipeV), (p-1)/2m (interleaved 1F1B,
+    vpp 2); the rest of the step is the same, with a small vocabulary (a V schedule's rank
+    0 holds both vocabulary tables, whose larger gradient reduction can outweigh the
+    bubble's difference)."""
+    cands = search(parse_args(SMALL + ["--vocab-size", "1024"]), preset("h100", 1),
+                   tp=[1], pp=[4], vpp=[2], micro_batch_sizes=(1,), strategies=("no_shard",),
+                   recomputes=("none",), overlaps=(False,))
+    assert [c.schedule for c in cands] == ["zbv", "dualpipev", None]
+    zbv, dual, interleaved = (c.time.bubble for c in cands)
+    assert (zbv, dual) == pytest.approx((interleaved / 3, interleaved * 2 / 3))
+    dual = cands[1]
+    assert "dualpipev" in dual.name()
+    assert parse_args(SMALL + dual.launch_flags()).validate(8).parallel.pipeline_schedule \
+        == "dualpipev"
+    assert schedules_for(4, 2) == (None, "zbv", "dualpipev")
+    assert schedules_for(4, 2, ("1f1b", "zbv")) == (None, "zbv")
+    assert schedules_for(4, 4) == (None,) and schedules_for(4, 1) == ("1f1b", "zb_h1")
+
+
+def _v_candidates(flags, **kw):
+    return {c.schedule: c for c in search(
+        parse_args(SMALL + flags), preset("h100", 1), tp=[1], pp=[4], micro_batch_sizes=(1,),
+        strategies=("no_shard",), recomputes=("none",), overlaps=(False,), **kw)
+        if c.schedule in ("zbv", "dualpipev")}
+
+
+def test_its_constraints_exclude_it():
+    # fewer than 2p micro-batches: global 8 over dp 2 is 4 < 8
+    few = _v_candidates(["--global-batch-size", "8"], vpp=[2])
+    assert few["zbv"].feasible
+    assert not few["dualpipev"].feasible
+    assert "dualpipev needs at least" in few["dualpipev"].error
+    # multi-token prediction: neither V schedule
+    mtp = _v_candidates(["--mtp-num-layers", "1"], vpp=[2])
+    assert set(mtp) <= {"zbv", "dualpipev"}
+    assert not any(c.feasible for c in mtp.values())
+    # layers not divisible by 2p (12 over 8 chunks): no V candidate at all
+    assert _v_candidates(["--num-layers", "12"], vpp=[1, 2, 4]) == {}

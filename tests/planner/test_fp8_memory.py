@@ -1,0 +1,119 @@
+"""The planner's activation memory under ``--fp8-format``: an fp8 linear
+(:mod:`megalite.layers.fp8.gemm`) keeps its whole input (gathered under sequence
+parallelism) quantised, one byte each, under per-tensor recipes (and the input itself too
+under ``--no-fp8-wgrad``), or the input itself under block recipes; per-tensor recipes
+also keep one fp8 copy of each fp8 linear's weight through the step. Hand counts on a tiny
+layer, tp 2 with sequence parallelism."""
+
+from __future__ import annotations
+
+from megalite.config import ModelConfig, ParallelConfig
+from megalite.planner.memory import (
+    estimate_memory,
+    fp8_weight_copies,
+    layer_activation_elements,
+)
+
+TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+            ffn_hidden_size=128, hidden_dropout=0.0)
+TP2 = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+TOKENS, H, PROJ, F = 32 * 2, 64, 4 * 16 // 2, 128 // 2   # micro-batch 2; per tp rank
+
+
+def _elements(fp8=True, p=TP2, **kw):
+    m = ModelConfig(**{**TINY, **kw})
+    return layer_activation_elements(m, p, 2, fp8=fp8)
+
+
+def test_per_tensor_recipes_keep_the_gathered_inputs_in_fp8():
+    bf16 = _elements(fp8=False)
+    # qkv and fc1 keep their [s/tp, b, h] input in bf16, fc2 its [s, b, ffn/tp]; the
+    # projection's input is the attention kernel's output, which the kernel keeps anyway
+    own = 2 * TOKENS * H // 2 + TOKENS * F
+    # in fp8 each keeps its whole input quantised (qkv and fc1 the gathered [s, b, h])
+    whole = 2 * TOKENS * H + TOKENS * PROJ + TOKENS * F
+    for recipe in ("tensorwise", "delayed"):
+        e = _elements(fp8_format="hybrid", fp8_recipe=recipe)
+        assert e == {"act": bf16["act"] - own, "fp32": bf16["fp32"], "fp8": whole}
+    assert bf16["fp8"] == 0
+    # the same model outside an fp8 layer (--first-last-layers-bf16) keeps bf16
+    assert _elements(fp8=False, fp8_format="hybrid") == bf16
+    # --no-fp8-wgrad: the weight gradient takes the unquantised (whole) input too (the
+    # projection's is the kernel's output, already counted)
+    e = _elements(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_wgrad=False)
+    assert e == {"act": bf16["act"] - own + whole - TOKENS * PROJ, "fp32": bf16["fp32"],
+                 "fp8": whole}
+    # --recompute-modules core_attn: the kernel keeps nothing, the projection its fp8 copy
+    sel = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    bf16_sel = _elements(fp8=False, **sel)
+    e = _elements(fp8_format="hybrid", fp8_recipe="tensorwise", **sel)
+    assert e["act"] == bf16_sel["act"] - own - TOKENS * PROJ and e["fp8"] == whole
+
+
+def test_block_recipes_keep_the_gathered_inputs_in_bf16():
+    """Hidden 128, ffn 256 (multiples of the blocks): under sp qkv's and fc1's gathered
+    inputs are kept whole, in bf16: tp times their [s/tp, b, h]."""
+    bf16 = _elements(fp8=False, hidden_size=128, ffn_hidden_size=256)
+    own = 2 * TOKENS * 128 // 2 + TOKENS * 128 // 2 + TOKENS * 128
+    whole = 2 * TOKENS * 128 + TOKENS * 128 // 2 + TOKENS * 128
+    for recipe in ("mxfp8", "blockwise"):
+        e = _elements(fp8_format="e4m3", fp8_recipe=recipe, hidden_size=128,
+                      ffn_hidden_size=256)
+        assert e == {"act": bf16["act"] - own + whole, "fp32": bf16["fp32"], "fp8": 0}
+    # without sequence parallelism nothing is gathered: the same bytes as bf16
+    no_sp = ParallelConfig(tensor_model_parallel_size=2)
+    assert _elements(p=no_sp, fp8_format="e4m3", fp8_recipe="blockwise", hidden_size=128,
+                     ffn_hidden_size=256) == \
+        _elements(fp8=False, p=no_sp, hidden_size=128, ffn_hidden_size=256)
+
+
+def test_recomputed_mlp_keeps_only_its_bf16_input():
+    bf16 = _elements(fp8=False, recompute_granularity="selective", recompute_modules=["mlp"])
+    e = _elements(fp8_format="hybrid", fp8_recipe="tensorwise",
+                  recompute_granularity="selective", recompute_modules=["mlp"])
+    # only attention's qkv and projection change
+    assert e["fp8"] == TOKENS * H + TOKENS * PROJ
+    assert e["act"] == bf16["act"] - TOKENS * H // 2
+
+
+def test_shared_expert_inputs_in_fp8_routed_experts_unchanged():
+    moe = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+               moe_shared_expert_intermediate_size=64, moe_layer_freq=1)
+    m = ModelConfig(**{**TINY, **moe})
+    bf16 = layer_activation_elements(m, TP2, 2, moe=True)
+    m8 = ModelConfig(**{**TINY, **moe, "fp8_format": "hybrid", "fp8_recipe": "tensorwise"})
+    e = layer_activation_elements(m8, TP2, 2, moe=True, fp8=True)
+    shared_in, shared_mid = TOKENS * H, TOKENS * 64 // 2
+    assert e["fp8"] == TOKENS * H + TOKENS * PROJ + shared_in + shared_mid
+    assert e["act"] == bf16["act"] - TOKENS * H // 2 - shared_in - shared_mid
+
+
+def test_per_tensor_recipes_keep_one_fp8_weight_copy_per_step():
+    m = ModelConfig(**TINY, fp8_format="hybrid", fp8_recipe="tensorwise",
+                    first_last_layers_bf16=True)
+    # the middle two of 4 layers run fp8: qkv [3 x 64, 64], proj [64, 64], fc1 [128, 64],
+    # fc2 [64, 128], a tp 2 slice of each
+    per_layer = (3 * 64 * 64 + 64 * 64 + 2 * 64 * 128) // 2
+    assert fp8_weight_copies(m, TP2, 0) == 2 * per_layer
+    blocks = ModelConfig(**TINY, fp8_format="e4m3", fp8_recipe="mxfp8")
+    assert fp8_weight_copies(blocks, TP2, 0) == 0
+    assert fp8_weight_copies(ModelConfig(**TINY), TP2, 0) == 0
+
+
+def test_estimate_memory_counts_the_fp8_savings():
+    from megalite.arguments import parse_args
+
+    base = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16",
+            "--seq-length", "2048", "--max-position-embeddings", "2048",
+            "--ffn-hidden-size", "4096", "--vocab-size", "32000", "--micro-batch-size", "1",
+            "--global-batch-size", "8", "--bf16", "--hidden-dropout", "0",
+            "--tokenizer-type", "NullTokenizer", "--mock-data"]
+    bf16 = estimate_memory(parse_args(base).validate(1), 1)
+    fp8 = estimate_memory(parse_args(base + ["--fp8-format", "hybrid", "--fp8-recipe",
+                                             "tensorwise"]).validate(1), 1)
+    tokens, h, f, layers = 2048, 1024, 4096, 4
+    # per layer qkv's, fc1's and fc2's inputs lose a byte per element, the projection's
+    # gains its fp8 copy; the weights' fp8 copies come on top
+    inputs = tokens * (h - h + h + f)
+    weights = 4 * h * h + 2 * h * f
+    assert bf16.activations - fp8.activations == layers * (inputs - weights)
