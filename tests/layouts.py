@@ -537,6 +537,10 @@ _FP8 = [
       for sizes in ({"distopt": True}, {"strategy": "optim_grads_params"})),
     row("fp8", 4, "tensorwise-param-gather",
         model={**FP8_MODEL["tensorwise"], **FP8_GATHER}, tp=2, sp=True, distopt=True),
+    # a bucket per parameter: every fp8 weight is cut between the two ranks' shards, so
+    # each owner needs the other's amax (tests/fp8/test_param_gather.py plants its loss)
+    row("fp8", 2, "tensorwise-param-gather-small-buckets",
+        model={**FP8_MODEL["tensorwise"], **FP8_GATHER}, distopt=True, bucket=1),
 ]
 
 # -- qk-clip: --qk-clip (Kimi-K2's MuonClip) at a threshold the tiny models' logits pass
