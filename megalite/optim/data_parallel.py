@@ -64,6 +64,12 @@ each layer's buckets around its forward and backward (buckets never span two lay
 stale; :meth:`finish_param_sync` gathers every parameter (collective), so reading
 parameters after it works as under the other strategies, until the next forward frees
 them layer by layer again.
+
+``--fp8-param-gather`` (``fp8_param_gather``, sharded only): buckets holding weights of
+per-tensor fp8 linears get an :class:`~megalite.optim.fp8_param_gather.Fp8BucketGather`,
+and both gathers above send those weights as fp8 bytes for training forwards; under the
+distributed optimizer their high-precision elements are gathered again only by
+:meth:`finish_param_sync` / :meth:`regather_stale` (checkpoints, evaluation).
 """
 
 from __future__ import annotations

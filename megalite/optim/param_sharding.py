@@ -35,6 +35,12 @@ Hooks, per unit module:
 * at the end of each backward (an autograd engine callback): drop every ``backward`` and
   ``prefetch`` hold left (the embedding, whose input has no gradient).
 
+``--fp8-param-gather``: a bucket holding weights of fp8 linears
+(``bucket.fp8_gather``) is gathered for a training forward or backward with those weights
+as fp8 bytes (:mod:`megalite.optim.fp8_param_gather`), handed to their linears' scalings;
+the weights themselves stay the placeholder. :meth:`ParamSharding.materialize` gathers
+every parameter in its dtype.
+
 Activation recomputation re-runs forwards inside backward: those gather what they need and
 register nothing; a unit held for its backward stays gathered through its recompute.
 

@@ -116,3 +116,46 @@ def test_zero3_gathers_fp8_weights_per_layer():
         fp8 = {n // 2 for n, is_fp8 in buckets if is_fp8}
         rows = [b for dtype, b in sent if dtype == "torch.uint8"]
         assert set(rows) == fp8 and len(rows) >= check.ITERS * len(fp8)
+
+
+def _save_rank(rank: int, world_size: int, layout, root: str) -> None:
+    """Train ``layout`` and save at its last iteration into ``root``."""
+    from megalite.parallel.state import ParallelState
+    from megalite.training.build import build_components
+    from megalite.training.loop import train
+
+    cfg = check.config(layout)
+    cfg.checkpoint.save, cfg.checkpoint.save_interval = root, check.ITERS
+    ps = ParallelState.build(cfg.parallel)
+    try:
+        c = build_components(cfg, ps, datasets_provider=check.datasets,
+                             peak_probe_seconds=0.01)
+        try:
+            train(c)
+        finally:
+            c.close()
+    finally:
+        ps.destroy()
+
+
+def _weights(root: str) -> dict:
+    """The checkpoint's weights, read back here as one tp=1 model."""
+    from megalite.checkpoint.consolidated import load_full_model
+
+    _, model = load_full_model(root)
+    return {k: v.clone() for k, v in model.state_dict().items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+
+def test_checkpoint_holds_the_weights_not_their_fp8_copies(tmp_path):
+    """A save right after an fp8 gather writes the weights themselves (gathered again in
+    their dtype): the same checkpoint, bit for bit, as the run without the flag."""
+    layout = by_name(ROW)
+    plain = dataclasses.replace(layout, model={k: v for k, v in layout.model.items()
+                                               if k != "fp8_param_gather"})
+    for lay, name in ((layout, "fp8"), (plain, "plain")):
+        run_distributed(2, _save_rank, lay, str(tmp_path / name))
+    got, want = _weights(str(tmp_path / "fp8")), _weights(str(tmp_path / "plain"))
+    assert got.keys() == want.keys() and any("linear_fc1.weight" in k for k in got)
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key
