@@ -509,6 +509,7 @@ FP8_MODEL = {
                   "seq_length": 64},
 }
 _FP8_CP = ({"seq_length": 32}, {"micro_batch_size": 4})
+FP8_GATHER = {"fp8_param_gather": True}
 _FP8_MOE = {"num_experts": 4, "moe_router_topk": 2}
 _FP8 = [
     *(row("fp8", 2, recipe, model=FP8_MODEL[recipe], **sizes)
@@ -527,6 +528,19 @@ _FP8 = [
     row("fp8", 2, "blockwise-moe", model={**FP8_MODEL["blockwise"], **_FP8_MOE}, ep=2),
     row("fp8", 2, "blockwise", model=FP8_MODEL["blockwise"]),
     row("fp8", 4, "delayed", model=FP8_MODEL["delayed"], tp=2, sp=True, pp=2),
+    # --fp8-param-gather: the fp8 linears' weights all-gathered as fp8 bytes quantised by
+    # their shard owners with the whole weight's scale (amax MAX over dp and tp), under the
+    # distributed optimizer and ZeRO-3's per-layer gathers
+    *(row("fp8", 2, f"{recipe}-param-gather", model={**FP8_MODEL[recipe], **FP8_GATHER},
+          **sizes)
+      for recipe in ("tensorwise", "delayed")
+      for sizes in ({"distopt": True}, {"strategy": "optim_grads_params"})),
+    row("fp8", 4, "tensorwise-param-gather",
+        model={**FP8_MODEL["tensorwise"], **FP8_GATHER}, tp=2, sp=True, distopt=True),
+    # a bucket per parameter: every fp8 weight is cut between the two ranks' shards, so
+    # each owner needs the other's amax (tests/fp8/test_param_gather.py plants its loss)
+    row("fp8", 2, "tensorwise-param-gather-small-buckets",
+        model={**FP8_MODEL["tensorwise"], **FP8_GATHER}, distopt=True, bucket=1),
 ]
 
 # -- qk-clip: --qk-clip (Kimi-K2's MuonClip) at a threshold the tiny models' logits pass

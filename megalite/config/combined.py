@@ -56,6 +56,11 @@ class MegaliteConfig:
                     "--optimizer-cpu-offload with --data-parallel-sharding-strategy "
                     f"{p.data_parallel_sharding_strategy} is not supported yet; use optim, "
                     "optim_grads or optim_grads_params (or --use-distributed-optimizer)")
+        require(not m.fp8_param_gather or p.use_distributed_optimizer,
+                "--fp8-param-gather needs the distributed optimizer, whose parameter "
+                "all-gather it makes fp8: add --use-distributed-optimizer (or "
+                "--data-parallel-sharding-strategy optim, optim_grads or optim_grads_params), "
+                "or drop --fp8-param-gather")
         o = self.optim
         if o.optimizer == "muon" and o.muon_tp_mode != "duplicated":
             etp = p.expert_tensor_parallel_size if m.num_experts else 1

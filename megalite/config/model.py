@@ -205,10 +205,10 @@ class ModelConfig:
                           "training precision).", flag="--no-fp8-wgrad",
                           action="store_false")
     fp8_param_gather: bool = arg(
-        False, "Keep parameters in fp8 and gather them in fp8 (needs --fp8-format).",
-        no_effect="megalite gathers parameters in their training precision and quantises "
-                  "them to fp8 in each GEMM, which gives the GEMMs the same fp8 weights; "
-                  "the smaller gather and the fp8 parameter copies are not implemented")
+        False, "All-gather the weights of fp8 linears in fp8 (one byte per element), "
+        "quantised once per step on the ranks owning their shards, and use them in the "
+        "forward's fp8 GEMMs (needs --fp8-format with the tensorwise or delayed recipe and "
+        "the distributed optimizer).")
     first_last_layers_bf16: bool = arg(False, "Under --fp8-format, keep the first "
                                        "--num-layers-at-start-in-bf16 and the last "
                                        "--num-layers-at-end-in-bf16 transformer layers out "
@@ -415,6 +415,11 @@ class ModelConfig:
                  "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
         if self.fp8_format is None:
             return
+        require(not self.fp8_param_gather or self.fp8_recipe in ("tensorwise", "delayed"),
+                f"--fp8-param-gather with --fp8-recipe {self.fp8_recipe} is not supported: "
+                "block scales are taken per GEMM along its contraction dimension, not once "
+                "per weight; use --fp8-recipe tensorwise or delayed, or drop "
+                "--fp8-param-gather")
         require(not self.fp16,
                 f"--fp8-format {self.fp8_format} with --fp16 is not supported: fp8 GEMMs "
                 "take bf16 or fp32 activations and weights; use --bf16 (or neither)")

@@ -27,7 +27,8 @@ def build_grads_and_optimizer(model, cfg: MegaliteConfig, ps: ParallelState, tim
                               overlap_param_gather=p.overlap_param_gather,
                               shard_grads=p.data_parallel_sharding_strategy == "optim_grads",
                               shard_params=p.data_parallel_sharding_strategy
-                              == "optim_grads_params")
+                              == "optim_grads_params",
+                              fp8_param_gather=cfg.model.fp8_param_gather)
     scaler = build_loss_scaler(cfg.optim, cfg.model.fp16)
     if p.use_distributed_optimizer:
         optimizer = DistributedOptimizer(model, cfg.optim, ps, scaler, grads,

@@ -64,12 +64,19 @@ each layer's buckets around its forward and backward (buckets never span two lay
 stale; :meth:`finish_param_sync` gathers every parameter (collective), so reading
 parameters after it works as under the other strategies, until the next forward frees
 them layer by layer again.
+
+``--fp8-param-gather`` (``fp8_param_gather``, sharded only): buckets holding weights of
+per-tensor fp8 linears get an :class:`~megalite.optim.fp8_param_gather.Fp8BucketGather`,
+and both gathers above send those weights as fp8 bytes for training forwards; under the
+distributed optimizer their high-precision elements are gathered again only by
+:meth:`finish_param_sync` / :meth:`regather_stale` (checkpoints, evaluation).
 """
 
 from __future__ import annotations
 
 import torch
 
+from megalite.optim.fp8_param_gather import attach as fp8_param_gather_attach
 from megalite.optim.grad_buffer import Bucket, GradBuffer
 from megalite.optim.param_sharding import ParamSharding, find_units
 from megalite.parallel.collectives import all_reduce_coalesced
@@ -108,13 +115,16 @@ class DataParallelGrads:
                   ``param-sync-wait``) for tests of the overlap order.
     shard_params: ZeRO-3 (see module docstring); ``model`` must be modules (chunks).
     prefetch:     with ``shard_params``: gather the next layer while this one computes.
+    fp8_param_gather: (sharded) gather the weights of per-tensor fp8 linears as fp8
+                  (:mod:`megalite.optim.fp8_param_gather`).
     """
 
     def __init__(self, model, ps: ParallelState, bucket_size: int | None = None,
                  timers=None, *, overlap_grad_reduce: bool = False,
                  use_distributed_optimizer: bool = False, grad_reduce_in_bf16: bool = False,
                  overlap_param_gather: bool = False, shard_grads: bool = False,
-                 shard_params: bool = False, prefetch: bool = True):
+                 shard_params: bool = False, prefetch: bool = True,
+                 fp8_param_gather: bool = False):
         if bucket_size is not None and bucket_size <= 0:
             raise ValueError(f"bucket_size must be > 0, got {bucket_size}")
         if overlap_param_gather and not use_distributed_optimizer:
@@ -147,6 +157,9 @@ class DataParallelGrads:
                        for p in self.params]
         if overlap_param_gather:
             self._hooks += self._register_forward_waits()
+        self.fp8_buckets = 0
+        if fp8_param_gather and use_distributed_optimizer:
+            self.fp8_buckets = fp8_param_gather_attach(self.buffers, self.chunks)
         self.param_sharding = None
         if shard_params:
             self.param_sharding = ParamSharding(self._units, self.buffers, prefetch=prefetch)
@@ -284,10 +297,27 @@ class DataParallelGrads:
     def finish_param_sync(self) -> None:
         """Wait for every parameter all-gather still in flight; under ``shard_params`` also
         gather every parameter (collective over each buffer's group), so that they can be
-        read (the next forward frees them again, layer by layer)."""
+        read (the next forward frees them again, layer by layer). Buckets whose fp8 weights
+        were last gathered in fp8 (``--fp8-param-gather``) are gathered again in the
+        parameters' dtype (collective over each such bucket's group)."""
         self.wait_param_sync()
         if self.param_sharding is not None:
             self.param_sharding.materialize()
+            return
+        self.regather_stale()
+
+    def regather_stale(self) -> None:
+        """Distributed optimizer, ``--fp8-param-gather``: gather again, in the parameters'
+        dtype, every bucket whose fp8 weights were last gathered in fp8 (collective over
+        each such bucket's group; nothing without such buckets)."""
+        self.wait_param_sync()
+        stale = [bk for buf in self.buffers for bk in buf.buckets
+                 if bk.fp8_gather is not None and bk.fp8_gather.stale
+                 and bk.param_shard is None]
+        for bucket in stale:
+            bucket.start_param_sync(plain=True)
+        for bucket in stale:
+            bucket.wait_param_sync()
 
     def wait_param_sync(self) -> None:
         """Wait for the all-gathers of :meth:`start_param_sync` still in flight (no

@@ -225,6 +225,9 @@ class DistributedOptimizer(LossScaledOptimizer):
         self.grads.wait_param_sync()
         grads = [sh.grad for sh in self.shards]
         if self._unscale_and_check(grads):
+            if self.grads.fp8_buckets and self.grads.param_sharding is None:
+                # --fp8-param-gather: the fp8 weights of the next step, from unchanged shards
+                self.grads.start_param_sync()
             return StepOutcome(updated=False, found_inf=True, grad_norm=None)
         norm = sharded_grad_norm([(pc.param, pc.grad) for pc in self.pieces], self.ps)
         coeff = clip_coefficient(self.ocfg.clip_grad, norm)

@@ -70,6 +70,10 @@ class Bucket:
         # ``param``, and the all-gather in flight into it
         self.gather_users = 0
         self.gather_work = None
+        # --fp8-param-gather: the bucket holds weights of fp8 linears, gathered as fp8 bytes
+        # (megalite.optim.fp8_param_gather.Fp8BucketGather), or None
+        self.fp8_gather = None
+        self.fp8_gathered = False     # optim_grads_params: the gather in flight / held is fp8
 
     @property
     def grad(self) -> torch.Tensor:
@@ -140,11 +144,18 @@ class Bucket:
             self._scattered = None
 
     # -- parameters (distributed optimizer) ----------------------------------------------
-    def start_param_sync(self) -> None:
+    def start_param_sync(self, plain: bool = False) -> None:
         """Launch the all-gather of every rank's parameter shard into ``self.param`` (not
-        under ``shard_params``: layers gather their own buckets when they need them)."""
+        under ``shard_params``: layers gather their own buckets when they need them). With
+        an active ``fp8_gather`` (and not ``plain``) the fp8 linears' weights travel as fp8
+        and their elements of ``param`` are left stale."""
         if self.group.size == 1 or self.param is None or self.param_shard is not None:
             return
+        if self.fp8_gather is not None and not plain and self.fp8_gather.active:
+            self._param_work = (self.fp8_gather.start(self.shard_param(), self.param), None)
+            return
+        if self.fp8_gather is not None:
+            self.fp8_gather.stale = False
         lo, hi = self.shard_range()
         mine = self.param[lo:hi].clone()
         self._param_work = (collectives.all_gather_into_tensor(self.param, mine, self.group,

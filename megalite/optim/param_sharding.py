@@ -35,6 +35,12 @@ Hooks, per unit module:
 * at the end of each backward (an autograd engine callback): drop every ``backward`` and
   ``prefetch`` hold left (the embedding, whose input has no gradient).
 
+``--fp8-param-gather``: a bucket holding weights of fp8 linears
+(``bucket.fp8_gather``) is gathered for a training forward or backward with those weights
+as fp8 bytes (:mod:`megalite.optim.fp8_param_gather`), handed to their linears' scalings;
+the weights themselves stay the placeholder. :meth:`ParamSharding.materialize` gathers
+every parameter in its dtype.
+
 Activation recomputation re-runs forwards inside backward: those gather what they need and
 register nothing; a unit held for its backward stays gathered through its recompute.
 
@@ -190,24 +196,32 @@ class ParamSharding:
                                                  device=p.device)
         return self._placeholders[key].expand(p.shape)
 
-    def _start_gather(self, bucket) -> None:
+    def _start_gather(self, bucket, fp8: bool = True) -> None:
         """Allocate the bucket's full storage and launch the all-gather of every rank's
-        shard into it (asynchronous, over ``bucket.group``)."""
+        shard into it (asynchronous, over ``bucket.group``); with ``fp8`` and an active
+        ``bucket.fp8_gather`` (``--fp8-param-gather``, training) the fp8 linears' weights
+        travel as fp8 and go to their scalings, their parameters stay placeholders."""
         full = bucket.param
         full.untyped_storage().resize_(full.numel() * full.element_size())
         self._count(bucket, +1)
+        if fp8 and bucket.fp8_gather is not None and bucket.fp8_gather.active:
+            bucket.gather_work = bucket.fp8_gather.start(bucket.param_shard, full)
+            bucket.fp8_gathered = True
+            return
+        bucket.fp8_gathered = False
         bucket.gather_work = collectives.all_gather_into_tensor(
             full, bucket.param_shard, bucket.group, async_op=True) or _DONE
 
-    @staticmethod
-    def _wait_gather(bucket) -> None:
+    def _wait_gather(self, bucket) -> None:
         """Complete the bucket's all-gather; the parameters become views of it."""
         if bucket.gather_work is None:
             return
         bucket.gather_work.wait()
         bucket.gather_work = None
+        fp8 = {id(m[0]) for m in bucket.fp8_gather.fp8} if bucket.fp8_gathered else ()
         for p, (a, b) in zip(bucket.params, bucket.ranges):
-            p.data = bucket.param[a:b].view(p.shape)
+            p.data = (self._placeholder(p) if id(p) in fp8
+                      else bucket.param[a:b].view(p.shape))
 
     def _free(self, bucket) -> None:
         self._wait_gather(bucket)     # never leave a collective writing into freed memory
@@ -222,8 +236,8 @@ class ParamSharding:
             self._record("gather", unit)
             for bucket in unit.buckets:
                 bucket.gather_users += 1
-                if bucket.gather_users == 1:
-                    self._start_gather(bucket)
+                if bucket.gather_users == 1:   # materialize: every weight in its dtype
+                    self._start_gather(bucket, fp8=reason != MATERIALIZED)
         unit.holds.add(reason)
 
     def _drop(self, unit: Unit, *reasons: str) -> None:

@@ -267,6 +267,7 @@ def train_step(c: TrainingComponents, batches: list[dict], iteration: int,
 def evaluate(c: TrainingComponents, data_iterator: Iterator, num_steps: int) -> float:
     """Mean lm loss over ``num_steps`` global batches of ``data_iterator`` (token mean over
     all of them, SUM over ``ps.dp_cp``)."""
+    c.grads.regather_stale()   # --fp8-param-gather: the weights in their dtype
     c.model.eval()
     loss_sum = torch.zeros(1, dtype=torch.float64, device=c.ps.device)
     tokens = torch.zeros(1, dtype=torch.float64, device=c.ps.device)

@@ -10,7 +10,8 @@
 #                Hugging Face tokenizer, the corpus tokenized with it, runs/ for outputs
 #   DTYPE        bf16 by default (the CPU run is quicker); DTYPE=fp8 runs the original's
 #                fp8 lines: megalite's fp8 GEMMs (delayed scaling, hybrid format) run on
-#                the CPU too; --fp8-param-gather is accepted without effect
+#                the CPU too; --fp8-param-gather all-gathers their weights as fp8 bytes
+#                under the distributed optimizer (2 processes at tp 1: dp 2)
 #
 #   bash scripts/megatron_examples/llama3_8b.sh [CHECKPOINT_PATH] [TENSORBOARD_LOGS_PATH] [TOKENIZER|MOCK] [DATA|MOCK]
 set -euo pipefail

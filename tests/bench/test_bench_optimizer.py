@@ -5,7 +5,9 @@ dp 2, tp 2 and dp 2 x tp 2 (AdamW and Muon, with and without the distributed opt
 counted per collective, against theory: the gradient all-reduce / reduce-scatter and the
 parameter all-gather of data parallelism, Muon's tp gather to owner ranks and its owner
 exchange over dp, exactly (the buckets of this model need no padding), and only scalars
-besides."""
+besides; with --fp8-param-gather (bf16, tensorwise fp8 linears) the parameter all-gather
+sends the fp8 linears' weights at one byte per element, half of bf16's, plus one amax
+scalar per fp8 weight over dp and tp."""
 
 import pytest
 
@@ -30,12 +32,15 @@ def test_rows(capsys, pooled_ranks):
 
     assert set(comm) == {(dp, tp, o, d) for dp, tp in ((2, 1), (1, 2), (2, 2))
                          for o in ("adam", "muon") for d in ((False, True) if dp > 1
-                                                             else (False,))}
+                                                             else (False,))} | {
+        (2, 1, "adam-fp8", True), (2, 2, "adam-fp8", True)}
     for (dp, tp, optimizer, distributed), row in comm.items():
         what = (dp, tp, optimizer, distributed)
         for kind, (got, want) in row.items():
             if kind == "other":        # the inf/nan check and the norm's scalars
-                assert got < 64 and want == 0, (what, got)
+                # fp8: each of the 8 fp8 weights' amax, 4 bytes over dp and 4 over tp
+                limit = 64 + (8 * 8 if optimizer == "adam-fp8" else 0)
+                assert got < limit and want == 0, (what, got)
             else:
                 assert got == pytest.approx(want, rel=1e-9, abs=1e-9), (what, kind)
         big = {k for k, (got, _) in row.items() if got and k != "other"}
@@ -53,3 +58,10 @@ def test_rows(capsys, pooled_ranks):
     plain, sharded = comm[(2, 2, "muon", False)], comm[(2, 2, "muon", True)]
     assert sharded["grad reduce-scatter"][0] * 2 == plain["grad all-reduce"][0]
     assert sharded["muon tp gather"][0] * 2 == plain["muon tp gather"][0]
+    # --fp8-param-gather: of bf16's 2 bytes per element (half the fp32 gather) the fp8
+    # linears' weights (at tp 1 the Muon matrices' fraction of the model) send one
+    bf16 = comm[(2, 1, "adam", True)]["param all-gather"][0] / 2
+    fp8 = comm[(2, 1, "adam-fp8", True)]["param all-gather"][0]
+    assert fp8 == pytest.approx(bf16 * (1 - frac / 2), rel=1e-9)
+    bf16 = comm[(2, 2, "adam", True)]["param all-gather"][0] / 2
+    assert comm[(2, 2, "adam-fp8", True)]["param all-gather"][0] < 0.6 * bf16

@@ -62,7 +62,7 @@ EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 OPTIM_DROPS = ("optimizer_cpu_offload", "optimizer_offload_fraction", "muon_tp_mode")
 REFERENCE_DROPS = ("recompute_granularity", "recompute_method", "recompute_num_layers",
                    "recompute_modules", "moe_token_dispatcher_type", "cp_comm_type",
-                   "cpu_offloading", "cpu_offloading_num_layers")
+                   "cpu_offloading", "cpu_offloading_num_layers", "fp8_param_gather")
 
 
 @dataclasses.dataclass(frozen=True)

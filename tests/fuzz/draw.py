@@ -45,7 +45,9 @@ the position table on a later stage), so the draw is not rejected.
 fp8 GEMMs (``--fp8-format`` e4m3 or hybrid with ``--fp8-recipe`` tensorwise, delayed or
 mxfp8; blockwise's 128-element blocks do not tile these sizes) come for a third of the
 seeds from ``"fp8-<seed>"``; a drawn model whose GEMMs the recipe cannot tile
-(validation refuses it) keeps its other dimensions and drops fp8.
+(validation refuses it) keeps its other dimensions and drops fp8. Where a per-tensor
+recipe (tensorwise, delayed) meets the distributed optimizer (any sharding strategy), half
+the seeds add ``--fp8-param-gather`` from ``"fp8-param-gather-<seed>"``.
 QK-clip (``--qk-clip``) comes for a quarter of the seeds from ``"qkclip-<seed>"``, drawn
 last: a threshold the tiny models' logits pass at once (0.02, 0.04) or never (100), alpha
 0.3 / 0.5 / 0.7; where QK norm without multi-latent attention was drawn (which QK-clip
@@ -314,6 +316,16 @@ def _fp8(frng: random.Random, model: dict) -> None:
                      fp8_amax_compute_algo=frng.choice(("max", "most_recent")))
 
 
+def _fp8_param_gather(grng: random.Random, model: dict, short: dict) -> None:
+    """--fp8-param-gather for half the draws of a per-tensor fp8 recipe under the
+    distributed optimizer (a number is drawn every time, so the stream stays aligned)."""
+    x = grng.random()
+    distributed = short.get("distopt") or short.get("strategy", "no_shard") != "no_shard"
+    if x < 0.5 and distributed and model.get("fp8_recipe") in ("tensorwise", "delayed") \
+            and model.get("fp8_format"):
+        model["fp8_param_gather"] = True
+
+
 def _qk_clip(qrng: random.Random, model: dict) -> None:
     """--qk-clip (a quarter of the draws; its threshold, alpha) or only
     --log-max-attention-logit (an eighth, and the QK-clip draws of a QK-norm model)."""
@@ -329,6 +341,7 @@ def _qk_clip(qrng: random.Random, model: dict) -> None:
 def _without_fp8(layout: Layout) -> Layout:
     model = {k: v for k, v in layout.model.items() if not k.startswith("fp8_")}
     name = layout.name.replace(f"-fp8{layout.model.get('fp8_recipe')}", "")
+    name = name.replace("-fp8pg", "")
     return dataclasses.replace(layout, name=name, model=model)
 
 
@@ -340,7 +353,8 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                frng: random.Random | None = None,
                mrng: random.Random | None = None,
                qrng: random.Random | None = None,
-               trng: random.Random | None = None) -> Layout | None:
+               trng: random.Random | None = None,
+               grng: random.Random | None = None) -> Layout | None:
     short = _sizes(rng)
     world = short["tp"] * short["pp"] * short["dp"]
     model = _model(rng, _num_layers(rng, short))
@@ -361,6 +375,8 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
         _attention_variant(vrng, model)
     if frng is not None:
         _fp8(frng, model)
+    if grng is not None:
+        _fp8_param_gather(grng, model, short)
     if mrng is not None:
         _recompute_modules(mrng, model)
     if qrng is not None:
@@ -380,6 +396,7 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
                              ("qknorm", model.get("qk_layernorm")
                               and not model.get("multi_latent_attention")),
                              (f"fp8{model.get('fp8_recipe')}", model.get("fp8_format")),
+                             ("fp8pg", model.get("fp8_param_gather")),
                              ("qkclip", model.get("qk_clip")),
                              ("maxlogit", model.get("log_max_attention_logit")),
                              (f"mtp{model.get('mtp_num_layers')}",
@@ -416,9 +433,10 @@ def draw_layout(seed: int) -> Layout:
     zrng, vrng = random.Random(f"schedule-{seed}"), random.Random(f"attention-{seed}")
     frng, mrng = random.Random(f"fp8-{seed}"), random.Random(f"recompute-{seed}")
     qrng, trng = random.Random(f"qkclip-{seed}"), random.Random(f"mtp-{seed}")
+    grng = random.Random(f"fp8-param-gather-{seed}")
     for _ in range(MAX_ATTEMPTS):
         layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng, vrng, frng, mrng,
-                            qrng, trng)
+                            qrng, trng, grng)
         if layout is None:
             continue
         if rejection(layout) is None:

@@ -1,6 +1,6 @@
-"""fp8 flags: parsed and validated (fp16, untileable shapes: one ConfigError each;
---fp8-param-gather accepted without effect, saying why); fp8 trains on the CPU from the
-entrypoint; a GPU without fp8 GEMMs is refused with the alternative."""
+"""fp8 flags: parsed and validated (fp16, untileable shapes, --fp8-param-gather without
+the distributed optimizer or with a block recipe: one ConfigError each); fp8 trains on the
+CPU from the entrypoint; a GPU without fp8 GEMMs is refused with the alternative."""
 
 import subprocess
 from unittest import mock
@@ -45,12 +45,24 @@ def test_fp8_with_fp16_is_one_error():
         parse_args(["--fp8-format", "e4m3", "--fp16"])
 
 
-def test_fp8_param_gather_is_accepted_without_effect():
+def test_fp8_param_gather_needs_the_distributed_optimizer():
     from megalite.compat import no_effect_line
 
     cfg = parse_args(LLAMA3_FP8 + ["--fp8-param-gather"])
-    assert "--fp8-param-gather (megalite gathers parameters in their training precision" \
-        in no_effect_line(cfg)
+    assert "--fp8-param-gather" not in (no_effect_line(cfg) or "")
+    with pytest.raises(ConfigError, match="--fp8-param-gather needs the distributed "
+                       "optimizer.*add --use-distributed-optimizer"):
+        cfg.validate(1)
+    for extra in (["--use-distributed-optimizer"],
+                  ["--data-parallel-sharding-strategy", "optim_grads_params"]):
+        parse_args(LLAMA3_FP8 + ["--fp8-param-gather"] + extra).validate(2)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_fp8_param_gather_refuses_block_recipes(recipe):
+    with pytest.raises(ConfigError, match=f"--fp8-param-gather with --fp8-recipe {recipe} "
+                       "is not supported.*use --fp8-recipe tensorwise or delayed"):
+        parse_args(LLAMA3_FP8 + ["--fp8-param-gather", "--fp8-recipe", recipe])
 
 
 @pytest.mark.parametrize("argv, match", [

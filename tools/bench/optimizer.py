@@ -36,6 +36,13 @@ Muon matrices split over tp, ``D = dp``, fp32:
   shards, so it is less (0.7 and 0.33 of that on the test's tiny model at dp 2 and 4);
 * the rest (the inf/nan check and the norm's scalars): a few bytes.
 
+``--fp8-param-gather`` (the ``adam-fp8`` case, distributed only): the model in bf16 with
+tensorwise fp8 linears, one bucket per parameter (no weight shares a rank's packed row with
+another parameter), AdamW. The parameter all-gather sends the ``P8`` elements of the fp8
+linears' weights as one byte each and the rest in bf16: ``(2 (P - P8) + P8) (D-1)/D``,
+where bf16 would send ``2 P (D-1)/D``, so the fp8 weights' part is halved; plus the amax
+MAX of each fp8 weight over dp (a scalar each, "other").
+
 Without the distributed optimizer the gradient all-reduce of data parallelism is the only
 large collective (``2 * 4 P (D-1)/D``, in the gradient sync), AdamW's step moves nothing.
 Counts are deterministic; the ``step ms`` column of that table is not a measurement to
@@ -54,12 +61,15 @@ import torch
 from tools.bench import _ranks
 
 
-def _model(args, tp: int = 1):
+def _model(args, tp: int = 1, fp8: bool = False):
     from megalite.config import ModelConfig, ParallelConfig
     from megalite.models.gpt import GPTModel
     from megalite.parallel.state import ParallelState
 
-    cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+    extra = ({"bf16": True, "fp8_format": "hybrid", "fp8_recipe": "tensorwise",
+              "fp8_param_gather": True} if fp8 else {})
+    cfg = ModelConfig(**extra,
+                      num_layers=args.num_layers, hidden_size=args.hidden_size,
                       ffn_hidden_size=args.ffn_hidden_size,
                       num_attention_heads=max(4, args.hidden_size // 64),
                       group_query_attention=True, num_query_groups=4, swiglu=True,
@@ -173,12 +183,19 @@ def _comm_on_rank(rank, world, args, tp, cases):
     from megalite.optim.optimizer import MixedPrecisionOptimizer
     from megalite.parallel.params import param_meta
 
+    from megalite.optim.fp8_param_gather import fp8_weight_scalings
+
     out = {}
-    for optimizer, distributed in cases:
+    for case in cases:
+        optimizer, distributed = case
+        fp8 = optimizer == "adam-fp8"
         extra = {"muon_num_ns_steps": args.muon_num_ns_steps} if optimizer == "muon" else {}
-        ocfg = OptimConfig(optimizer=optimizer, lr=1e-3, clip_grad=1.0, **extra)
-        model, ps = _model(args, tp)
-        grads = DataParallelGrads(model, ps, use_distributed_optimizer=distributed)
+        ocfg = OptimConfig(optimizer="adam" if fp8 else optimizer, lr=1e-3, clip_grad=1.0,
+                           **extra)
+        model, ps = _model(args, tp, fp8)
+        grads = DataParallelGrads(model, ps, bucket_size=1 if fp8 else None,
+                                  use_distributed_optimizer=distributed,
+                                  fp8_param_gather=fp8)
         scaler = build_loss_scaler(ocfg, False)
         opt = (DistributedOptimizer(model, ocfg, ps, scaler, grads) if distributed
                else MixedPrecisionOptimizer(model, ocfg, ps, scaler))
@@ -190,14 +207,17 @@ def _comm_on_rank(rank, world, args, tp, cases):
             grads.finish_grad_sync()
         with counter.counting("step"):
             opt.step()
-            grads.finish_param_sync()
+            grads.wait_param_sync()   # (finish_param_sync would regather fp8 weights in bf16)
         named = list(model.named_parameters())
         alg = algorithm_of(ocfg)
         muon = [p for n, p in named if optimizer == "muon" and alg.rule(ocfg, n, p) == "muon"]
         sizes = {"P": sum(p.numel() for _, p in named), "M": sum(p.numel() for p in muon),
                  "T": sum(p.numel() for p in muon if param_meta(p).tensor_parallel),
-                 "X": _outside_owner(getattr(opt, "exchange", None))}
-        out[(optimizer, distributed)] = (counter.sent, sizes)
+                 "X": _outside_owner(getattr(opt, "exchange", None)),
+                 "P8": sum(p.numel() for p in model.parameters()
+                           if id(p) in fp8_weight_scalings([model])),
+                 "bytes": 2 if fp8 else 4}
+        out[case] = (counter.sent, sizes)
         grads.remove_hooks()
         ps.destroy()
     return out
@@ -220,11 +240,13 @@ def _outside_owner(exchange) -> int:
 
 
 def _theory(kind: str, sizes: dict, dp: int, tp: int, distributed: bool) -> float:
-    P, T, X = sizes["P"], sizes["T"], sizes["X"]
+    P, T, X, P8 = sizes["P"], sizes["T"], sizes["X"], sizes["P8"]
     if kind == "grad all-reduce":
         return 0.0 if distributed else 2 * 4 * P * (dp - 1) / dp
-    if kind in ("grad reduce-scatter", "param all-gather"):
+    if kind == "grad reduce-scatter":
         return 4 * P * (dp - 1) / dp if distributed else 0.0
+    if kind == "param all-gather":   # fp8 linears' weights at one byte (--fp8-param-gather)
+        return (sizes["bytes"] * (P - P8) + P8) * (dp - 1) / dp if distributed else 0.0
     if kind == "muon tp gather":
         return 2 * 4 * T * (tp - 1) / tp / (dp if distributed else 1)
     if kind == "muon owner exchange":
@@ -255,13 +277,15 @@ def bench_comm(args) -> dict:
     if not args.comm_layouts:
         return rows
     print(f"\noptimizer communication per step (bytes sent per rank, mean over ranks, "
-          f"fp32): {args.num_layers} layers, hidden {args.hidden_size}")
+          f"fp32; adam-fp8: bf16 with --fp8-param-gather): {args.num_layers} layers, "
+          f"hidden {args.hidden_size}")
     print(f"{'dp':>3} {'tp':>3} {'optimizer':>10} {'distopt':>8} {'kind':>20} "
           f"{'measured':>12} {'theory':>12} {'ratio':>7}")
     for layout in args.comm_layouts:
         dp, tp = (int(x) for x in layout.split("x"))
         cases = [(o, d) for o in ("adam", "muon") for d in ((False, True) if dp > 1
                                                              else (False,))]
+        cases += [("adam-fp8", True)] if dp > 1 else []
         by_rank = _ranks.run_on_ranks(_comm_on_rank, dp * tp, args, tp, cases)
         for case in cases:
             measured = dict.fromkeys(KINDS, 0.0)

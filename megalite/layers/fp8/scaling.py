@@ -59,6 +59,7 @@ class Fp8Scaling(torch.nn.Module):
                                  persistent=False)
             self.register_buffer("step_amax", torch.zeros(3, **kw), persistent=False)
         self._weight: tuple | None = None   # this step's (dequantisation scale, fp8 weight)
+        self._given = False      # _weight came from the fp8 parameter gather (amax recorded)
 
     def history_amax(self) -> torch.Tensor:
         """``[3]``: the amax each role's scale is computed from this step."""
@@ -89,7 +90,7 @@ class Fp8Scaling(torch.nn.Module):
         records the weight's amax on a reuse (a step skipped for inf/nan gradients left
         the weights, and so this copy, as they were)."""
         if record and self._weight is not None:
-            if self.delayed:
+            if self.delayed and not self._given:
                 self.step_amax[WEIGHT] = torch.maximum(self.step_amax[WEIGHT],
                                                        amax_of(weight))
             return self._weight
@@ -99,14 +100,21 @@ class Fp8Scaling(torch.nn.Module):
             self._weight = out
         return out
 
+    def give_weight(self, d: torch.Tensor, q: torch.Tensor) -> None:
+        """Use ``(d, q)`` (0-d fp32 dequantisation scale, fp8 weight in the weight's shape)
+        as this step's fp8 weight: ``--fp8-param-gather`` quantised it on the ranks owning
+        its shards with this scaling's scale (:mod:`megalite.optim.fp8_param_gather`),
+        which also recorded the weight's amax under delayed scaling."""
+        self._weight, self._given = (d, q), True
+
     def forget_weight(self) -> None:
         """Drop the step's fp8 weight (the optimizer is about to change the weight)."""
-        self._weight = None
+        self._weight, self._given = None, False
 
     def push(self, amax: torch.Tensor) -> None:
         """Shift the history by one step and put ``amax`` ``[3]`` first; clear the step
         (and its fp8 weight, whose scale came from the old history)."""
-        self._weight = None
+        self._weight, self._given = None, False
         self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=1))
         self.amax_history[:, 0] = amax
         self.step_amax.zero_()
