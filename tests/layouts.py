@@ -59,8 +59,11 @@ SHORT = {"tp": "tensor_model_parallel_size", "sp": "sequence_parallel",
          "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size",
          "distopt": "use_distributed_optimizer", "overlap_grad": "overlap_grad_reduce",
          "overlap_param": "overlap_param_gather", "bucket": "ddp_bucket_size",
-         "strategy": "data_parallel_sharding_strategy"}
-_FLAG_NAMES = {"sp": "sp", "distopt": "distopt", "overlap_grad": "ogr", "overlap_param": "opg"}
+         "strategy": "data_parallel_sharding_strategy",
+         "a2a_overlap": "overlap_moe_expert_parallel_comm",
+         "delay_wgrad": "delay_wgrad_compute"}
+_FLAG_NAMES = {"sp": "sp", "distopt": "distopt", "overlap_grad": "ogr", "overlap_param": "opg",
+               "a2a_overlap": "a2aov", "delay_wgrad": "dwg"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +220,12 @@ _MOE_TRAINING = [
     # ZB-V: the experts of both chunks of a V on each pipeline rank, ep 2 x dp 2
     row("moe-training", 4, model={"num_experts": 4, "num_layers": 4}, pp=2, ep=2,
         schedule="zbv"),
+    # --overlap-moe-expert-parallel-comm: each backward paired with the next forward (2
+    # micro-batches per dp rank), their expert all-to-alls over ep 2 overlapping the other's
+    # compute; with --delay-wgrad-compute the paired backward's weight GEMMs after the pair
+    row("moe-training", 2, model={"num_experts": 4}, ep=2, a2a_overlap=True),
+    row("moe-training", 2, model={"num_experts": 4}, ep=2, a2a_overlap=True,
+        delay_wgrad=True),
 ]
 
 # Qwen3-MoE's shape: QK norm, softmax over all experts then top-k not renormalized
@@ -242,6 +251,7 @@ _DEEPSEEK = [
     row("moe-training", 4, "deepseek", model=DEEPSEEK_MOE, ep=2),
     row("moe-training", 4, "deepseek", model=DEEPSEEK_MOE, tp=2, sp=True, ep=2, etp=1),
     row("moe-training", 4, "deepseek", model=DEEPSEEK_MOE, pp=2, ep=2),
+    row("moe-training", 2, "deepseek", model=DEEPSEEK_MOE, ep=2, a2a_overlap=True),
     row("moe-training", 4, "deepseek", model=DEEPSEEK_MOE, tp=2, sp=True, distopt=True),
     # DeepSeek-V3's --recompute-modules (bar mla_up_proj, which needs MLA)
     row("moe-training", 4, "deepseek-recompute", model={

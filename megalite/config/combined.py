@@ -10,6 +10,7 @@ from megalite.config.data import DataConfig
 from megalite.config.fields import ConfigError, require
 from megalite.config.layout import ResolvedLayout, resolve_layout
 from megalite.config.model import ModelConfig
+from megalite.config.moe_overlap import check_moe_overlap
 from megalite.config.mtp import check_mtp_layout
 from megalite.config.optim import OptimConfig
 from megalite.config.parallel import (
@@ -89,6 +90,7 @@ class MegaliteConfig:
         self._validate_experts(dp)
         self._validate_training_length()
         self._validate_batches(dp)
+        check_moe_overlap(m, p, t, dp)
         m.check_fp8_tiling(tp, p.context_parallel_size, t.micro_batch_size,
                            p.expert_tensor_parallel_size)
         if self.checkpoint.save_interval is not None and self.checkpoint.save is None:

@@ -117,6 +117,15 @@ class ParallelConfig:
     use_torch_fsdp2: bool = arg(False, "Wrap the model in torch FSDP2 (refused: it does not "
                                 "compose with megalite's gradient buffers; use "
                                 "--data-parallel-sharding-strategy optim_grads_params).")
+    overlap_moe_expert_parallel_comm: bool = arg(
+        False, "Overlap the MoE token dispatch / combine all-to-alls of one micro-batch "
+        "with the computation of another: each backward runs paired with the next forward, "
+        "the two taking turns at every expert all-to-all (which runs while the other "
+        "computes). Needs expert parallelism, the alltoall dispatcher, pipeline size 1 with "
+        "1f1b and >= 2 micro-batches per step.")
+    delay_wgrad_compute: bool = arg(
+        False, "With --overlap-moe-expert-parallel-comm: the paired backward computes input "
+        "gradients only; its weight-gradient GEMMs run after the pair.")
     overlap_grad_reduce: bool = arg(False, "Overlap gradient reduction with backward.")
     overlap_param_gather: bool = arg(False, "Overlap the parameter all-gather with forward.")
     ddp_bucket_size: int | None = arg(None, "Gradient bucket size in elements.")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megalite.parallel import collectives, mappings
+from megalite.parallel import collectives, paired_lanes
 
 
 @dataclass
@@ -126,6 +126,30 @@ class _ReduceUneven(torch.autograd.Function):
         return _gather_rows(grad, ctx.sizes, ctx.group), None, None
 
 
+def _lane_all_to_all(x: torch.Tensor, send, recv, group) -> torch.Tensor:
+    """The uneven all-to-all: launched asynchronously and, inside a pair of
+    :mod:`megalite.parallel.paired_lanes` (``--overlap-moe-expert-parallel-comm``), left
+    running while the other micro-batch computes; blocking otherwise. Timed either way."""
+    if paired_lanes.active():
+        return paired_lanes.exchange(
+            lambda: collectives.all_to_all_async(x, group, send, recv))
+    return paired_lanes.timed(lambda: collectives.all_to_all(x, group, send, recv))
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows ``send[r]`` to rank r; backward is the reverse exchange (same collective as
+    :func:`megalite.parallel.mappings.all_to_all`, through :func:`_lane_all_to_all`)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _lane_all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _lane_all_to_all(grad.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
+
+
 def all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group,
                counter: CommCounter | None = None, name: str = "all_to_all"
                ) -> torch.Tensor:
@@ -139,7 +163,7 @@ def all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group,
         return x
     if counter is not None:
         counter.add(name, (sum(send) - send[group.rank]) * _row_bytes(x))
-    return mappings.all_to_all(x, group, send, recv)
+    return _AllToAll.apply(x, list(send), list(recv), group)
 
 
 def gather_uneven(x: torch.Tensor, sizes: Sequence[int], group,

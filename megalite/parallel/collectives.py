@@ -272,6 +272,18 @@ def all_to_all(x: torch.Tensor, group: Group, send: Sequence[int] | None = None,
     return out
 
 
+def all_to_all_async(x: torch.Tensor, group: Group, send: Sequence[int],
+                     recv: Sequence[int]) -> tuple[torch.Tensor, TrackedWork]:
+    """The uneven :func:`all_to_all` launched with ``async_op=True``: returns the output
+    ``[sum(recv), ...]`` (valid once the work is waited on) and its tracked work. Needs
+    ``group.size > 1``."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    work = _launch(group, "all_to_all", dist.all_to_all_single, out, x.contiguous(),
+                   output_split_sizes=list(recv), input_split_sizes=list(send),
+                   group=group.group)
+    return out, work
+
+
 # -- ring (context parallel) ------------------------------------------------------------
 def ring_exchange(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, list]:
     """Start passing ``x`` (any shape) one step around the ring of ``group`` (``ps.cp`` for

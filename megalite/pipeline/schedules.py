@@ -44,7 +44,7 @@ import torch
 from megalite.config.batch_schedule import check_interleaved
 from megalite.config.fields import require
 from megalite.config.parallel import PIPELINE_SCHEDULES, check_pipeline_schedule, is_v_schedule
-from megalite.parallel import weight_grad
+from megalite.parallel import paired_lanes, weight_grad
 from megalite.pipeline.p2p import Incoming, PipeComm
 from megalite.pipeline.plan import Step, plan_rounds
 from megalite.pipeline.v_shape import dualpipev, v_forward_only, zbv
@@ -183,7 +183,8 @@ def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
 def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vpp: int,
                  comm: PipeComm | None, train: bool = True,
                  deallocate: bool = True, stats: ScheduleStats | None = None,
-                 v_shape: bool = False) -> None:
+                 v_shape: bool = False, pair_backward_forward: bool = False,
+                 delay_wgrad: bool = False) -> None:
     """Execute this rank's steps, ``rank_steps[ps.pp.rank]``.
 
     rank_steps: the steps of every pipeline rank (index: pipeline rank); together they fix
@@ -196,6 +197,12 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
     v_shape: the pieces sit in ZB-V's V (:mod:`megalite.pipeline.plan`): the last rank's
     chunk 0 hands its output to its own chunk 1 (a detached copy that collects the
     gradient, as a received activation does) and chunk 1's input gradient back to chunk 0.
+    pair_backward_forward: run each backward that the next forward follows with no
+    transfer between them (one pipeline stage) as a pair of
+    :mod:`megalite.parallel.paired_lanes` (``--overlap-moe-expert-parallel-comm``): the two
+    micro-batches take turns at every expert all-to-all, each exchange running while the
+    other computes. delay_wgrad (``--delay-wgrad-compute``): the paired backward defers its
+    weight gradients (:mod:`megalite.parallel.weight_grad`), run right after the pair.
     """
     rank = ps.pp.rank
     arrived: dict[Step, Incoming] = {}  # posted receives of later steps' inputs
@@ -207,7 +214,40 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
     splittable = weight_grad.splittable if split else contextlib.nullcontext
     deferred: dict[tuple[int, int], list] = {}
     kept: dict[Step, torch.Tensor] = {}   # outputs for this rank's own later steps (the V)
-    for rnd in _plan(tuple(map(tuple, rank_steps)), vpp, v_shape)[rank]:
+    delay_wgrad = delay_wgrad and pair_backward_forward and train and not split
+    if delay_wgrad:   # every forward builds graphs whose weight gradients can wait
+        splittable = weight_grad.splittable
+
+    def run_forward(chunk, mb, received):
+        with torch.set_grad_enabled(train), splittable():
+            y = forward_step(chunk, mb, received)
+        if train:
+            inputs[(chunk, mb)], outputs[(chunk, mb)] = received, y
+        return ("F", y)
+
+    def run_backward(chunk, mb, received, defer=False):
+        x, y = inputs.pop((chunk, mb)), outputs.pop((chunk, mb))
+        if split or defer:   # recomputed forwards inside the backward defer too
+            with splittable(), weight_grad.deferring() as queue:
+                _backward(y, received)
+            deferred[(chunk, mb)] = queue
+        else:
+            _backward(y, received)
+        return ("B", x.grad) if x is not None else None
+
+    rounds = _plan(tuple(map(tuple, rank_steps)), vpp, v_shape)[rank]
+    paired_with: dict[int, Step] = {}   # round index of a B -> the F paired with it
+    if pair_backward_forward and train:
+        for k in range(len(rounds) - 1):
+            a, b = rounds[k], rounds[k + 1]
+            if (a.step is not None and b.step is not None and a.step[0] == "B"
+                    and b.step[0] == "F" and (k - 1) not in paired_with
+                    and not (a.sends or a.recvs or a.local or b.sends or b.recvs or b.local)):
+                paired_with[k] = b.step
+    skip = {k + 1 for k in paired_with}
+    for k, rnd in enumerate(rounds):
+        if k in skip:
+            continue
         t0 = time.perf_counter()
         waited0 = comm.wait_seconds if comm else 0.0
         send = None
@@ -217,21 +257,22 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
             received = comm.take(incoming) if incoming is not None else None
             if rnd.step in kept:
                 received = kept.pop(rnd.step)
-            if kind == "F":
-                with torch.set_grad_enabled(train), splittable():
-                    y = forward_step(chunk, mb, received)
-                send = ("F", y)
-                if train:
-                    inputs[(chunk, mb)], outputs[(chunk, mb)] = received, y
+            if k in paired_with:   # this backward and the next forward take turns
+                f_step = paired_with[k]
+                got = {}
+                paired_lanes.run_paired(
+                    lambda: got.setdefault("B", run_backward(chunk, mb, received,
+                                                             delay_wgrad)),
+                    lambda: got.setdefault("F", run_forward(*f_step[1:], None)))
+                if delay_wgrad:
+                    weight_grad.apply(deferred.pop((chunk, mb)))
+                send = got["B"]
+                if stats is not None:
+                    stats.events.append((*f_step, t0, time.perf_counter() - t0, 0.0))
+            elif kind == "F":
+                send = run_forward(chunk, mb, received)
             elif kind == "B":
-                x, y = inputs.pop((chunk, mb)), outputs.pop((chunk, mb))
-                if split:   # recomputed forwards inside the backward defer too
-                    with splittable(), weight_grad.deferring() as queue:
-                        _backward(y, received)
-                    deferred[(chunk, mb)] = queue
-                else:
-                    _backward(y, received)
-                send = ("B", x.grad) if x is not None else None
+                send = run_backward(chunk, mb, received)
             else:
                 weight_grad.apply(deferred.pop((chunk, mb)))
             if rnd.local:   # the turn of the V: chunk 0 <-> chunk 1 on this rank

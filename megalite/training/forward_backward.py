@@ -208,7 +208,9 @@ def forward_backward(c, batches: list[dict], tokens, *, train: bool = True,
                         c.cfg.parallel.variable_seq_lengths)
     steps = layout_schedules(c.layout, len(batches), train)
     run_schedule(steps, forward_step=forward_step, ps=ps, vpp=vpp, comm=comm,
-                 train=train, stats=stats, v_shape=c.layout.v_shape)
+                 train=train, stats=stats, v_shape=c.layout.v_shape,
+                 pair_backward_forward=c.cfg.parallel.overlap_moe_expert_parallel_comm,
+                 delay_wgrad=c.cfg.parallel.delay_wgrad_compute)
     if ps.pp.size > 1:  # only the last piece's stage computed the loss (zbv: rank 0)
         all_reduce(loss_sum, ps.pp)
     return loss_sum
