@@ -1,0 +1,147 @@
+"""``--overlap-moe-expert-parallel-comm`` (and ``--delay-wgrad-compute``).
+
+* the turn-taking of :mod:`megalite.parallel.paired_lanes` on one process: the order in
+  which two lanes run their segments, exceptions from either lane;
+* every combination the flags cannot apply to is one ConfigError line;
+* on 2 ranks (ep 2, dp 2, 2 micro-batches per rank): training with the overlap gives the
+  losses, grad norms and parameters of the same layout without it bit for bit (the same
+  operations on the same tensors, only interleaved), and its all-to-alls did run while the
+  other micro-batch computed (``paired_lanes.STATS.overlapped``). The layout-table rows
+  (``moe-training-dp2-ep2-a2aov*``) check the same runs against one process.
+"""
+
+import os
+
+import pytest
+import torch
+
+from megalite.config import ConfigError
+from megalite.parallel import paired_lanes
+from tests.distributed.harness import run_distributed
+from tests.training.common import read_jsonl, run_training, tiny_config
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+def test_lanes_take_turns_at_each_exchange():
+    log = []
+
+    def exchange(lane, k):
+        log.append(f"{lane}{k}")
+        return paired_lanes.exchange(lambda: (torch.zeros(1), _Done()))
+
+    def main():
+        for k in range(3):
+            exchange("B", k)
+        log.append("B-end")
+
+    def side():
+        for k in range(2):
+            exchange("F", k)
+        log.append("F-end")
+
+    paired_lanes.STATS.reset()
+    switches = paired_lanes.run_paired(main, side)
+    # B issues, F computes to its first exchange, B waits and goes on, ...; once F has
+    # finished, B runs to its end without handing over
+    assert log == ["B0", "F0", "B1", "F1", "B2", "F-end", "B-end"]
+    assert switches == 5   # every exchange handed over: F was still alive at B2
+    assert paired_lanes.STATS.calls == 5 and paired_lanes.STATS.overlapped == 5
+    assert not paired_lanes.active()
+    # outside a pair an exchange waits at once
+    paired_lanes.exchange(lambda: (torch.zeros(1), _Done()))
+    assert paired_lanes.STATS.overlapped == 5
+
+
+@pytest.mark.parametrize("failing", ["main", "side"])
+def test_lane_exception_reaches_the_caller(failing):
+    def lane(name):
+        def run():
+            paired_lanes.exchange(lambda: (torch.zeros(1), _Done()))
+            if name == failing:
+                raise ValueError(name)
+        return run
+
+    with pytest.raises(ValueError, match=failing):
+        paired_lanes.run_paired(lane("main"), lane("side"))
+    assert not paired_lanes.active()
+
+
+_MOE = {"num_experts": 4, "moe_router_topk": 2}
+_ON = {"overlap_moe_expert_parallel_comm": True, "expert_model_parallel_size": 2}
+
+
+@pytest.mark.parametrize("model, parallel, train, match", [
+    ({}, {"overlap_moe_expert_parallel_comm": True}, {}, "has none; give --num-experts"),
+    (_MOE, {"overlap_moe_expert_parallel_comm": True}, {},
+     "--expert-model-parallel-size 1 there is none"),
+    ({**_MOE, "moe_token_dispatcher_type": "allgather"}, _ON, {}, "use alltoall"),
+    (_MOE, {**_ON, "pipeline_model_parallel_size": 2}, {}, "not supported yet"),
+    (_MOE, {**_ON, "pipeline_schedule": "zb_h1"}, {}, "--pipeline-schedule zb_h1"),
+    ({**_MOE, "recompute_granularity": "full", "recompute_method": "uniform",
+      "recompute_num_layers": 1}, _ON, {}, "--recompute-granularity full"),
+    ({**_MOE, "recompute_granularity": "selective", "recompute_modules": ["moe"]}, _ON, {},
+     "drop moe from --recompute-modules"),
+    (_MOE, {**_ON, "data_parallel_sharding_strategy": "optim_grads_params"}, {},
+     "use optim_grads or optim"),
+    ({**_MOE, "cpu_offloading": True, "cpu_offloading_num_layers": 1}, _ON, {},
+     "--cpu-offloading"),
+    (_MOE, _ON, {"global_batch_size": 8}, "1 micro-batch per step"),
+    (_MOE, {"expert_model_parallel_size": 2, "delay_wgrad_compute": True}, {},
+     "give --overlap-moe-expert-parallel-comm too"),
+])
+def test_refused_where_it_cannot_apply(model, parallel, train, match):
+    with pytest.raises(ConfigError, match=match):
+        tiny_config(4, model=model, parallel=parallel, train=train)
+
+
+def test_accepted_with_two_microbatches():
+    cfg = tiny_config(2, model=_MOE, parallel={**_ON, "delay_wgrad_compute": True})
+    assert cfg.parallel.overlap_moe_expert_parallel_comm
+
+
+ITERS = 2
+_MIXTRAL = {**_MOE, "normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
+            "position_embedding_type": "rope", "moe_aux_loss_coeff": 0.01,
+            "moe_z_loss_coeff": 0.001, "moe_shared_expert_intermediate_size": 32}
+_VARIANTS = {"plain": {}, "overlap": {"overlap_moe_expert_parallel_comm": True},
+             "delay": {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True}}
+
+
+def _train(rank, world_size, directory):
+    out = {}
+    for name, flags in _VARIANTS.items():
+        jsonl = os.path.join(directory, f"{name}.jsonl")
+        cfg = tiny_config(world_size, model=_MIXTRAL,
+                          parallel={"expert_model_parallel_size": 2, **flags},
+                          train={"train_iters": ITERS}, logging={"metrics_jsonl": jsonl})
+        paired_lanes.STATS.reset()
+        _, c = run_training(cfg)
+        stats = paired_lanes.STATS
+        out[name] = ({k: v.clone() for k, v in c.model.state_dict().items()},
+                     stats.calls, stats.overlapped)
+    return out
+
+
+def test_overlap_is_bitwise_the_plain_run(tmp_path):
+    per_rank = run_distributed(2, _train, str(tmp_path), timeout=300)
+    rows = {name: read_jsonl(str(tmp_path / f"{name}.jsonl")) for name in _VARIANTS}
+    for rank, out in enumerate(per_rank):
+        plain, calls, overlapped = out["plain"]
+        assert calls > 0 and overlapped == 0
+        for name in ("overlap", "delay"):
+            params, calls_on, overlapped_on = out[name]
+            assert calls_on == calls, name   # the same exchanges, ...
+            # ... those of each backward paired with the next forward overlapped: per
+            # step one pair of 2 micro-batches, 2 MoE layers x (2 forward + 2 backward)
+            assert overlapped_on >= ITERS * 4, (name, overlapped_on)
+            for key, value in plain.items():
+                assert torch.equal(params[key], value), (name, rank, key)
+    for name in ("overlap", "delay"):
+        assert len(rows[name]) == ITERS
+        for row, ref in zip(rows[name], rows["plain"]):
+            for key in ("lm_loss", "moe_aux_loss", "moe_z_loss", "grad_norm"):
+                assert row[key] == ref[key], (name, key, row, ref)
