@@ -36,3 +36,21 @@ def test_fine_grained_experts_against_dense(capsys, pooled_ranks):
     # 32 tokens x top-8 rows of 16 fp32 to dispatch and combine, about half leave the rank
     assert 0.5 < rows[2]["a2a_bytes"] / rows[2]["theory"] < 1.5
     assert "fine-grained experts: E=64 top-8" in capsys.readouterr().out
+
+
+def test_all_to_all_overlap_measured(capsys, pooled_ranks):
+    out = bench.main(["--skip-compute", "--ranks", "--fine-ranks", "--overlap-ranks", "2",
+                      "--overlap-hidden-size", "16", "--overlap-tokens", "32",
+                      "--overlap-microbatches", "3", "--overlap-layers", "2",
+                      "--repeat", "1"])
+    row = out["overlap"][2]
+    plain, overlap = row["plain"], row["overlap"]
+    # per step: 3 micro-batches x 2 MoE layers x (dispatch + combine) x (forward + backward)
+    assert plain["calls"] == overlap["calls"] == 24
+    assert plain["overlapped"] == 0
+    # the 2 pairs (B0 + F1, B1 + F2) each hand over at their 8 exchanges, or all but the
+    # last of a lane that outlives the other
+    assert 12 <= overlap["overlapped"] <= 16
+    assert 0 < plain["blocked_s"] <= plain["span_s"] and overlap["span_s"] > 0
+    assert row["hidden_fraction"] == 1 - overlap["blocked_s"] / plain["blocked_s"]
+    assert "all-to-all overlap" in capsys.readouterr().out

@@ -3,7 +3,9 @@
 ``python tools/benchmark.py moe [--tokens 4096] [--hidden-size 512] [--moe-ffn-hidden-size 1024]
 [--num-experts 8] [--moe-router-topk 2] [--repeat 3] [--ranks 2 4] [--dispatch-tokens 1024]
 [--fine-ranks 1 2 4] [--fine-experts 64] [--fine-topk 8] [--fine-tokens 1024]
-[--fine-hidden-size 256] [--fine-ffn-hidden-size 64]``
+[--fine-hidden-size 256] [--fine-ffn-hidden-size 64] [--overlap-ranks 2]
+[--overlap-hidden-size 256] [--overlap-tokens 1024] [--overlap-microbatches 4]
+[--overlap-layers 2]``
 
 1. Expert compute on one rank (fp32, SwiGLU experts, tokens routed by a random router):
    tokens/s of :func:`megalite.moe.experts.grouped_mlp` (padded ``torch.bmm``) against the
@@ -22,6 +24,12 @@
    many again) against ``2 x T * k * h * 4 * (ep - 1) / ep``. The ratio is MoE tokens/s over
    dense tokens/s: what routing, permutation, the padded grouped GEMM and the exchange
    cost over the dense layer doing the same matmul FLOPs.
+4. All-to-all overlap (``--overlap-moe-expert-parallel-comm``) at ``ep = 2`` on gloo: one
+   1F1B step of ``m`` micro-batches through dense + MoE layers, plain and with each
+   backward paired with the next forward; the seconds ranks spend blocked on the expert
+   all-to-alls (:data:`megalite.parallel.paired_lanes.STATS`) in each, and the fraction
+   of the plain run's that the overlap hides. On a CPU whose cores also run gloo's
+   threads the numbers only indicate; take them on a quiet machine.
 """
 
 from __future__ import annotations
@@ -242,9 +250,113 @@ def bench_fine_grained(args) -> dict:
     return rows
 
 
+class _OverlapModel(torch.nn.Module):
+    """``layers`` x (a dense SwiGLU MLP standing in for attention, then an MoE layer),
+    residual: the compute of one micro-batch between its expert all-to-alls."""
+
+    def __init__(self, cfg, ps, layers: int, ffn: int):
+        from megalite.moe.layer import MoELayer, SharedExpertMLP
+
+        super().__init__()
+        self.dense = torch.nn.ModuleList(SharedExpertMLP(cfg, ffn, ps) for _ in range(layers))
+        self.moe = torch.nn.ModuleList(MoELayer(cfg, ps, i, seed=1) for i in range(layers))
+
+    def forward(self, x):
+        for dense, moe in zip(self.dense, self.moe):
+            x = x + dense(x)
+            x = x + moe(x)
+        return x
+
+
+def _overlap_on_rank(rank, world, args):
+    from megalite.config import ModelConfig, ParallelConfig
+    from megalite.parallel import paired_lanes
+    from megalite.parallel.state import ParallelState
+    from megalite.pipeline.schedules import one_f_one_b, run_schedule
+
+    ps = ParallelState.build(ParallelConfig(expert_model_parallel_size=world))
+    h, m = args.overlap_hidden_size, args.overlap_microbatches
+    cfg = ModelConfig(hidden_size=h, num_experts=2 * world, moe_router_topk=2,
+                      moe_ffn_hidden_size=2 * h, swiglu=True, add_bias_linear=False,
+                      init_method_std=0.02, num_layers=args.overlap_layers)
+    model = _OverlapModel(cfg, ps, args.overlap_layers, 4 * h)
+    gen = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(args.overlap_tokens, 1, h, generator=gen) for _ in range(m)]
+    steps = [one_f_one_b(1, 0, m)]
+
+    def step(paired: bool):
+        run_schedule(steps, forward_step=lambda c, mb, _: model(xs[mb]).square().mean(),
+                     ps=ps, vpp=1, comm=None, pair_backward_forward=paired)
+        model.zero_grad(set_to_none=True)
+
+    out = {}
+    for paired in (False, True):   # warm-up
+        step(paired)
+    totals = {False: [0.0, 0.0, 0.0, 0, 0], True: [0.0, 0.0, 0.0, 0, 0]}
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(args.repeat):
+        for paired in (False, True):   # alternate: load from elsewhere drifts over both
+            dist.barrier()
+            paired_lanes.STATS.reset()
+            t0 = time.perf_counter()
+            step(paired)
+            elapsed = time.perf_counter() - t0
+            best[paired] = min(best[paired], elapsed)
+            st, tot = paired_lanes.STATS, totals[paired]
+            tot[0] += elapsed
+            tot[1] += st.blocked
+            tot[2] += st.span
+            tot[3] += st.calls
+            tot[4] += st.overlapped
+    for paired in (False, True):
+        wall, blocked, span, calls, overlapped = totals[paired]
+        out[paired] = {"step_s": best[paired], "blocked_s": blocked / args.repeat,
+                       "span_s": span / args.repeat, "calls": calls // args.repeat,
+                       "overlapped": overlapped // args.repeat}
+    ps.destroy()
+    return out
+
+
+def bench_overlap(args) -> dict:
+    """``--overlap-moe-expert-parallel-comm`` on ``ep = ranks``: one 1F1B step of
+    ``m`` micro-batches with and without each backward paired with the next forward.
+    Print and return ``{ep: {"plain": ..., "overlap": ..., "hidden_fraction": ...}}``, each
+    variant's ``step_s`` (best of ``--repeat``), ``blocked_s`` (seconds ranks spent waiting
+    on expert all-to-alls per step: the exposed communication), ``span_s`` (issue to
+    completion, summed), ``calls`` and ``overlapped`` (all-to-alls issued inside a pair
+    while the other lane was alive); the slowest rank's numbers. The hidden fraction is
+    ``1 - blocked(overlap) / blocked(plain)``: the share of the plain run's all-to-all time
+    that the overlap took off the critical path. Only pairs overlap: the first forward
+    and the last backward of a step are alone, so at most ``(m - 1) / m`` can hide."""
+    h, T, m = args.overlap_hidden_size, args.overlap_tokens, args.overlap_microbatches
+    print(f"\nall-to-all overlap (--overlap-moe-expert-parallel-comm): {args.overlap_layers} "
+          f"x (dense MLP + MoE layer), h={h}, T={T} tokens per micro-batch and rank, "
+          f"{m} micro-batches, 1F1B, fp32, forward+backward; slowest rank")
+    print(f"{'ep':>3} {'variant':>8} {'step ms':>9} {'a2a blocked ms':>15} "
+          f"{'a2a span ms':>12} {'a2a calls':>10} {'overlapped':>11} {'hidden':>7}")
+    rows = {}
+    for world in args.overlap_ranks:
+        by_rank = _ranks.run_on_ranks(_overlap_on_rank, world, args)
+        row = {}
+        for paired, name in ((False, "plain"), (True, "overlap")):
+            row[name] = {key: max(r[paired][key] for r in by_rank)
+                         for key in ("step_s", "blocked_s", "span_s", "calls", "overlapped")}
+        plain = row["plain"]["blocked_s"]
+        row["hidden_fraction"] = 1.0 - row["overlap"]["blocked_s"] / plain if plain else 0.0
+        rows[world] = row
+        for name in ("plain", "overlap"):
+            v = row[name]
+            hidden = f"{row['hidden_fraction']:>7.2f}" if name == "overlap" else f"{'':>7}"
+            print(f"{world:>3} {name:>8} {v['step_s'] * 1e3:>9.1f} {v['blocked_s'] * 1e3:>15.2f} "
+                  f"{v['span_s'] * 1e3:>12.2f} {v['calls']:>10} {v['overlapped']:>11} {hidden}")
+    print("hidden: 1 - a2a blocked (overlap) / a2a blocked (plain); blocked: time waiting on "
+          "the expert all-to-alls per step")
+    return rows
+
+
 def main(argv=None) -> dict:
     """Print the tables; return their rows, ``{"experts": ..., "dispatchers": ...,
-    "fine_grained": ...}``."""
+    "fine_grained": ..., "overlap": ...}``."""
     parser = argparse.ArgumentParser(prog="benchmark.py moe")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden-size", type=int, default=512)
@@ -261,9 +373,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--fine-tokens", type=int, default=1024)
     parser.add_argument("--fine-hidden-size", type=int, default=256)
     parser.add_argument("--fine-ffn-hidden-size", type=int, default=64)
+    parser.add_argument("--overlap-ranks", type=int, nargs="*", default=[2])
+    parser.add_argument("--overlap-hidden-size", type=int, default=256)
+    parser.add_argument("--overlap-tokens", type=int, default=1024)
+    parser.add_argument("--overlap-microbatches", type=int, default=4)
+    parser.add_argument("--overlap-layers", type=int, default=2)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return {"experts": bench_experts(args) if not args.skip_compute else {},
             "dispatchers": bench_dispatchers(args) if args.ranks else {},
-            "fine_grained": bench_fine_grained(args) if args.fine_ranks else {}}
+            "fine_grained": bench_fine_grained(args) if args.fine_ranks else {},
+            "overlap": bench_overlap(args) if args.overlap_ranks else {}}
 
