@@ -103,7 +103,8 @@ GPT3_175B = """
 
 # examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh: the expert and routing
 # flags of its DeepSeek-V3 architecture (its attention is in the DeepSeek-V3 column), with
-# the flex dispatcher (for its alltoall) and the fusions of Megatron-Core's MoE model zoo
+# the flex dispatcher (for its alltoall) and the fusions of Megatron-Core's MoE model zoo,
+# and the batch-level all-to-all overlap its MoE README gives for DeepSeek-V3
 DEEPSEEK_V3_MOE = """
 --num-experts 256 --moe-layer-freq [0]*3+[1]*58 --moe-ffn-hidden-size 2048
 --moe-router-dtype fp32 --moe-router-score-function sigmoid --moe-router-bias-update-rate 1e-3
@@ -113,6 +114,7 @@ DEEPSEEK_V3_MOE = """
 --moe-aux-loss-coeff 1e-4 --moe-router-load-balancing-type seq_aux_loss
 --moe-token-drop-policy probs --moe-token-dispatcher-type flex
 --moe-flex-dispatcher-backend deepep --moe-grouped-gemm --moe-permute-fusion --moe-router-fusion
+--overlap-moe-expert-parallel-comm --delay-wgrad-compute
 """
 
 # Megatron-LM's Muon options (not in an example script): the values of a Moonlight-style run,

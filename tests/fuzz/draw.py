@@ -48,6 +48,11 @@ seeds from ``"fp8-<seed>"``; a drawn model whose GEMMs the recipe cannot tile
 (validation refuses it) keeps its other dimensions and drops fp8. Where a per-tensor
 recipe (tensorwise, delayed) meets the distributed optimizer (any sharding strategy), half
 the seeds add ``--fp8-param-gather`` from ``"fp8-param-gather-<seed>"``.
+The MoE all-to-all overlap (``--overlap-moe-expert-parallel-comm``, a third of those
+with ``--delay-wgrad-compute``) comes for half of the accepted draws it applies to (MoE at
+ep > 1, alltoall, one pipeline stage under 1F1B, two or more micro-batches, no MoE or full
+recomputation, no ZeRO-3, no activation offload) from ``"a2a-overlap-<seed>"``, after
+acceptance: every other dimension of a seed stays what it was.
 QK-clip (``--qk-clip``) comes for a quarter of the seeds from ``"qkclip-<seed>"``, drawn
 last: a threshold the tiny models' logits pass at once (0.02, 0.04) or never (100), alpha
 0.3 / 0.5 / 0.7; where QK norm without multi-latent attention was drawn (which QK-clip
@@ -424,6 +429,22 @@ def rejection(layout: Layout) -> str | None:
     return None
 
 
+def _a2a_overlap(prng: random.Random, layout: Layout) -> Layout:
+    """``--overlap-moe-expert-parallel-comm`` for half the accepted draws it applies to
+    (MoE over ep > 1 with the alltoall dispatcher, one pipeline stage under 1F1B, two or
+    more micro-batches, ...: whatever megalite's validation accepts), a third of those with
+    ``--delay-wgrad-compute``; drawn after acceptance from its own generator, so the rest
+    of the draw is what it was."""
+    on, delay = prng.random() < 0.5, prng.random() < 1 / 3
+    if not on or "num_experts" not in layout.model:
+        return layout
+    flags = {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": delay}
+    marks = "-a2aov" + ("-dwg" if delay else "")
+    drawn = dataclasses.replace(layout, name=layout.name + marks,
+                                parallel={**layout.parallel, **flags})
+    return drawn if rejection(drawn) is None else layout
+
+
 def draw_layout(seed: int) -> Layout:
     """The layout of ``seed``: the first draw of ``random.Random(seed)`` that fits 1 to 8
     ranks and that megalite accepts."""
@@ -434,13 +455,14 @@ def draw_layout(seed: int) -> Layout:
     frng, mrng = random.Random(f"fp8-{seed}"), random.Random(f"recompute-{seed}")
     qrng, trng = random.Random(f"qkclip-{seed}"), random.Random(f"mtp-{seed}")
     grng = random.Random(f"fp8-param-gather-{seed}")
+    prng = random.Random(f"a2a-overlap-{seed}")
     for _ in range(MAX_ATTEMPTS):
         layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng, vrng, frng, mrng,
                             qrng, trng, grng)
         if layout is None:
             continue
         if rejection(layout) is None:
-            return layout
+            return _a2a_overlap(prng, layout)
         if "fp8_format" in layout.model and rejection(_without_fp8(layout)) is None:
-            return _without_fp8(layout)
+            return _a2a_overlap(prng, _without_fp8(layout))
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")
