@@ -5,9 +5,11 @@ expert-parallel exchange, ``ps.etp`` for expert tensor parallelism) and is the
 identity when the group has one member. Uneven sizes go through ``all_to_all_single``
 with explicit split sizes (gloo rejects the list form of ``all_to_all`` when sizes differ),
 so the sizes must be known on both sides first: :func:`exchange_counts` sends them. The raw
-(non-autograd) exchanges are in :mod:`megalite.parallel.collectives` and the autograd
-all-to-all in :func:`megalite.parallel.mappings.all_to_all`; this module adds the uneven
-gather/scatter adjoints and the traffic accounting.
+(non-autograd) exchanges are in :mod:`megalite.parallel.collectives`; this module adds
+the autograd all-to-all of the dispatch (the exchange of
+:func:`megalite.parallel.mappings.all_to_all`, asynchronous inside a pair of
+:mod:`megalite.parallel.paired_lanes` under ``--overlap-moe-expert-parallel-comm``, and
+timed), the uneven gather/scatter adjoints and the traffic accounting.
 
 Each autograd function is paired with its adjoint in backward:
 

@@ -57,15 +57,23 @@ class _Pair:
         self.turn = "main"
         self.done = {"main": False, "side": False}
         self.switches = 0
+        self.side_thread: int | None = None
 
 
 _pair: _Pair | None = None
-_lane = threading.local()
+
+
+def _lane_name(pair: _Pair) -> str:
+    """The lane the calling thread works for: the helper thread is the side lane; any
+    other is the main lane (on a GPU autograd runs the backward on its own device thread,
+    on behalf of the main lane, which waits in ``backward()`` meanwhile)."""
+    return "side" if threading.get_ident() == pair.side_thread else "main"
 
 
 def active() -> bool:
-    """Whether the calling thread is a lane of a running pair."""
-    return _pair is not None and getattr(_lane, "name", None) is not None
+    """Whether a pair is running (its lanes hand over at each :func:`exchange`)."""
+    pair = _pair
+    return pair is not None and not pair.done[_lane_name(pair)]
 
 
 def _hand_over(pair: _Pair, me: str) -> None:
@@ -95,9 +103,11 @@ def exchange(launch: Callable[[], tuple[torch.Tensor, object]]) -> torch.Tensor:
     out, work = launch()
     pair = _pair
     overlapped = False
-    if active() and not pair.done["side" if _lane.name == "main" else "main"]:
-        overlapped = True
-        _hand_over(pair, _lane.name)
+    if pair is not None:
+        me = _lane_name(pair)
+        if not pair.done[me] and not pair.done["side" if me == "main" else "main"]:
+            overlapped = True
+            _hand_over(pair, me)
     t1 = time.perf_counter()
     work.wait()
     t2 = time.perf_counter()
@@ -130,7 +140,6 @@ def run_paired(main: Callable[[], None], side: Callable[[], None]) -> int:
     errors: list[BaseException] = []
 
     def side_lane():
-        _lane.name = "side"
         with pair.cond:
             pair.cond.wait_for(lambda: pair.turn == "side")
         try:
@@ -138,19 +147,17 @@ def run_paired(main: Callable[[], None], side: Callable[[], None]) -> int:
         except BaseException as exc:   # re-raised on the main thread
             errors.append(exc)
         finally:
-            _lane.name = None
             _finish(pair, "side")
 
     _pair = pair
     helper = threading.Thread(target=side_lane, name="megalite-paired-forward", daemon=True)
     helper.start()
-    _lane.name = "main"
+    pair.side_thread = helper.ident
     try:
         main()
     except BaseException as exc:
         errors.insert(0, exc)
     finally:
-        _lane.name = None
         _finish(pair, "main")
         helper.join()
         _pair = None
