@@ -5,9 +5,11 @@ The fields are :class:`megalite.config.parallel.ParallelConfig`'s; the execution
 :mod:`megalite.parallel.paired_lanes` (two micro-batches taking turns at each expert
 all-to-all) driven by :func:`megalite.pipeline.schedules.run_schedule`. Megatron-LM pairs
 the forward of one micro-batch with the backward of another (its "combined 1F1B");
-megalite does so where the schedule puts a backward right before the next forward on the
-same rank with no pipeline transfer between them: one pipeline stage, 1F1B (plain
-gradient accumulation), at least two micro-batches per step.
+megalite does so where 1F1B (plain or interleaved) puts a backward right before the next
+forward on the same rank and that forward's input is already there: every pair at one
+pipeline stage (gradient accumulation) and on the first stage, the pairs of the steady
+state on later stages only where the plan received the input a round earlier (the warm-up
+pair; most pairs of interleaved 1F1B). At least two micro-batches per step.
 """
 
 from __future__ import annotations
@@ -36,14 +38,13 @@ def check_moe_overlap(m, p, t, dp: int) -> None:
     require(m.moe_token_dispatcher_type in ("alltoall", "flex"),
             f"{FLAG} overlaps the alltoall dispatcher's exchanges, not "
             f"--moe-token-dispatcher-type {m.moe_token_dispatcher_type}; use alltoall")
-    require(p.pipeline_model_parallel_size == 1,
-            f"{FLAG} under --pipeline-model-parallel-size {p.pipeline_model_parallel_size} "
-            "is not supported yet (megalite pairs a backward with the next forward only "
-            "where no pipeline transfer separates them); use pipeline size 1 or drop the flag")
-    schedule = p.pipeline_schedule or "1f1b"
-    require(schedule == "1f1b",
+    vpp = (p.virtual_pipeline_model_parallel_size
+           or p.num_layers_per_virtual_pipeline_stage)
+    schedule = p.pipeline_schedule or ("interleaved_1f1b" if (vpp or 1) > 1 else "1f1b")
+    require(schedule in ("1f1b", "interleaved_1f1b"),
             f"{FLAG} pairs each backward with the next forward of 1F1B; --pipeline-schedule "
-            f"{schedule} orders them otherwise; use 1f1b (or drop --pipeline-schedule)")
+            f"{schedule} orders them otherwise (split backwards, a V); use 1f1b or "
+            "interleaved_1f1b")
     require(m.recompute_granularity != "full",
             f"{FLAG} with --recompute-granularity full is not supported (the recomputed "
             "forward would replay random state while the other micro-batch runs); use "

@@ -121,8 +121,9 @@ class ParallelConfig:
         False, "Overlap the MoE token dispatch / combine all-to-alls of one micro-batch "
         "with the computation of another: each backward runs paired with the next forward, "
         "the two taking turns at every expert all-to-all (which runs while the other "
-        "computes). Needs expert parallelism, the alltoall dispatcher, pipeline size 1 with "
-        "1f1b and >= 2 micro-batches per step.")
+        "computes); in a pipeline only where the forward's input is already there. Needs "
+        "expert parallelism, the alltoall dispatcher, 1f1b or interleaved_1f1b and >= 2 "
+        "micro-batches per step.")
     delay_wgrad_compute: bool = arg(
         False, "With --overlap-moe-expert-parallel-comm: the paired backward computes input "
         "gradients only; its weight-gradient GEMMs run after the pair.")

@@ -197,8 +197,8 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
     v_shape: the pieces sit in ZB-V's V (:mod:`megalite.pipeline.plan`): the last rank's
     chunk 0 hands its output to its own chunk 1 (a detached copy that collects the
     gradient, as a received activation does) and chunk 1's input gradient back to chunk 0.
-    pair_backward_forward: run each backward that the next forward follows with no
-    transfer between them (one pipeline stage) as a pair of
+    pair_backward_forward: run each backward that the next forward follows, where that
+    forward's input has arrived before the backward's round, as a pair of
     :mod:`megalite.parallel.paired_lanes` (``--overlap-moe-expert-parallel-comm``): the two
     micro-batches take turns at every expert all-to-all, each exchange running while the
     other computes. delay_wgrad (``--delay-wgrad-compute``): the paired backward defers its
@@ -237,39 +237,73 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
 
     rounds = _plan(tuple(map(tuple, rank_steps)), vpp, v_shape)[rank]
     paired_with: dict[int, Step] = {}   # round index of a B -> the F paired with it
-    if pair_backward_forward and train:
+    if pair_backward_forward and train and not v_shape:
         for k in range(len(rounds) - 1):
             a, b = rounds[k], rounds[k + 1]
+            # the forward's input must be here before the backward's round posts its
+            # transfers (received in an earlier round, or none: the first piece); the two
+            # rounds' transfers then follow the pair, in their order
             if (a.step is not None and b.step is not None and a.step[0] == "B"
                     and b.step[0] == "F" and (k - 1) not in paired_with
-                    and not (a.sends or a.recvs or a.local or b.sends or b.recvs or b.local)):
+                    and not (a.local or b.local) and b.step not in a.recvs):
                 paired_with[k] = b.step
-    skip = {k + 1 for k in paired_with}
+
+    def transfer(rnd, send) -> None:
+        if rnd.sends or rnd.recvs:
+            got = comm.exchange(send if rnd.sends else None, [s[0] for s in rnd.recvs],
+                                rnd.send_to, rnd.recv_from)
+            arrived.update(zip(rnd.recvs, got))
+            if rnd.sends and send[0] == "F" and deallocate and train:
+                _deallocate(send[1])
+            comm.reap()
+
+    def record(rnd, t0: float, waited0: float) -> None:
+        if stats is None:
+            return
+        waited = (comm.wait_seconds if comm else 0.0) - waited0
+        elapsed = time.perf_counter() - t0
+        stats.waiting += waited
+        stats.busy += elapsed - waited
+        if rnd.step is not None:
+            stats.events.append((*rnd.step, t0, elapsed, waited))
+        stats.peak_live_outputs = max(stats.peak_live_outputs, len(outputs))
+        stats.peak_pending_weight_grads = max(stats.peak_pending_weight_grads,
+                                              len(outputs) + len(deferred))
+        live = sum(x.numel() * x.element_size() for x in inputs.values() if x is not None)
+        stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
+
+    def take(step):
+        incoming = arrived.pop(step, None)  # None: first / last piece
+        return comm.take(incoming) if incoming is not None else None
+
     for k, rnd in enumerate(rounds):
-        if k in skip:
+        if k - 1 in paired_with:   # run with the backward before it
             continue
         t0 = time.perf_counter()
         waited0 = comm.wait_seconds if comm else 0.0
         send = None
         if rnd.step is not None:
             kind, chunk, mb = rnd.step
-            incoming = arrived.pop(rnd.step, None)  # None: first / last piece
-            received = comm.take(incoming) if incoming is not None else None
+            received = take(rnd.step)
             if rnd.step in kept:
                 received = kept.pop(rnd.step)
             if k in paired_with:   # this backward and the next forward take turns
                 f_step = paired_with[k]
+                f_received = take(f_step)
                 got = {}
                 paired_lanes.run_paired(
                     lambda: got.setdefault("B", run_backward(chunk, mb, received,
                                                              delay_wgrad)),
-                    lambda: got.setdefault("F", run_forward(*f_step[1:], None)))
+                    lambda: got.setdefault("F", run_forward(*f_step[1:], f_received)))
                 if delay_wgrad:
                     weight_grad.apply(deferred.pop((chunk, mb)))
-                send = got["B"]
-                if stats is not None:
-                    stats.events.append((*f_step, t0, time.perf_counter() - t0, 0.0))
-            elif kind == "F":
+                transfer(rnd, got["B"])
+                record(rnd, t0, waited0)
+                t0, waited0 = time.perf_counter(), comm.wait_seconds if comm else 0.0
+                transfer(rounds[k + 1], got["F"])
+                record(rounds[k + 1], t0, waited0)
+                continue
+            if kind == "F":
                 send = run_forward(chunk, mb, received)
             elif kind == "B":
                 send = run_backward(chunk, mb, received)
@@ -285,24 +319,7 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
                         _deallocate(tensor)
                 else:
                     kept[("B", 0, mb)] = tensor
-        if rnd.sends or rnd.recvs:
-            got = comm.exchange(send if rnd.sends else None, [s[0] for s in rnd.recvs],
-                                rnd.send_to, rnd.recv_from)
-            arrived.update(zip(rnd.recvs, got))
-            if rnd.sends and send[0] == "F" and deallocate and train:
-                _deallocate(send[1])
-            comm.reap()
-        if stats is not None:
-            waited = (comm.wait_seconds if comm else 0.0) - waited0
-            elapsed = time.perf_counter() - t0
-            stats.waiting += waited
-            stats.busy += elapsed - waited
-            if rnd.step is not None:
-                stats.events.append((*rnd.step, t0, elapsed, waited))
-            stats.peak_live_outputs = max(stats.peak_live_outputs, len(outputs))
-            stats.peak_pending_weight_grads = max(stats.peak_pending_weight_grads,
-                                                  len(outputs) + len(deferred))
-            live = sum(x.numel() * x.element_size() for x in inputs.values() if x is not None)
-            stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
+        transfer(rnd, send)
+        record(rnd, t0, waited0)
     if comm is not None:
         comm.wait_all()

@@ -50,7 +50,7 @@ recipe (tensorwise, delayed) meets the distributed optimizer (any sharding strat
 the seeds add ``--fp8-param-gather`` from ``"fp8-param-gather-<seed>"``.
 The MoE all-to-all overlap (``--overlap-moe-expert-parallel-comm``, a third of those
 with ``--delay-wgrad-compute``) comes for half of the accepted draws it applies to (MoE at
-ep > 1, alltoall, one pipeline stage under 1F1B, two or more micro-batches, no MoE or full
+ep > 1, alltoall, 1F1B plain or interleaved, two or more micro-batches, no MoE or full
 recomputation, no ZeRO-3, no activation offload) from ``"a2a-overlap-<seed>"``, after
 acceptance: every other dimension of a seed stays what it was.
 QK-clip (``--qk-clip``) comes for a quarter of the seeds from ``"qkclip-<seed>"``, drawn
@@ -431,8 +431,8 @@ def rejection(layout: Layout) -> str | None:
 
 def _a2a_overlap(prng: random.Random, layout: Layout) -> Layout:
     """``--overlap-moe-expert-parallel-comm`` for half the accepted draws it applies to
-    (MoE over ep > 1 with the alltoall dispatcher, one pipeline stage under 1F1B, two or
-    more micro-batches, ...: whatever megalite's validation accepts), a third of those with
+    (MoE over ep > 1 with the alltoall dispatcher, 1F1B plain or interleaved, two or more
+    micro-batches, ...: whatever megalite's validation accepts), a third of those with
     ``--delay-wgrad-compute``; drawn after acceptance from its own generator, so the rest
     of the draw is what it was."""
     on, delay = prng.random() < 0.5, prng.random() < 1 / 3

@@ -75,9 +75,16 @@ def _reference_model(layout):
     return {k: v for k, v in layout.model.items() if k != "moe_token_dispatcher_type"}
 
 
-def _reference(directory, model):
+def _reference_key(layout) -> str:
+    """The reference a row compares with: its model (:func:`_reference_model`) and its
+    train overrides (a micro-batch size changes the per-micro-batch router losses)."""
+    return repr((sorted(_reference_model(layout).items()), sorted(layout.train.items())))
+
+
+def _reference(directory, model, train=None):
     jsonl = os.path.join(directory, "reference.jsonl")
-    _, c = run_training(_cfg(Layout("reference", 1, model=model), jsonl))
+    _, c = run_training(_cfg(Layout("reference", 1, model=model, train=dict(train or {})),
+                             jsonl))
     return read_jsonl(jsonl), c.model.full_state_dict()
 
 
@@ -118,9 +125,10 @@ def references(directory):
     """Single-process metrics rows and full parameters, by reference model."""
     refs = {}
     for layout in LAYOUTS:
-        key = repr(sorted(_reference_model(layout).items()))
+        key = _reference_key(layout)
         if key not in refs:
-            refs[key] = _reference(str(directory / f"ref{len(refs)}"), _reference_model(layout))
+            refs[key] = _reference(str(directory / f"ref{len(refs)}"), _reference_model(layout),
+                                   layout.train)
             rows = refs[key][0]
             assert rows[-1]["lm_loss"] < rows[0]["lm_loss"]
             assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in rows)
@@ -134,7 +142,7 @@ def trained(directory):
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_mixtral_training_matches_single_process(directory, references, trained, layout):
-    ref_rows, ref_params = references[repr(sorted(_reference_model(layout).items()))]
+    ref_rows, ref_params = references[_reference_key(layout)]
     params = trained(layout)
     rows = read_jsonl(str(directory / f"{layout.name}.jsonl"))
     _check_rows(rows, ref_rows, layout.name)
