@@ -214,9 +214,11 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
     splittable = weight_grad.splittable if split else contextlib.nullcontext
     deferred: dict[tuple[int, int], list] = {}
     kept: dict[Step, torch.Tensor] = {}   # outputs for this rank's own later steps (the V)
+    # --delay-wgrad-compute: every forward builds graphs whose weight gradients can wait,
+    # switched on once around the whole run (the switch is module state that both lanes
+    # of a pair would otherwise set and reset in each other's middle)
     delay_wgrad = delay_wgrad and pair_backward_forward and train and not split
-    if delay_wgrad:   # every forward builds graphs whose weight gradients can wait
-        splittable = weight_grad.splittable
+    outer = weight_grad.splittable() if delay_wgrad else contextlib.nullcontext()
 
     def run_forward(chunk, mb, received):
         with torch.set_grad_enabled(train), splittable():
@@ -276,50 +278,51 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
         incoming = arrived.pop(step, None)  # None: first / last piece
         return comm.take(incoming) if incoming is not None else None
 
-    for k, rnd in enumerate(rounds):
-        if k - 1 in paired_with:   # run with the backward before it
-            continue
-        t0 = time.perf_counter()
-        waited0 = comm.wait_seconds if comm else 0.0
-        send = None
-        if rnd.step is not None:
-            kind, chunk, mb = rnd.step
-            received = take(rnd.step)
-            if rnd.step in kept:
-                received = kept.pop(rnd.step)
-            if k in paired_with:   # this backward and the next forward take turns
-                f_step = paired_with[k]
-                f_received = take(f_step)
-                got = {}
-                paired_lanes.run_paired(
-                    lambda: got.setdefault("B", run_backward(chunk, mb, received,
-                                                             delay_wgrad)),
-                    lambda: got.setdefault("F", run_forward(*f_step[1:], f_received)))
-                if delay_wgrad:
-                    weight_grad.apply(deferred.pop((chunk, mb)))
-                transfer(rnd, got["B"])
-                record(rnd, t0, waited0)
-                t0, waited0 = time.perf_counter(), comm.wait_seconds if comm else 0.0
-                transfer(rounds[k + 1], got["F"])
-                record(rounds[k + 1], t0, waited0)
+    with outer:
+        for k, rnd in enumerate(rounds):
+            if k - 1 in paired_with:   # run with the backward before it
                 continue
-            if kind == "F":
-                send = run_forward(chunk, mb, received)
-            elif kind == "B":
-                send = run_backward(chunk, mb, received)
-            else:
-                weight_grad.apply(deferred.pop((chunk, mb)))
-            if rnd.local:   # the turn of the V: chunk 0 <-> chunk 1 on this rank
-                kind_, tensor = send
-                if kind_ == "F":
-                    # a copy, as a transfer gives: the output's storage may be a
-                    # buffer handed out again (reused_buffer) or freed below
-                    kept[("F", 1, mb)] = tensor.detach().clone().requires_grad_(train)
-                    if deallocate and train:
-                        _deallocate(tensor)
+            t0 = time.perf_counter()
+            waited0 = comm.wait_seconds if comm else 0.0
+            send = None
+            if rnd.step is not None:
+                kind, chunk, mb = rnd.step
+                received = take(rnd.step)
+                if rnd.step in kept:
+                    received = kept.pop(rnd.step)
+                if k in paired_with:   # this backward and the next forward take turns
+                    f_step = paired_with[k]
+                    f_received = take(f_step)
+                    got = {}
+                    paired_lanes.run_paired(
+                        lambda: got.setdefault("B", run_backward(chunk, mb, received,
+                                                                 delay_wgrad)),
+                        lambda: got.setdefault("F", run_forward(*f_step[1:], f_received)))
+                    if delay_wgrad:
+                        weight_grad.apply(deferred.pop((chunk, mb)))
+                    transfer(rnd, got["B"])
+                    record(rnd, t0, waited0)
+                    t0, waited0 = time.perf_counter(), comm.wait_seconds if comm else 0.0
+                    transfer(rounds[k + 1], got["F"])
+                    record(rounds[k + 1], t0, waited0)
+                    continue
+                if kind == "F":
+                    send = run_forward(chunk, mb, received)
+                elif kind == "B":
+                    send = run_backward(chunk, mb, received)
                 else:
-                    kept[("B", 0, mb)] = tensor
-        transfer(rnd, send)
-        record(rnd, t0, waited0)
+                    weight_grad.apply(deferred.pop((chunk, mb)))
+                if rnd.local:   # the turn of the V: chunk 0 <-> chunk 1 on this rank
+                    kind_, tensor = send
+                    if kind_ == "F":
+                        # a copy, as a transfer gives: the output's storage may be a
+                        # buffer handed out again (reused_buffer) or freed below
+                        kept[("F", 1, mb)] = tensor.detach().clone().requires_grad_(train)
+                        if deallocate and train:
+                            _deallocate(tensor)
+                    else:
+                        kept[("B", 0, mb)] = tensor
+            transfer(rnd, send)
+            record(rnd, t0, waited0)
     if comm is not None:
         comm.wait_all()
