@@ -138,12 +138,19 @@ def run_paired(main: Callable[[], None], side: Callable[[], None]) -> int:
         raise RuntimeError("run_paired does not nest")
     pair = _Pair()
     errors: list[BaseException] = []
+    # thread-local state the side lane must share with this one: grad mode, and on a GPU
+    # the current device (a new thread starts on cuda:0 whatever this rank's device is)
+    grad = torch.is_grad_enabled()
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def side_lane():
         with pair.cond:
             pair.cond.wait_for(lambda: pair.turn == "side")
         try:
-            side()
+            if device is not None:
+                torch.cuda.set_device(device)
+            with torch.set_grad_enabled(grad):
+                side()
         except BaseException as exc:   # re-raised on the main thread
             errors.append(exc)
         finally:

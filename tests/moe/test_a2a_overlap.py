@@ -56,6 +56,19 @@ def test_lanes_take_turns_at_each_exchange():
     assert paired_lanes.STATS.overlapped == 5
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_side_lane_shares_the_callers_grad_mode(grad):
+    """Grad mode is thread-local: the forward on the helper thread runs in the caller's."""
+    seen = {}
+
+    def side():
+        seen["side"] = torch.is_grad_enabled()
+
+    with torch.set_grad_enabled(grad):
+        paired_lanes.run_paired(lambda: None, side)
+    assert seen == {"side": grad}
+
+
 @pytest.mark.parametrize("failing", ["main", "side"])
 def test_lane_exception_reaches_the_caller(failing):
     def lane(name):
