@@ -52,29 +52,21 @@ def peak_in_flight(pp: int, pp_rank: int, num_microbatches: int, vpp: int = 1,
     return peak
 
 
-# DualPipeV's chunk times in units of one chunk's forward: the backward twice the forward,
-# split evenly into B (input gradient) and W (weight gradients)
-DUALPIPEV_F, DUALPIPEV_B, DUALPIPEV_W = 1.0, 2.0, 1.0
-
-
 def dualpipev_bubble(pp: int, num_microbatches: int) -> float:
-    """DualPipeV's idle fraction by DeepSeek-V3's formula (DeepSeek-AI, "DeepSeek-V3
-    Technical Report", arXiv:2412.19437, Table 2; the DualPipe repository's table for
-    DualPipeV over ``PP = 2 pp`` stages): a bubble of ``(PP/2 - 1)(F&B + B - 3W)`` chunk
-    times, ``B`` the full backward, over the ideal ``2 m (F + B)`` of a rank's two chunks.
+    """DualPipeV's idle fraction as megalite runs it: ``(pp - 1) / (6 m)``, ZB-V's.
 
-    ``F&B`` is a forward and a backward of the other chunk paired in the main phase.
-    DualPipe overlaps them (each one's all-to-all behind the other's compute, on two
-    streams); megalite runs the pair one after the other on one stream
-    (:func:`megalite.pipeline.v_shape.dualpipev`), so no overlap is credited: ``F&B = F +
-    B``. With ``B = 2F``, ``W = F``: ``2 (pp - 1) F`` idle of ``6 m F``, ``(pp - 1) /
-    (3 m)`` -- ZB-H1's, twice ZB-V's. (megalite's step lists played with free transfers,
-    :func:`megalite.pipeline.zero_bubble.simulate`, give ``(pp - 1) / (6 m)``; the
-    measured bubble, ``docs/benchmarks.md``, lies between the two, nearer the formula at
-    p 2 and at m 16.)"""
-    pair = DUALPIPEV_F + DUALPIPEV_B          # F&B without overlap
-    bubble = (pp - 1) * (pair + DUALPIPEV_B - 3 * DUALPIPEV_W)
-    return bubble / (2 * num_microbatches * (DUALPIPEV_F + DUALPIPEV_B))
+    It is what megalite's own step lists give when played with free transfers
+    (:func:`megalite.pipeline.zero_bubble.simulate` of
+    :func:`megalite.pipeline.v_shape.dualpipev`), the number the pipeline benchmark's
+    theory column shows. DeepSeek-V3's table (arXiv:2412.19437, Table 2; the DualPipe
+    repository's row for DualPipeV over ``PP = 2 pp`` stages) writes the bubble as
+    ``(PP/2 - 1)(F&B + B - 3W)``; with no overlap inside a pair (megalite runs the paired
+    forward and backward one after the other on one stream, so ``F&B = F + B``) and ``B =
+    2F``, ``W = F`` that reads ``(pp - 1) / (3 m)``, an upper bound megalite's schedule
+    beats: the measured bubble at p 2 (0.058 / 0.037 at m 4 / 8, ``docs/benchmarks.md``)
+    is below it (0.083 / 0.042), and above the step lists' value by the per-step fixed
+    costs the planner charges elsewhere."""
+    return (pp - 1) / (6 * num_microbatches)
 
 
 def dualpipev_in_flight(pp: int) -> int:
