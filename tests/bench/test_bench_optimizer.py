@@ -19,6 +19,8 @@ def test_rows(capsys, pooled_ranks):
                        "--vocab-size", "256", "--repeat", "1",
                        "--comm-layouts", "2x1", "1x2", "2x2"])
     comm = rows.pop("comm")
+    steps = comm.pop("step_s")
+    assert set(steps) == set(comm) and all(sec > 0 for sec in steps.values())
     assert list(rows) == ["adam", "sgd", "muon"]
     assert rows["adam"]["bytes"] == pytest.approx(8, rel=0.01)
     assert rows["sgd"]["bytes"] == pytest.approx(4, rel=0.01)
@@ -29,6 +31,7 @@ def test_rows(capsys, pooled_ranks):
     assert all(r["step"] > 0 for r in rows.values())
     out = capsys.readouterr().out
     assert "NS GFLOP/s" in out and "optimizer communication per step" in out
+    assert "optimizer step time on gloo ranks" in out
 
     assert set(comm) == {(dp, tp, o, d) for dp, tp in ((2, 1), (1, 2), (2, 2))
                          for o in ("adam", "muon") for d in ((False, True) if dp > 1

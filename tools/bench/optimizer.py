@@ -45,8 +45,10 @@ MAX of each fp8 weight over dp (a scalar each, "other").
 
 Without the distributed optimizer the gradient all-reduce of data parallelism is the only
 large collective (``2 * 4 P (D-1)/D``, in the gradient sync), AdamW's step moves nothing.
-Counts are deterministic; the ``step ms`` column of that table is not a measurement to
-quote from a loaded machine.
+Counts are deterministic. A second table gives each case's step time on those ranks
+(gradient sync and step, median of ``--repeat``, the slowest rank) and Muon's against
+AdamW's at the same layout; the ranks share the machine's cores, so quote it only from a
+quiet machine.
 """
 
 from __future__ import annotations
@@ -208,6 +210,16 @@ def _comm_on_rank(rank, world, args, tp, cases):
         with counter.counting("step"):
             opt.step()
             grads.wait_param_sync()   # (finish_param_sync would regather fp8 weights in bf16)
+        times = []
+        for _ in range(args.repeat):   # the same step, timed: gradient sync + step
+            for buf in grads.buffers:
+                buf.grad_data.copy_(torch.randn(buf.grad_data.shape, generator=gen))
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            grads.finish_grad_sync()
+            opt.step()
+            grads.wait_param_sync()
+            times.append(time.perf_counter() - start)
         named = list(model.named_parameters())
         alg = algorithm_of(ocfg)
         muon = [p for n, p in named if optimizer == "muon" and alg.rule(ocfg, n, p) == "muon"]
@@ -217,7 +229,7 @@ def _comm_on_rank(rank, world, args, tp, cases):
                  "P8": sum(p.numel() for p in model.parameters()
                            if id(p) in fp8_weight_scalings([model])),
                  "bytes": 2 if fp8 else 4}
-        out[case] = (counter.sent, sizes)
+        out[case] = (counter.sent, sizes, statistics.median(times))
         grads.remove_hooks()
         ps.destroy()
     return out
@@ -271,9 +283,10 @@ def _kind(phase: str, op: str, group: str) -> str:
 
 
 def bench_comm(args) -> dict:
-    """Print the communication table; return ``{(dp, tp, optimizer, distributed): {kind:
-    (measured bytes, theory bytes)}}``, mean per rank, one step."""
-    rows = {}
+    """Print the communication and step-time tables; return ``{(dp, tp, optimizer,
+    distributed): {kind: (measured bytes, theory bytes)}}`` (mean per rank, one step) and
+    under ``"step_s"`` the same keys' step seconds (slowest rank)."""
+    rows, steps = {}, {}
     if not args.comm_layouts:
         return rows
     print(f"\noptimizer communication per step (bytes sent per rank, mean over ranks, "
@@ -289,17 +302,26 @@ def bench_comm(args) -> dict:
         by_rank = _ranks.run_on_ranks(_comm_on_rank, dp * tp, args, tp, cases)
         for case in cases:
             measured = dict.fromkeys(KINDS, 0.0)
-            for sent, _ in (r[case] for r in by_rank):
+            for sent, _, _ in (r[case] for r in by_rank):
                 for (phase, op, group), nbytes in sent.items():
                     measured[_kind(phase, op, group)] += nbytes / (dp * tp)
             sizes = by_rank[0][case][1]
             row = {k: (measured[k], _theory(k, sizes, dp, tp, case[1])) for k in KINDS}
             rows[(dp, tp, *case)] = row
+            steps[(dp, tp, *case)] = max(r[case][2] for r in by_rank)   # slowest rank
             for kind, (got, want) in row.items():
                 if got or want:
                     ratio = f"{got / want:>7.3f}" if want else f"{'-':>7}"
                     print(f"{dp:>3} {tp:>3} {case[0]:>10} {str(case[1]):>8} {kind:>20} "
                           f"{got:>12.0f} {want:>12.0f} {ratio}")
+    print(f"\noptimizer step time on gloo ranks (gradient sync + step, median of {args.repeat}, "
+          "slowest rank; ranks share this machine's cores)")
+    print(f"{'dp':>3} {'tp':>3} {'optimizer':>10} {'distopt':>8} {'step ms':>9} {'vs adam':>8}")
+    for (dp, tp, optimizer, distributed), sec in steps.items():
+        ref = steps.get((dp, tp, "adam", distributed))
+        ratio = f"{sec / ref:8.2f}" if ref else f"{'-':>8}"
+        print(f"{dp:>3} {tp:>3} {optimizer:>10} {str(distributed):>8} {sec * 1e3:9.1f} {ratio}")
+    rows["step_s"] = steps
     return rows
 
 
