@@ -5,11 +5,11 @@ expert-parallel exchange, ``ps.etp`` for expert tensor parallelism) and is the
 identity when the group has one member. Uneven sizes go through ``all_to_all_single``
 with explicit split sizes (gloo rejects the list form of ``all_to_all`` when sizes differ),
 so the sizes must be known on both sides first: :func:`exchange_counts` sends them. The raw
-(non-autograd) exchanges are in :mod:`megalite.parallel.collectives`; this module adds
-the autograd all-to-all of the dispatch (the exchange of
-:func:`megalite.parallel.mappings.all_to_all`, asynchronous inside a pair of
-:mod:`megalite.parallel.paired_lanes` under ``--overlap-moe-expert-parallel-comm``, and
-timed), the uneven gather/scatter adjoints and the traffic accounting.
+(non-autograd) exchanges are in :mod:`megalite.parallel.collectives` and the autograd
+all-to-all in :func:`megalite.parallel.mappings.all_to_all`, which the dispatch calls with
+an exchange that runs asynchronously inside a pair of :mod:`megalite.parallel.paired_lanes`
+(``--overlap-moe-expert-parallel-comm``) and is timed; this module adds that exchange, the
+uneven gather/scatter adjoints and the traffic accounting.
 
 Each autograd function is paired with its adjoint in backward:
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megalite.parallel import collectives, paired_lanes
+from megalite.parallel import collectives, mappings, paired_lanes
 
 
 @dataclass
@@ -128,7 +128,7 @@ class _ReduceUneven(torch.autograd.Function):
         return _gather_rows(grad, ctx.sizes, ctx.group), None, None
 
 
-def _lane_all_to_all(x: torch.Tensor, send, recv, group) -> torch.Tensor:
+def _lane_all_to_all(x: torch.Tensor, group, send, recv) -> torch.Tensor:
     """The uneven all-to-all: launched asynchronously and, inside a pair of
     :mod:`megalite.parallel.paired_lanes` (``--overlap-moe-expert-parallel-comm``), left
     running while the other micro-batch computes; blocking otherwise. Timed either way."""
@@ -136,20 +136,6 @@ def _lane_all_to_all(x: torch.Tensor, send, recv, group) -> torch.Tensor:
         return paired_lanes.exchange(
             lambda: collectives.all_to_all_async(x, group, send, recv))
     return paired_lanes.timed(lambda: collectives.all_to_all(x, group, send, recv))
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows ``send[r]`` to rank r; backward is the reverse exchange (same collective as
-    :func:`megalite.parallel.mappings.all_to_all`, through :func:`_lane_all_to_all`)."""
-
-    @staticmethod
-    def forward(ctx, x, send, recv, group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _lane_all_to_all(x, send, recv, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _lane_all_to_all(grad.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
 
 
 def all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group,
@@ -165,7 +151,7 @@ def all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group,
         return x
     if counter is not None:
         counter.add(name, (sum(send) - send[group.rank]) * _row_bytes(x))
-    return _AllToAll.apply(x, list(send), list(recv), group)
+    return mappings.all_to_all(x, group, send, recv, exchange=_lane_all_to_all)
 
 
 def gather_uneven(x: torch.Tensor, sizes: Sequence[int], group,
