@@ -76,6 +76,8 @@ class Fp8BucketGather:
         self.fp8 = [m for m in self.members if m[3] is not None]
         self.stale = False
         self.itemsize = torch.empty(0, dtype=bucket.buffer.param_dtype).element_size()
+        # each rank's (plain, fp8) segments: fixed by the bucket, read at every gather
+        self.segments = [self._segments(r) for r in range(bucket.group.size)]
         self.row_bytes = max(self.packed_bytes(r) for r in range(bucket.group.size))
         self.row_bytes = -(-self.row_bytes // ALIGN) * ALIGN
 
@@ -91,7 +93,7 @@ class Fp8BucketGather:
 
     def packed_bytes(self, rank: int) -> int:
         """Bytes ``rank`` sends: its plain elements at the dtype's size, its fp8 ones at 1."""
-        plain, fp8 = self._segments(rank)
+        plain, fp8 = self.segments[rank]
         return (sum(e - s for _, s, e in plain) * self.itemsize
                 + sum(e - s for _, s, e in fp8))
 
@@ -146,7 +148,7 @@ class Fp8BucketGather:
         scales = self._scales(shard)
         scale_of = {id(m[0]): d for m, d in zip(self.fp8, scales)}
         lo, _ = self.bucket.shard_range()
-        plain, fp8 = self._segments(group.rank)
+        plain, fp8 = self.segments[group.rank]
         row = torch.zeros(self.row_bytes, dtype=torch.uint8, device=shard.device)
         at = 0
         for _, s, e in plain:
@@ -169,7 +171,7 @@ class Fp8BucketGather:
                                          device=out.device) for m in self.fp8}
         for r in range(self.bucket.group.size):
             base = r * self.row_bytes
-            plain, fp8 = self._segments(r)
+            plain, fp8 = self.segments[r]
             for _, s, e in plain:
                 n = (e - s) * self.itemsize
                 full[s:e] = out[base:base + n].view(dtype)

@@ -54,13 +54,13 @@ def parse(argv):
 
 def shapes(small: bool) -> tuple[list[tuple[str, tuple[int, int, int]]], str]:
     """``[(name, (tokens, in, out))]`` of one layer's linears, and the shape's words."""
-    from tools.bench.gpu import build_config, parse as gpu_parse
+    from megalite.config.shapes import layer_gemms
+    from tools.bench.gpu import build_config
+    from tools.bench.gpu import parse as gpu_parse
 
     run = build_config(gpu_parse(["--small"] if small else []))
     m, t = run.model, run.train
     tokens = t.micro_batch_size * m.seq_length
-    from megalite.config.shapes import layer_gemms
-
     names = ("qkv", "proj", "fc1", "fc2")
     words = (f"hidden {m.hidden_size}, ffn {m.ffn_hidden_size}, heads "
              f"{m.num_attention_heads}/{m.num_query_groups}, {tokens} tokens")
@@ -91,7 +91,7 @@ def scaling_for(recipe: str, device: torch.device):
     return scaling
 
 
-def measure(name, shape, recipes, device, repeat) -> dict:
+def measure(shape, recipes, device, repeat) -> dict:
     """Times (s) and errors of one linear ``shape`` = (tokens, in, out)."""
     from megalite.layers.fp8.gemm import fp8_linear, scaled_mm
     from megalite.layers.fp8.recipes import E4M3, dequant_scale, quantize
@@ -146,7 +146,7 @@ def main(argv=None) -> None:
           "   fp8 error vs fp32")
     total = {"bf16": 0.0, "mm_bf16": 0.0, "mm_fp8": 0.0, **{r: 0.0 for r in args.recipes}}
     for name, shape in linears:
-        r = measure(name, shape, args.recipes, device, args.repeat)
+        r = measure(shape, args.recipes, device, args.repeat)
         total["bf16"] += r["bf16"]
         total["mm_bf16"] += r["mm_bf16"]
         total["mm_fp8"] += r["mm_fp8"]
