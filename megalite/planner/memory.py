@@ -282,6 +282,13 @@ def fp8_weight_copies(m, p, pp_rank: int) -> int:
     quantised at the step's first forward, saved for every backward, dropped before the
     optimizer): one byte per local weight element of each fp8 layer's tensor-parallel
     linears; 0 under block recipes or without fp8."""
+    return fp8_weight_elements(m, p, pp_rank)
+
+
+def fp8_weight_elements(m, p, pp_rank: int) -> int:
+    """Local weight elements of the tensor-parallel linears per-tensor fp8 recipes
+    quantise once per step on pipeline rank ``pp_rank`` (those ``--fp8-param-gather``
+    gathers in fp8); 0 under block recipes or without fp8."""
     if m.fp8_format is None or m.fp8_recipe in BLOCK_RECIPES:
         return 0
     tp = p.tensor_model_parallel_size

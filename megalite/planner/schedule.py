@@ -95,3 +95,23 @@ def bubble_fraction(pp: int, num_microbatches: int, vpp: int = 1,
     _, idle = simulate(steps, vpp, forward=1.0 / vpp, backward=2.0 / vpp,
                        weight=1.0 / vpp, v_shape=is_v_schedule(schedule))
     return sum(idle) / pp
+
+
+@functools.lru_cache(maxsize=4096)
+def paired_backward_share(pp: int, num_microbatches: int, vpp: int = 1,
+                          schedule: str | None = None) -> float:
+    """Under ``--overlap-moe-expert-parallel-comm``: the share of a rank's backward steps
+    that run paired with the next forward (:mod:`megalite.parallel.paired_lanes`): a B
+    step that the rank's step list follows with an F step, on the pipeline rank with the
+    fewest such pairs (the one whose all-to-all stays most exposed). 1F1B: ``(m - pp) /
+    m`` on the first stage (``m - 1`` pairs of ``m`` at pp 1); 0 for the schedules the
+    overlap refuses (zb_h1, zbv, dualpipev)."""
+    if schedule in ("zb_h1", "zbv", "dualpipev"):
+        return 0.0
+    shares = []
+    for rank in range(pp):
+        steps = build_schedule(pp, rank, num_microbatches, vpp, schedule=schedule)
+        backwards = sum(kind == "B" for kind, _, _ in steps)
+        pairs = sum(a[0] == "B" and b[0] == "F" for a, b in zip(steps, steps[1:]))
+        shares.append(pairs / backwards if backwards else 0.0)
+    return min(shares)

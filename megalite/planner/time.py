@@ -39,7 +39,10 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   the same plus their gradients backward; under ``--qk-clip`` each layer forward's keys
   all-gathered once more.
 * **ep** -- the MoE all-to-all: dispatch and combine, forward and backward, of the routed
-  tokens ``top-k x tokens x h`` (the fraction ``(ep-1)/ep`` leaves the rank).
+  tokens ``top-k x tokens x h`` (the fraction ``(ep-1)/ep`` leaves the rank). Under
+  ``--overlap-moe-expert-parallel-comm`` the paired backwards' share of it
+  (:func:`megalite.planner.schedule.paired_backward_share`) runs under the other
+  micro-batch's compute: exposed only where it is longer than that share of the compute.
 * **pp** -- one activation per micro-batch and chunk boundary forward and its gradient
   backward, ``2 vpp m`` transfers of ``[s/cp, b, h]`` (``/tp`` under sp); per step the
   word embedding's gradient summed between the first and the last stage (tied
@@ -47,15 +50,17 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
 * **dp** -- the gradient reduction over dp x cp (``2 (d-1)/d`` of the gradient bytes,
   all-reduce or reduce-scatter + parameter all-gather), exposed in full unless
   ``--overlap-grad-reduce`` (the reduction) and ``--overlap-param-gather`` (the gather)
-  hide all but the last bucket (``OVERLAP_EXPOSED`` of it left). Plus the step's two scalar
+  hide all but the last bucket (``OVERLAP_EXPOSED`` of it left); under
+  ``--fp8-param-gather`` the fp8 linears' weights travel in the gather as one byte per
+  element. Plus the step's two scalar
   all-reduces over the world (the loss and the gradient norm; latency only, a tree); under
   ``--qk-clip`` the layers' ``[nh/tp]`` maxima all-reduced over dp x cp and their largest
   over the world.
 * **bubble** -- ``(pp - 1) / (vpp m)`` of the per-micro-batch path (compute, tp, cp, ep,
   pp transfers; not the once-per-step reductions); under ``--pipeline-schedule zb_h1``,
   ``zbv`` or ``dualpipev`` the schedule's own (:func:`megalite.planner.schedule.
-  bubble_fraction`: ``(pp - 1) / (3 m)`` for ZB-H1 and DualPipeV, ``(pp - 1) / (6 m)`` for
-  ZB-V, once ``m >= pp``).
+  bubble_fraction`: ``(pp - 1) / (3 m)`` for ZB-H1, ``(pp - 1) / (6 m)`` for ZB-V and
+  DualPipeV, once ``m >= pp``).
   Under optim_grads_params each unit's parameters are all-gathered before every forward
   and backward (``passes x m`` gathers of the stage's parameters), exposed.
 * **optimizer** -- the step reads and writes the local optimizer state at memory bandwidth;
@@ -87,10 +92,11 @@ from megalite.planner import qk_clip
 from megalite.planner.cluster import Cluster
 from megalite.planner.memory import (
     fp8_linear_weights,
+    fp8_weight_elements,
     layer_activation_elements,
     stage_param_counts,
 )
-from megalite.planner.schedule import bubble_fraction
+from megalite.planner.schedule import bubble_fraction, paired_backward_share
 
 
 MEMORY_PASSES = 4   # memory traffic per saved activation byte: write, read (forward),
@@ -315,15 +321,24 @@ def cp_cost(ctx: StepContext) -> Cost:
 
 def ep_cost(ctx: StepContext) -> Cost:
     """The MoE all-to-all: dispatch and combine, forward and backward, of the routed
-    tokens ``top-k x tokens x h`` (the fraction ``(ep-1)/ep`` leaves the rank)."""
-    m, lay = ctx.cfg.model, ctx.lay
+    tokens ``top-k x tokens x h`` (the fraction ``(ep-1)/ep`` leaves the rank). Under
+    ``--overlap-moe-expert-parallel-comm`` the share ``f`` of backwards paired with a
+    forward (:func:`~megalite.planner.schedule.paired_backward_share`) hides that share of
+    the all-to-all behind the same share of the rank's compute: exposed ``(1 - f) a2a +
+    f max(0, a2a - compute)``."""
+    m, p, lay = ctx.cfg.model, ctx.cfg.parallel, ctx.lay
     ep = lay.ep
     if ep == 1:
         return Cost()
     moe_layers = 0 if m.num_experts is None else moe_layer_count(m)
     a2a = 4 * (ep - 1) / ep * m.moe_router_topk * ctx.tokens // max(lay.tp, 1) \
         * m.hidden_size * lay.dtype_bytes * moe_layers / lay.pp * lay.num_microbatches
-    return Cost(path=a2a / ctx.cluster.group_bw(ep, lay.etp), sent=a2a)
+    seconds = a2a / ctx.cluster.group_bw(ep, lay.etp)
+    if p.overlap_moe_expert_parallel_comm:
+        f = paired_backward_share(lay.pp, lay.num_microbatches, lay.vpp,
+                                  lay.pipeline_schedule)
+        seconds = (1 - f) * seconds + f * max(0.0, seconds - compute_seconds(ctx))
+    return Cost(path=seconds, sent=a2a)
 
 
 def pp_cost(ctx: StepContext) -> Cost:
@@ -355,6 +370,17 @@ def _rank_params(ctx: StepContext) -> int:
                for r in range(ctx.lay.pp))
 
 
+def _gathered_bytes(ctx: StepContext) -> float:
+    """Bytes of one all-gather of the busiest stage rank's parameters under the
+    distributed optimizer: the training dtype's, except that ``--fp8-param-gather`` sends
+    the fp8 linears' weights as one byte per element."""
+    m, p, lay = ctx.cfg.model, ctx.cfg.parallel, ctx.lay
+    fp8 = m.fp8_param_gather
+    return max(sum(stage_param_counts(m, p, r)) * lay.dtype_bytes
+               - (fp8_weight_elements(m, p, r) * (lay.dtype_bytes - 1) if fp8 else 0)
+               for r in range(lay.pp))
+
+
 def dp_cost(ctx: StepContext) -> Cost:
     """The gradient reduction over dp x cp (all-reduce, or reduce-scatter + parameter
     all-gather under the distributed optimizer; ZeRO-3 gathers each unit before every
@@ -377,9 +403,13 @@ def dp_cost(ctx: StepContext) -> Cost:
             gathers = ctx.passes * lay.num_microbatches
         dp_time = (_ring(grad_bytes / 2, d, bw, lat) * (hidden if p.overlap_grad_reduce
                                                          else 1)
-                   + _ring(gathers * local * lay.dtype_bytes / 2, d, bw, lat)
+                   + _ring(gathers * _gathered_bytes(ctx) / 2, d, bw, lat)
                    * (hidden if p.overlap_param_gather else 1))
-    cost = Cost(sent=2 * (d - 1) / d * grad_bytes if d > 1 else 0.0)
+    if not p.use_distributed_optimizer:
+        sent = 2 * (d - 1) / d * grad_bytes
+    else:   # the gradients' reduce-scatter, the parameters' all-gathers
+        sent = (d - 1) / d * (grad_bytes + gathers * _gathered_bytes(ctx))
+    cost = Cost(sent=sent if d > 1 else 0.0)
     scalars = 0.0
     if lay.world_size > 1:   # the loss and the gradient norm: two scalar all-reduces
         scalars = 2 * (2 * math.ceil(math.log2(lay.world_size)) * lat

@@ -1,6 +1,6 @@
-"""DualPipeV in the planner: DeepSeek-V3's bubble ``(PP/2 - 1)(F&B + B - 3W)`` with the
-paired forward and backward not overlapped (megalite runs them one after the other) and
-its ``PP + 1`` chunks of activations; the search tries it beside ZB-V at vpp 2 and
+"""DualPipeV in the planner: the bubble megalite's step lists give, ``(p - 1) / (6 m)``
+(ZB-V's; DeepSeek-V3's ``(PP/2 - 1)(F&B + B - 3W)`` without overlap is an upper bound)
+and its ``PP + 1`` chunks of activations; the search tries it beside ZB-V at vpp 2 and
 megalite's validation keeps it to m >= 2p, layers divisible by 2p and no MTP."""
 
 from __future__ import annotations

@@ -1,0 +1,90 @@
+"""The planner's model of two communication savings: ``--overlap-moe-expert-parallel-comm``
+hides the paired backwards' share of the expert all-to-all behind the same share of the
+rank's compute, and ``--fp8-param-gather`` gathers the fp8 linears' weights as one byte
+per element in the distributed optimizer's parameter all-gather."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megalite.arguments import parse_args
+from megalite.config.layout import resolve_layout
+from megalite.planner.cluster import preset
+from megalite.planner.memory import fp8_linear_weights, stage_param_counts
+from megalite.planner.schedule import paired_backward_share
+from megalite.planner.time import estimate_time
+
+MOE = ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size", "2816",
+       "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings",
+       "2048", "--vocab-size", "32000", "--micro-batch-size", "1", "--bf16",
+       "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "1408",
+       "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "8",
+       "--tokenizer-type", "NullTokenizer", "--mock-data"]
+
+
+@pytest.mark.parametrize("pp, m, want", [
+    (1, 8, 7 / 8),    # every backward but the last is followed by a forward
+    (2, 8, 6 / 8),    # the first stage: m - pp pairs after its pp - 1 warm-up forwards
+    (4, 8, 4 / 8),
+    (4, 4, 0.0),      # all forwards in the warm-up: nothing to pair
+])
+def test_paired_share_is_the_first_stages_steady_state(pp, m, want):
+    assert paired_backward_share(pp, m) == pytest.approx(want)
+    assert paired_backward_share(pp, m, schedule="zb_h1") == 0.0   # refused with it
+
+
+def _time(world, *extra):
+    cfg = parse_args(MOE + list(extra))
+    cfg.validate(world)
+    return cfg, estimate_time(cfg, world, preset("h100", 1))
+
+
+def test_overlap_hides_the_paired_share_of_the_all_to_all():
+    gb = ["--global-batch-size", "64"]      # 8 micro-batches on each of the 8 dp ranks
+    _, plain = _time(8, *gb)
+    _, over = _time(8, *gb, "--overlap-moe-expert-parallel-comm")
+    # on NVLink the all-to-all is shorter than the compute: the paired 7/8 is hidden
+    assert plain.comm["ep"] > 0
+    assert plain.compute > plain.comm["ep"]
+    assert over.comm["ep"] == pytest.approx(plain.comm["ep"] / 8)
+    assert over.compute == pytest.approx(plain.compute)
+    # a network 1000x slower: the all-to-all outlasts the compute, and only the compute's
+    # worth of the paired share is hidden
+    cfg, _ = _time(8, *gb)
+    slow = dataclasses.replace(preset("h100", 1), intra_node_bw=preset("h100", 1)
+                               .intra_node_bw / 1000)
+    a2a = estimate_time(cfg, 8, slow)
+    cfg_o, _ = _time(8, *gb, "--overlap-moe-expert-parallel-comm")
+    a2a_o = estimate_time(cfg_o, 8, slow)
+    assert a2a.comm["ep"] > a2a.compute
+    assert a2a_o.comm["ep"] == pytest.approx(a2a.comm["ep"] - 7 / 8 * a2a.compute)
+
+
+LLAMA = ["--num-layers", "8", "--hidden-size", "1024", "--ffn-hidden-size", "2816",
+         "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "4",
+         "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+         "--vocab-size", "32000", "--seq-length", "2048", "--max-position-embeddings", "2048",
+         "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16",
+         "--use-distributed-optimizer", "--fp8-format", "hybrid", "--fp8-recipe",
+         "tensorwise", "--tokenizer-type", "NullTokenizer", "--mock-data"]
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_fp8_param_gather_sends_one_byte_per_fp8_weight(strategy):
+    flags = LLAMA + ["--data-parallel-sharding-strategy", strategy]
+    cfg, plain = _time(8, *flags)
+    _, fp8 = _time(8, *flags, "--fp8-param-gather")
+    lay = resolve_layout(cfg, 8)
+    params = sum(stage_param_counts(cfg.model, cfg.parallel, 0))
+    fp8_weights = sum(fp8_linear_weights(cfg.model, layer) for layer in range(8))
+    gathers = 1 if strategy == "optim" else 2 * lay.num_microbatches
+    # the gather's bytes per rank: (d - 1) / d of (P - P8) bf16 bytes + P8 fp8 bytes
+    saved = 7 / 8 * gathers * fp8_weights
+    assert plain.comm_bytes["dp"] - fp8.comm_bytes["dp"] == pytest.approx(saved)
+    assert plain.comm_bytes["dp"] == pytest.approx(
+        7 / 8 * (4 * params + gathers * 2 * params))    # fp32 gradients, bf16 parameters
+    assert fp8.comm["dp"] < plain.comm["dp"]
+    assert fp8.compute == pytest.approx(plain.compute)
