@@ -46,3 +46,24 @@ def test_smoke_mode_times_fp8_and_muon_rows_against_bf16(capsys):
         assert 0 < abs(first[f"megalite+fp8-{recipe}"] - first["megalite"]) < 0.02
         assert re.search(rf"megalite\+fp8-{recipe} / megalite: [0-9.]+x tokens/s", out)
     assert re.search(r"megalite\+muon / megalite: [0-9.]+x tokens/s", out)
+
+
+def test_grad_accum_shares_muons_fixed_newton_schulz(capsys):
+    """``--grad-accum 2``: two micro-batches per step, the same first loss (the same batch
+    twice, averaged), twice the step's model FLOPs against the same Newton-Schulz FLOPs."""
+    shares = {}
+    for accum in (1, 2):
+        bench.main(["--device", "cpu", "--small", "--no-compile", "--no-hf", "--no-bf16",
+                    "--seq-length", "32", "--steps", "1", "--warmup", "1", "--top", "0",
+                    "--muon", "--grad-accum", str(accum)])
+        out = capsys.readouterr().out
+        step = float(re.search(r"; ([0-9.e+]+) GFLOP/step", out)[1])
+        ns, share = re.search(r"Newton-Schulz ([0-9.e+]+) GFLOP per step .* = ([0-9.]+)% of",
+                              out).groups()
+        first = float(re.search(r"megalite\+muon: .* first loss ([0-9.]+)", out)[1])
+        shares[accum] = (step, float(ns), float(share), first)
+        assert f"x {accum} micro-batches per step" in out
+    (step1, ns1, share1, first1), (step2, ns2, share2, first2) = shares[1], shares[2]
+    assert ns1 == ns2 > 0 and step2 == pytest.approx(2 * step1, rel=1e-3)
+    assert share2 == pytest.approx(share1 / 2, rel=0.05)
+    assert first2 == pytest.approx(first1, abs=1e-3)

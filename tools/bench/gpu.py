@@ -1,11 +1,14 @@
 """Training-step throughput on one GPU: megalite (bf16, --compile, fusions) vs transformers.
 
-    python tools/benchmark.py gpu [--small] [--no-compile] [--steps 10] [--num-layers 16] ...
+    python tools/benchmark.py gpu [--small] [--no-compile] [--steps 10] [--grad-accum 1]
+                                  [--num-layers 16] ...
     python tools/benchmark.py gpu --device cpu --small --no-compile   # smoke run on a CPU
 
 Default shape (Llama ~1.1B): 16 layers, hidden 2048, 32 heads / 8 query groups, SwiGLU ffn
-8192, RoPE, RMSNorm, untied, vocab 32000, seq 2048, micro-batch 4; ``--small`` is a tiny
-shape for smoke runs. In one run, on the same weights and inputs:
+8192, RoPE, RMSNorm, untied, vocab 32000, seq 2048, micro-batch 4, one micro-batch per step
+(``--grad-accum N``: N micro-batches per optimizer step, so that the step's fixed costs,
+Muon's Newton-Schulz above all, are shared as at a real global batch); ``--small`` is a
+tiny shape for smoke runs. In one run, on the same weights and inputs:
 
 * megalite: GPTModel in bf16 with fp32 master weights (``MixedPrecisionOptimizer``, its
   fused AdamW), per-layer ``torch.compile`` (unless ``--no-compile``), the chunked
@@ -14,7 +17,9 @@ shape for smoke runs. In one run, on the same weights and inputs:
 * extra megalite rows, each from the same seed: ``--fp8-recipe tensorwise,delayed`` (the
   tensor-parallel linears in fp8, hybrid format; the real ``torch._scaled_mm`` kernel on
   compute capability 8.9+, block recipes emulated) and ``--muon`` (``--optimizer muon``),
-  each printed as a ratio to the bf16 AdamW row;
+  each printed as a ratio to the bf16 AdamW row; with ``--muon`` also Muon's theory: the
+  Newton-Schulz FLOPs of the step (every matrix, :meth:`megalite.optim.muon_layout.Matrix.
+  cost`) against the step's model FLOPs;
 * transformers: LlamaForCausalLM with fp32 weights under bf16 autocast, SDPA attention,
   ``torch.optim.AdamW(fused=True)``.
 
@@ -54,6 +59,8 @@ def parse(argv):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                        help=f"default {SHAPES['default'][FIELDS.index(name)]}")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per optimizer step (gradient accumulation)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (and compilation)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke run)")
     p.add_argument("--no-compile", action="store_true", help="megalite eager")
@@ -79,7 +86,8 @@ def parse(argv):
 
 def build_config(args, fp8_recipe: str | None = None, optimizer: str = "adam"):
     """The benchmarked run's config: the bf16 model (its linears in fp8 with ``fp8_recipe``,
-    hybrid format), AdamW (or ``optimizer``), one micro-batch per step on one rank."""
+    hybrid format), AdamW (or ``optimizer``), ``--grad-accum`` micro-batches per step on
+    one rank."""
     from megalite.config import MegaliteConfig, ModelConfig, OptimConfig, TrainConfig
 
     model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -97,7 +105,8 @@ def build_config(args, fp8_recipe: str | None = None, optimizer: str = "adam"):
     batch = args.micro_batch_size
     optim = OptimConfig(optimizer=optimizer, lr=1e-4, weight_decay=0.01)
     return MegaliteConfig(model=model, optim=optim,
-                          train=TrainConfig(micro_batch_size=batch, global_batch_size=batch))
+                          train=TrainConfig(micro_batch_size=batch,
+                                            global_batch_size=batch * args.grad_accum))
 
 
 class Device:
@@ -123,34 +132,50 @@ class Device:
         return f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB"
 
 
-def make_megalite(run, dev: Device, compiled: bool, mode: str | None):
-    """(model, step function) of megalite's own training step: bf16 model, fp32 master
-    weights and main grads, the optimizer of ``megalite.optim.build``."""
+def make_megalite(run, dev: Device, compiled: bool, mode: str | None, accum: int = 1):
+    """(model, step function, Muon's Newton-Schulz FLOPs per step) of megalite's own
+    training step: bf16 model, fp32 master weights and main grads, ``accum`` micro-batches
+    (each loss divided by ``accum``), fp8's end of step (the training loop's
+    :func:`megalite.training.fp8.finish_fp8_step`: the step's fp8 weights forgotten,
+    delayed scaling's history pushed), the optimizer of ``megalite.optim.build``."""
     from megalite.config import ParallelConfig
     from megalite.config.run import DEFAULT_SEED
     from megalite.models.compile import maybe_compile
     from megalite.models.gpt import GPTModel
     from megalite.optim.build import build_grads_and_optimizer
+    from megalite.optim.algorithms.muon import is_matrix
+    from megalite.optim.muon_layout import matrices
     from megalite.parallel.state import ParallelState
+    from megalite.training.fp8 import finish_fp8_step
 
     ps = ParallelState.build(ParallelConfig(), device=dev.device)
     model = GPTModel(run.model, ps, seed=DEFAULT_SEED)
     grads, optimizer = build_grads_and_optimizer(model, run, ps)
     maybe_compile(model, compiled, mode=mode)
+    ns_flops = 0.0
+    if run.optim.optimizer == "muon":
+        named = [(n, p) for n, p in model.named_parameters() if is_matrix(n, p)]
+        ns_flops = sum(m.cost(run.optim.muon_num_ns_steps)
+                       for m in matrices(named, ps, run.optim))
 
     def step(ids, labels):
-        grads.zero_grad(num_microbatches=1)
-        loss = model(ids, labels=labels).mean()
-        optimizer.scale_loss(loss).backward()
+        grads.zero_grad(num_microbatches=accum)
+        total = 0.0
+        for _ in range(accum):
+            loss = model(ids, labels=labels).mean()
+            optimizer.scale_loss(loss / accum).backward()
+            total += loss.detach() / accum
         grads.finish_grad_sync()
+        finish_fp8_step([model], ps)
         optimizer.step()
-        return loss.detach()
+        return total
 
-    return model, step
+    return model, step, ns_flops
 
 
-def make_transformers(cfg, state, dev: Device):
-    """(model, step function): LlamaForCausalLM, fp32 weights, bf16 autocast, fused AdamW."""
+def make_transformers(cfg, state, dev: Device, accum: int = 1):
+    """(model, step function): LlamaForCausalLM, fp32 weights, bf16 autocast, fused AdamW,
+    ``accum`` micro-batches per step."""
     from transformers import LlamaForCausalLM
 
     from megalite.models.families import get_family
@@ -164,13 +189,16 @@ def make_transformers(cfg, state, dev: Device):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
 
     def step(ids, labels):
-        with torch.autocast(dev.device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=labels, shift_labels=labels,
-                         use_cache=False).loss
-        loss.backward()
+        total = 0.0
+        for _ in range(accum):
+            with torch.autocast(dev.device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=labels, shift_labels=labels,
+                             use_cache=False).loss
+            (loss / accum).backward()
+            total += loss.detach() / accum
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return total
 
     return model, step
 
@@ -226,7 +254,8 @@ def main(argv=None) -> None:
     mbs, seq = args.micro_batch_size, args.seq_length
     ids = torch.randint(0, cfg.vocab_size, (mbs, seq + 1), device=dev.device)
     ids, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    tokens = mbs * seq
+    accum = args.grad_accum
+    tokens = mbs * seq * accum   # per optimizer step
 
     compiled = not args.no_compile
     suffix = "+compile" if compiled else ""
@@ -240,8 +269,8 @@ def main(argv=None) -> None:
     flops = layout.flops_per_token * tokens
     print(f"device: {device_name}; config: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"heads {cfg.num_attention_heads}/{cfg.num_query_groups} groups, ffn "
-          f"{cfg.ffn_hidden_size}, vocab {cfg.vocab_size}, seq {seq} x batch {mbs},"
-          f" bf16; {flops / 1e12:.3f} TFLOP/step")
+          f"{cfg.ffn_hidden_size}, vocab {cfg.vocab_size}, seq {seq} x batch {mbs} x "
+          f"{accum} micro-batches per step, bf16; {flops / 1e9:.4g} GFLOP/step")
     table = tflops(table_peak) if table_peak else "n/a"
     print(f"peaks: table {table}; measured bf16 torch.mm {tflops(measured_peak)}; first "
           "losses should agree to bf16 rounding (same weights and inputs)", flush=True)
@@ -257,7 +286,14 @@ def main(argv=None) -> None:
               flush=True)
 
     for i, (name, variant) in enumerate(variants):   # the same initial weights (one seed)
-        model, step = make_megalite(variant, dev, compiled, args.compile_mode)
+        model, step, ns_flops = make_megalite(variant, dev, compiled, args.compile_mode,
+                                              accum)
+        if ns_flops:
+            print(f"Muon's theory: Newton-Schulz {ns_flops / 1e9:.4g} GFLOP per step "
+                  f"({variant.optim.muon_num_ns_steps} steps, every matrix once) = "
+                  f"{ns_flops / flops:.1%} of the step's model FLOPs; it is fixed per "
+                  "optimizer step, so --grad-accum (or the distributed optimizer over dp "
+                  "ranks) divides its share", flush=True)
         if state is None and not args.no_hf:
             state = {k: v.cpu() for k, v in model.full_state_dict().items()}
         report(name, *time_steps(step, ids, labels, dev, args.warmup, args.steps))
@@ -265,7 +301,7 @@ def main(argv=None) -> None:
             profile = top_kernels(step, ids, labels, dev, args.top)
         del model, step
     if not args.no_hf and state is not None:
-        hf_model, hf_step = make_transformers(cfg, state, dev)
+        hf_model, hf_step = make_transformers(cfg, state, dev, accum)
         del state
         report("transformers", *time_steps(hf_step, ids, labels, dev, args.warmup, args.steps))
         del hf_model, hf_step
