@@ -34,7 +34,8 @@ Each layout trains a small GPT (4 layers, hidden 256, seq 128, global batch 8; m
 dominate, the fixed costs are a tenth): one warm-up step, then ``--repeat`` timed steps
 (barrier to barrier, batches fetched beforehand), the median reported. The layouts are
 chosen so that their step times differ clearly (single rank with and without full
-recomputation, dp2, tp2, pp2 with 8 and 2 micro-batches, pp2 under ZB-V, dp2 with
+recomputation, dp2, tp2, pp2 with 8 and 2 micro-batches, pp2 under ZB-V, ZB-H1 and
+DualPipeV, dp2 with
 recomputation, four ranks on two cores, ...). Printed: per layout, estimated and measured
 ms with the main terms, the seconds a rank spent blocked in collectives per step and how many each
 group ran (the flight recorder's count: compare with the estimate's tp/pp/dp terms), the Spearman
@@ -73,6 +74,11 @@ LAYOUTS = (
     ("w2-pp2-mbs4", 2, PP2 + ["--micro-batch-size", "4"]),
     # ZB-V: two 1-layer chunks per rank in a V, the split backward, 8 micro-batches
     ("w2-pp2-zbv", 2, PP2 + ["--pipeline-schedule", "zbv", "--micro-batch-size", "1"]),
+    # ZB-H1 (one 2-layer stage per rank, B and W apart) and DualPipeV (ZB-V's V, paired
+    # forward and backward steps), 8 micro-batches each
+    ("w2-pp2-zbh1", 2, PP2 + ["--pipeline-schedule", "zb_h1", "--micro-batch-size", "1"]),
+    ("w2-pp2-dualpipev", 2, PP2 + ["--pipeline-schedule", "dualpipev",
+                                   "--micro-batch-size", "1"]),
     ("w2-tp2-full", 2, TP2 + FULL),
     ("w4-dp4", 4, ["--micro-batch-size", "1"]),
     ("w4-tp2-dp2", 4, TP2 + ["--micro-batch-size", "1"]),
