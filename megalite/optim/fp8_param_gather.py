@@ -30,7 +30,15 @@ precision copies of these weights are then not gathered: under the distributed o
 their elements of ``param_data`` keep older values (:attr:`Fp8BucketGather` marks the
 bucket ``stale``; ``DataParallelGrads.finish_param_sync`` gathers them in the parameters'
 dtype before anything reads parameters: a checkpoint, evaluation, the end of training);
-under ZeRO-3 the weights point at the NaN placeholder while their unit is gathered. Only
+under ZeRO-3 the weights point at the NaN placeholder while their unit is gathered.
+
+ZeRO-3 gathers a unit before every forward and backward of the step, but the shards do
+not change within a step and each scaling keeps its given fp8 weight until the step ends
+(:func:`megalite.layers.fp8.scaling.finish_step`). So once every fp8 weight of a bucket
+was given this step, a later gather of the bucket packs only its plain elements (a row
+of the largest rank's plain bytes; no collective when the bucket has none): no scales,
+no quantisation, no fp8 bytes again. Every rank of ``bucket.group`` runs the same gathers
+in the same order, so all take the same branch. Only
 training forwards use the fp8 gather; evaluation gathers as without the flag. The fp32
 masters (and so checkpoints) are unchanged.
 """
@@ -80,6 +88,10 @@ class Fp8BucketGather:
         self.segments = [self._segments(r) for r in range(bucket.group.size)]
         self.row_bytes = max(self.packed_bytes(r) for r in range(bucket.group.size))
         self.row_bytes = -(-self.row_bytes // ALIGN) * ALIGN
+        # a later gather of the step: the plain elements alone
+        self.plain_row_bytes = max(self.packed_bytes(r, fp8=False)
+                                   for r in range(bucket.group.size))
+        self.plain_row_bytes = -(-self.plain_row_bytes // ALIGN) * ALIGN
 
     def _segments(self, rank: int) -> tuple[list, list]:
         """(plain, fp8) segments ``(member, s, e)`` of ``rank``'s shard, in bucket order."""
@@ -91,11 +103,16 @@ class Fp8BucketGather:
                 (plain if m[3] is None else fp8).append((m, s, e))
         return plain, fp8
 
-    def packed_bytes(self, rank: int) -> int:
-        """Bytes ``rank`` sends: its plain elements at the dtype's size, its fp8 ones at 1."""
-        plain, fp8 = self.segments[rank]
+    def packed_bytes(self, rank: int, fp8: bool = True) -> int:
+        """Bytes ``rank`` sends: its plain elements at the dtype's size, its fp8 ones at 1
+        (none with ``fp8`` False: a later gather of the step)."""
+        plain, fp8_segments = self.segments[rank]
         return (sum(e - s for _, s, e in plain) * self.itemsize
-                + sum(e - s for _, s, e in fp8))
+                + (sum(e - s for _, s, e in fp8_segments) if fp8 else 0))
+
+    def weights_held(self) -> bool:
+        """Every fp8 weight of the bucket was given this step by an earlier gather."""
+        return all(m[3].holds_given_weight() for m in self.fp8)
 
     @property
     def active(self) -> bool:
@@ -143,12 +160,16 @@ class Fp8BucketGather:
         """Quantise this rank's fp8 pieces of ``shard`` (``[N_b / D]``, this rank's shard of
         the bucket), pack and launch the all-gather (asynchronous, over ``bucket.group``)
         into ``full`` (``[N_b]``, the plain elements) and per-weight fp8 tensors; the
-        returned handle's ``wait()`` unpacks and gives each scaling its fp8 weight."""
+        returned handle's ``wait()`` unpacks and gives each scaling its fp8 weight. When the
+        scalings already hold this step's fp8 weights (:meth:`weights_held`), only the plain
+        elements are gathered (module docstring)."""
         group = self.bucket.group
-        scales = self._scales(shard)
-        scale_of = {id(m[0]): d for m, d in zip(self.fp8, scales)}
         lo, _ = self.bucket.shard_range()
         plain, fp8 = self.segments[group.rank]
+        if self.weights_held():
+            return self._start_plain(shard, full, plain, lo)
+        scales = self._scales(shard)
+        scale_of = {id(m[0]): d for m, d in zip(self.fp8, scales)}
         row = torch.zeros(self.row_bytes, dtype=torch.uint8, device=shard.device)
         at = 0
         for _, s, e in plain:
@@ -162,6 +183,31 @@ class Fp8BucketGather:
         out = torch.empty(group.size * self.row_bytes, dtype=torch.uint8, device=shard.device)
         work = collectives.all_gather_into_tensor(out, row, group, async_op=True)
         return _Fp8Work(self, work, out, full, scale_of)
+
+    def _start_plain(self, shard: torch.Tensor, full: torch.Tensor, plain: list, lo: int):
+        """Gather the plain elements alone (``plain_row_bytes`` per rank; nothing when 0)."""
+        group = self.bucket.group
+        out = torch.empty(group.size * self.plain_row_bytes, dtype=torch.uint8,
+                          device=shard.device)
+        if not self.plain_row_bytes:
+            return _Fp8Work(self, None, out, full, None)
+        row = torch.zeros(self.plain_row_bytes, dtype=torch.uint8, device=shard.device)
+        at = 0
+        for _, s, e in plain:
+            n = (e - s) * self.itemsize
+            row[at:at + n] = shard[s - lo:e - lo].contiguous().view(torch.uint8)
+            at += n
+        work = collectives.all_gather_into_tensor(out, row, group, async_op=True)
+        return _Fp8Work(self, work, out, full, None)
+
+    def unpack_plain(self, out: torch.Tensor, full: torch.Tensor) -> None:
+        """Every rank's plain row of ``out`` into ``full``; the fp8 weights stay given."""
+        for r in range(self.bucket.group.size):
+            base = r * self.plain_row_bytes
+            for _, s, e in self.segments[r][0]:
+                n = (e - s) * self.itemsize
+                full[s:e] = out[base:base + n].view(full.dtype)
+                base += n
 
     def unpack(self, out: torch.Tensor, full: torch.Tensor, scale_of: dict) -> None:
         """Every rank's row of ``out`` into ``full`` (plain elements) and the fp8 weights;
@@ -196,7 +242,10 @@ class _Fp8Work:
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()
-        self.gather.unpack(self.out, self.full, self.scale_of)
+        if self.scale_of is None:   # a later gather of the step: the plain elements
+            self.gather.unpack_plain(self.out, self.full)
+        else:
+            self.gather.unpack(self.out, self.full, self.scale_of)
         return True
 
 

@@ -107,6 +107,12 @@ class Fp8Scaling(torch.nn.Module):
         which also recorded the weight's amax under delayed scaling."""
         self._weight, self._given = (d, q), True
 
+    def holds_given_weight(self) -> bool:
+        """Whether this step's fp8 weight came from the fp8 parameter gather (a later
+        gather of the same step, ZeRO-3's before every forward and backward, need not
+        send it again)."""
+        return self._given and self._weight is not None
+
     def forget_weight(self) -> None:
         """Drop the step's fp8 weight (the optimizer is about to change the weight)."""
         self._weight, self._given = None, False
