@@ -51,8 +51,8 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   all-reduce or reduce-scatter + parameter all-gather), exposed in full unless
   ``--overlap-grad-reduce`` (the reduction) and ``--overlap-param-gather`` (the gather)
   hide all but the last bucket (``OVERLAP_EXPOSED`` of it left); under
-  ``--fp8-param-gather`` the fp8 linears' weights travel in the gather as one byte per
-  element. Plus the step's two scalar
+  ``--fp8-param-gather`` the fp8 linears' weights travel in the step's first gather as
+  one byte per element (and not in ZeRO-3's later gathers of the step). Plus the step's two scalar
   all-reduces over the world (the loss and the gradient norm; latency only, a tree); under
   ``--qk-clip`` the layers' ``[nh/tp]`` maxima all-reduced over dp x cp and their largest
   over the world.
@@ -370,15 +370,20 @@ def _rank_params(ctx: StepContext) -> int:
                for r in range(ctx.lay.pp))
 
 
-def _gathered_bytes(ctx: StepContext) -> float:
-    """Bytes of one all-gather of the busiest stage rank's parameters under the
-    distributed optimizer: the training dtype's, except that ``--fp8-param-gather`` sends
-    the fp8 linears' weights as one byte per element."""
+def _gathered_bytes(ctx: StepContext, gathers: int) -> float:
+    """Bytes of the step's ``gathers`` all-gathers of the busiest stage rank's parameters
+    under the distributed optimizer, in the training dtype; under ``--fp8-param-gather``
+    the first carries the fp8 linears' weights as one byte per element and the later ones
+    (ZeRO-3's, before every forward and backward) not at all: the linears keep the step's
+    fp8 weights (:mod:`megalite.optim.fp8_param_gather`)."""
     m, p, lay = ctx.cfg.model, ctx.cfg.parallel, ctx.lay
-    fp8 = m.fp8_param_gather
-    return max(sum(stage_param_counts(m, p, r)) * lay.dtype_bytes
-               - (fp8_weight_elements(m, p, r) * (lay.dtype_bytes - 1) if fp8 else 0)
-               for r in range(lay.pp))
+    out = 0.0
+    for r in range(lay.pp):
+        total = sum(stage_param_counts(m, p, r)) * lay.dtype_bytes
+        fp8 = fp8_weight_elements(m, p, r) if m.fp8_param_gather else 0
+        out = max(out, gathers * total - fp8 * (lay.dtype_bytes - 1)
+                  - (gathers - 1) * fp8 * lay.dtype_bytes)
+    return out
 
 
 def dp_cost(ctx: StepContext) -> Cost:
@@ -403,12 +408,12 @@ def dp_cost(ctx: StepContext) -> Cost:
             gathers = ctx.passes * lay.num_microbatches
         dp_time = (_ring(grad_bytes / 2, d, bw, lat) * (hidden if p.overlap_grad_reduce
                                                          else 1)
-                   + _ring(gathers * _gathered_bytes(ctx) / 2, d, bw, lat)
+                   + _ring(_gathered_bytes(ctx, gathers) / 2, d, bw, lat)
                    * (hidden if p.overlap_param_gather else 1))
     if not p.use_distributed_optimizer:
         sent = 2 * (d - 1) / d * grad_bytes
     else:   # the gradients' reduce-scatter, the parameters' all-gathers
-        sent = (d - 1) / d * (grad_bytes + gathers * _gathered_bytes(ctx))
+        sent = (d - 1) / d * (grad_bytes + _gathered_bytes(ctx, gathers))
     cost = Cost(sent=sent if d > 1 else 0.0)
     scalars = 0.0
     if lay.world_size > 1:   # the loss and the gradient norm: two scalar all-reduces

@@ -1,7 +1,8 @@
 """The planner's model of two communication savings: ``--overlap-moe-expert-parallel-comm``
 hides the paired backwards' share of the expert all-to-all behind the same share of the
 rank's compute, and ``--fp8-param-gather`` gathers the fp8 linears' weights as one byte
-per element in the distributed optimizer's parameter all-gather."""
+per element in the distributed optimizer's parameter all-gather (ZeRO-3's later gathers
+of the step leave them out)."""
 
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ def test_fp8_param_gather_sends_one_byte_per_fp8_weight(strategy):
     params = sum(stage_param_counts(cfg.model, cfg.parallel, 0))
     fp8_weights = sum(fp8_linear_weights(cfg.model, layer) for layer in range(8))
     gathers = 1 if strategy == "optim" else 2 * lay.num_microbatches
-    # the gather's bytes per rank: (d - 1) / d of (P - P8) bf16 bytes + P8 fp8 bytes
-    saved = 7 / 8 * gathers * fp8_weights
+    # the gathers' bytes per rank: (d - 1) / d of (P - P8) bf16 bytes each, P8 fp8 bytes
+    # in the step's first (the linears keep the fp8 weights through the step)
+    saved = 7 / 8 * (2 * gathers - 1) * fp8_weights
     assert plain.comm_bytes["dp"] - fp8.comm_bytes["dp"] == pytest.approx(saved)
     assert plain.comm_bytes["dp"] == pytest.approx(
         7 / 8 * (4 * params + gathers * 2 * params))    # fp32 gradients, bf16 parameters
