@@ -226,9 +226,11 @@ _MOE_TRAINING = [
     row("moe-training", 2, model={"num_experts": 4}, ep=2, a2a_overlap=True),
     row("moe-training", 2, model={"num_experts": 4}, ep=2, a2a_overlap=True,
         delay_wgrad=True),
-    # the same in a pipeline: pairs where the forward's input is there before the backward's
-    # round (1F1B's last stage at 2 micro-batches; interleaved over 4 micro-batches of 1)
-    row("moe-training", 4, model={"num_experts": 4}, pp=2, ep=2, a2a_overlap=True),
+    # the same in a pipeline: every backward of the steady state paired, on every stage, a
+    # pair waiting for both inputs (1F1B over 4 micro-batches: 2 pairs on stage 0, 3 on
+    # stage 1; interleaved over 4 micro-batches of 1: 3 and 5)
+    row("moe-training", 4, model={"num_experts": 4}, pp=2, ep=2, a2a_overlap=True,
+        train={"global_batch_size": 16}),
     row("moe-training", 4, model={"num_experts": 4, "num_layers": 4}, pp=2, vpp=2, ep=2,
         a2a_overlap=True, delay_wgrad=True, train={"micro_batch_size": 1}),
 ]

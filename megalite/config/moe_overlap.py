@@ -5,11 +5,11 @@ The fields are :class:`megalite.config.parallel.ParallelConfig`'s; the execution
 :mod:`megalite.parallel.paired_lanes` (two micro-batches taking turns at each expert
 all-to-all) driven by :func:`megalite.pipeline.schedules.run_schedule`. Megatron-LM pairs
 the forward of one micro-batch with the backward of another (its "combined 1F1B");
-megalite does so where 1F1B (plain or interleaved) puts a backward right before the next
-forward on the same rank and that forward's input is already there: every pair at one
-pipeline stage (gradient accumulation) and on the first stage, the pairs of the steady
-state on later stages only where the plan received the input a round earlier (the warm-up
-pair; most pairs of interleaved 1F1B). At least two micro-batches per step.
+megalite does so wherever 1F1B (plain or interleaved) puts a backward right before the next
+forward on the same rank: every pair at one pipeline stage (gradient accumulation), and in
+a pipeline every backward of the steady state on every stage, the pipeline plan running
+each pair as one unit that waits for both inputs and sends both outputs
+(:func:`megalite.pipeline.plan.pairs_of`). At least two micro-batches per step.
 """
 
 from __future__ import annotations

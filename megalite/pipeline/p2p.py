@@ -10,10 +10,12 @@ messages between the same pair of ranks are matched by posting order only, as NC
 (with two stages, activations and gradients share one pair of ranks). Transfers are
 posted only through :meth:`PipeComm.exchange`, once per round of
 :func:`megalite.pipeline.plan.plan_rounds`, as one ``batch_isend_irecv`` batch; in a
-round every directed channel carries at most one message, and the matching op of every
-op sits in the peer's batch of the same round. So the k-th send on a channel always meets
-the k-th receive, and the batches of a round complete together even when a send blocks
-until its receive is posted (NCCL; gloo too: a gloo send completes only once matched).
+round every directed channel carries one message, or two where a paired backward and
+forward (the MoE all-to-all overlap) both send to one peer -- the activation first on
+both sides -- and the matching op of every op sits in the peer's batch of the same round.
+So the k-th send on a channel always meets the k-th receive, and the batches of a round
+complete together even when a send blocks until its receive is posted (NCCL; gloo too: a
+gloo send completes only once matched).
 
 By default nothing waits when a batch is posted: a step waits for its own input only
 (:meth:`take`), so a rank runs ahead as far as its data allows, and sends complete in the
@@ -74,28 +76,36 @@ class PipeComm:
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
         self.wait_seconds = 0.0
 
-    def exchange(self, send: tuple[str, torch.Tensor] | None,
-                 recv: Sequence[str], send_to: int | None = None,
+    def exchange(self, send: tuple[str, torch.Tensor] | list[tuple[str, torch.Tensor]] | None,
+                 recv: Sequence[str], send_to: int | None | list[int | None] = None,
                  recv_from: Sequence[int] | None = None) -> list[Incoming]:
         """Post one round's transfers together, as one batch.
 
         send: ``("F", activation)`` for the next stage, ``("B", input_grad)`` for the
-            previous stage, or None.
+            previous stage, a list of them (a backward paired with a forward sends both,
+            the activation first: two sends to one peer match the peer's receives in
+            posting order), or None.
         recv: the kinds to receive, forward first: ``"F"`` an activation from the
             previous stage, ``"B"`` the gradient of this stage's output from the next
             stage.
-        send_to, recv_from: the peers as pipeline ranks (indices into ``ps.pp``), where
-            they are not the neighbours above (ZB-V's chunk 1 runs up the ranks: its
-            activations go to the previous stage, its gradients to the next).
+        send_to, recv_from: the peers as pipeline ranks (indices into ``ps.pp``; a list
+            with one entry per send when ``send`` is a list), where they are not the
+            neighbours above (ZB-V's chunk 1 runs up the ranks: its activations go to the
+            previous stage, its gradients to the next).
         Returns one :class:`Incoming` per ``recv``; :meth:`take` waits for its tensor.
         """
         start = time.perf_counter()
+        if send is None:
+            send, send_to = [], []
+        elif not isinstance(send, list):
+            send, send_to = [send], [send_to]
+        elif send_to is None:
+            send_to = [None] * len(send)
         sends = []
-        if send is not None:
-            kind, tensor = send
-            peer = (self.pp.ranks[send_to] if send_to is not None
+        for (kind, tensor), dst in zip(send, send_to, strict=True):
+            peer = (self.pp.ranks[dst] if dst is not None
                     else self.next_rank if kind == "F" else self.prev_rank)
-            sends = [(tensor.detach().contiguous(), peer)]
+            sends.append((tensor.detach().contiguous(), peer))
         if recv_from is not None:
             peers = [self.pp.ranks[src] for src in recv_from]
         else:

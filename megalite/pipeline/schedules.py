@@ -46,7 +46,7 @@ from megalite.config.fields import require
 from megalite.config.parallel import PIPELINE_SCHEDULES, check_pipeline_schedule, is_v_schedule
 from megalite.parallel import paired_lanes, weight_grad
 from megalite.pipeline.p2p import Incoming, PipeComm
-from megalite.pipeline.plan import Step, plan_rounds
+from megalite.pipeline.plan import Step, pairs_of, plan_rounds
 from megalite.pipeline.v_shape import dualpipev, v_forward_only, zbv
 from megalite.pipeline.zero_bubble import zb_h1
 
@@ -145,9 +145,12 @@ def layout_schedules(layout, num_microbatches: int | None = None,
 
 
 @functools.lru_cache(maxsize=16)
-def _plan(rank_steps: tuple[tuple[Step, ...], ...], vpp: int, v_shape: bool):
-    """plan_rounds, kept for the next global batch (the same steps every iteration)."""
-    return plan_rounds([list(s) for s in rank_steps], vpp, v_shape)
+def _plan(rank_steps: tuple[tuple[Step, ...], ...], vpp: int, v_shape: bool,
+          paired: bool = False):
+    """plan_rounds, kept for the next global batch (the same steps every iteration);
+    ``paired``: with the (backward, forward) pairs of :func:`pairs_of`."""
+    steps = [list(s) for s in rank_steps]
+    return plan_rounds(steps, vpp, v_shape, pairs_of(steps, vpp, v_shape) if paired else None)
 
 
 @dataclass
@@ -159,6 +162,7 @@ class ScheduleStats:
     peak_live_outputs: int = 0
     peak_activation_bytes: int = 0
     peak_pending_weight_grads: int = 0   # forwards whose W (else: B) has not run yet
+    pairs: int = 0   # backwards run paired with the next forward (the all-to-all overlap)
     events: list = field(default_factory=list)
 
 
@@ -197,11 +201,12 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
     v_shape: the pieces sit in ZB-V's V (:mod:`megalite.pipeline.plan`): the last rank's
     chunk 0 hands its output to its own chunk 1 (a detached copy that collects the
     gradient, as a received activation does) and chunk 1's input gradient back to chunk 0.
-    pair_backward_forward: run each backward that the next forward follows, where that
-    forward's input has arrived before the backward's round, as a pair of
+    pair_backward_forward: run each backward that the next forward follows as a pair of
     :mod:`megalite.parallel.paired_lanes` (``--overlap-moe-expert-parallel-comm``): the two
     micro-batches take turns at every expert all-to-all, each exchange running while the
-    other computes. delay_wgrad (``--delay-wgrad-compute``): the paired backward defers its
+    other computes. The plan treats the pair as one unit (:func:`pairs_of`): it waits for
+    both inputs and sends both outputs after it, so every backward of the steady state
+    pairs, on every stage. delay_wgrad (``--delay-wgrad-compute``): the paired backward defers its
     weight gradients (:mod:`megalite.parallel.weight_grad`), run right after the pair.
     """
     rank = ps.pp.rank
@@ -237,26 +242,20 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
             _backward(y, received)
         return ("B", x.grad) if x is not None else None
 
-    rounds = _plan(tuple(map(tuple, rank_steps)), vpp, v_shape)[rank]
-    paired_with: dict[int, Step] = {}   # round index of a B -> the F paired with it
-    if pair_backward_forward and train and not v_shape:
-        for k in range(len(rounds) - 1):
-            a, b = rounds[k], rounds[k + 1]
-            # the forward's input must be here before the backward's round posts its
-            # transfers (received in an earlier round, or none: the first piece); the two
-            # rounds' transfers then follow the pair, in their order
-            if (a.step is not None and b.step is not None and a.step[0] == "B"
-                    and b.step[0] == "F" and (k - 1) not in paired_with
-                    and not (a.local or b.local) and b.step not in a.recvs):
-                paired_with[k] = b.step
+    paired = pair_backward_forward and train and not v_shape and not split
+    rounds = _plan(tuple(map(tuple, rank_steps)), vpp, v_shape, paired)[rank]
 
-    def transfer(rnd, send) -> None:
-        if rnd.sends or rnd.recvs:
-            got = comm.exchange(send if rnd.sends else None, [s[0] for s in rnd.recvs],
-                                rnd.send_to, rnd.recv_from)
+    def transfer(rnd, out: dict) -> None:
+        """Post ``rnd``'s batch: the outputs it sends (``out``: kind -> ``(kind, tensor)``
+        of the steps run), a pair's forward first, and its receives."""
+        if rnd.sends or rnd.pair_sends or rnd.recvs:
+            sends = rnd.outputs()
+            got = comm.exchange([out[step[0]] for step, _ in sends],
+                                [s[0] for s in rnd.recvs], [dst for _, dst in sends],
+                                rnd.recv_from)
             arrived.update(zip(rnd.recvs, got))
-            if rnd.sends and send[0] == "F" and deallocate and train:
-                _deallocate(send[1])
+            if deallocate and train and any(step[0] == "F" for step, _ in sends):
+                _deallocate(out["F"][1])
             comm.reap()
 
     def record(rnd, t0: float, waited0: float) -> None:
@@ -266,8 +265,9 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
         elapsed = time.perf_counter() - t0
         stats.waiting += waited
         stats.busy += elapsed - waited
-        if rnd.step is not None:
-            stats.events.append((*rnd.step, t0, elapsed, waited))
+        for step in (rnd.step, rnd.pair):   # a pair's two steps share one span
+            if step is not None:
+                stats.events.append((*step, t0, elapsed, waited))
         stats.peak_live_outputs = max(stats.peak_live_outputs, len(outputs))
         stats.peak_pending_weight_grads = max(stats.peak_pending_weight_grads,
                                               len(outputs) + len(deferred))
@@ -279,9 +279,7 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
         return comm.take(incoming) if incoming is not None else None
 
     with outer:
-        for k, rnd in enumerate(rounds):
-            if k - 1 in paired_with:   # run with the backward before it
-                continue
+        for rnd in rounds:
             t0 = time.perf_counter()
             waited0 = comm.wait_seconds if comm else 0.0
             send = None
@@ -290,8 +288,8 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
                 received = take(rnd.step)
                 if rnd.step in kept:
                     received = kept.pop(rnd.step)
-                if k in paired_with:   # this backward and the next forward take turns
-                    f_step = paired_with[k]
+                if rnd.pair is not None:   # this backward and the next forward take turns
+                    f_step = rnd.pair
                     f_received = take(f_step)
                     got = {}
                     paired_lanes.run_paired(
@@ -300,11 +298,10 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
                         lambda: got.setdefault("F", run_forward(*f_step[1:], f_received)))
                     if delay_wgrad:
                         weight_grad.apply(deferred.pop((chunk, mb)))
-                    transfer(rnd, got["B"])
+                    transfer(rnd, got)
                     record(rnd, t0, waited0)
-                    t0, waited0 = time.perf_counter(), comm.wait_seconds if comm else 0.0
-                    transfer(rounds[k + 1], got["F"])
-                    record(rounds[k + 1], t0, waited0)
+                    if stats is not None:
+                        stats.pairs += 1
                     continue
                 if kind == "F":
                     send = run_forward(chunk, mb, received)
@@ -322,7 +319,7 @@ def run_schedule(rank_steps: list[list[Step]], *, forward_step: Callable, ps, vp
                             _deallocate(tensor)
                     else:
                         kept[("B", 0, mb)] = tensor
-            transfer(rnd, send)
+            transfer(rnd, {send[0]: send} if send else {})
             record(rnd, t0, waited0)
     if comm is not None:
         comm.wait_all()

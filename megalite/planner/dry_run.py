@@ -28,7 +28,7 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
     from megalite.config import ConfigError
     from megalite.config.layout import resolve_layout
     from megalite.parallel.state import ParallelState
-    from megalite.pipeline.plan import plan_rounds
+    from megalite.pipeline.plan import pairs_of, plan_rounds
     from megalite.pipeline.schedules import layout_schedules
     from megalite.planner.memory import estimate_memory, stage_param_counts
     from megalite.training.build import default_model_provider
@@ -66,7 +66,9 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
             raise AssertionError(f"rank {rank} built {n_params:,} parameters, the planner "
                                  f"counts {dense + expert:,} from the config")
         steps = layout_schedules(layout)
-        rounds = plan_rounds(steps, layout.vpp, layout.v_shape)
+        pairs = (pairs_of(steps, layout.vpp, layout.v_shape)
+                 if p.overlap_moe_expert_parallel_comm else None)   # as run_schedule plans
+        rounds = plan_rounds(steps, layout.vpp, layout.v_shape, pairs)
         mem = estimate_memory(cfg, world_size, ps.pp.rank)
         coords = ps.describe()
         ps.destroy()

@@ -1,6 +1,7 @@
 """tools/benchmark.py moe on 4 tiny experts and 2 gloo ranks: both expert paths timed, and
 each dispatcher's bytes against the benchmark's theory (allgather's exactly); the
-fine-grained section (top-8 of 64 experts against the dense MLP) at ep 1 and 2, tiny."""
+fine-grained section (top-8 of 64 experts against the dense MLP) at ep 1 and 2, tiny; the
+all-to-all overlap section at ep 2 and pp 2 x ep 2 (the pairs each stage ran)."""
 
 import math
 
@@ -53,4 +54,21 @@ def test_all_to_all_overlap_measured(capsys, pooled_ranks):
     assert 12 <= overlap["overlapped"] <= 16
     assert 0 < plain["blocked_s"] <= plain["span_s"] and overlap["span_s"] > 0
     assert row["hidden_fraction"] == 1 - overlap["blocked_s"] / plain["blocked_s"]
+    assert plain["pairs_by_stage"] == [0] and overlap["pairs_by_stage"] == [2]
     assert "all-to-all overlap" in capsys.readouterr().out
+
+
+def test_all_to_all_overlap_over_two_pipeline_stages(capsys, pooled_ranks):
+    """pp 2 x ep 2 (4 ranks): every backward of 1F1B's steady state pairs on both stages
+    (m - 2 and m - 1), each pair's exchanges overlapped."""
+    out = bench.main(["--skip-compute", "--ranks", "--fine-ranks", "--overlap-ranks", "2",
+                      "--overlap-pp", "2", "--overlap-hidden-size", "16",
+                      "--overlap-tokens", "16", "--overlap-microbatches", "4",
+                      "--overlap-layers", "1", "--repeat", "1"])
+    row = out["overlap"][2]
+    plain, overlap = row["plain"], row["overlap"]
+    # per stage and step: 4 micro-batches x 1 MoE layer x 2 exchanges x (forward + backward)
+    assert plain["calls"] == overlap["calls"] == 16 and plain["overlapped"] == 0
+    assert plain["pairs_by_stage"] == [0, 0] and overlap["pairs_by_stage"] == [2, 3]
+    assert overlap["overlapped"] == 3 * 4   # stage 1: 3 pairs of 2 + 2 exchanges
+    assert "pairs run per pipeline stage: [2, 3]" in capsys.readouterr().out

@@ -10,7 +10,7 @@ import torch
 from megalite.config import ConfigError
 from megalite.config.layout import chunk_layer_ranges, layers_per_stage
 from megalite.pipeline.p2p import WAIT_SENDS_ENV, PipeComm
-from megalite.pipeline.plan import ScheduleError, plan_rounds
+from megalite.pipeline.plan import ScheduleError, pairs_of, plan_rounds
 from megalite.pipeline.schedules import (
     ScheduleStats,
     build_schedule,
@@ -25,14 +25,13 @@ from tests.distributed.harness import parallel_state, run_distributed
 def _batches(rounds, r, p, v):
     """Rank ``r``'s point-to-point batches, one per round that communicates: each op is
     ("send" | "recv", peer, message), a message named by its sending piece and micro-batch
-    (("F" | "B", piece, mb))."""
+    (("F" | "B", piece, mb)); a pair's two sends in the order the round posts them."""
     out = []
     for rnd in rounds:
         ops = []
-        if rnd.sends:
-            kind, c, k = rnd.step
-            ops.append(("send", (r + 1) % p if kind == "F" else (r - 1) % p,
-                        (kind, c * p + r, k)))
+        for (kind, c, k), dst in rnd.outputs():
+            assert dst == ((r + 1) % p if kind == "F" else (r - 1) % p)
+            ops.append(("send", dst, (kind, c * p + r, k)))
         for kind, c, k in rnd.recvs:
             src_piece = c * p + r + (-1 if kind == "F" else 1)
             ops.append(("recv", src_piece % p, (kind, src_piece, k)))
@@ -117,6 +116,67 @@ def test_schedule_is_complete_and_deadlock_free(p, v, m):
     if v == 1:  # 1F1B bound: rank r holds at most p - r micro-batches (GPipe: m)
         assert live_peaks(plan_rounds(build_schedules(p, m, v), v)) == [
             min(p - r, m) for r in range(p)]
+
+
+def _steady_pairs(p, r, m, v):
+    """Backwards of rank ``r``'s steady state that a forward follows: all its steady-state
+    (forward, backward) couples but the last, after ``w`` warm-up forwards (1F1B:
+    ``p - 1 - r``; interleaved 1F1B: ``2 (p - 1 - r) + (v - 1) p``, all of them at m = p)."""
+    total = m * v
+    if v == 1:
+        w = min(p - 1 - r, m)
+    else:
+        w = total if m == p else min(2 * (p - 1 - r) + (v - 1) * p, total)
+    return max(total - w - 1, 0)
+
+
+PAIR_CASES = [(p, v, m) for p, v, m in itertools.product([2, 3, 4], [1, 2],
+                                                        [1, 2, 3, 4, 6, 8, 12])
+              if v == 1 or m % p == 0]
+
+
+@pytest.mark.parametrize("p, v, m", PAIR_CASES)
+def test_paired_plan_matches_by_order_and_cannot_deadlock(p, v, m):
+    """With each backward paired with the next forward (the MoE all-to-all overlap) a
+    pair is one round: it waits for both inputs, sends both outputs (on one channel at
+    pp 2 and on the interleaved wrap-around: the activation first, as the peer receives),
+    every posted send meets the peer's receive of the same message in order, NCCL-style,
+    and every steady-state backward but the last pairs on every stage."""
+    schedules = build_schedules(p, m, v)
+    pairs = pairs_of(schedules, v)
+    rounds = plan_rounds(schedules, v, pairs=pairs)
+    for r in range(p):
+        ran = [s for x in rounds[r] for s in (x.step, x.pair) if s]
+        assert ran == schedules[r]
+        units = [(x.step, x.pair) for x in rounds[r] if x.pair]
+        assert units == [(schedules[r][i], schedules[r][i + 1]) for i in pairs[r]]
+        assert all(b[0] == "B" and f[0] == "F" for b, f in units)
+        assert len(units) == _steady_pairs(p, r, m, v)
+    nccl_matching([_batches(rounds[r], r, p, v) for r in range(p)])
+    # without pairs the plan is the one every other test pins
+    assert plan_rounds(schedules, v, pairs=tuple(() for _ in range(p))) == plan_rounds(
+        schedules, v)
+
+
+@pytest.mark.parametrize("v, m", [(1, 4), (1, 5), (1, 6), (1, 7), (1, 8), (2, 4), (2, 6),
+                                  (2, 8)])
+def test_every_steady_state_backward_pairs_at_pp2(v, m):
+    """pp 2: 1F1B pairs m - 2 backwards on stage 0 and m - 1 on stage 1 (every backward
+    a forward follows); interleaved 1F1B at vpp 2, 2m - 5 and 2m - 3. (Pairing only where
+    the forward's input had arrived before the backward's round gave stage 1 one pair in
+    1F1B, the warm-up one, and stage 0 m - 3 instead of 2m - 5 at vpp 2.)"""
+    schedules = build_schedules(2, m, v)
+    rounds = plan_rounds(schedules, v, pairs=pairs_of(schedules, v))
+    want = [m - 2, m - 1] if v == 1 else [2 * m - 5, 2 * m - 3]
+    assert [sum(x.pair is not None for x in rr) for rr in rounds] == want
+    assert want == [_steady_pairs(2, r, m, v) for r in range(2)]
+
+
+def test_pairs_refused_where_they_do_not_apply():
+    schedules = build_schedules(2, 4)
+    with pytest.raises(ValueError, match="not a backward followed by a forward"):
+        plan_rounds(schedules, 1, pairs=((0,), ()))
+    assert pairs_of(build_schedules(2, 4, schedule="zb_h1"), 1) == ((), ())
 
 
 def test_unbatched_transfers_deadlock_under_nccl_semantics():
@@ -214,7 +274,7 @@ def _reference(num_layers, m):
     return total, {i: lin.weight.grad.clone() for i, lin in enumerate(layers)}
 
 
-def _pipeline_body(rank, world_size, cases, wait_sends):
+def _pipeline_body(rank, world_size, cases, wait_sends, pair=False):
     if wait_sends:  # NCCL's semantics: a batch of transfers completes as a whole
         os.environ[WAIT_SENDS_ENV] = "1"
     out = []
@@ -243,14 +303,14 @@ def _pipeline_body(rank, world_size, cases, wait_sends):
             comm = PipeComm(ps, (S, B, H), torch.float32)
             stats = ScheduleStats()
             run_schedule(build_schedules(world_size, m, v), forward_step=forward_step,
-                         ps=ps, vpp=v, comm=comm, stats=stats)
+                         ps=ps, vpp=v, comm=comm, stats=stats, pair_backward_forward=pair)
             grads = {i: lin.weight.grad.clone() for ch in chunks for i, lin in ch}
-            out.append((sum(losses), grads, stats.peak_live_outputs))
+            out.append((sum(losses), grads, stats.peak_live_outputs, stats.pairs))
     return out
 
 
-def _check(world, cases, wait_sends=False):
-    results = run_distributed(world, _pipeline_body, cases, wait_sends)
+def _check(world, cases, wait_sends=False, pair=False):
+    results = run_distributed(world, _pipeline_body, cases, wait_sends, pair)
     for n, (num_layers, v, m, first, last) in enumerate(cases):
         ref_loss, ref_grads = _reference(num_layers, m)
         assert abs(results[-1][n][0] - ref_loss) < 1e-6
@@ -262,12 +322,23 @@ def _check(world, cases, wait_sends=False):
             torch.testing.assert_close(got[i], ref_grads[i], rtol=1e-5, atol=1e-6)
         if v == 1:
             assert [r[n][2] for r in results] == [min(world - k, m) for k in range(world)]
+        assert [r[n][3] for r in results] == [
+            _steady_pairs(world, k, m, v) if pair else 0 for k in range(world)]
 
 
 @pytest.mark.parametrize("wait_sends", [False, True], ids=["async-sends", "wait-sends"])
 def test_pipeline_matches_single_process_pp2(wait_sends):
     _check(2, [(4, 1, 4, None, None), (4, 2, 4, None, None), (6, 1, 3, 2, None),
                (8, 2, 2, None, None), (4, 1, 1, None, None)], wait_sends)
+
+
+@pytest.mark.parametrize("wait_sends", [False, True], ids=["async-sends", "wait-sends"])
+def test_paired_pipeline_matches_single_process_pp2(wait_sends):
+    """Each backward paired with the next forward (no all-to-all here: the lanes run one
+    after the other) through real transfers: a pair's activation and gradient go to the
+    one peer in one batch (at vpp 2 on rank 0 too: the wrap-around)."""
+    _check(2, [(4, 1, 4, None, None), (4, 2, 4, None, None), (8, 2, 6, None, None)],
+           wait_sends, pair=True)
 
 
 @pytest.mark.parametrize("wait_sends", [False, True], ids=["async-sends", "wait-sends"])

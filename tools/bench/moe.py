@@ -5,7 +5,7 @@
 [--fine-ranks 1 2 4] [--fine-experts 64] [--fine-topk 8] [--fine-tokens 1024]
 [--fine-hidden-size 256] [--fine-ffn-hidden-size 64] [--overlap-ranks 2]
 [--overlap-hidden-size 256] [--overlap-tokens 1024] [--overlap-microbatches 4]
-[--overlap-layers 2]``
+[--overlap-layers 2] [--overlap-pp 1]``
 
 1. Expert compute on one rank (fp32, SwiGLU experts, tokens routed by a random router):
    tokens/s of :func:`megalite.moe.experts.grouped_mlp` (padded ``torch.bmm``) against the
@@ -28,8 +28,10 @@
    1F1B step of ``m`` micro-batches through dense + MoE layers, plain and with each
    backward paired with the next forward; the seconds ranks spend blocked on the expert
    all-to-alls (:data:`megalite.parallel.paired_lanes.STATS`) in each, and the fraction
-   of the plain run's that the overlap hides. On a CPU whose cores also run gloo's
-   threads the numbers only indicate; take them on a quiet machine.
+   of the plain run's that the overlap hides. ``--overlap-pp 2`` runs it over two pipeline
+   stages (``pp x ep`` ranks, the layers on each stage) and also prints the pairs each
+   stage ran (``ScheduleStats.pairs``: ``m - pp + stage``). On a CPU whose cores also run
+   gloo's threads the numbers only indicate; take them on a quiet machine.
 """
 
 from __future__ import annotations
@@ -272,22 +274,34 @@ def _overlap_on_rank(rank, world, args):
     from megalite.config import ModelConfig, ParallelConfig
     from megalite.parallel import paired_lanes
     from megalite.parallel.state import ParallelState
-    from megalite.pipeline.schedules import one_f_one_b, run_schedule
+    from megalite.pipeline.p2p import PipeComm
+    from megalite.pipeline.schedules import ScheduleStats, build_schedules, run_schedule
 
-    ps = ParallelState.build(ParallelConfig(expert_model_parallel_size=world))
+    pp = args.overlap_pp
+    ps = ParallelState.build(ParallelConfig(expert_model_parallel_size=world // pp,
+                                            pipeline_model_parallel_size=pp))
     h, m = args.overlap_hidden_size, args.overlap_microbatches
-    cfg = ModelConfig(hidden_size=h, num_experts=2 * world, moe_router_topk=2,
+    cfg = ModelConfig(hidden_size=h, num_experts=2 * ps.ep.size, moe_router_topk=2,
                       moe_ffn_hidden_size=2 * h, swiglu=True, add_bias_linear=False,
                       init_method_std=0.02, num_layers=args.overlap_layers)
     model = _OverlapModel(cfg, ps, args.overlap_layers, 4 * h)
     gen = torch.Generator().manual_seed(rank)
     xs = [torch.randn(args.overlap_tokens, 1, h, generator=gen) for _ in range(m)]
-    steps = [one_f_one_b(1, 0, m)]
+    steps = build_schedules(pp, m)
+    comm = PipeComm(ps, (args.overlap_tokens, 1, h), torch.float32) if pp > 1 else None
+    last = ps.pp.rank == pp - 1
+    pairs = {}
+
+    def forward_step(chunk, mb, received):
+        y = model(xs[mb] if received is None else received)
+        return y.square().mean() if last else y
 
     def step(paired: bool):
-        run_schedule(steps, forward_step=lambda c, mb, _: model(xs[mb]).square().mean(),
-                     ps=ps, vpp=1, comm=None, pair_backward_forward=paired)
+        stats = ScheduleStats()
+        run_schedule(steps, forward_step=forward_step, ps=ps, vpp=1, comm=comm,
+                     pair_backward_forward=paired, stats=stats)
         model.zero_grad(set_to_none=True)
+        pairs[paired] = stats.pairs
 
     out = {}
     for paired in (False, True):   # warm-up
@@ -312,7 +326,8 @@ def _overlap_on_rank(rank, world, args):
         wall, blocked, span, calls, overlapped = totals[paired]
         out[paired] = {"step_s": best[paired], "blocked_s": blocked / args.repeat,
                        "span_s": span / args.repeat, "calls": calls // args.repeat,
-                       "overlapped": overlapped // args.repeat}
+                       "overlapped": overlapped // args.repeat, "pairs": pairs[paired]}
+    out["stage"] = ps.pp.rank
     ps.destroy()
     return out
 
@@ -327,20 +342,27 @@ def bench_overlap(args) -> dict:
     while the other lane was alive); the slowest rank's numbers. The hidden fraction is
     ``1 - blocked(overlap) / blocked(plain)``: the share of the plain run's all-to-all time
     that the overlap took off the critical path. Only pairs overlap: the first forward
-    and the last backward of a step are alone, so at most ``(m - 1) / m`` can hide."""
+    and the last backward of a step are alone, so at most ``(m - 1) / m`` can hide (on
+    stage ``s`` of ``--overlap-pp`` stages ``m - pp + s`` backwards pair: its warm-up
+    forwards have no partner either). With ``--overlap-pp`` above 1 the ranks are
+    ``pp x ep`` and ``pairs_by_stage`` lists the pairs each stage ran."""
     h, T, m = args.overlap_hidden_size, args.overlap_tokens, args.overlap_microbatches
+    pp = args.overlap_pp
     print(f"\nall-to-all overlap (--overlap-moe-expert-parallel-comm): {args.overlap_layers} "
-          f"x (dense MLP + MoE layer), h={h}, T={T} tokens per micro-batch and rank, "
-          f"{m} micro-batches, 1F1B, fp32, forward+backward; slowest rank")
+          f"x (dense MLP + MoE layer){' per stage' if pp > 1 else ''}, h={h}, T={T} tokens "
+          f"per micro-batch and rank, {m} micro-batches, 1F1B over {pp} pipeline "
+          "stage(s), fp32, forward+backward; slowest rank")
     print(f"{'ep':>3} {'variant':>8} {'step ms':>9} {'a2a blocked ms':>15} "
           f"{'a2a span ms':>12} {'a2a calls':>10} {'overlapped':>11} {'hidden':>7}")
     rows = {}
     for world in args.overlap_ranks:
-        by_rank = _ranks.run_on_ranks(_overlap_on_rank, world, args)
+        by_rank = _ranks.run_on_ranks(_overlap_on_rank, world * pp, args)
         row = {}
         for paired, name in ((False, "plain"), (True, "overlap")):
             row[name] = {key: max(r[paired][key] for r in by_rank)
                          for key in ("step_s", "blocked_s", "span_s", "calls", "overlapped")}
+            row[name]["pairs_by_stage"] = [max(r[paired]["pairs"] for r in by_rank
+                                               if r["stage"] == s) for s in range(pp)]
         plain = row["plain"]["blocked_s"]
         row["hidden_fraction"] = 1.0 - row["overlap"]["blocked_s"] / plain if plain else 0.0
         rows[world] = row
@@ -349,6 +371,8 @@ def bench_overlap(args) -> dict:
             hidden = f"{row['hidden_fraction']:>7.2f}" if name == "overlap" else f"{'':>7}"
             print(f"{world:>3} {name:>8} {v['step_s'] * 1e3:>9.1f} {v['blocked_s'] * 1e3:>15.2f} "
                   f"{v['span_s'] * 1e3:>12.2f} {v['calls']:>10} {v['overlapped']:>11} {hidden}")
+        if pp > 1:
+            print(f"    pairs run per pipeline stage: {row['overlap']['pairs_by_stage']}")
     print("hidden: 1 - a2a blocked (overlap) / a2a blocked (plain); blocked: time waiting on "
           "the expert all-to-alls per step")
     return rows
@@ -378,6 +402,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--overlap-tokens", type=int, default=1024)
     parser.add_argument("--overlap-microbatches", type=int, default=4)
     parser.add_argument("--overlap-layers", type=int, default=2)
+    parser.add_argument("--overlap-pp", type=int, default=1,
+                        help="pipeline stages of the overlap section (ranks: pp x ep)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return {"experts": bench_experts(args) if not args.skip_compute else {},
