@@ -11,6 +11,7 @@ import functools
 
 from megalite.config.layout import chunk_layer_ranges
 from megalite.config.parallel import is_v_schedule
+from megalite.pipeline.plan import pairs_of
 from megalite.pipeline.schedules import build_schedule
 from megalite.pipeline.zero_bubble import simulate
 
@@ -101,17 +102,15 @@ def bubble_fraction(pp: int, num_microbatches: int, vpp: int = 1,
 def paired_backward_share(pp: int, num_microbatches: int, vpp: int = 1,
                           schedule: str | None = None) -> float:
     """Under ``--overlap-moe-expert-parallel-comm``: the share of a rank's backward steps
-    that run paired with the next forward (:mod:`megalite.parallel.paired_lanes`): a B
-    step that the rank's step list follows with an F step, on the pipeline rank with the
-    fewest such pairs (the one whose all-to-all stays most exposed). 1F1B: ``(m - pp) /
-    m`` on the first stage (``m - 1`` pairs of ``m`` at pp 1); 0 for the schedules the
-    overlap refuses (zb_h1, zbv, dualpipev)."""
+    that run paired with the next forward (the pipeline plan's pairs,
+    :func:`megalite.pipeline.plan.pairs_of`), on the pipeline rank with the fewest (the one
+    whose all-to-all stays most exposed). 1F1B: ``(m - pp) / m`` on the first stage
+    (``m - 1`` of ``m`` at pp 1); 0 for the schedules the overlap refuses (zb_h1, zbv,
+    dualpipev)."""
     if schedule in ("zb_h1", "zbv", "dualpipev"):
         return 0.0
-    shares = []
-    for rank in range(pp):
-        steps = build_schedule(pp, rank, num_microbatches, vpp, schedule=schedule)
-        backwards = sum(kind == "B" for kind, _, _ in steps)
-        pairs = sum(a[0] == "B" and b[0] == "F" for a, b in zip(steps, steps[1:]))
-        shares.append(pairs / backwards if backwards else 0.0)
-    return min(shares)
+    steps = [build_schedule(pp, r, num_microbatches, vpp, schedule=schedule)
+             for r in range(pp)]
+    pairs = pairs_of(steps, vpp)
+    return min(len(at) / max(1, sum(kind == "B" for kind, _, _ in s))
+               for at, s in zip(pairs, steps))

@@ -36,6 +36,12 @@ def test_paired_share_is_the_first_stages_steady_state(pp, m, want):
     assert paired_backward_share(pp, m, schedule="zb_h1") == 0.0   # refused with it
 
 
+def test_paired_share_interleaved():
+    # pp 2, vpp 2, m 8: 16 backwards per rank; stage 0 pairs 2m - 5 = 11 of them (its
+    # warm-up holds 2(p - 1) + (v - 1) p = 4 forwards), stage 1 pairs 2m - 3 = 13
+    assert paired_backward_share(2, 8, 2, "interleaved_1f1b") == pytest.approx(11 / 16)
+
+
 def _time(world, *extra):
     cfg = parse_args(MOE + list(extra))
     cfg.validate(world)
