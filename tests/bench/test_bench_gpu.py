@@ -67,3 +67,40 @@ def test_grad_accum_shares_muons_fixed_newton_schulz(capsys):
     assert ns1 == ns2 > 0 and step2 == pytest.approx(2 * step1, rel=1e-3)
     assert share2 == pytest.approx(share1 / 2, rel=0.05)
     assert first2 == pytest.approx(first1, abs=1e-3)
+
+
+def test_gpu_checks_script_parses_and_its_flags_exist():
+    """scripts/gpu_checks.sh (what a lent GPU runs): valid bash, and every benchmark flag
+    it passes is one the benchmarks take (its smoke run, SMOKE=1, is in the slow suite)."""
+    import pathlib
+    import shlex
+    import subprocess
+
+    from tools.bench import fp8 as fp8_bench
+
+    script = pathlib.Path(__file__).parents[2] / "scripts" / "gpu_checks.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    arrays = dict(re.findall(r"^\s*(BENCH|FP8)=\((.*)\)$", text, re.M)[-2:])
+    bench.parse(shlex.split(arrays["BENCH"]) + ["--fp8-recipe", "tensorwise", "--muon",
+                                                "--no-hf", "--grad-accum", "16"])
+    fp8_bench.parse(shlex.split(arrays["FP8"]))
+    for line in re.findall(r'benchmark\.py gpu "\$\{BENCH\[@\]\}"([^\n\\]*)', text):
+        bench.parse([f for f in shlex.split(line) if not f.startswith('"$')])
+
+
+@pytest.mark.slow
+def test_gpu_checks_script_smoke(tmp_path):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).parents[2]
+    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "PY": sys.executable}
+    subprocess.run(["bash", "scripts/gpu_checks.sh"], cwd=root, env=env, check=True,
+                   timeout=600)
+    log = (tmp_path / "log.txt").read_text()
+    for name in ("env", "test-gpu", "fp8", "step", "muon-accum"):
+        assert f"--- {name} rc=0" in log, log
+    assert "Muon's theory" in (tmp_path / "muon-accum.txt").read_text()
