@@ -278,11 +278,12 @@ def fp8_linear_input(m, elements: int) -> tuple[int, int]:
 
 def fp8_weight_copies(m, p, pp_rank: int) -> int:
     """Bytes of the fp8 weights per-tensor recipes keep through a training step on
-    pipeline rank ``pp_rank`` (:meth:`megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8`:
-    quantised at the step's first forward, saved for every backward, dropped before the
-    optimizer): one byte per local weight element of each fp8 layer's tensor-parallel
-    linears; 0 under block recipes or without fp8."""
-    return fp8_weight_elements(m, p, pp_rank)
+    pipeline rank ``pp_rank`` (:class:`megalite.layers.fp8.scaling.StepWeights`: quantised
+    at the step's first forward and transposed at its first backward, saved for every
+    backward, dropped before the optimizer): two bytes (``[N, K]`` and ``[K, N]``) per
+    local weight element of each fp8 layer's tensor-parallel linears; 0 under block
+    recipes or without fp8."""
+    return 2 * fp8_weight_elements(m, p, pp_rank)
 
 
 def fp8_weight_elements(m, p, pp_rank: int) -> int:

@@ -2,8 +2,8 @@
 (:mod:`megalite.layers.fp8.gemm`) keeps its whole input (gathered under sequence
 parallelism) quantised, one byte each, under per-tensor recipes (and the input itself too
 under ``--no-fp8-wgrad``), or the input itself under block recipes; per-tensor recipes
-also keep one fp8 copy of each fp8 linear's weight through the step. Hand counts on a tiny
-layer, tp 2 with sequence parallelism."""
+also keep two fp8 copies of each fp8 linear's weight (``[N, K]`` and ``[K, N]``) through
+the step. Hand counts on a tiny layer, tp 2 with sequence parallelism."""
 
 from __future__ import annotations
 
@@ -88,13 +88,13 @@ def test_shared_expert_inputs_in_fp8_routed_experts_unchanged():
     assert e["act"] == bf16["act"] - TOKENS * H // 2 - shared_in - shared_mid
 
 
-def test_per_tensor_recipes_keep_one_fp8_weight_copy_per_step():
+def test_per_tensor_recipes_keep_two_fp8_weight_copies_per_step():
     m = ModelConfig(**TINY, fp8_format="hybrid", fp8_recipe="tensorwise",
                     first_last_layers_bf16=True)
     # the middle two of 4 layers run fp8: qkv [3 x 64, 64], proj [64, 64], fc1 [128, 64],
-    # fc2 [64, 128], a tp 2 slice of each
+    # fc2 [64, 128], a tp 2 slice of each, fp8 [N, K] and its transpose [K, N]
     per_layer = (3 * 64 * 64 + 64 * 64 + 2 * 64 * 128) // 2
-    assert fp8_weight_copies(m, TP2, 0) == 2 * per_layer
+    assert fp8_weight_copies(m, TP2, 0) == 2 * 2 * per_layer
     blocks = ModelConfig(**TINY, fp8_format="e4m3", fp8_recipe="mxfp8")
     assert fp8_weight_copies(blocks, TP2, 0) == 0
     assert fp8_weight_copies(ModelConfig(**TINY), TP2, 0) == 0
@@ -113,7 +113,7 @@ def test_estimate_memory_counts_the_fp8_savings():
                                              "tensorwise"]).validate(1), 1)
     tokens, h, f, layers = 2048, 1024, 4096, 4
     # per layer qkv's, fc1's and fc2's inputs lose a byte per element, the projection's
-    # gains its fp8 copy; the weights' fp8 copies come on top
+    # gains its fp8 copy; the weights' fp8 copies ([N, K] and [K, N]) come on top
     inputs = tokens * (h - h + h + f)
-    weights = 4 * h * h + 2 * h * f
+    weights = 2 * (4 * h * h + 2 * h * f)
     assert bf16.activations - fp8.activations == layers * (inputs - weights)

@@ -24,15 +24,45 @@ emulation's cost, printed for completeness: CPU speed is not what fp8 is for.
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from megalite.config.fp8 import FP8_TILE
 
 RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
+
+
+class Fp8Writes(TorchDispatchMode):
+    """Counts, while active, the fp8 tensors the ops write (``shapes``: shape -> count; a
+    quantisation, an fp8 transposed copy or an e8m0 scale tensor each writes one; views
+    write none) and the ``amax`` reductions (amax / max ops): the quantisation passes of
+    the code it wraps, on any device (the autograd engine's backward included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: collections.Counter = collections.Counter()
+        self.amax = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.amax, torch.ops.aten.max):
+            self.amax += 1
+        if not func.is_view:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES:
+                    self.shapes[tuple(t.shape)] += 1
+        return out
+
+    @property
+    def writes(self) -> int:
+        return sum(self.shapes.values())
 
 
 def parse(argv):

@@ -11,7 +11,9 @@ wgrad   ``dw = dy^T x``       M (tokens)           dy e5m2, x e4m3
 ======  ====================  ===================  ======================
 
 Per-tensor recipes (tensorwise, delayed) quantise ``x`` and ``dy`` once each, ``w`` once
-per training step (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8`), and run
+per training step (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8`) and
+transpose that fp8 copy once per step for dgrad
+(:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8_t`), and run
 ``torch._scaled_mm`` (it takes per-tensor scales on the CPU and on GPUs of compute
 capability 8.9+, accumulating in fp32); where the kernel cannot take the operands
 (another GPU, or a dimension not a multiple of 16 on a GPU) the same product is formed
@@ -111,7 +113,8 @@ class Fp8LinearFunction(torch.autograd.Function):
             qx, qw, dx, dw, x2 = ctx.saved_tensors
             dg = scaling.scale(GRAD, g2, gdt, ctx.record)
             qg = quantize(g2, dg, gdt)
-            gx = scaled_mm(qg, qw.t().contiguous(), dg, dw, ctx.x_dtype)
+            # the step's transposed fp8 weight [K, N], made at its first backward
+            gx = scaled_mm(qg, scaling.weight_fp8_t(qw, ctx.record), dg, dw, ctx.x_dtype)
             if ctx.needs_input_grad[1] and recipe.wgrad:
                 gw = scaled_mm(qg.t().contiguous(), qx.t().contiguous(), dg, dx,
                                ctx.w_dtype)

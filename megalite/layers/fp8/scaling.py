@@ -18,14 +18,16 @@ the maximum over exactly the ranks that hold pieces of the same logical tensor:
   the history. History entry 0 is the newest. Every layout thus holds the one-process
   run's history after every step; steps before any history use scale 1.
 
-A weight is quantised once per training step (per-tensor recipes): the first forward of
-the step computes its scale and fp8 values, and every later micro-batch, recomputed
-forward and backward of the step reuses them (one fp8 copy of the weight saved for
-backward, not one per micro-batch in flight, and one tp reduction of its amax per step).
-:func:`finish_step` forgets them before the optimizer changes the weights. The decision
-depends only on the step's calls, which every rank of a tp group makes alike, never on
-storage addresses (which a per-layer parameter gather changes on one rank and not
-another). Evaluation and inference quantise afresh every time.
+A weight is quantised once per training step (:class:`StepWeights`): per-tensor recipes
+quantise it at the step's first forward (its scale and fp8 values ``[N, K]``) and transpose
+that copy once, at the step's first backward, for the input-gradient GEMM (``[K, N]``).
+Every later micro-batch, recomputed forward and
+backward of the step reuses them (one fp8 copy of each layout kept through the step, not
+one per micro-batch in flight, and one tp reduction of a per-tensor weight amax per
+step). :func:`finish_step` forgets them before the optimizer changes the weights. The
+decision depends only on the step's calls, which every rank of a tp group makes alike,
+never on storage addresses (which a per-layer parameter gather changes on one rank and
+not another). Evaluation and inference quantise afresh every time and keep nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +42,33 @@ INPUT, WEIGHT, GRAD = 0, 1, 2
 ROLES = ("input", "weight", "grad")
 
 
-class Fp8Scaling(torch.nn.Module):
+class StepWeights(torch.nn.Module):
+    """Quantised copies of weights kept through one training step: each is made at the
+    step's first training call that asks for its key and reused by every later call of
+    the step, until :meth:`forget_weight` (:func:`finish_step`, before the optimizer
+    changes the weights); outside training (``record`` False) made afresh at every call
+    and not kept. Subclasses: :class:`Fp8Scaling` (a linear's weight) and the routed
+    experts' (:mod:`megalite.moe.fp8_experts`). No parameters or buffers (nothing in
+    ``state_dict``)."""
+
+    def __init__(self):
+        super().__init__()
+        self._step: dict = {}
+
+    def step_copy(self, key, record: bool, make):
+        """``make()``'s result for ``key``: kept for the step when ``record`` (training)."""
+        if not record:
+            return make()
+        if key not in self._step:
+            self._step[key] = make()
+        return self._step[key]
+
+    def forget_weight(self) -> None:
+        """Drop the step's quantised weights (the optimizer is about to change them)."""
+        self._step.clear()
+
+
+class Fp8Scaling(StepWeights):
     """The scales of one linear's three operands. ``groups[role]``: the groups whose
     ranks hold pieces of that operand (tensorwise reductions; may be empty).
 
@@ -58,8 +86,9 @@ class Fp8Scaling(torch.nn.Module):
             self.register_buffer("amax_history", torch.zeros(3, recipe.history_len, **kw),
                                  persistent=False)
             self.register_buffer("step_amax", torch.zeros(3, **kw), persistent=False)
-        self._weight: tuple | None = None   # this step's (dequantisation scale, fp8 weight)
-        self._given = False      # _weight came from the fp8 parameter gather (amax recorded)
+        # the step's copies (StepWeights): "fp8" (scale, fp8 weight [N, K]), "fp8_t" the
+        # transposed [K, N]
+        self._given = False      # "fp8" came from the fp8 parameter gather (amax recorded)
 
     def history_amax(self) -> torch.Tensor:
         """``[3]``: the amax each role's scale is computed from this step."""
@@ -84,43 +113,51 @@ class Fp8Scaling(torch.nn.Module):
 
     def weight_fp8(self, weight: torch.Tensor, dtype: torch.dtype, record: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(0-d fp32 dequantisation scale, fp8 values) of ``weight``: computed at the
-        step's first training call (:meth:`scale`'s collectives), reused until
+        """(0-d fp32 dequantisation scale, fp8 values ``[N, K]``) of ``weight``: computed at
+        the step's first training call (:meth:`scale`'s collectives), reused until
         :meth:`forget_weight`; afresh at every call outside training. Delayed scaling still
         records the weight's amax on a reuse (a step skipped for inf/nan gradients left
         the weights, and so this copy, as they were)."""
-        if record and self._weight is not None:
+        if record and "fp8" in self._step:
             if self.delayed and not self._given:
                 self.step_amax[WEIGHT] = torch.maximum(self.step_amax[WEIGHT],
                                                        amax_of(weight))
-            return self._weight
+            return self._step["fp8"]
         d = self.scale(WEIGHT, weight, dtype, record)
         out = (d, quantize(weight, d, dtype))
         if record:
-            self._weight = out
+            self._step["fp8"] = out
         return out
+
+    def weight_fp8_t(self, qw: torch.Tensor, record: bool) -> torch.Tensor:
+        """``qw`` ``[N, K]`` (the fp8 weight :meth:`weight_fp8` gave this call's forward)
+        transposed to a row-major ``[K, N]``, the input-gradient GEMM's operand: made at
+        the step's first training backward and reused by the step's later ones (the step's
+        fp8 weight does not change within the step); afresh outside training."""
+        return self.step_copy("fp8_t", record, lambda: qw.t().contiguous())
 
     def give_weight(self, d: torch.Tensor, q: torch.Tensor) -> None:
         """Use ``(d, q)`` (0-d fp32 dequantisation scale, fp8 weight in the weight's shape)
         as this step's fp8 weight: ``--fp8-param-gather`` quantised it on the ranks owning
         its shards with this scaling's scale (:mod:`megalite.optim.fp8_param_gather`),
-        which also recorded the weight's amax under delayed scaling."""
-        self._weight, self._given = (d, q), True
+        which also recorded the weight's amax under delayed scaling. The step's
+        transposed copy is made from it at the first backward, like the scaling's own."""
+        self._step["fp8"], self._given = (d, q), True
 
     def holds_given_weight(self) -> bool:
         """Whether this step's fp8 weight came from the fp8 parameter gather (a later
         gather of the same step, ZeRO-3's before every forward and backward, need not
         send it again)."""
-        return self._given and self._weight is not None
+        return self._given and "fp8" in self._step
 
     def forget_weight(self) -> None:
-        """Drop the step's fp8 weight (the optimizer is about to change the weight)."""
-        self._weight, self._given = None, False
+        super().forget_weight()
+        self._given = False
 
     def push(self, amax: torch.Tensor) -> None:
         """Shift the history by one step and put ``amax`` ``[3]`` first; clear the step
-        (and its fp8 weight, whose scale came from the old history)."""
-        self._weight, self._given = None, False
+        (and its fp8 weights, whose scale came from the old history)."""
+        self.forget_weight()
         self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=1))
         self.amax_history[:, 0] = amax
         self.step_amax.zero_()
@@ -139,13 +176,13 @@ def delayed_scalings(model_chunks) -> list[tuple[str, Fp8Scaling]]:
 
 @torch.no_grad()
 def finish_step(model_chunks, ps) -> None:
-    """End of a step, before the optimizer step: every fp8 linear forgets its step's fp8
-    weight; under delayed scaling, reduce the step's amaxes of all linears (one MAX
-    all-reduce over ``ps.tp``, then one over ``ps.dp_cp``) and push them into the
-    histories."""
+    """End of a step, before the optimizer step: every :class:`StepWeights` in
+    ``model_chunks`` forgets the step's quantised weights; under delayed scaling, reduce
+    the step's amaxes of all linears (one MAX all-reduce over ``ps.tp``, then one over
+    ``ps.dp_cp``) and push them into the histories."""
     for chunk in model_chunks:
         for module in chunk.modules():
-            if isinstance(module, Fp8Scaling):
+            if isinstance(module, StepWeights):
                 module.forget_weight()
     scalings = [s for _, s in delayed_scalings(model_chunks)]
     if not scalings:
