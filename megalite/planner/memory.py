@@ -23,8 +23,8 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   (:func:`megalite.planner.schedule.peak_in_flight`); on the last stage also what the
   multi-token prediction depths keep (:func:`mtp_activation_bytes`). Under
   ``--fp8-format`` the fp8 linears' inputs as they keep them (one byte per element under
-  the per-tensor recipes, :func:`fp8_linear_input`) and, per step, the per-tensor recipes'
-  fp8 weight copies (:func:`fp8_weight_copies`).
+  the per-tensor recipes with fp8 weight gradients, :func:`fp8_linear_input`) and, per
+  step, the fp8 weight copies (:func:`fp8_weight_copies`).
 * **transient** -- the largest working set on top of the saved activations: the backward
   of one layer (gradient of the MLP's widest tensor plus the layer's input gradient), on
   the last stage the logits and the cross entropy's fp32 copy of them (where the peak of
@@ -268,12 +268,12 @@ def layer_activation_elements(m, p, micro_batch: int, moe: bool = False,
 def fp8_linear_input(m, elements: int) -> tuple[int, int]:
     """(training-dtype, one-byte) elements an fp8 linear keeps of an input of
     ``elements`` (:class:`megalite.layers.fp8.gemm.Fp8LinearFunction`): per-tensor recipes
-    (delayed, tensorwise) its fp8 quantisation, and under ``--no-fp8-wgrad`` the input
-    itself too (the weight gradient's operand); block recipes (mxfp8, blockwise) the
-    input itself (quantised again per GEMM)."""
-    if m.fp8_recipe in BLOCK_RECIPES:
+    (delayed, tensorwise) its fp8 quantisation (transposed, the weight gradient's
+    operand), or under ``--no-fp8-wgrad`` the input itself instead; block recipes (mxfp8,
+    blockwise) the input itself (quantised again per GEMM)."""
+    if m.fp8_recipe in BLOCK_RECIPES or not m.fp8_wgrad:
         return elements, 0
-    return (0 if m.fp8_wgrad else elements), elements
+    return 0, elements
 
 
 def fp8_weight_copies(m, p, pp_rank: int) -> int:

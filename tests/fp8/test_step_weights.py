@@ -179,3 +179,33 @@ def test_a_gathered_fp8_weight_is_transposed_once_per_step():
     assert count.shapes[(N, K)] == 3              # the three gathers' quantisations
     scaling.forget_weight()
     assert not scaling._step and not scaling._given
+
+
+@pytest.mark.parametrize("wgrad", [True, False], ids=["fp8-wgrad", "no-fp8-wgrad"])
+def test_the_forward_saves_one_fp8_input_already_transposed(wgrad):
+    """The forward quantises x once into [M, K] (its GEMM) and [K, M] (wgrad's operand,
+    saved: one fp8 copy of x, not two); the backward quantises dy once into [M, N] and
+    [N, M] and transposes no fp8 copy. Under --no-fp8-wgrad no fp8 copy of x is kept,
+    nor dy^T made."""
+    recipe = Fp8Recipe("hybrid", "tensorwise", wgrad=wgrad)
+    scaling = Fp8Scaling(recipe, ((), (), ()))
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(N, K, generator=g).requires_grad_()
+    x = torch.randn(M, K, generator=g).requires_grad_()
+    with Fp8Writes() as forward:
+        y = fp8_linear(x, w, None, scaling)
+    fp8_saved = [t for t in y.grad_fn.saved_tensors
+                 if t is not None and t.dtype == recipe.forward_dtype and t.numel() == M * K]
+    if wgrad:
+        assert [tuple(t.shape) for t in fp8_saved] == [(K, M)] and fp8_saved[0].is_contiguous()
+        assert torch.equal(fp8_saved[0], quantize(x, scaling.scale(INPUT, x, recipe.forward_dtype,
+                                                                   False), recipe.forward_dtype)
+                           .t().contiguous())
+    else:
+        assert fp8_saved == []
+    assert forward.shapes == ({(M, K): 1, (K, M): 1, (N, K): 1} if wgrad
+                              else {(M, K): 1, (N, K): 1})
+    with Fp8Writes() as backward:
+        y.backward(torch.randn(M, N, generator=g))
+    assert backward.shapes == ({(M, N): 1, (N, M): 1, (K, N): 1} if wgrad
+                               else {(M, N): 1, (K, N): 1})

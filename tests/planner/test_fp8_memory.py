@@ -1,6 +1,6 @@
 """The planner's activation memory under ``--fp8-format``: an fp8 linear
 (:mod:`megalite.layers.fp8.gemm`) keeps its whole input (gathered under sequence
-parallelism) quantised, one byte each, under per-tensor recipes (and the input itself too
+parallelism) quantised, one byte each, under per-tensor recipes (the input itself instead
 under ``--no-fp8-wgrad``), or the input itself under block recipes; per-tensor recipes
 also keep two fp8 copies of each fp8 linear's weight (``[N, K]`` and ``[K, N]``) through
 the step. Hand counts on a tiny layer, tp 2 with sequence parallelism."""
@@ -38,11 +38,11 @@ def test_per_tensor_recipes_keep_the_gathered_inputs_in_fp8():
     assert bf16["fp8"] == 0
     # the same model outside an fp8 layer (--first-last-layers-bf16) keeps bf16
     assert _elements(fp8=False, fp8_format="hybrid") == bf16
-    # --no-fp8-wgrad: the weight gradient takes the unquantised (whole) input too (the
-    # projection's is the kernel's output, already counted)
+    # --no-fp8-wgrad: the weight gradient takes the unquantised (whole) input instead of
+    # an fp8 copy (the projection's is the kernel's output, already counted)
     e = _elements(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_wgrad=False)
     assert e == {"act": bf16["act"] - own + whole - TOKENS * PROJ, "fp32": bf16["fp32"],
-                 "fp8": whole}
+                 "fp8": 0}
     # --recompute-modules core_attn: the kernel keeps nothing, the projection its fp8 copy
     sel = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
     bf16_sel = _elements(fp8=False, **sel)

@@ -33,7 +33,12 @@ from __future__ import annotations
 
 import torch
 
-from megalite.layers.fp8.recipes import block_dequantize, block_quantize, quantize
+from megalite.layers.fp8.recipes import (
+    block_dequantize,
+    block_quantize,
+    quantize,
+    quantize_both,
+)
 from megalite.layers.fp8.scaling import GRAD, INPUT
 
 
@@ -87,10 +92,12 @@ class Fp8LinearFunction(torch.autograd.Function):
         else:
             dx = scaling.scale(INPUT, x2, fwd, record)
             dw, qw = scaling.weight_fp8(weight, fwd, record)   # once per training step
-            qx = quantize(x2, dx, fwd)
+            if recipe.wgrad:   # wgrad's operand: x^T [K, M], quantised with x itself
+                qx, qx_t = quantize_both(x2, dx, fwd)
+            else:              # --no-fp8-wgrad: the weight gradient from x itself
+                qx, qx_t = quantize(x2, dx, fwd), None
             y = scaled_mm(qx, qw, dx, dw, x.dtype)
-            # --no-fp8-wgrad: the weight gradient from the unquantised input
-            ctx.save_for_backward(qx, qw, dx, dw, None if recipe.wgrad else x2)
+            ctx.save_for_backward(qx_t, qw, dx, dw, None if recipe.wgrad else x2)
         ctx.scaling, ctx.record, ctx.has_bias = scaling, record, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         y = y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -110,14 +117,17 @@ class Fp8LinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[1] and recipe.wgrad:
                 gw = block_mm(g2.t(), x2.t(), recipe.block, gdt, fwd, mx)
         else:
-            qx, qw, dx, dw, x2 = ctx.saved_tensors
+            qx_t, qw, dx, dw, x2 = ctx.saved_tensors
             dg = scaling.scale(GRAD, g2, gdt, ctx.record)
-            qg = quantize(g2, dg, gdt)
+            fp8_wgrad = ctx.needs_input_grad[1] and recipe.wgrad
+            if fp8_wgrad:      # dy [M, N] for dgrad and dy^T [N, M] for wgrad, at once
+                qg, qg_t = quantize_both(g2, dg, gdt)
+            else:
+                qg = quantize(g2, dg, gdt)
             # the step's transposed fp8 weight [K, N], made at its first backward
             gx = scaled_mm(qg, scaling.weight_fp8_t(qw, ctx.record), dg, dw, ctx.x_dtype)
-            if ctx.needs_input_grad[1] and recipe.wgrad:
-                gw = scaled_mm(qg.t().contiguous(), qx.t().contiguous(), dg, dx,
-                               ctx.w_dtype)
+            if fp8_wgrad:
+                gw = scaled_mm(qg_t, qx_t, dg, dx, ctx.w_dtype)
         if ctx.needs_input_grad[1] and not recipe.wgrad:   # in the training precision
             gw = g2.t().mm(x2)
         gx = gx.to(ctx.x_dtype).view(ctx.x_shape)

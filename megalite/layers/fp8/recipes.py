@@ -87,10 +87,27 @@ def dequant_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> to
     return torch.where(ok, d, torch.ones_like(d))
 
 
+def _scaled(x: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``x / d`` saturated to +-fp8_max of ``dtype`` (exactly representable after the
+    cast's rounding)."""
+    limit = FP8_MAX[dtype]
+    return (x.float() / d).clamp_(-limit, limit)
+
+
 def quantize(x: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp8 values of ``x / d`` (``d`` broadcast), saturated to +-fp8_max."""
-    limit = FP8_MAX[dtype]
-    return (x.float() / d).clamp_(-limit, limit).to(dtype)
+    return _scaled(x, d, dtype).to(dtype)
+
+
+def quantize_both(x: torch.Tensor, d: torch.Tensor, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` quantised once (:func:`quantize`'s values) into both layouts the
+    GEMMs take: (``[M, K]`` row-major, its transpose ``[K, M]`` row-major). One scaling of
+    ``x`` feeds both casts (under ``torch.compile`` one kernel reading ``x`` once and
+    writing both); the transposed one is written straight from it, with no second pass
+    over an fp8 copy."""
+    s = _scaled(x, d, dtype)
+    return s.to(dtype), s.t().to(dtype, memory_format=torch.contiguous_format)
 
 
 def amax_of(x: torch.Tensor) -> torch.Tensor:
