@@ -277,12 +277,18 @@ def fp8_linear_input(m, elements: int) -> tuple[int, int]:
 
 
 def fp8_weight_copies(m, p, pp_rank: int) -> int:
-    """Bytes of the fp8 weights per-tensor recipes keep through a training step on
-    pipeline rank ``pp_rank`` (:class:`megalite.layers.fp8.scaling.StepWeights`: quantised
-    at the step's first forward and transposed at its first backward, saved for every
-    backward, dropped before the optimizer): two bytes (``[N, K]`` and ``[K, N]``) per
-    local weight element of each fp8 layer's tensor-parallel linears; 0 under block
-    recipes or without fp8."""
+    """Bytes of the fp8 weights kept through a training step on pipeline rank ``pp_rank``
+    (:class:`megalite.layers.fp8.scaling.StepWeights`: quantised at the step's first
+    forward and at its first backward, saved for every backward, dropped before the
+    optimizer), per local weight element of each fp8 layer's tensor-parallel linears: two
+    bytes under the per-tensor recipes (``[N, K]`` and its transpose ``[K, N]``), two and
+    two 32nds under the block recipes (along K and along N, each with one e8m0 byte per 32
+    elements under mxfp8 or one fp32 scale per 128 under blockwise); 0 without fp8."""
+    if m.fp8_format is None:
+        return 0
+    if m.fp8_recipe in BLOCK_RECIPES:
+        elements = _fp8_linear_elements(m, p, pp_rank)
+        return 2 * elements + 2 * (elements // 32)
     return 2 * fp8_weight_elements(m, p, pp_rank)
 
 
@@ -292,6 +298,11 @@ def fp8_weight_elements(m, p, pp_rank: int) -> int:
     gathers in fp8); 0 under block recipes or without fp8."""
     if m.fp8_format is None or m.fp8_recipe in BLOCK_RECIPES:
         return 0
+    return _fp8_linear_elements(m, p, pp_rank)
+
+
+def _fp8_linear_elements(m, p, pp_rank: int) -> int:
+    """Local weight elements of the fp8 layers' tensor-parallel linears on ``pp_rank``."""
     tp = p.tensor_model_parallel_size
     return sum(fp8_linear_weights(m, layer) // tp for layer in stage_layers(m, p, pp_rank)
                if fp8_layer(m, layer))

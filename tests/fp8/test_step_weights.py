@@ -209,3 +209,26 @@ def test_the_forward_saves_one_fp8_input_already_transposed(wgrad):
         y.backward(torch.randn(M, N, generator=g))
     assert backward.shapes == ({(M, N): 1, (N, M): 1, (K, N): 1} if wgrad
                                else {(M, N): 1, (K, N): 1})
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "blockwise"])
+def test_block_recipes_quantise_the_weight_once_per_step_each_way(name):
+    """The weight along K (fprop, [N, K]) and its transpose along N (dgrad, [K, N]): once
+    per step, not in every forward and backward; mxfp8's e8m0 scales likewise
+    ([N, K / 32], [K, N / 32]); outside training at every call."""
+    recipe = Fp8Recipe("hybrid", name)
+    b = recipe.block
+    one, scaling = _writes(recipe, 1)
+    three, _ = _writes(recipe, 3)
+    # the values are written as [rows, blocks, block] (then viewed as [rows, columns])
+    weight_shapes = [(N, K // b, b), (K, N // b, b)]
+    if name == "mxfp8":
+        weight_shapes += [(N, K // b), (K, N // b)]
+    for shape in weight_shapes:
+        assert one[shape] == three[shape] == 1, (shape, three)
+    assert three[(M, K // b, b)] == three[(K, M // b, b)] == 3   # x: per micro-batch, GEMM
+    assert set(scaling._step) == {"block_k", "block_n"}
+    finish_step([scaling], _LocalPS())
+    assert not scaling._step
+    evaluation, scaling = _writes(recipe, 3, training=False)
+    assert all(evaluation[shape] == 3 for shape in weight_shapes) and not scaling._step

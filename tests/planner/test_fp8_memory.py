@@ -1,9 +1,10 @@
 """The planner's activation memory under ``--fp8-format``: an fp8 linear
 (:mod:`megalite.layers.fp8.gemm`) keeps its whole input (gathered under sequence
 parallelism) quantised, one byte each, under per-tensor recipes (the input itself instead
-under ``--no-fp8-wgrad``), or the input itself under block recipes; per-tensor recipes
-also keep two fp8 copies of each fp8 linear's weight (``[N, K]`` and ``[K, N]``) through
-the step. Hand counts on a tiny layer, tp 2 with sequence parallelism."""
+under ``--no-fp8-wgrad``), or the input itself under block recipes; every recipe also keeps
+two fp8 copies of each fp8 linear's weight (``[N, K]`` and ``[K, N]``, with their block
+scales under block recipes) through the step. Hand counts on a tiny layer, tp 2 with
+sequence parallelism."""
 
 from __future__ import annotations
 
@@ -88,15 +89,18 @@ def test_shared_expert_inputs_in_fp8_routed_experts_unchanged():
     assert e["act"] == bf16["act"] - TOKENS * H // 2 - shared_in - shared_mid
 
 
-def test_per_tensor_recipes_keep_two_fp8_weight_copies_per_step():
+def test_fp8_weight_copies_kept_per_step():
     m = ModelConfig(**TINY, fp8_format="hybrid", fp8_recipe="tensorwise",
                     first_last_layers_bf16=True)
     # the middle two of 4 layers run fp8: qkv [3 x 64, 64], proj [64, 64], fc1 [128, 64],
     # fc2 [64, 128], a tp 2 slice of each, fp8 [N, K] and its transpose [K, N]
     per_layer = (3 * 64 * 64 + 64 * 64 + 2 * 64 * 128) // 2
     assert fp8_weight_copies(m, TP2, 0) == 2 * 2 * per_layer
-    blocks = ModelConfig(**TINY, fp8_format="e4m3", fp8_recipe="mxfp8")
-    assert fp8_weight_copies(blocks, TP2, 0) == 0
+    # block recipes: along K and along N, each with a scale byte per 32 elements (e8m0 per
+    # 32, or fp32 per 128), all 4 layers
+    for recipe in ("mxfp8", "blockwise"):
+        blocks = ModelConfig(**TINY, fp8_format="e4m3", fp8_recipe=recipe)
+        assert fp8_weight_copies(blocks, TP2, 0) == 4 * 2 * (per_layer + per_layer // 32)
     assert fp8_weight_copies(ModelConfig(**TINY), TP2, 0) == 0
 
 

@@ -10,19 +10,28 @@ dgrad   ``dx = dy w``         N (out features)     dy e5m2, w e4m3
 wgrad   ``dw = dy^T x``       M (tokens)           dy e5m2, x e4m3
 ======  ====================  ===================  ======================
 
-Per-tensor recipes (tensorwise, delayed) quantise ``x`` and ``dy`` once each, ``w`` once
-per training step (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8`) and
-transpose that fp8 copy once per step for dgrad
-(:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8_t`), and run
+Per-tensor recipes (tensorwise, delayed) quantise, per micro-batch, ``x`` once into the
+two layouts its GEMMs take (``[M, K]`` for fprop, ``[K, M]`` for wgrad: the one fp8 copy
+saved for backward) and ``dy`` once into ``[M, N]`` (dgrad) and ``[N, M]`` (wgrad)
+(:func:`~megalite.layers.fp8.recipes.quantize_both`); ``w`` once per training step
+(:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8`), transposed once per step
+for dgrad (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8_t`). They run
 ``torch._scaled_mm`` (it takes per-tensor scales on the CPU and on GPUs of compute
-capability 8.9+, accumulating in fp32); where the kernel cannot take the operands
-(another GPU, or a dimension not a multiple of 16 on a GPU) the same product is formed
-from the dequantised operands in fp32, which equals the kernel's result up to the order
-of summation. Block recipes (mxfp8, blockwise) quantise each operand along the
-contraction dimension of each GEMM (so ``x``, ``w`` and ``dy`` twice: once per GEMM they
-enter) and multiply the dequantised blocks in fp32: exact emulation of a block-scaled
-kernel accumulating in fp32. torch's MX kernel (block-scaled ``_scaled_mm`` with
-swizzled e8m0 scales) exists only on compute capability 10.0 and is not called yet.
+capability 8.9+, accumulating in fp32; ``a`` row-major, ``b`` column-major, hence the
+layouts); where the kernel cannot take the operands (another GPU, or a dimension not a
+multiple of 16 on a GPU) the same product is formed from the dequantised operands in
+fp32, which equals the kernel's result up to the order of summation.
+
+Block recipes (mxfp8, blockwise) quantise each operand along the contraction dimension
+of each GEMM: ``x`` and ``dy`` twice per micro-batch (once per GEMM they enter), ``w``
+along K (fprop) and ``w^T`` along N (dgrad) once per training step each
+(:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.block_weight`); the dequantised blocks
+are multiplied in fp32: exact emulation of a block-scaled kernel accumulating in fp32.
+torch's MX kernel (block-scaled ``_scaled_mm`` with swizzled e8m0 scales) exists only on
+compute capability 10.0 and is not called yet.
+
+Outside training (evaluation) every operand, the weight included, is quantised afresh
+at every call and nothing is kept.
 The output, input gradient and weight gradient are returned in the dtype of ``x`` /
 ``w`` (fp32 or bf16); the bias and its gradient stay in that precision. With
 ``--no-fp8-wgrad`` (Megatron-LM's flag) the weight gradient is ``dy^T x`` of the
@@ -65,13 +74,9 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tens
     return y.to(out_dtype)
 
 
-def block_mm(a: torch.Tensor, b: torch.Tensor, block: int, a_dtype, b_dtype, mx: bool
-             ) -> torch.Tensor:
-    """``a @ b^T`` (``a`` ``[M, K]``, ``b`` ``[N, K]``, high precision) with both operands
-    block-quantised along K -> ``[M, N]`` fp32."""
-    qa, sa = block_quantize(a, block, a_dtype, mx=mx)
-    qb, sb = block_quantize(b, block, b_dtype, mx=mx)
-    return block_dequantize(qa, sa) @ block_dequantize(qb, sb).t()
+def block_fp32(a: torch.Tensor, block: int, dtype, mx: bool) -> torch.Tensor:
+    """``a`` ``[M, K]`` (high precision) block-quantised along K and dequantised: fp32."""
+    return block_dequantize(*block_quantize(a, block, dtype, mx=mx))
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -87,7 +92,9 @@ class Fp8LinearFunction(torch.autograd.Function):
         fwd = recipe.forward_dtype
         block = recipe.block
         if block is not None:
-            y = block_mm(x2, weight, block, fwd, fwd, recipe.recipe == "mxfp8")
+            qw = scaling.block_weight(weight, False, record)   # along K, once per step
+            y = block_fp32(x2, block, fwd, recipe.recipe == "mxfp8") @ \
+                block_dequantize(*qw).t()
             ctx.save_for_backward(x2, weight)
         else:
             dx = scaling.scale(INPUT, x2, fwd, record)
@@ -113,9 +120,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         if recipe.block is not None:
             x2, weight = ctx.saved_tensors
             mx = recipe.recipe == "mxfp8"
-            gx = block_mm(g2, weight.t(), recipe.block, gdt, fwd, mx)
+            qw_t = scaling.block_weight(weight, True, ctx.record)  # w^T along N, once per step
+            gx = block_fp32(g2, recipe.block, gdt, mx) @ block_dequantize(*qw_t).t()
             if ctx.needs_input_grad[1] and recipe.wgrad:
-                gw = block_mm(g2.t(), x2.t(), recipe.block, gdt, fwd, mx)
+                gw = block_fp32(g2.t(), recipe.block, gdt, mx) @ \
+                    block_fp32(x2.t(), recipe.block, fwd, mx).t()
         else:
             qx_t, qw, dx, dw, x2 = ctx.saved_tensors
             dg = scaling.scale(GRAD, g2, gdt, ctx.record)

@@ -20,8 +20,9 @@ the maximum over exactly the ranks that hold pieces of the same logical tensor:
 
 A weight is quantised once per training step (:class:`StepWeights`): per-tensor recipes
 quantise it at the step's first forward (its scale and fp8 values ``[N, K]``) and transpose
-that copy once, at the step's first backward, for the input-gradient GEMM (``[K, N]``).
-Every later micro-batch, recomputed forward and
+that copy once, at the step's first backward, for the input-gradient GEMM (``[K, N]``);
+block recipes quantise it along K (forward) at the step's first forward and its transpose
+along N (input gradient) at its first backward. Every later micro-batch, recomputed forward and
 backward of the step reuses them (one fp8 copy of each layout kept through the step, not
 one per micro-batch in flight, and one tp reduction of a per-tensor weight amax per
 step). :func:`finish_step` forgets them before the optimizer changes the weights. The
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.layers.fp8.recipes import amax_of, dequant_scale, quantize
+from megalite.layers.fp8.recipes import amax_of, block_quantize, dequant_scale, quantize
 from megalite.parallel import collectives as C
 from megalite.parallel.collectives import ReduceOp
 
@@ -87,7 +88,7 @@ class Fp8Scaling(StepWeights):
                                  persistent=False)
             self.register_buffer("step_amax", torch.zeros(3, **kw), persistent=False)
         # the step's copies (StepWeights): "fp8" (scale, fp8 weight [N, K]), "fp8_t" the
-        # transposed [K, N]
+        # transposed [K, N], "block_k" / "block_n" the block recipes' quantisations
         self._given = False      # "fp8" came from the fp8 parameter gather (amax recorded)
 
     def history_amax(self) -> torch.Tensor:
@@ -135,6 +136,21 @@ class Fp8Scaling(StepWeights):
         the step's first training backward and reused by the step's later ones (the step's
         fp8 weight does not change within the step); afresh outside training."""
         return self.step_copy("fp8_t", record, lambda: qw.t().contiguous())
+
+    def block_weight(self, weight: torch.Tensor, transposed: bool, record: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block recipes: ``weight`` ``[N, K]`` block-quantised along K (``[N, K]`` values,
+        ``[N, K / block]`` scales; the forward's operand) or, ``transposed``, ``weight^T``
+        along N (``[K, N]``, ``[K, N / block]``; the input gradient's), in the forward
+        dtype; each kept for the step like :meth:`weight_fp8` (no amax to record)."""
+        recipe = self.recipe
+
+        def make():
+            w = weight.t() if transposed else weight
+            return block_quantize(w, recipe.block, recipe.forward_dtype,
+                                  mx=recipe.recipe == "mxfp8")
+
+        return self.step_copy("block_n" if transposed else "block_k", record, make)
 
     def give_weight(self, d: torch.Tensor, q: torch.Tensor) -> None:
         """Use ``(d, q)`` (0-d fp32 dequantisation scale, fp8 weight in the weight's shape)
