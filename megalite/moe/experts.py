@@ -18,7 +18,8 @@ The grouped GEMM pads each expert's tokens to the largest count and runs ``torch
 (no Python loop over experts); under a zero-bubble schedule its weight gradients wait for
 the W step (``megalite.parallel.weight_grad``). The per-expert loop it replaces lives in the tests.
 Under ``--fp8-format`` both GEMMs run in fp8 with per-row scales
-(:mod:`megalite.moe.fp8_experts`; their weight gradients are not deferred).
+(:mod:`megalite.moe.fp8_experts`; their weight gradients are not deferred), the weights
+quantised once per training step (``GroupedMLP.fp8_weights``).
 
 Every parameter is marked ``expert`` (:class:`~megalite.parallel.params.ParamMeta`, with
 the global index of its first expert): its gradient is reduced over ``ps.edp``, not
@@ -33,7 +34,7 @@ import torch
 
 from megalite.layers.activations import activation
 from megalite.layers.sharding import gather_full, initialize_params, shard
-from megalite.moe.fp8_experts import fp8_expert_bmm
+from megalite.moe.fp8_experts import Fp8ExpertWeights, fp8_expert_bmm
 from megalite.parallel import weight_grad
 from megalite.parallel.collectives import all_gather_list
 from megalite.parallel.params import mark_param, update_meta
@@ -83,13 +84,15 @@ def _bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def grouped_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Tensor,
                 fc2: torch.Tensor, *, swiglu: bool, fc1_bias=None, fc2_bias=None,
-                fp8=None, etp_group=None) -> torch.Tensor:
+                fp8=None, etp_group=None, fp8_weights=None) -> torch.Tensor:
     """``x`` ``[M, h]`` sorted by expert -> ``[M, h]``; two ``bmm`` over padded tokens.
 
     fc1 ``[E_l, h, f1]``, fc2 ``[E_l, f, h]``, biases ``[E_l, f1]`` / ``[E_l, h]``. With
     ``fp8`` (an :class:`~megalite.layers.fp8.Fp8Recipe`) both run in fp8 with per-row
     scales (:mod:`megalite.moe.fp8_experts`), whose amaxes over a contraction split by
-    expert tensor parallelism are reduced over ``etp_group``.
+    expert tensor parallelism are reduced over ``etp_group``; ``fp8_weights`` (an
+    :class:`~megalite.moe.fp8_experts.Fp8ExpertWeights`) keeps the weights' quantisations
+    for the training step.
     """
     num_experts, h = fc1.shape[0], x.shape[-1]
     index, cap = padded_index(tokens_per_expert)
@@ -97,17 +100,17 @@ def grouped_mlp(x: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: torch.Ten
     padded = x.new_zeros(num_experts * cap, h).index_copy(0, index, x)
     split = etp_group is not None and etp_group.size > 1
 
-    def gemm(a, w, split_in: bool, split_out: bool):
+    def gemm(a, w, split_in: bool, split_out: bool, name: str):
         if fp8 is None:
             return _bmm(a, w)
         return fp8_expert_bmm(a, w, fp8, split_in=split_in, split_out=split_out,
-                              etp_group=etp_group)
+                              etp_group=etp_group, weights=fp8_weights, name=name)
 
-    hidden = gemm(padded.view(num_experts, cap, h), fc1, False, split)  # [E_l, C, f1]
+    hidden = gemm(padded.view(num_experts, cap, h), fc1, False, split, "fc1")  # [E_l, C, f1]
     if fc1_bias is not None:
         hidden = hidden + fc1_bias.unsqueeze(1)
     hidden = activation(hidden, swiglu)
-    out = gemm(hidden, fc2, split, False)  # [E_l, C, h]
+    out = gemm(hidden, fc2, split, False, "fc2")  # [E_l, C, h]
     if fc2_bias is not None:
         out = out + fc2_bias.unsqueeze(1)
     return out.reshape(num_experts * cap, out.shape[-1]).index_select(0, index)
@@ -125,6 +128,8 @@ class GroupedMLP(torch.nn.Module):
         super().__init__()
         self.ps = ps
         self.fp8 = fp8   # an Fp8Recipe: the grouped GEMMs in fp8 (megalite.moe.fp8_experts)
+        # the weights' fp8 quantisations kept through a training step (no parameters)
+        self.fp8_weights = None if fp8 is None else Fp8ExpertWeights()
         etp_group = ps.etp
         etp = etp_group.size
         h, ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size
@@ -159,7 +164,7 @@ class GroupedMLP(torch.nn.Module):
         fc2_bias = self.fc2_bias if self.etp_group.rank == 0 else None
         return grouped_mlp(x, tokens_per_expert, self.fc1, self.fc2, swiglu=self.swiglu,
                            fc1_bias=self.fc1_bias, fc2_bias=fc2_bias, fp8=self.fp8,
-                           etp_group=self.etp_group)
+                           etp_group=self.etp_group, fp8_weights=self.fp8_weights)
 
     def reset_parameters(self, seed: int, prefix: str) -> None:
         """Draw each local expert's full weight from (seed, ``{prefix}.{param}.{expert}``)

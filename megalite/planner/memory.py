@@ -24,7 +24,8 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   multi-token prediction depths keep (:func:`mtp_activation_bytes`). Under
   ``--fp8-format`` the fp8 linears' inputs as they keep them (one byte per element under
   the per-tensor recipes with fp8 weight gradients, :func:`fp8_linear_input`) and, per
-  step, the fp8 weight copies (:func:`fp8_weight_copies`).
+  step, the fp8 weight copies (:func:`fp8_weight_copies`, the routed experts'
+  :func:`fp8_expert_weight_copies`).
 * **transient** -- the largest working set on top of the saved activations: the backward
   of one layer (gradient of the MLP's widest tensor plus the layer's input gradient), on
   the last stage the logits and the cross entropy's fp32 copy of them (where the peak of
@@ -308,6 +309,29 @@ def _fp8_linear_elements(m, p, pp_rank: int) -> int:
                if fp8_layer(m, layer))
 
 
+def fp8_expert_weight_copies(m, p, pp_rank: int) -> int:
+    """Bytes of the routed experts' fp8 weight quantisations kept through a training step
+    on pipeline rank ``pp_rank`` (:class:`megalite.moe.fp8_experts.Fp8ExpertWeights`:
+    made at the step's first forward and first backward, dropped before the optimizer):
+    for each fp8 MoE layer's local experts (fc1 ``[E_l, h, f1 / etp]``, fc2
+    ``[E_l, f / etp, h]``) one byte per element in each of two layouts (along the
+    forward's contraction and along the input gradient's), with their scales: one fp32
+    per row of each layout (per-tensor recipes: per-row scaling), or a byte per 32
+    elements (block recipes); 0 without fp8 or experts."""
+    if m.fp8_format is None or not m.num_experts:
+        return 0
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    h, f1 = m.hidden_size, (2 if m.swiglu else 1) * m.moe_ffn_hidden_size // etp
+    f2, local = m.moe_ffn_hidden_size // etp, m.num_experts // ep
+    elements = local * (h * f1 + f2 * h)
+    if m.fp8_recipe in BLOCK_RECIPES:
+        per_layer = 2 * elements + 2 * (elements // 32)
+    else:   # rows: fc1^T [f1, h] and fc1 [h, f1]; fc2^T [h, f2] and fc2 [f2, h]
+        per_layer = 2 * elements + 4 * local * (f1 + h + h + f2)
+    return per_layer * sum(1 for layer in stage_layers(m, p, pp_rank)
+                           if is_moe_layer(m, layer) and fp8_layer(m, layer))
+
+
 def fp8_linear_weights(m, layer: int) -> int:
     """Weight elements of the linears ``--fp8-format`` runs in fp8 in global layer
     ``layer`` (whole, over all tp ranks): attention's qkv and output projections, or
@@ -416,7 +440,8 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     chunk_bytes = saved / vpp          # one (micro-batch, chunk) pair
     in_flight = peak_in_flight(pp, pp_rank, lay.num_microbatches, vpp,
                                lay.pipeline_schedule)
-    activations = chunk_bytes * in_flight + fp8_weight_copies(m, p, pp_rank)
+    activations = (chunk_bytes * in_flight + fp8_weight_copies(m, p, pp_rank)
+                   + fp8_expert_weight_copies(m, p, pp_rank))
     first, last = pp_rank == 0, pp_rank == output_stage(p)
     vocab = lay.padded_vocab_size
     if last:  # final norm input and output (the output layer's input)

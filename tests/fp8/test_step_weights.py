@@ -232,3 +232,84 @@ def test_block_recipes_quantise_the_weight_once_per_step_each_way(name):
     assert not scaling._step
     evaluation, scaling = _writes(recipe, 3, training=False)
     assert all(evaluation[shape] == 3 for shape in weight_shapes) and not scaling._step
+
+
+# -- the routed experts' grouped GEMMs ------------------------------------------------------
+EXPERTS, HIDDEN, FFN = 3, 128, 128
+
+
+def _experts(name: str):
+    import types
+
+    from megalite.config import ModelConfig
+    from megalite.moe.experts import GroupedMLP
+    from megalite.parallel.state import Group
+
+    cfg = ModelConfig(hidden_size=HIDDEN, num_experts=EXPERTS, moe_router_topk=2,
+                      moe_ffn_hidden_size=FFN, swiglu=True, num_layers=2)
+    one = types.SimpleNamespace(etp=Group("etp", [0], 0), device=torch.device("cpu"))
+    experts = GroupedMLP(cfg, EXPERTS, 0, one, fp8=Fp8Recipe("hybrid", name))
+    experts.reset_parameters(7, "layers.1.mlp.experts")
+    return experts
+
+
+def _train_experts(name: str):
+    experts = _experts(name)
+    g = torch.Generator().manual_seed(4)
+    counts = torch.tensor([5, 0, 7])
+    out = []
+    for _ in range(STEPS):
+        for _ in range(MICRO):
+            x = torch.randn(12, HIDDEN, generator=g).requires_grad_()
+            loss = (experts(x, counts) ** 2).mean()
+            loss.backward()
+            out += [loss.detach(), x.grad]
+        finish_step([experts], _LocalPS())
+        with torch.no_grad():
+            for p in experts.parameters():
+                p -= 50.0 * p.grad
+                p.grad = None
+        experts.eval()                  # an evaluation in between
+        with torch.no_grad():
+            out.append(experts(torch.randn(12, HIDDEN, generator=g), counts))
+        experts.train()
+    return out + [p.detach() for p in experts.parameters()]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_expert_steps_match_quantising_the_weights_at_every_call(name, monkeypatch):
+    from megalite.layers.fp8.scaling import StepWeights
+
+    got = _train_experts(name)
+    monkeypatch.setattr(StepWeights, "step_copy", lambda self, key, record, make: make())
+    ref = _train_experts(name)
+    assert float(ref[0]) != float(ref[2 * MICRO + 1])    # the weights did change
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_expert_weights_are_quantised_once_per_step(name):
+    """fc1 ``[E, h, 2f]`` along h (forward: its transpose ``[E, 2f, h]``) and along 2f
+    (input gradient), fc2 ``[E, f, h]`` both ways (``[E, h, f]``, ``[E, f, h]``): each once
+    per step over three micro-batches; outside training at every call."""
+    experts = _experts(name)
+    b = Fp8Recipe("hybrid", name).block
+    shapes = {(EXPERTS, 2 * FFN, HIDDEN): 1, (EXPERTS, HIDDEN, 2 * FFN): 1,
+              (EXPERTS, HIDDEN, FFN): 2}
+    if b is not None:        # values written as [..., blocks, block]
+        shapes = {(*s[:-1], s[-1] // b, b): n for s, n in shapes.items()}
+    counts = torch.tensor([5, 0, 7])
+    for training, calls in ((True, 1), (False, 3)):
+        experts.train(training)
+        with Fp8Writes() as count:
+            for _ in range(3):
+                x = torch.randn(12, HIDDEN).requires_grad_()
+                experts(x, counts).sum().backward()
+        assert {s: count.shapes[s] for s in shapes} == {s: n * calls for s, n in shapes.items()}
+        # the tokens (padded to 7 per expert), every micro-batch: fc1's and fc2's inputs
+        # (f = h) and fc2's output gradient
+        assert count.shapes[(EXPERTS, 7, HIDDEN) if b is None
+                            else (EXPERTS, 7, HIDDEN // b, b)] == 3 * 3
+        assert bool(experts.fp8_weights._step) == training
+        finish_step([experts], _LocalPS())
+        assert not experts.fp8_weights._step

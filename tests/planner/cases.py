@@ -43,10 +43,13 @@ MEMORY_CASES: tuple[Layout, ...] = (
     row("mem", 4, "moe", model=MOE, tp=2, sp=True, ep=2, distopt=True),
     row("mem", 4, "sel", model=SEL, distopt=True),
     # fp8 linears keep their inputs quantised (per-tensor; the attention kernel's output
-    # stays beside the projection's copy) and one fp8 copy of their weights per step, or
+    # stays beside the projection's copy) and two fp8 copies of their weights per step, or
     # (mxfp8) the inputs themselves
     row("mem", 1, "fp8", model={"fp8_format": "hybrid", "fp8_recipe": "tensorwise"}),
     row("mem", 1, "fp8-mxfp8", model={"fp8_format": "e4m3", "fp8_recipe": "mxfp8"}),
+    # the routed experts' fp8 weights, two layouts each, kept through the step
+    row("mem", 1, "fp8-moe",
+        model={"fp8_format": "hybrid", "fp8_recipe": "tensorwise", **MOE}),
 )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.planner.memory import (
     estimate_memory,
+    fp8_expert_weight_copies,
     fp8_weight_copies,
     layer_activation_elements,
 )
@@ -102,6 +103,22 @@ def test_fp8_weight_copies_kept_per_step():
         blocks = ModelConfig(**TINY, fp8_format="e4m3", fp8_recipe=recipe)
         assert fp8_weight_copies(blocks, TP2, 0) == 4 * 2 * (per_layer + per_layer // 32)
     assert fp8_weight_copies(ModelConfig(**TINY), TP2, 0) == 0
+
+
+def test_fp8_expert_weight_copies_kept_per_step():
+    """The routed experts' weights in two fp8 layouts each, with their scales, per fp8 MoE
+    layer (4 experts at ep 2: 2 local; fc1 [2, 64, 2 x 32], fc2 [2, 32, 64])."""
+    moe = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, swiglu=True,
+               moe_layer_freq=1, first_last_layers_bf16=True)
+    ep2 = ParallelConfig(expert_model_parallel_size=2)
+    elements = 2 * (64 * 64 + 32 * 64)
+    rows = 2 * (64 + 64 + 64 + 32)     # fc1^T, fc1, fc2^T, fc2: a fp32 scale per row
+    m = ModelConfig(**{**TINY, **moe, "fp8_format": "hybrid", "fp8_recipe": "tensorwise"})
+    assert fp8_expert_weight_copies(m, ep2, 0) == 2 * (2 * elements + 4 * rows)  # 2 fp8 layers
+    m = ModelConfig(**{**TINY, **moe, "fp8_format": "e4m3", "fp8_recipe": "mxfp8"})
+    assert fp8_expert_weight_copies(m, ep2, 0) == 2 * (2 * elements + 2 * elements // 32)
+    assert fp8_expert_weight_copies(ModelConfig(**{**TINY, **moe}), ep2, 0) == 0
+    assert fp8_expert_weight_copies(ModelConfig(**TINY, fp8_format="hybrid"), ep2, 0) == 0
 
 
 def test_estimate_memory_counts_the_fp8_savings():
