@@ -4,6 +4,7 @@
   product of the dequantised operands to the accumulator's precision (Hopper's fp8 tensor
   cores add with fewer bits than fp32: 2.8e-4 of the output's scale was measured on an
   H200 at K = 128), also when its epilogue writes bf16;
+* the forward GEMM runs that kernel with fast accumulation, the gradient GEMMs without;
 * an fp8 run on CUDA (per-tensor recipes through that kernel) follows the same fp8 run on
   the CPU, and differs from the fp32 run (the fp8 path ran);
 * a Muon run on CUDA follows the CPU's, with its Newton-Schulz matmuls in IEEE fp32 and
@@ -89,3 +90,34 @@ def test_muon_on_cuda_follows_cpu(precision):
     assert ref.losses[1] - ref.losses[ITERS] > 10 * atol   # it learns (0.43 here)
     worst = max(abs(cuda.losses[i] - ref.losses[i]) for i in ref.losses)
     assert worst <= atol, (worst, cuda.losses, ref.losses)
+
+
+def test_the_forward_gemm_uses_fast_accumulation(monkeypatch):
+    """fprop runs the kernel with use_fast_accum (gemm.FPROP_FAST_ACCUM), dgrad and wgrad
+    without; the fast-accumulated output stays the dequantised product to the bound of
+    test_scaled_mm_kernel_equals_its_fp32_emulation."""
+    from megalite.layers.fp8 import Fp8Recipe, Fp8Scaling, fp8_linear
+
+    _needs_fp8_kernel()
+    assert gemm.FPROP_FAST_ACCUM
+    modes = []
+    real = torch._scaled_mm
+
+    def recorded(*args, **kwargs):
+        modes.append(kwargs.get("use_fast_accum", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recorded)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 128, generator=g).to(CUDA).requires_grad_()
+    w = (torch.randn(48, 128, generator=g) * 0.05).to(CUDA).requires_grad_()
+    scaling = Fp8Scaling(Fp8Recipe("hybrid", "tensorwise"), ((), (), ()), device=CUDA)
+    y = fp8_linear(x, w, None, scaling)
+    y.backward(torch.randn(64, 48, generator=g).to(CUDA))
+    assert modes == [True, False, False]       # fprop, dgrad, wgrad
+    dx = dequant_scale(x.detach().abs().max(), E4M3)
+    dw = dequant_scale(w.detach().abs().max(), E4M3)
+    emulated = ((quantize(x.detach(), dx, E4M3).float() * dx)
+                @ (quantize(w.detach(), dw, E4M3).float() * dw).t())
+    scale = float(emulated.abs().max())
+    assert float((y.detach() - emulated).abs().max()) <= 2e-3 * scale

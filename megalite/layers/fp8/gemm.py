@@ -17,10 +17,11 @@ saved for backward) and ``dy`` once into ``[M, N]`` (dgrad) and ``[N, M]`` (wgra
 (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8`), transposed once per step
 for dgrad (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8_t`). They run
 ``torch._scaled_mm`` (it takes per-tensor scales on the CPU and on GPUs of compute
-capability 8.9+, accumulating in fp32; ``a`` row-major, ``b`` column-major, hence the
-layouts); where the kernel cannot take the operands (another GPU, or a dimension not a
-multiple of 16 on a GPU) the same product is formed from the dequantised operands in
-fp32, which equals the kernel's result up to the order of summation.
+capability 8.9+, accumulating in fp32, on a GPU the forward with fast accumulation,
+:data:`FPROP_FAST_ACCUM`; ``a`` row-major, ``b`` column-major, hence the layouts); where
+the kernel cannot take the operands (another GPU, or a dimension not a multiple of 16 on
+a GPU) the same product is formed from the dequantised operands in fp32, which equals
+the kernel's result up to the order of summation.
 
 Block recipes (mxfp8, blockwise) quantise each operand along the contraction dimension
 of each GEMM: ``x`` and ``dy`` twice per micro-batch (once per GEMM they enter), ``w``
@@ -51,6 +52,17 @@ from megalite.layers.fp8.recipes import (
 from megalite.layers.fp8.scaling import GRAD, INPUT
 
 
+FPROP_FAST_ACCUM = True
+"""The forward GEMM on a CUDA GPU runs ``torch._scaled_mm`` with ``use_fast_accum=True``:
+Hopper's fp8 tensor cores then keep adding in their reduced-precision accumulator
+instead of promoting partial sums to fp32 at intervals, which is faster; the input- and
+weight-gradient GEMMs keep the promotion (their gradients are the more sensitive, and
+wgrad contracts over all tokens). Transformer Engine's recipes split fprop and the
+gradient GEMMs the same way and torchao's float8 training uses fast accumulation for the
+output GEMM by default; Megatron-LM has no flag for it, so neither has megalite. The
+CPU kernel and the fp32 emulation have no such mode: CPU results do not change."""
+
+
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device.type == "cpu":
         return True
@@ -60,15 +72,20 @@ def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tensor,
-              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              out_dtype: torch.dtype = torch.float32, fast_accum: bool = False
+              ) -> torch.Tensor:
     """``(a * da) @ (b * db)^T`` accumulated in fp32: ``a`` ``[M, K]``, ``b`` ``[N, K]`` fp8
     (row-major), ``da`` / ``db`` 0-d fp32 dequantisation scales -> ``[M, N]`` in
     ``out_dtype``. A GPU kernel rounds its fp32 accumulator to ``out_dtype`` in its
-    epilogue (no fp32 ``[M, N]`` in memory); elsewhere the fp32 result is cast."""
+    epilogue (no fp32 ``[M, N]`` in memory); elsewhere the fp32 result is cast.
+    ``fast_accum``: the CUDA kernel's fast accumulation (:data:`FPROP_FAST_ACCUM`);
+    ignored elsewhere."""
     if _kernel_takes(a, b):
-        direct = a.device.type == "cuda"
-        y = torch._scaled_mm(a, b.t(), scale_a=da, scale_b=db,
-                             out_dtype=out_dtype if direct else torch.float32)
+        if a.device.type == "cuda":
+            y = torch._scaled_mm(a, b.t(), scale_a=da, scale_b=db, out_dtype=out_dtype,
+                                 use_fast_accum=fast_accum)
+        else:
+            y = torch._scaled_mm(a, b.t(), scale_a=da, scale_b=db, out_dtype=torch.float32)
     else:
         y = (a.float() * da) @ (b.float() * db).t()
     return y.to(out_dtype)
@@ -103,7 +120,7 @@ class Fp8LinearFunction(torch.autograd.Function):
                 qx, qx_t = quantize_both(x2, dx, fwd)
             else:              # --no-fp8-wgrad: the weight gradient from x itself
                 qx, qx_t = quantize(x2, dx, fwd), None
-            y = scaled_mm(qx, qw, dx, dw, x.dtype)
+            y = scaled_mm(qx, qw, dx, dw, x.dtype, fast_accum=FPROP_FAST_ACCUM)
             ctx.save_for_backward(qx_t, qw, dx, dw, None if recipe.wgrad else x2)
         ctx.scaling, ctx.record, ctx.has_bias = scaling, record, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
