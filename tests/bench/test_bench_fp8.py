@@ -25,3 +25,20 @@ def test_cpu_run_reports_each_linear_and_recipe(capsys):
                 continue
             assert 1e-2 < float(err) < 6e-2, (name, recipe, err)
     assert re.search(r"^\s*layer\s+[0-9.]+\s+[0-9.]+x\s+[0-9.]+x\s+n/a\s+[0-9.]+x", out, re.M)
+
+
+def test_quantisation_work_at_a_later_micro_batch(capsys):
+    """Per linear, a step's first micro-batch writes six fp8 tensors under tensorwise (x
+    in two layouts, dy in two, the weight and its transpose); a later one four (the
+    step's fp8 weights reused, no transposing pass). Block recipes: x, dy twice each
+    (the weight's two quantisations only at the first); mxfp8's e8m0 scales double it."""
+    bench.main(["--small", "--device", "cpu", "--repeat", "1",
+                "--recipe", "tensorwise,mxfp8,blockwise"])
+    out = capsys.readouterr().out
+    rows = {m[0]: tuple(int(v) for v in m[1:]) for m in re.findall(
+        r"^\s*(tensorwise|mxfp8|blockwise)\s+(\d+)\s+(\d+)\s+[0-9.]+\s+(\d+)\s+[0-9.]+"
+        r"\s+(\d+)\s+[0-9.]+\s+(\d+)\s+[0-9.]+$", out, re.M)}
+    # linears, first writes, first amaxes, later writes, later amaxes
+    assert rows["tensorwise"] == (4, 4 * 6, 4 * 3, 4 * 4, 4 * 2), out
+    assert rows["blockwise"] == (2, 2 * 6, 2 * 6, 2 * 4, 2 * 4), out
+    assert rows["mxfp8"] == (4, 4 * 12, 4 * 6, 4 * 8, 4 * 4), out

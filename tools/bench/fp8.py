@@ -13,7 +13,12 @@ output projection, fc1, fc2; ``tokens = micro-batch x seq``) in the same run:
 * **kernel**: the forward GEMM alone, bf16 ``torch.mm`` against ``torch._scaled_mm`` on
   operands already in fp8 (per-tensor scales): the kernel's own ratio, the ceiling of
   what the layer can gain;
-* **error**: the fp8 forward's relative error (Frobenius) against the fp32 product.
+* **error**: the fp8 forward's relative error (Frobenius) against the fp32 product;
+* **quantisation work** per recipe, summed over the linears it tiles: the fp8 tensors a
+  forward + backward writes (quantisations, fp8 transposed copies, e8m0 scales; counted
+  by :class:`Fp8Writes`), their MiB and the amax reductions, at a step's first
+  micro-batch (the weight quantised) and at a later one (the step's fp8 weights reused),
+  with each one's time.
 
 The default shape is ``benchmark.py gpu``'s ~1.1B Llama (hidden 2048, ffn 8192, 32/8
 heads, seq 2048, micro-batch 4); ``--small`` a tiny one. On a CPU the fp8 GEMMs are the
@@ -48,6 +53,7 @@ class Fp8Writes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.shapes: collections.Counter = collections.Counter()
+        self.bytes = 0
         self.amax = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -58,6 +64,7 @@ class Fp8Writes(TorchDispatchMode):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES:
                     self.shapes[tuple(t.shape)] += 1
+                    self.bytes += t.numel()
         return out
 
     @property
@@ -138,7 +145,8 @@ def measure(shape, recipes, device, repeat) -> dict:
     def bf16_step():
         F.linear(x, w).backward(dy)
 
-    out = {"bf16": timed(bf16_step, device, repeat), "error": {}, "fp8": {}}
+    out = {"bf16": timed(bf16_step, device, repeat), "error": {}, "fp8": {}, "work": {},
+           "later": {}}
     for recipe in recipes:
         if any(d % FP8_TILE[recipe] for d in shape):   # the recipe cannot tile it
             continue
@@ -149,6 +157,17 @@ def measure(shape, recipes, device, repeat) -> dict:
             fp8_linear(x, w, None, scaling).backward(dy)
 
         out["fp8"][recipe] = timed(fp8_step, device, repeat)
+        # quantisation work at a step's first micro-batch and at a later one (the step's
+        # fp8 weights kept), and the later one's time
+        scaling.forget_weight()
+        work = []
+        for _ in range(2):
+            with Fp8Writes() as count:
+                fp8_linear(x, w, None, scaling).backward(dy)
+            work.append((count.writes, count.bytes, count.amax))
+        out["work"][recipe] = work
+        out["later"][recipe] = timed(lambda: fp8_linear(x, w, None, scaling).backward(dy),
+                                     device, repeat)
         with torch.no_grad():
             scaling.forget_weight()
             y = fp8_linear(x, w, None, scaling).float()
@@ -175,8 +194,17 @@ def main(argv=None) -> None:
     print(f"{'linear':>6} {'tokens x in x out':>22} {'bf16 ms':>9}{cols}   kernel fp8/bf16"
           "   fp8 error vs fp32")
     total = {"bf16": 0.0, "mm_bf16": 0.0, "mm_fp8": 0.0, **{r: 0.0 for r in args.recipes}}
+    # per recipe: [linears, first (writes, bytes, amax), later (...), first ms, later ms]
+    work = {r: [0, [0, 0, 0], [0, 0, 0], 0.0, 0.0] for r in args.recipes}
     for name, shape in linears:
         r = measure(shape, args.recipes, device, args.repeat)
+        for recipe, (first, later) in r["work"].items():
+            acc = work[recipe]
+            acc[0] += 1
+            acc[1] = [a + b for a, b in zip(acc[1], first)]
+            acc[2] = [a + b for a, b in zip(acc[2], later)]
+            acc[3] += r["fp8"][recipe]
+            acc[4] += r["later"][recipe]
         total["bf16"] += r["bf16"]
         total["mm_bf16"] += r["mm_bf16"]
         total["mm_fp8"] += r["mm_fp8"]
@@ -199,3 +227,19 @@ def main(argv=None) -> None:
     print(f"{'layer':>6} {'':>22} {total['bf16'] * 1e3:9.3f}{speed}   "
           f"{total['mm_bf16'] / total['mm_fp8']:13.2f}x   (speed-ups over bf16; n/a: the "
           "recipe's block does not tile a dimension)")
+    print_work(work)
+
+
+def print_work(work: dict) -> None:
+    """The quantisation work of the recipes' linears (those each recipe tiles), at a
+    step's first micro-batch (the weights quantised) and at a later one (the step's fp8
+    weights reused): fp8 tensors written (quantisations, fp8 transposed copies, e8m0
+    scales), their MiB, amax reductions, and forward + backward ms."""
+    print("quantisation work per micro-batch (forward + backward; fp8 tensors written, "
+          "their MiB, amax reductions, ms) at a step's first micro-batch / a later one")
+    print(f"{'recipe':>10} {'linears':>7}   {'writes':>6} {'MiB':>8} {'amax':>4} {'ms':>9}   "
+          f"{'writes':>6} {'MiB':>8} {'amax':>4} {'ms':>9}")
+    for recipe, (n, first, later, first_s, later_s) in work.items():
+        cells = "   ".join(f"{w:6d} {b / 2**20:8.3f} {a:4d} {t * 1e3:9.3f}"
+                           for (w, b, a), t in ((first, first_s), (later, later_s)))
+        print(f"{recipe:>10} {n:7d}   {cells}")
