@@ -185,8 +185,8 @@ def test_a_gathered_fp8_weight_is_transposed_once_per_step():
 def test_the_forward_saves_one_fp8_input_already_transposed(wgrad):
     """The forward quantises x once into [M, K] (its GEMM) and [K, M] (wgrad's operand,
     saved: one fp8 copy of x, not two); the backward quantises dy once into [M, N] and
-    [N, M] and transposes no fp8 copy. Under --no-fp8-wgrad no fp8 copy of x is kept,
-    nor dy^T made."""
+    [N, M], transposes the step's fp8 weight (its first backward) and never x. Under
+    --no-fp8-wgrad no fp8 copy of x is kept, nor dy^T made."""
     recipe = Fp8Recipe("hybrid", "tensorwise", wgrad=wgrad)
     scaling = Fp8Scaling(recipe, ((), (), ()))
     g = torch.Generator().manual_seed(3)
