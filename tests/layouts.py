@@ -329,6 +329,13 @@ _OPTIM_MTP = [
     row("optim", 4, "mtp", model={**MTP, "num_layers": 4}, pp=2, vpp=2, distopt=True),
     row("optim", 4, "mtp-mla", model={**MLA, **MTP}, tp=2, sp=True, **ZERO3),
     row("optim", 2, "mtp-full", model={**MTP, **RECOMPUTE["full-uniform"]}, distopt=True),
+    # V schedules: the depths on pipeline rank 0's chunk 1, beside chunk 0's embedding
+    # (tied: the output layer shares the depths' copy; untied: the copy is theirs alone)
+    row("optim", 2, "mtp", model={**MTP, "num_layers": 4}, pp=2, schedule="zbv"),
+    row("optim", 2, "mtp-untied", model={**MTP, "num_layers": 4,
+                                         "untie_embeddings_and_output_weights": True},
+        pp=2, schedule="zbv", distopt=True),
+    row("optim", 2, "mtp", model={**MTP, "num_layers": 4}, pp=2, schedule="dualpipev"),
 ]
 _OPTIM = [*(row("optim", world, model=model, **sizes, **flags)
             for world, sizes, model in _OPTIM_LAYOUTS for flags in OPTIM_VARIANTS.values()),
