@@ -336,6 +336,7 @@ _OPTIM_MTP = [
     row("optim", 2, "mtp-untied", model={**MTP4, "untie_embeddings_and_output_weights": True},
         pp=2, schedule="zbv", distopt=True),
     row("optim", 2, "mtp", model=MTP4, pp=2, schedule="dualpipev"),
+    row("optim", 2, "mtp", model=MTP4, pp=2, schedule="zbv", **ZERO3),
 ]
 _OPTIM = [*(row("optim", world, model=model, **sizes, **flags)
             for world, sizes, model in _OPTIM_LAYOUTS for flags in OPTIM_VARIANTS.values()),
