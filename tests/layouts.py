@@ -417,7 +417,9 @@ _GRAD_STATS = [row("grad-stats", 2, distopt=True),
                row("grad-stats", 2, model={"num_experts": 4, "moe_router_topk": 2}, ep=2),
                row("grad-stats", 4, tp=2, pp=2, distopt=True),
                # ZB-V: the word embedding and its tied copy both on pipeline rank 0
-               row("grad-stats", 2, model={"num_layers": 4}, pp=2, schedule="zbv")]
+               row("grad-stats", 2, model={"num_layers": 4}, pp=2, schedule="zbv"),
+               # ZB-V with prediction depths: their copy of the word embedding counts once
+               row("grad-stats", 2, "mtp", model=MTP4, pp=2, schedule="zbv")]
 
 # -- resume: save and resume at the same layout, with dropout (bitwise the same losses) ---
 _RESUME = [row("resume", 4, tp=2),                                  # test_resume_and_layouts
