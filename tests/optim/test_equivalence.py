@@ -5,7 +5,9 @@ trains the tiny GPT (fp32, dropout 0) for 3 iterations with the same global batc
 process; per-iteration ``lm_loss`` and the final full parameters must match that
 single-process run:
 
-- loss: |difference| < 1e-5 (observed ~1e-7: sums over ranks reorder fp32 additions);
+- loss: |difference| < 1e-5 (observed ~1e-7: sums over ranks reorder fp32 additions),
+  and so for each multi-token prediction depth's logged loss (``mtp_<k>_loss``; the rows
+  with ``--mtp-num-layers``, under 1F1B, interleaved, zbv and dualpipev);
 - parameters: |difference| < 2e-5 element-wise (observed <= 2e-6 after 3 AdamW steps at
   lr 3e-3).
 
