@@ -153,6 +153,7 @@ MLA_RECOMPUTE = {"recompute_granularity": "selective",
 QK_NORM = {"qk_layernorm": True}
 # multi-token prediction: two depths (RoPE: a later pipeline stage holds no position table)
 MTP = {"mtp_num_layers": 2, "position_embedding_type": "rope"}
+MTP4 = {**MTP, "num_layers": 4}   # a V schedule at pp 2 cuts the layers into 4 pieces
 _MODEL += [
     row("model", 2, "mla", model=MLA, tp=2, sp=False),
     row("model", 2, "mla", model=MLA, tp=2, sp=True),
@@ -329,6 +330,13 @@ _OPTIM_MTP = [
     row("optim", 4, "mtp", model={**MTP, "num_layers": 4}, pp=2, vpp=2, distopt=True),
     row("optim", 4, "mtp-mla", model={**MLA, **MTP}, tp=2, sp=True, **ZERO3),
     row("optim", 2, "mtp-full", model={**MTP, **RECOMPUTE["full-uniform"]}, distopt=True),
+    # V schedules: the depths on pipeline rank 0's chunk 1, beside chunk 0's embedding
+    # (tied: the output layer shares the depths' copy; untied: the copy is theirs alone)
+    row("optim", 2, "mtp", model=MTP4, pp=2, schedule="zbv"),
+    row("optim", 2, "mtp-untied", model={**MTP4, "untie_embeddings_and_output_weights": True},
+        pp=2, schedule="zbv", distopt=True),
+    row("optim", 2, "mtp", model=MTP4, pp=2, schedule="dualpipev"),
+    row("optim", 2, "mtp", model=MTP4, pp=2, schedule="zbv", **ZERO3),
 ]
 _OPTIM = [*(row("optim", world, model=model, **sizes, **flags)
             for world, sizes, model in _OPTIM_LAYOUTS for flags in OPTIM_VARIANTS.values()),
@@ -409,7 +417,9 @@ _GRAD_STATS = [row("grad-stats", 2, distopt=True),
                row("grad-stats", 2, model={"num_experts": 4, "moe_router_topk": 2}, ep=2),
                row("grad-stats", 4, tp=2, pp=2, distopt=True),
                # ZB-V: the word embedding and its tied copy both on pipeline rank 0
-               row("grad-stats", 2, model={"num_layers": 4}, pp=2, schedule="zbv")]
+               row("grad-stats", 2, model={"num_layers": 4}, pp=2, schedule="zbv"),
+               # ZB-V with prediction depths: their copy of the word embedding counts once
+               row("grad-stats", 2, "mtp", model=MTP4, pp=2, schedule="zbv")]
 
 # -- resume: save and resume at the same layout, with dropout (bitwise the same losses) ---
 _RESUME = [row("resume", 4, tp=2),                                  # test_resume_and_layouts
@@ -440,7 +450,13 @@ _RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
             # the word embedding, untied output), resumed in one process
             row("reshard", 2, "mtp", model={**MTP, "untie_embeddings_and_output_weights": True},
                 tags=("save",), pp=2),
-            row("reshard", 1, "mtp", model={**MTP, "untie_embeddings_and_output_weights": True})]
+            row("reshard", 1, "mtp", model={**MTP, "untie_embeddings_and_output_weights": True}),
+            # multi-token prediction under ZB-V (the depths and their copy of the word
+            # embedding on rank 0's chunk 1; the copy not saved) resumed in one process and
+            # at pp 2 under 1F1B, and saved under 1F1B, resumed under ZB-V
+            row("reshard", 2, "mtp", model=MTP4, pp=2, schedule="zbv", tags=("save",)),
+            row("reshard", 2, "mtp4", model=MTP4, pp=2, tags=("save",)),
+            row("reshard", 1, "mtp4", model=MTP4)]
 
 # -- cp: context parallelism, each comm type, trained against one process -----------------
 # a Llama-style GQA model (4 heads, 2 query groups: a2a at cp 2 splits both) at seq 32

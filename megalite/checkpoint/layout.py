@@ -17,7 +17,10 @@ Each parameter's :class:`~megalite.parallel.params.ParamMeta` says which of thes
   rank and stored as ``[E, ...]``; their tensor-parallel group is ``ps.etp``.
 * The tied output layer of a later pipeline stage (``shared_embedding`` with
   ``init_name`` = the word embedding) is a copy of the word embedding: it is never saved
-  and is loaded from ``embedding.word_embeddings.weight``.
+  and is loaded from ``embedding.word_embeddings.weight``; so is the prediction depths'
+  copy under a V schedule (``mtp_embedding``, beside the embedding on pipeline rank 0).
+  (Without a V schedule the depths' copy on the last stage has the embedding's own name
+  and is stored under the embedding's key.)
 
 :func:`param_layouts` computes this for a model (a module or a list of pipeline chunks).
 """
@@ -162,7 +165,8 @@ def global_shape(param, tp_size: int, ep_size: int = 1) -> tuple[int, ...]:
 
 def is_tied_copy(param) -> bool:
     """The output layer's copy of the word embedding (a later pipeline stage's, or ZB-V's
-    beside the embedding on the first stage: ``param_meta(p).embedding_copy``)."""
+    beside the embedding on the first stage), or under a V schedule the prediction depths'
+    (``mtp_embedding``): ``param_meta(p).embedding_copy``."""
     return param_meta(param).embedding_copy
 
 

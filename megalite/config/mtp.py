@@ -24,23 +24,21 @@ def check_mtp(m) -> None:
 def check_mtp_layout(m, p) -> None:
     """The flags against the parallel layout (``m`` ModelConfig, ``p`` ParallelConfig).
 
-    The depths run on the last pipeline stage after its decoder layers and look up the
-    shifted tokens in the word embedding, which that stage holds as a copy of the first
-    stage's (kept equal by summing its gradient over ``ps.embedding``). A learned absolute
-    position table has no such copy, so that combination is refused under pipeline
-    parallelism. (A last stage without decoder layers cannot be asked for:
+    The depths run on the stage with the output layer after its decoder layers and look up
+    the shifted tokens in the word embedding, which that stage holds as a copy of the first
+    stage's (kept equal by summing its gradient over ``ps.embedding``). Under a V schedule
+    (zbv, dualpipev) that stage is the first pipeline rank itself (chunk 1 beside chunk 0's
+    embedding): its copy's gradient is summed on the rank. A learned absolute position
+    table has no such copy, so that combination is refused under pipeline parallelism,
+    V schedules included. (A last stage without decoder layers cannot be asked for:
     ``--decoder-last-pipeline-num-layers`` must be >= 1, ``ParallelConfig``.)"""
     if not m.mtp_num_layers:
         return
     pp = p.pipeline_model_parallel_size
+    where = ("the output layer's model chunk" if p.pipeline_schedule in ("zbv", "dualpipev")
+             else "the last stage")
     require(not (m.learned_positions and pp > 1),
             f"--mtp-num-layers {m.mtp_num_layers} with learned absolute position embeddings "
-            f"and --pipeline-model-parallel-size {pp} is not supported: the last stage would "
+            f"and --pipeline-model-parallel-size {pp} is not supported: {where} would "
             "need a copy of the position table; use --position-embedding-type rope (or "
             "none), or pipeline-model-parallel-size 1")
-    schedule = p.pipeline_schedule
-    require(schedule not in ("zbv", "dualpipev") or pp == 1,
-            f"--mtp-num-layers {m.mtp_num_layers} with --pipeline-schedule {schedule} is not "
-            "supported yet: a V schedule puts the output layer on the first pipeline rank, "
-            "beside the word embedding the depths would copy; use --pipeline-schedule 1f1b, "
-            "interleaved_1f1b or zb_h1")

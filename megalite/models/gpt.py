@@ -71,14 +71,24 @@ class GPTModel(torch.nn.Module):
         common = dict(sequence_parallel=self.sequence_parallel, **kw)
 
         # multi-token prediction on the last stage (megalite.transformer.mtp); a later
-        # stage holding it keeps a copy of the word embedding, as Megatron-Core's does
+        # stage holding it keeps a copy of the word embedding, as Megatron-Core's does.
+        # Under a V schedule the output chunk is chunk 1 of the first pipeline rank, whose
+        # chunk 0 holds the embedding: the copy is named ``mtp_embedding`` there (the
+        # optimizer and the checkpoint key a rank's parameters by name) and is an
+        # ``embedding_copy`` (not saved, not in the gradient norm, its gradient summed with
+        # the embedding's on this rank, ``optim.data_parallel``)
         self.mtp = None
         if post_process and mtp_depths(cfg):
             self.mtp = MultiTokenPrediction(cfg, ps, rng=self.rng, seed=seed, **common)
-        self.embedding = None
+        self.embedding = self.mtp_embedding = None
         if pre_process or self.mtp is not None:
-            self.embedding = GPTEmbedding(cfg, self.padded_vocab_size, ps, rng=self.rng,
-                                          **common)
+            embedding = GPTEmbedding(cfg, self.padded_vocab_size, ps, rng=self.rng, **common)
+            if pre_process or not ps.v_shape:
+                self.embedding = embedding
+            else:
+                self.mtp_embedding = embedding
+                update_meta(embedding.word_embeddings.weight, init_name=EMBEDDING_WEIGHT,
+                            shared_embedding=True, embedding_copy=True)
         self.rotary = None
         if cfg.multi_latent_attention:   # its own RoPE part, with YaRN's scaling
             self.rotary = YarnRotaryEmbedding(cfg, device=ps.device)
@@ -90,7 +100,7 @@ class GPTModel(torch.nn.Module):
                                         seed=seed, **common)
         self.output_layer = None
         if post_process:
-            share = self.tied and self.embedding is not None
+            share = self.tied and self.word_embedding() is not None
             self.output_layer = ColumnParallelLinear(
                 cfg.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
                 init_std=cfg.init_method_std, skip_weight_param=share, reuse_buffers=True,
@@ -108,10 +118,15 @@ class GPTModel(torch.nn.Module):
         initialize_params(self, seed, ps)
 
     # -- forward -------------------------------------------------------------------------
+    def word_embedding(self) -> GPTEmbedding | None:
+        """The embedding this chunk looks tokens up in: its own, or (V schedule, output
+        chunk with prediction depths) the copy ``mtp_embedding``; None on a middle chunk."""
+        return self.embedding if self.embedding is not None else self.mtp_embedding
+
     def output_weight(self) -> torch.Tensor:
         if self.output_layer.weight is not None:
             return self.output_layer.weight
-        return self.embedding.word_embeddings.weight
+        return self.word_embedding().word_embeddings.weight
 
     def forward(self, input_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
@@ -173,7 +188,7 @@ class GPTModel(torch.nn.Module):
             return x
         if labels is not None and mtp_tokens is not None and self.mtp is not None:
             def embed(ids):   # [b, s] -> [s(/tp), b, h], at the unshifted positions
-                return self.embedding(ids.t(), pos)
+                return self.word_embedding()(ids.t(), pos)
 
             def head(h, k):
                 return self._loss(self.output_layer(h, weight=self.output_weight()),

@@ -11,7 +11,8 @@ Each rank adds the squares of the gradient elements it *owns* and one SUM over t
   only (expert-tp rank 0 for expert parameters), and a word embedding shared between the
   first and last pipeline stage (``param_meta(p).shared_embedding``) on the first stage only
   (under ZB-V's V placement both are on the first stage: the word embedding counts, the
-  output layer's copy, ``param_meta(p).embedding_copy``, does not);
+  output chunk's copy, ``param_meta(p).embedding_copy``, the tied output layer's or the
+  prediction depths' ``mtp_embedding``, does not);
 - data parallel: after the data-parallel reduction every replica holds the same gradient,
   so :func:`global_grad_norm` counts it on data-parallel rank 0 only (``ps.dp_cp``, or
   ``ps.edp`` for expert parameters), while the distributed optimizer passes each rank's

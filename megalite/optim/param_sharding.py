@@ -88,8 +88,9 @@ class Unit:
 
 def find_units(chunk: torch.nn.Module) -> list[Unit]:
     """The gather units of one model chunk, in forward order (see module docstring). A
-    GPTModel chunk (``embedding``, ``decoder.layers``, ``decoder.final_layernorm``,
-    ``output_layer``) gets one unit per such module; any other module is one unit."""
+    GPTModel chunk (``embedding`` or ``mtp_embedding``, ``decoder.layers``,
+    ``decoder.final_layernorm``, ``output_layer``) gets one unit per such module; any other
+    module is one unit."""
     units: list[Unit] = []
     owned: set[int] = set()
 
@@ -105,6 +106,8 @@ def find_units(chunk: torch.nn.Module) -> list[Unit]:
     layers = getattr(decoder, "layers", None)
     if isinstance(layers, torch.nn.ModuleDict):
         add("embedding", getattr(chunk, "embedding", None))
+        # a V schedule's output chunk: the prediction depths' copy of the word embedding
+        add("mtp_embedding", getattr(chunk, "mtp_embedding", None))
         for key, layer in layers.items():
             add(f"decoder.layers.{key}", layer)
         add("decoder.final_layernorm", getattr(decoder, "final_layernorm", None))

@@ -19,7 +19,8 @@ Fields of :class:`ParamMeta`:
 ``shared_embedding``   the word embedding tied to the output layer (summed over
                        ``ps.embedding`` between the first and last pipeline stage)
 ``embedding_copy``     the output layer's copy of that word embedding (a later stage's, or
-                       ZB-V's beside it on the first stage): not counted in the gradient norm
+                       ZB-V's beside it on the first stage), or under a V schedule the
+                       prediction depths' copy: not counted in the gradient norm, not saved
 ``expert``             one of an MoE layer's experts: stacked ``[E_local, ...]``, expert ``i``
                        of this rank is global expert ``first_expert + i`` (sharded over
                        ``ps.ep`` along dim 0, over ``ps.etp`` along ``partition_dim``);

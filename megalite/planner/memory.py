@@ -20,8 +20,9 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   (:func:`layer_activation_elements`, counted from megalite's layers: the saved inputs of
   the norms, linears, attention kernel and activation function), times the peak number of
   (micro-batch, chunk) pairs the pipeline schedule keeps in flight on this rank
-  (:func:`megalite.planner.schedule.peak_in_flight`); on the last stage also what the
-  multi-token prediction depths keep (:func:`mtp_activation_bytes`). Under
+  (:func:`megalite.planner.schedule.peak_in_flight`); on the output stage (the last, or
+  rank 0 under a V schedule) also what the multi-token prediction depths keep
+  (:func:`mtp_activation_bytes`) for each micro-batch the output chunk holds in flight. Under
   ``--fp8-format`` the fp8 linears' inputs as they keep them (one byte per element under
   the per-tensor recipes with fp8 weight gradients, :func:`fp8_linear_input`) and, per
   step, the fp8 weight copies (:func:`fp8_weight_copies`, the routed experts'
@@ -446,7 +447,10 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     vocab = lay.padded_vocab_size
     if last:  # final norm input and output (the output layer's input)
         activations += 2 * tokens * h // sp * eb
-        activations += mtp_activation_bytes(m, p, mb, tokens, vocab, eb) * in_flight
+        # the depths run in the output chunk only (the last one; chunk 1 of rank 0 in a V)
+        activations += mtp_activation_bytes(m, p, mb, tokens, vocab, eb) * (peak_in_flight(
+            pp, pp_rank, lay.num_microbatches, vpp, lay.pipeline_schedule, chunk=vpp - 1)
+            if mtp_depths(m) else 0)
     # working sets on top of the saved activations (the largest one)
     f = max(m.ffn_hidden_size, m.moe_ffn_hidden_size or 0) // tp * (2 if m.swiglu else 1)
     backward = tokens * (f + 2 * h) * eb + recompute

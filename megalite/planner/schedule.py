@@ -35,7 +35,7 @@ def output_stage(p) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def peak_in_flight(pp: int, pp_rank: int, num_microbatches: int, vpp: int = 1,
-                   schedule: str | None = None) -> int:
+                   schedule: str | None = None, chunk: int | None = None) -> int:
     """Peak number of (micro-batch, chunk) forwards whose backward has not run yet on
     ``pp_rank``: the activations it holds at once, in units of one chunk's activations
     for one micro-batch (1F1B: ``min(pp - pp_rank, m)``; interleaved: more, in smaller
@@ -43,11 +43,14 @@ def peak_in_flight(pp: int, pp_rank: int, num_microbatches: int, vpp: int = 1,
     its W step, which still needs the saved inputs of the weight GEMMs (an upper bound: B
     frees the rest): ZB-H1 holds ``min(pp, m)`` on every rank, 1F1B's rank-0 peak; ZB-V
     at most ``2 min(pp, m)`` half-stage chunks, the same bytes; DualPipeV ``2 pp + 1``
-    (:func:`dualpipev_in_flight`)."""
+    (:func:`dualpipev_in_flight`). ``chunk``: count that model chunk's micro-batches only
+    (the output chunk's, for what the multi-token prediction depths keep)."""
     steps = build_schedule(pp, pp_rank, num_microbatches, vpp, schedule=schedule)
     done = "W" if any(kind == "W" for kind, _, _ in steps) else "B"
     live = peak = 0
-    for kind, _chunk, _mb in steps:
+    for kind, step_chunk, _mb in steps:
+        if chunk is not None and step_chunk != chunk:
+            continue
         live += 1 if kind == "F" else -1 if kind == done else 0
         peak = max(peak, live)
     return peak

@@ -32,7 +32,7 @@ RECOMPUTE = {"none": {"recompute_granularity": None, "recompute_method": None,
 STRATEGIES = SHARDING_STRATEGIES
 # --pipeline-schedule values the planner proposes: 1f1b and zb_h1 with one chunk per
 # pipeline rank, zbv and dualpipev with two (beside interleaved_1f1b, which every vpp > 1
-# runs); megalite's validation keeps dualpipev to m >= 2 pp and no multi-token prediction
+# runs); megalite's validation keeps dualpipev to m >= 2 pp
 SCHEDULES = ("1f1b", "zb_h1", "zbv", "dualpipev")
 ONE_CHUNK_SCHEDULES = ("1f1b", "zb_h1")
 V_SCHEDULES = ("zbv", "dualpipev")

@@ -11,7 +11,9 @@ after the decoder. Depth ``k`` (1..N) predicts, at position ``i``, the token ``i
 ``h_0`` is the decoder's output after its final norm (what Megatron-Core's GPTModel hands
 its MTP block); ``embedding`` and ``output_layer`` are the main model's (shared weights:
 on a later pipeline stage a copy of the word embedding whose gradient is summed with the
-first stage's over ``ps.embedding``). The transformer layer is of the kind of the
+first stage's over ``ps.embedding``; under a V schedule the output chunk sits on the first
+stage beside the embedding, and its copy ``mtp_embedding`` is summed there,
+``models.gpt``). The transformer layer is of the kind of the
 decoder's last layer (dense or MoE MLP, MLA or standard attention), as Megatron-Core builds
 it from the last layer's spec. Rolled tokens past the end are 0 and their labels are
 masked (:func:`roll_for_mtp`, applied to the whole sequence before a context-parallel

@@ -130,3 +130,22 @@ def test_zbv_checkpoint_resumes_at_other_placements(tmp_path):
                           {"load": load, "save": load})[-1]
     for losses in (single, pp2):
         _assert_short_continues(losses, reference)
+
+
+def test_mtp_checkpoint_between_zbv_and_1f1b(tmp_path):
+    """Multi-token prediction saved under ZB-V at pp 2 (the depths on pipeline rank 0's
+    chunk 1 beside a copy of the word embedding that is not saved) resumes in one process
+    and at pp 2 under 1F1B on the uninterrupted curve; saved under 1F1B, it resumes under
+    ZB-V. The two schedules train the same curve."""
+    zbv_row, pp2_row = by_name("reshard-pp2-zbv-mtp"), by_name("reshard-pp2-mtp4")
+    zbv_save, pp2_save = str(tmp_path / "zbv"), str(tmp_path / "pp2")
+    from_zbv, from_pp2 = _save_short(zbv_row, zbv_save), _save_short(pp2_row, pp2_save)
+    for it, loss in from_zbv.items():
+        assert loss == pytest.approx(from_pp2[it], rel=2e-6, abs=1e-6), it
+    single = _resume_in_one_process(by_name("reshard-single-mtp4"),
+                                    only_iteration(zbv_save, str(tmp_path / "zbv_to_1"), 2))
+    _assert_short_continues(single, from_zbv)
+    for row, save, reference in ((pp2_row, zbv_save, from_zbv), (zbv_row, pp2_save, from_pp2)):
+        load = only_iteration(save, str(tmp_path / f"{row.name}_load"), 2)
+        resumed = run_distributed(2, _train_short, row, {"load": load, "save": load})[-1]
+        _assert_short_continues(resumed, reference)

@@ -14,7 +14,8 @@ Compared, on every rank:
   and heads), at the grad norm's relative tolerance;
 * every parameter the rank holds after the last step, gathered to its full shape
   (``full_state_dict`` of each model chunk: over tp, and for experts over etp and ep),
-  against the reference; a tied output layer (pp > 1) against the word embedding.
+  against the reference; a tied output layer (pp > 1) and the prediction depths' copy
+  under a V schedule (``mtp_embedding``) against the word embedding.
   Together the ranks must hold every parameter of the reference.
 
 Tolerances (absolute, on losses about 4 and parameters about 0.02-1):
@@ -55,6 +56,7 @@ from tests.layouts import Layout, tiny
 
 ITERS = 3
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+MTP_COPY = "mtp_embedding.word_embeddings.weight"   # V schedule: the depths' copy
 # recomputation, activation offload, the dispatcher and the cp comm type do not change the
 # model: the reference runs without
 # optimizer CPU offload neither (and needs a sharded optimizer, which one process lacks)
@@ -209,7 +211,8 @@ def compare(layout: Layout, ranks: list[tuple[dict, dict, dict]],
                 problems.append(f"rank {rank}: lm_loss at iteration {it}: {got:.7g} vs "
                                 f"{want:.7g} (diff {got - want:.3g})")
         for name, tensor in params.items():
-            key = EMBEDDING if name == OUTPUT and tied and OUTPUT not in ref_params else name
+            copy = (name == OUTPUT and tied and OUTPUT not in ref_params) or name == MTP_COPY
+            key = EMBEDDING if copy else name
             want = ref_params.get(key)
             seen.add(key)
             if want is None or want.shape != tensor.shape:

@@ -39,7 +39,8 @@ Where selective recomputation was drawn, half the seeds widen ``--recompute-modu
 ``"recompute-<seed>"``: ``layernorm`` and, in an MoE model, ``moe`` (each for half of
 those draws; ``mlp`` too for a third).
 Multi-token prediction (``--mtp-num-layers`` 1 or 2, ``--mtp-loss-scaling-factor`` 0.1 or
-0.3) comes for a fifth of the seeds from ``"mtp-<seed>"``, drawn after the others; under
+0.3) comes for a fifth of the seeds from ``"mtp-<seed>"``, drawn after the others (with
+any pipeline schedule: under zbv and dualpipev the depths sit on rank 0); under
 pipeline parallelism a model with learned positions then takes RoPE (megalite refuses
 the position table on a later stage), so the draw is not rejected.
 fp8 GEMMs (``--fp8-format`` e4m3 or hybrid with ``--fp8-recipe`` tensorwise, delayed or
@@ -294,10 +295,10 @@ def _recompute_modules(mrng: random.Random, model: dict) -> None:
     model["recompute_modules"] = modules
 
 
-def _mtp(trng: random.Random, model: dict, pp: int, schedule: str | None = None) -> None:
-    """Multi-token prediction depths (a fifth of the draws; not under a V schedule, which
-    refuses them), into ``model``."""
-    if trng.random() >= 0.2 or schedule in ("zbv", "dualpipev"):
+def _mtp(trng: random.Random, model: dict, pp: int) -> None:
+    """Multi-token prediction depths (a fifth of the draws, any pipeline schedule: under a V
+    one they run on rank 0's chunk 1), into ``model``."""
+    if trng.random() >= 0.2:
         return
     model.update(mtp_num_layers=trng.choice((1, 2)),
                  mtp_loss_scaling_factor=trng.choice((0.1, 0.3)))
@@ -387,7 +388,7 @@ def _draw_once(rng: random.Random, seed: int, crng: random.Random,
     if qrng is not None:
         _qk_clip(qrng, model)
     if trng is not None:
-        _mtp(trng, model, short["pp"], short.get("schedule"))
+        _mtp(trng, model, short["pp"])
     parallel = {SHORT[k]: v for k, v in short.items() if k != "dp"}
     marks = [k for k, on in (("moe", "num_experts" in model),
                              ("bias", model.get("moe_router_enable_expert_bias")),

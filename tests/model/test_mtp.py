@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.config import ConfigError, MegaliteConfig, ParallelConfig
+from megalite.config import ConfigError, MegaliteConfig, ParallelConfig, TrainConfig
 from megalite.config import shapes
 from megalite.models.gpt import GPTModel
 from megalite.parallel.state import ParallelState
@@ -188,11 +188,15 @@ def test_config_refusals():
     with pytest.raises(ConfigError, match="learned absolute position"):
         learned.validate(2)
     MegaliteConfig(model=gpt2_config(mtp_num_layers=1)).validate(1)   # one stage: fine
-    v_shape = MegaliteConfig(
-        model=gpt2_config(mtp_num_layers=1, position_embedding_type="rope", num_layers=4),
-        parallel=ParallelConfig(pipeline_model_parallel_size=2, pipeline_schedule="zbv"))
-    with pytest.raises(ConfigError, match="--pipeline-schedule zbv is not supported yet"):
+    for schedule in ("zbv", "dualpipev"):   # the V schedules: depths on rank 0's chunk 1
+        v_shape = MegaliteConfig(
+            model=gpt2_config(mtp_num_layers=1, position_embedding_type="rope", num_layers=4),
+            parallel=ParallelConfig(pipeline_model_parallel_size=2, pipeline_schedule=schedule),
+            train=TrainConfig(micro_batch_size=1, global_batch_size=4))
         v_shape.validate(2)
+        v_shape.model.position_embedding_type = "learned_absolute"   # still no table copy
+        with pytest.raises(ConfigError, match="output layer's model chunk would need a copy"):
+            v_shape.validate(2)
     # a last stage without decoder layers cannot be asked for
     with pytest.raises(ConfigError, match="decoder_last_pipeline_num_layers"):
         ParallelConfig(pipeline_model_parallel_size=2, decoder_last_pipeline_num_layers=0)

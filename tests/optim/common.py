@@ -18,6 +18,7 @@ PARAM_TOL = 2e-5
 BUCKET = 3000        # elements: ~10 buckets for the tiny GPT, parameters straddle shards
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"   # the last stage's copy of the tied embedding (pp > 1)
+MTP_COPY = "mtp_embedding.word_embeddings.weight"   # V schedule: the depths' copy
 
 VARIANTS = {
     "plain": {},
@@ -64,12 +65,14 @@ DATASETS = CachedDatasets()
 
 def full_params(model) -> dict:
     """name -> full (tp-gathered, collective over tp) parameter of every chunk; the last
-    stage's tied output weight is reported under the embedding's name (an untied output
-    layer under its own)."""
+    stage's tied output weight and (V schedule) the prediction depths' copy of the word
+    embedding are reported under the embedding's name (an untied output layer under its
+    own)."""
     out = {}
     for chunk in model_chunks(model):
         for name, tensor in chunk.full_state_dict().items():
-            out[EMBEDDING if name == OUTPUT and chunk.tied else name] = tensor
+            copy = (name == OUTPUT and chunk.tied) or name == MTP_COPY
+            out[EMBEDDING if copy else name] = tensor
     return out
 
 

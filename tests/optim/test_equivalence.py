@@ -5,7 +5,9 @@ trains the tiny GPT (fp32, dropout 0) for 3 iterations with the same global batc
 process; per-iteration ``lm_loss`` and the final full parameters must match that
 single-process run:
 
-- loss: |difference| < 1e-5 (observed ~1e-7: sums over ranks reorder fp32 additions);
+- loss: |difference| < 1e-5 (observed ~1e-7: sums over ranks reorder fp32 additions),
+  and so for each multi-token prediction depth's logged loss (``mtp_<k>_loss``; the rows
+  with ``--mtp-num-layers``, under 1F1B, interleaved, zbv and dualpipev);
 - parameters: |difference| < 2e-5 element-wise (observed <= 2e-6 after 3 AdamW steps at
   lr 3e-3).
 
@@ -35,7 +37,7 @@ import pytest
 from megalite.optim.memory import expected_optimizer_bytes
 from megalite.parallel.state import ParallelState
 from tests.layouts import SHORT, layouts, run_by_world
-from tests.optim.common import assert_run_matches, config, train_run
+from tests.optim.common import LOSS_TOL, assert_run_matches, config, train_run
 
 LAYOUTS = layouts("optim")
 SLOW = [layout for layout in LAYOUTS if "slow" in layout.tags]
@@ -56,6 +58,12 @@ def _offloaded(c) -> tuple:
     return c.ps.dp.size, (sum(pieces), max(pieces, default=0))
 
 
+def _mtp_losses(result) -> dict:
+    """iteration -> {mtp_<k>_loss: value} (empty without multi-token prediction)."""
+    return {it: {k: v for k, v in extra.items() if k.startswith("mtp_")}
+            for it, extra in result.moe_losses.items()}
+
+
 def _body(rank, world_size, rows):
     out, states = [], {}
     try:
@@ -67,7 +75,7 @@ def _body(rank, world_size, rows):
             cfg = config(world_size, model=layout.model, optim=layout.optim, **layout.parallel)
             result, params, memory, (dp, off) = train_run(cfg, inspect=_offloaded,
                                                           ps=states[_groups_key(layout)])
-            out.append((result.losses, params, memory, dp, off))
+            out.append((result.losses, params, memory, dp, off, _mtp_losses(result)))
     finally:
         for ps in states.values():
             ps.destroy()
@@ -81,7 +89,7 @@ def reference():
     for model in {repr(layout.model): layout.model for layout in LAYOUTS}.values():
         result, params, _, _ = train_run(config(model=model))
         assert result.losses[3] < result.losses[1]
-        refs[repr(model)] = (result.losses, params)
+        refs[repr(model)] = (result.losses, params, _mtp_losses(result))
     return refs
 
 
@@ -97,13 +105,19 @@ def trained():
 @pytest.mark.parametrize("layout", [pytest.param(lay, marks=pytest.mark.slow)
                                     if lay in SLOW else lay for lay in LAYOUTS], ids=str)
 def test_matches_single_process(layout, reference, trained):
-    ref_losses, ref_params = reference[repr(layout.model)]
+    ref_losses, ref_params, ref_mtp = reference[repr(layout.model)]
     distributed = layout.get("distopt")
     names = set()
     offload = layout.optim.get("optimizer_offload_fraction", 0.0)
-    for losses, params, memory, dp, off in trained(layout):
+    for losses, params, memory, dp, off, mtp in trained(layout):
         what = f"{layout.name} dp={dp}"
         assert_run_matches(losses, params, ref_losses, ref_params, what)
+        assert mtp.keys() == ref_mtp.keys(), what   # the depths' losses (logged means)
+        for it, want in ref_mtp.items():
+            assert mtp[it].keys() == want.keys() and (
+                not layout.model.get("mtp_num_layers") or want), (what, it)
+            for key, value in want.items():
+                assert abs(mtp[it][key] - value) < LOSS_TOL, (what, it, key, value)
         names.update(params)
         shard = memory.num_params / (dp if distributed else 1)
         off, largest = off   # whole pieces are offloaded, first to last, up to the fraction

@@ -36,6 +36,10 @@ MEMORY_CASES: tuple[Layout, ...] = (
     row("mem", 2, "zero3", strategy="optim_grads_params"),
     row("mem", 2, pp=2),
     row("mem", 2, pp=2, vpp=2),
+    # ZB-V with two prediction depths on rank 0's chunk 1, beside their copy of the word
+    # embedding (their activations for the micro-batches that chunk holds in flight)
+    row("mem", 2, "mtp", model={"position_embedding_type": "rope", "mtp_num_layers": 2},
+        pp=2, schedule="zbv"),
     row("mem", 2, "moe", model=MOE, ep=2),
     row("mem", 2, cp=2),
     row("mem", 4, pp=4),

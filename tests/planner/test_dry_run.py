@@ -96,3 +96,23 @@ def test_dry_run_deepseek_v3_multi_token_prediction_on_the_last_stage():
     cfg.model.mtp_num_layers = None
     assert expected > sum(stage_param_counts(cfg.model, cfg.parallel, 1))
     assert f"parameters on this rank: {expected:,}" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_dry_run_multi_token_prediction_under_a_v_schedule(schedule):
+    """Under a V schedule the depth sits on pipeline rank 0 (chunk 1, after the last
+    layers), beside the embedding and its own copy of it: rank 0's parameters are what the
+    planner counts for the output stage, and the last rank holds no depth."""
+    layout = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2",
+              "--pipeline-schedule", schedule, "--sequence-parallel",
+              "--use-distributed-optimizer", "--mtp-num-layers", "1"]
+    cfg = parse_args(DEEPSEEK_V3_ATTENTION + layout).validate(64)
+    cfg.model.vocab_size = 129281
+    for rank, stage in ((0, 0), (63, 1)):
+        out = _dry("--world-size", "64", "--rank", str(rank), *DEEPSEEK_V3_ATTENTION, *layout)
+        assert out.returncode == 0, out.stderr[-2000:]
+        expected = sum(stage_param_counts(cfg.model, cfg.parallel, stage))
+        assert f"parameters on this rank: {expected:,}" in out.stdout, out.stdout
+    with_depth = sum(stage_param_counts(cfg.model, cfg.parallel, 0))
+    cfg.model.mtp_num_layers = None
+    assert with_depth > sum(stage_param_counts(cfg.model, cfg.parallel, 0))

@@ -1,7 +1,7 @@
 """DualPipeV in the planner: the bubble megalite's step lists give, ``(p - 1) / (6 m)``
 (ZB-V's; DeepSeek-V3's ``(PP/2 - 1)(F&B + B - 3W)`` without overlap is an upper bound)
 and its ``PP + 1`` chunks of activations; the search tries it beside ZB-V at vpp 2 and
-megalite's validation keeps it to m >= 2p, layers divisible by 2p and no MTP."""
+megalite's validation keeps it to m >= 2p and layers divisible by 2p."""
 
 from __future__ import annotations
 
@@ -99,9 +99,16 @@ def test_its_constraints_exclude_it():
     assert few["zbv"].feasible
     assert not few["dualpipev"].feasible
     assert "dualpipev needs at least" in few["dualpipev"].error
-    # multi-token prediction: neither V schedule
-    mtp = _v_candidates(["--mtp-num-layers", "1"], vpp=[2])
-    assert set(mtp) <= {"zbv", "dualpipev"}
-    assert not any(c.feasible for c in mtp.values())
+    # multi-token prediction: both V schedules with RoPE, the depths counted on rank 0
+    # (the output stage); learned positions stay refused (no copy of the position table)
+    rope = ["--position-embedding-type", "rope"]
+    mtp = _v_candidates([*rope, "--mtp-num-layers", "1"], vpp=[2])
+    plain = _v_candidates(rope, vpp=[2])
+    assert set(mtp) == set(plain) == {"zbv", "dualpipev"}
+    for name, c in mtp.items():
+        assert c.feasible, (name, c.error)
+        assert c.memory.params > plain[name].memory.params, name
+    learned = _v_candidates(["--mtp-num-layers", "1"], vpp=[2])
+    assert learned and all("copy of the position table" in c.error for c in learned.values())
     # layers not divisible by 2p (12 over 8 chunks): no V candidate at all
     assert _v_candidates(["--num-layers", "12"], vpp=[1, 2, 4]) == {}
