@@ -15,6 +15,10 @@ the second half as its W step, through megalite's own deferral
 schedule; ``--compute matmul`` burns real FLOPs instead (then ranks compete for cores once p >
 cores, which inflates the busy time).
 
+Each case runs one untimed warm-up iteration (the first transfers between two ranks
+connect them; the plan is made once and cached), then ``--repeat`` timed ones, as a
+training run's iterations; each rank reports its median iteration.
+
 Reported per (m, schedule): the bubble as (step time - busy time) / busy time, averaged
 over ranks (Megatron's definition), against the schedule's theory
 (:func:`megalite.planner.schedule.bubble_fraction`: (p-1)/m for 1F1B, (p-1)/(v m)
@@ -107,15 +111,20 @@ def _schedules_on_rank(rank, world, cases, args):
             return h
 
         comm = PipeComm(ps, shape, torch.float32)
-        stats = ScheduleStats()
-        dist.barrier()
-        t0 = time.perf_counter()
         steps = ([all_forward_then_backward(m)] * world if schedule == "gpipe"
                  else build_schedules(world, m, v, schedule=schedule))
-        run_schedule(steps, forward_step=forward_step,
-                     ps=ps, vpp=v, comm=comm, stats=stats, v_shape=ps.v_shape)
-        total = time.perf_counter() - t0
-        dist.barrier()
+        # a warm-up iteration (the groups' first transfers connect the ranks, the plan is
+        # made and cached), then the timed ones, as the iterations of a training run
+        timed = []
+        for _ in range(1 + args.repeat):
+            stats = ScheduleStats()
+            dist.barrier()
+            t0 = time.perf_counter()
+            run_schedule(steps, forward_step=forward_step,
+                         ps=ps, vpp=v, comm=comm, stats=stats, v_shape=ps.v_shape)
+            timed.append((time.perf_counter() - t0, stats))
+            dist.barrier()
+        total, stats = sorted(timed[1:], key=lambda t: t[0])[len(timed[1:]) // 2]
         results.append((m, schedule, v, total, stats.busy, stats.peak_pending_weight_grads))
         ps.destroy()
     return results
@@ -144,6 +153,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="timed iterations per case after one warm-up (the median's "
+                             "rank times are reported)")
     args = parser.parse_args(argv)
     p = args.pipeline_model_parallel_size
     cases = []
