@@ -162,71 +162,52 @@ class Fp8BucketGather:
         into ``full`` (``[N_b]``, the plain elements) and per-weight fp8 tensors; the
         returned handle's ``wait()`` unpacks and gives each scaling its fp8 weight. When the
         scalings already hold this step's fp8 weights (:meth:`weights_held`), only the plain
-        elements are gathered (module docstring)."""
+        elements are gathered (``plain_row_bytes`` per rank; no collective when there are
+        none; module docstring)."""
         group = self.bucket.group
         lo, _ = self.bucket.shard_range()
         plain, fp8 = self.segments[group.rank]
-        if self.weights_held():
-            return self._start_plain(shard, full, plain, lo)
-        scales = self._scales(shard)
-        scale_of = {id(m[0]): d for m, d in zip(self.fp8, scales)}
-        row = torch.zeros(self.row_bytes, dtype=torch.uint8, device=shard.device)
+        scale_of = None
+        if not self.weights_held():
+            scale_of = {id(m[0]): d for m, d in zip(self.fp8, self._scales(shard))}
+        row_bytes = self.row_bytes if scale_of is not None else self.plain_row_bytes
+        out = torch.empty(group.size * row_bytes, dtype=torch.uint8, device=shard.device)
+        if not row_bytes:
+            return _Fp8Work(self, None, out, full, scale_of)
+        row = torch.zeros(row_bytes, dtype=torch.uint8, device=shard.device)
         at = 0
         for _, s, e in plain:
             n = (e - s) * self.itemsize
             row[at:at + n] = shard[s - lo:e - lo].contiguous().view(torch.uint8)
             at += n
-        for (p, _, _, scaling), s, e in fp8:
+        for (p, _, _, scaling), s, e in (fp8 if scale_of is not None else ()):
             q = quantize(shard[s - lo:e - lo], scale_of[id(p)], scaling.recipe.forward_dtype)
             row[at:at + e - s] = q.view(torch.uint8)
             at += e - s
-        out = torch.empty(group.size * self.row_bytes, dtype=torch.uint8, device=shard.device)
         work = collectives.all_gather_into_tensor(out, row, group, async_op=True)
         return _Fp8Work(self, work, out, full, scale_of)
 
-    def _start_plain(self, shard: torch.Tensor, full: torch.Tensor, plain: list, lo: int):
-        """Gather the plain elements alone (``plain_row_bytes`` per rank; nothing when 0)."""
-        group = self.bucket.group
-        out = torch.empty(group.size * self.plain_row_bytes, dtype=torch.uint8,
-                          device=shard.device)
-        if not self.plain_row_bytes:
-            return _Fp8Work(self, None, out, full, None)
-        row = torch.zeros(self.plain_row_bytes, dtype=torch.uint8, device=shard.device)
-        at = 0
-        for _, s, e in plain:
-            n = (e - s) * self.itemsize
-            row[at:at + n] = shard[s - lo:e - lo].contiguous().view(torch.uint8)
-            at += n
-        work = collectives.all_gather_into_tensor(out, row, group, async_op=True)
-        return _Fp8Work(self, work, out, full, None)
-
-    def unpack_plain(self, out: torch.Tensor, full: torch.Tensor) -> None:
-        """Every rank's plain row of ``out`` into ``full``; the fp8 weights stay given."""
-        for r in range(self.bucket.group.size):
-            base = r * self.plain_row_bytes
-            for _, s, e in self.segments[r][0]:
-                n = (e - s) * self.itemsize
-                full[s:e] = out[base:base + n].view(full.dtype)
-                base += n
-
-    def unpack(self, out: torch.Tensor, full: torch.Tensor, scale_of: dict) -> None:
+    def unpack(self, out: torch.Tensor, full: torch.Tensor, scale_of: dict | None) -> None:
         """Every rank's row of ``out`` into ``full`` (plain elements) and the fp8 weights;
-        each fp8 weight's scaling gets ``(scale, fp8 weight)`` for this step."""
+        each fp8 weight's scaling gets ``(scale, fp8 weight)`` for this step. ``scale_of``
+        None: the rows hold the plain elements alone, the fp8 weights stay as given."""
         dtype = full.dtype
+        row_bytes = self.row_bytes if scale_of is not None else self.plain_row_bytes
         weights = {id(m[0]): torch.empty(m[2] - m[1], dtype=m[3].recipe.forward_dtype,
-                                         device=out.device) for m in self.fp8}
+                                         device=out.device)
+                   for m in (self.fp8 if scale_of is not None else ())}
         for r in range(self.bucket.group.size):
-            base = r * self.row_bytes
+            base = r * row_bytes
             plain, fp8 = self.segments[r]
             for _, s, e in plain:
                 n = (e - s) * self.itemsize
                 full[s:e] = out[base:base + n].view(dtype)
                 base += n
-            for (p, a, _, scaling), s, e in fp8:
+            for (p, a, _, scaling), s, e in (fp8 if scale_of is not None else ()):
                 weights[id(p)][s - a:e - a] = out[base:base + e - s].view(
                     scaling.recipe.forward_dtype)
                 base += e - s
-        for p, _, _, scaling in self.fp8:
+        for p, _, _, scaling in (self.fp8 if scale_of is not None else ()):
             if scaling.training:
                 scaling.give_weight(scale_of[id(p)], weights[id(p)].view(p.shape))
         self.stale = True
@@ -242,10 +223,7 @@ class _Fp8Work:
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()
-        if self.scale_of is None:   # a later gather of the step: the plain elements
-            self.gather.unpack_plain(self.out, self.full)
-        else:
-            self.gather.unpack(self.out, self.full, self.scale_of)
+        self.gather.unpack(self.out, self.full, self.scale_of)
         return True
 
 

@@ -16,6 +16,8 @@ from megalite.planner.cluster import preset
 from megalite.planner.memory import fp8_linear_weights, stage_param_counts
 from megalite.planner.schedule import paired_backward_share
 from megalite.planner.time import estimate_time
+from tests.planner.test_fp8_plan import FP8
+from tests.planner.test_fp8_plan import LLAMA as FP8_LLAMA
 
 MOE = ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size", "2816",
        "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings",
@@ -69,14 +71,9 @@ def test_overlap_hides_the_paired_share_of_the_all_to_all():
     assert a2a_o.comm["ep"] == pytest.approx(a2a.comm["ep"] - 7 / 8 * a2a.compute)
 
 
-LLAMA = ["--num-layers", "8", "--hidden-size", "1024", "--ffn-hidden-size", "2816",
-         "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "4",
-         "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-         "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-         "--vocab-size", "32000", "--seq-length", "2048", "--max-position-embeddings", "2048",
-         "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16",
-         "--use-distributed-optimizer", "--fp8-format", "hybrid", "--fp8-recipe",
-         "tensorwise", "--tokenizer-type", "NullTokenizer", "--mock-data"]
+_TP = FP8_LLAMA.index("--tensor-model-parallel-size")
+LLAMA = [f for f in FP8_LLAMA[:_TP] + FP8_LLAMA[_TP + 2:] if f != "--sequence-parallel"] \
+    + FP8 + ["--use-distributed-optimizer"]   # tp 1: dp 8
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
