@@ -234,6 +234,9 @@ class DataParallelGrads:
                 if param_meta(p).shared_embedding:
                     # the whole bucket when not sharded
                     shared.append(self._where[id(p)][2].shard_grad())
+            if len(shared) > 2:
+                raise RuntimeError(f"{len(shared)} word-embedding copies on one pipeline "
+                                   "rank; at most two are summed (the V placement's)")
             if len(shared) == 2:   # ZB-V: the embedding and its copy on this rank
                 total = shared[0] + shared[1]
                 for grad in shared:
