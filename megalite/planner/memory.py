@@ -474,6 +474,8 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     gathered = 0.0
     if strategy == "optim_grads_params":   # the running unit and the prefetched one
         gathered = sum(sorted(unit_params(m, p, pp_rank), reverse=True)[:2]) * eb
+    if device_type == "cpu" and m.normalization == "RMSNorm":
+        activations += cpu_rms_norm_bytes(m, lay, layers, in_flight, last)
     reused = 0.0
     if device_type == "cpu":   # layers.reused_buffer: weight gradients, kept logits
         embeds = first or (last and bool(mtp_depths(m)))   # a later stage's copy
@@ -483,6 +485,24 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
                           gathered_params=gathered, params_elements=state["elements"],
                           in_flight=in_flight, notes=notes, host=state["host"],
                           reused=reused)
+
+
+def cpu_rms_norm_bytes(m, lay, layers: list, in_flight: int, last: bool) -> float:
+    """What RMSNorm keeps for backward on a CPU beyond a GPU's: torch runs ``F.rms_norm``
+    there as its composite (``x * rsqrt(mean(x^2) + eps) * w``), whose autograd keeps the
+    normalised ``[s/sp, b, h]`` for the weight's gradient, where CUDA's fused kernel keeps
+    only the input and the ``[s, b]`` reciprocal. Per layer the input and pre-MLP norms
+    (and the query and key norms under ``--qk-layernorm``), for each (micro-batch, chunk)
+    in flight, the layers inside a full-recompute unit excepted; the final norm once on
+    the output stage."""
+    eb, tp = lay.dtype_bytes, lay.tp
+    tokens, h = lay.tokens_per_microbatch, m.hidden_size
+    per_layer = 2 * tokens * h // lay.sp
+    if m.qk_layernorm and not m.multi_latent_attention:
+        per_layer += tokens * (m.num_attention_heads + m.num_query_groups) * m.kv_channels // tp
+    kept = 0 if m.recompute_granularity == "full" else len(layers)
+    return (kept * per_layer * in_flight / lay.vpp
+            + (tokens * h // lay.sp if last else 0)) * eb
 
 
 def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:

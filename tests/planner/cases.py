@@ -35,6 +35,8 @@ MEMORY_CASES: tuple[Layout, ...] = (
     row("mem", 2, "offload", strategy="optim", optim=OFFLOAD),
     row("mem", 2, "zero3", strategy="optim_grads_params"),
     row("mem", 2, pp=2),
+    # Llama's RMSNorm keeps its normalised output on a CPU (torch's composite rms_norm)
+    row("mem", 2, "llama", model=LLAMA, pp=2),
     row("mem", 2, pp=2, vpp=2),
     # ZB-V with two prediction depths on rank 0's chunk 1, beside their copy of the word
     # embedding (their activations for the micro-batches that chunk holds in flight)
