@@ -121,7 +121,7 @@ class ParallelConfig:
         False, "Overlap the MoE token dispatch / combine all-to-alls of one micro-batch "
         "with the computation of another: each backward runs paired with the next forward, "
         "the two taking turns at every expert all-to-all (which runs while the other "
-        "computes); in a pipeline only where the forward's input is already there. Needs "
+        "computes); in a pipeline every steady-state backward pairs, on every stage. Needs "
         "expert parallelism, the alltoall dispatcher, 1f1b or interleaved_1f1b and >= 2 "
         "micro-batches per step.")
     delay_wgrad_compute: bool = arg(
