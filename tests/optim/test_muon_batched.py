@@ -13,7 +13,9 @@ import torch
 from megalite.models.gpt import GPTModel
 from megalite.optim import muon_layout
 from megalite.optim.algorithms.muon import is_matrix
-from megalite.optim.muon_layout import matrices, orthogonalize_full, orthogonalize_local
+from megalite.optim.muon_layout import (Matrix, matrices, orthogonalize_full,
+                                        orthogonalize_local)
+from megalite.parallel.params import mark_param
 from megalite.parallel.state import ParallelState
 from tests.training.common import tiny_config
 
@@ -112,3 +114,23 @@ def test_batches_keep_order_and_bound():
     sizes = [bound // 2, bound // 2, bound // 4, 2 * bound, bound // 4, bound]
     cut = muon_layout._batches(list(range(6)), sizes)
     assert cut == [[0, 1], [2], [3], [4], [5]]
+
+
+def test_large_parts_bitwise():
+    """Parts large enough that the CPU splits a reduction's work by the batch's size (the
+    squared norm is taken as row sums, then their sum, to stay exact): five ``[256,
+    2048]`` matrices, one held as ``[2048, 256]``, and a 2-expert stack ``[2, 2048, 256]``
+    iterated together."""
+    cfg = tiny_config(1, optim={"optimizer": "muon"})
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(256, 2048)] * 3 + [(2048, 256), (256, 2048)]
+    pairs = [(Matrix(f"m{i}", torch.zeros(s), None, None), torch.randn(s, generator=gen))
+             for i, s in enumerate(shapes)]
+    stack = mark_param(torch.nn.Parameter(torch.zeros(2, 2048, 256)), init_std=0.02,
+                       expert=True)
+    pairs.append((Matrix("experts", stack, None, None), torch.randn(2, 2048, 256,
+                                                                  generator=gen)))
+    want = [orthogonalize_full(u, mat, cfg.optim) for mat, u in pairs]
+    got = orthogonalize_local(pairs, cfg.optim)
+    for (mat, _), w, g in zip(pairs, want, got):
+        assert torch.equal(g, w), mat.name
