@@ -6,7 +6,12 @@ it: its full tensor is the tp shards reassembled part by part (``unshard``), an 
 stack ``[E, a, b]`` is ``E`` matrices. Orthogonalising it (:func:`orthogonalize_full`) is
 one Newton-Schulz iteration per matrix -- per Q, K and V part of a fused QKV weight with
 --muon-split-qkv -- times the scale of ``--muon-scale-mode`` for that matrix's ``[out,
-in]`` shape (dense weights are ``[out, in]``, expert stacks ``[E, in, out]``).
+in]`` shape (dense weights are ``[out, in]``, expert stacks ``[E, in, out]``). The
+matrices a rank orthogonalises whole are iterated together (:func:`orthogonalize_batched`):
+the parts of equal shape (after the Q/K/V split and the transpose to ``m <= n``; an expert
+stack counts as ``E`` parts of its shape) are stacked into ``[B, m, n]`` batches of at
+most :data:`MUON_BATCH_BYTES`, one Newton-Schulz iteration per batch rather than per
+matrix: fewer, larger kernels on a GPU, and on the CPU bitwise the one-at-a-time result.
 
 Tensor parallelism (``--muon-tp-mode``, Megatron-LM's meanings), on ``ps.tp`` (``ps.etp``
 for experts), for a parameter whose ``U`` this rank holds as its tp shard:
@@ -128,9 +133,9 @@ def orthogonalize_full(full: torch.Tensor, mat: Matrix, ocfg,
 
 
 # Bytes of stacked fp32 input one batched Newton-Schulz iteration takes at most
-# (:func:`orthogonalize_batched`). The iteration holds about four tensors of its batch's
-# size at once (the input stack, the normalised X, the product with X and the new X; the
-# Gram matrices are smaller, m <= n), so a batch costs about 1 GiB of transient memory at
+# (:func:`orthogonalize_batched`). The iteration holds up to five tensors of its batch's
+# size at its peak (the input stack, X, a X, the product with X and their sum; the Gram
+# matrices are smaller, m <= n), so a batch costs about 1.25 GiB of transient memory at
 # this bound; a single part larger than it runs alone, as it would unbatched.
 MUON_BATCH_BYTES = 256 * 2 ** 20
 
@@ -167,12 +172,12 @@ def orthogonalize_batched(jobs: list, ocfg) -> list[torch.Tensor]:
                 else pieces[batch[0]][2].float().contiguous()
             o = newton_schulz(stack, steps, kind, precision=prec)
             for i, oi in zip(batch, o.split([pieces[i][2].shape[0] for i in batch])):
-                _, x, y, turned = pieces[i]
+                j, x, _, turned = pieces[i]    # scaled now: the batch's output is freed
                 oi = oi.reshape(x.mT.shape if turned else x.shape)
-                outs[i] = oi.mT if turned else oi
+                outs[i] = _scaled(oi.mT if turned else oi, x.shape, jobs[j][1].expert, ocfg)
     results: list[list] = [[] for _ in jobs]
-    for (j, x, _, _), o in zip(pieces, outs):
-        results[j].append(_scaled(o, x.shape, jobs[j][1].expert, ocfg))
+    for (j, *_), o in zip(pieces, outs):
+        results[j].append(o)
     return [torch.cat(r, dim=0) if len(r) > 1 else r[0] for r in results]
 
 
