@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.layers.sharding import gather_full, shard, unshard
+from megalite.layers.sharding import shard, unshard
 from megalite.optim.newton_schulz import newton_schulz, ns_flops, orthogonalize, scale_factor
 from megalite.parallel import collectives
 from megalite.parallel.params import param_meta
@@ -122,7 +122,8 @@ def _scaled(o: torch.Tensor, shape: tuple, expert: bool, ocfg) -> torch.Tensor:
 def orthogonalize_full(full: torch.Tensor, mat: Matrix, ocfg,
                        parts: tuple[int, ...] | None = None) -> torch.Tensor:
     """Orthogonalised and scaled ``full`` (the matrix, or its ``[E, a, b]`` stack), part by
-    part along dimension 0 when ``parts`` (sizes) is given."""
+    part along dimension 0 when ``parts`` (sizes) is given: one matrix at a time, the
+    definition :func:`orthogonalize_batched` computes for many at once."""
     steps, kind = ocfg.muon_num_ns_steps, ocfg.muon_coefficient_type
     prec = ocfg.muon_fp32_matmul_prec
     full = full.float()
@@ -193,24 +194,6 @@ def _batches(members: list[int], sizes: list[int]) -> list[list[int]]:
         out[-1].append(i)
         total += size
     return out
-
-
-def tp_orthogonalize(u: torch.Tensor, mat: Matrix, ocfg) -> torch.Tensor:
-    """``O`` of this rank's tp shard ``u`` (the parameter's local shape) by
-    ``--muon-tp-mode`` (module docstring); collective over ``mat.group`` for a split
-    parameter in the ``duplicated`` and ``distributed`` modes."""
-    meta, group, mode = param_meta(mat.param), mat.group, ocfg.muon_tp_mode
-    split = meta.tensor_parallel and group.size > 1
-    if not split:
-        return orthogonalize_full(u, mat, ocfg, mat.parts)
-    if mode == "blockwise":
-        local = tuple(p // group.size for p in mat.parts) if mat.parts else None
-        return orthogonalize_full(u, mat, ocfg, local)
-    if mode == "duplicated":
-        full = gather_full(u.contiguous(), mat.param, group)
-        return shard(orthogonalize_full(full, mat, ocfg, mat.parts), mat.param,
-                     group.size, group.rank)
-    return _distributed(u.float(), mat, ocfg)
 
 
 def _distributed(u: torch.Tensor, mat: Matrix, ocfg) -> torch.Tensor:
