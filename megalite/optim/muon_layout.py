@@ -6,7 +6,12 @@ it: its full tensor is the tp shards reassembled part by part (``unshard``), an 
 stack ``[E, a, b]`` is ``E`` matrices. Orthogonalising it (:func:`orthogonalize_full`) is
 one Newton-Schulz iteration per matrix -- per Q, K and V part of a fused QKV weight with
 --muon-split-qkv -- times the scale of ``--muon-scale-mode`` for that matrix's ``[out,
-in]`` shape (dense weights are ``[out, in]``, expert stacks ``[E, in, out]``).
+in]`` shape (dense weights are ``[out, in]``, expert stacks ``[E, in, out]``). The
+matrices a rank orthogonalises whole are iterated together (:func:`orthogonalize_batched`):
+the parts of equal shape (after the Q/K/V split and the transpose to ``m <= n``; an expert
+stack counts as ``E`` parts of its shape) are stacked into ``[B, m, n]`` batches of at
+most :data:`MUON_BATCH_BYTES`, one Newton-Schulz iteration per batch rather than per
+matrix: fewer, larger kernels on a GPU, and on the CPU bitwise the one-at-a-time result.
 
 Tensor parallelism (``--muon-tp-mode``, Megatron-LM's meanings), on ``ps.tp`` (``ps.etp``
 for experts), for a parameter whose ``U`` this rank holds as its tp shard:
@@ -39,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.layers.sharding import gather_full, shard, unshard
+from megalite.layers.sharding import shard, unshard
 from megalite.optim.newton_schulz import newton_schulz, ns_flops, orthogonalize, scale_factor
 from megalite.parallel import collectives
 from megalite.parallel.params import param_meta
@@ -117,7 +122,8 @@ def _scaled(o: torch.Tensor, shape: tuple, expert: bool, ocfg) -> torch.Tensor:
 def orthogonalize_full(full: torch.Tensor, mat: Matrix, ocfg,
                        parts: tuple[int, ...] | None = None) -> torch.Tensor:
     """Orthogonalised and scaled ``full`` (the matrix, or its ``[E, a, b]`` stack), part by
-    part along dimension 0 when ``parts`` (sizes) is given."""
+    part along dimension 0 when ``parts`` (sizes) is given: one matrix at a time, the
+    definition :func:`orthogonalize_batched` computes for many at once."""
     steps, kind = ocfg.muon_num_ns_steps, ocfg.muon_coefficient_type
     prec = ocfg.muon_fp32_matmul_prec
     full = full.float()
@@ -127,22 +133,67 @@ def orthogonalize_full(full: torch.Tensor, mat: Matrix, ocfg,
                       for x in full.split(list(parts), dim=0)], dim=0)
 
 
-def tp_orthogonalize(u: torch.Tensor, mat: Matrix, ocfg) -> torch.Tensor:
-    """``O`` of this rank's tp shard ``u`` (the parameter's local shape) by
-    ``--muon-tp-mode`` (module docstring); collective over ``mat.group`` for a split
-    parameter in the ``duplicated`` and ``distributed`` modes."""
-    meta, group, mode = param_meta(mat.param), mat.group, ocfg.muon_tp_mode
-    split = meta.tensor_parallel and group.size > 1
-    if not split:
-        return orthogonalize_full(u, mat, ocfg, mat.parts)
-    if mode == "blockwise":
-        local = tuple(p // group.size for p in mat.parts) if mat.parts else None
-        return orthogonalize_full(u, mat, ocfg, local)
-    if mode == "duplicated":
-        full = gather_full(u.contiguous(), mat.param, group)
-        return shard(orthogonalize_full(full, mat, ocfg, mat.parts), mat.param,
-                     group.size, group.rank)
-    return _distributed(u.float(), mat, ocfg)
+# Bytes of stacked fp32 input one batched Newton-Schulz iteration takes at most
+# (:func:`orthogonalize_batched`). The iteration holds up to five tensors of its batch's
+# size at its peak (the input stack, X, a X, the product with X and their sum; the Gram
+# matrices are smaller, m <= n), so a batch costs about 1.25 GiB of transient memory at
+# this bound; a single part larger than it runs alone, as it would unbatched.
+MUON_BATCH_BYTES = 256 * 2 ** 20
+
+
+def orthogonalize_batched(jobs: list, ocfg) -> list[torch.Tensor]:
+    """:func:`orthogonalize_full` of each of ``jobs`` ``[(full, Matrix, parts)]`` (a
+    matrix ``[a, b]`` or an expert stack ``[E, a, b]``, cut into ``parts`` along dimension
+    0 when given), with the parts of equal shape iterated together.
+
+    Each part is turned to ``[m, n]`` with ``m <= n`` (transposed when ``a > b``) and the
+    parts of one ``(m, n)`` are stacked, in the order of ``jobs``, into ``[B, m, n]`` fp32
+    batches of at most :data:`MUON_BATCH_BYTES` (an expert stack counts ``E`` matrices and
+    is never cut; one larger than the bound runs alone): one
+    :func:`~megalite.optim.newton_schulz.newton_schulz` per batch instead of one per part.
+    The grouping depends only on the shapes and their order, so ranks passing the same
+    list run the same batches. On the CPU the result is bitwise that of one part at a
+    time (:func:`~megalite.optim.newton_schulz.orthogonalize`); on a GPU the batched
+    kernels may round differently. No collectives."""
+    steps, kind = ocfg.muon_num_ns_steps, ocfg.muon_coefficient_type
+    prec = ocfg.muon_fp32_matmul_prec
+    pieces = []             # (job, the part as held, its [k, m, n] orientation, transposed)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for j, (full, _, parts) in enumerate(jobs):
+        for x in (full.split(list(parts), dim=0) if parts is not None else [full]):
+            turned = x.shape[-2] > x.shape[-1]
+            y = x.mT if turned else x
+            y = y.reshape(-1, *y.shape[-2:])
+            groups.setdefault(tuple(y.shape[-2:]), []).append(len(pieces))
+            pieces.append((j, x, y, turned))
+    outs: list = [None] * len(pieces)
+    for members in groups.values():
+        for batch in _batches(members, [pieces[i][2].numel() * 4 for i in members]):
+            stack = torch.cat([pieces[i][2].float() for i in batch]) if len(batch) > 1 \
+                else pieces[batch[0]][2].float().contiguous()
+            o = newton_schulz(stack, steps, kind, precision=prec)
+            for i, oi in zip(batch, o.split([pieces[i][2].shape[0] for i in batch])):
+                j, x, _, turned = pieces[i]    # scaled now: the batch's output is freed
+                oi = oi.reshape(x.mT.shape if turned else x.shape)
+                outs[i] = _scaled(oi.mT if turned else oi, x.shape, jobs[j][1].expert, ocfg)
+    results: list[list] = [[] for _ in jobs]
+    for (j, *_), o in zip(pieces, outs):
+        results[j].append(o)
+    return [torch.cat(r, dim=0) if len(r) > 1 else r[0] for r in results]
+
+
+def _batches(members: list[int], sizes: list[int]) -> list[list[int]]:
+    """``members`` cut, in order, into runs of at most :data:`MUON_BATCH_BYTES` (``sizes``
+    their bytes); a member larger than the bound is a run of its own."""
+    out: list[list[int]] = []
+    total = 0
+    for i, size in zip(members, sizes):
+        if not out or total + size > MUON_BATCH_BYTES:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += size
+    return out
 
 
 def _distributed(u: torch.Tensor, mat: Matrix, ocfg) -> torch.Tensor:
@@ -167,16 +218,26 @@ def orthogonalize_local(pairs: list, ocfg) -> list[torch.Tensor]:
     (each tp shard complete). Every rank of a tp group passes the same matrices in the same
     order and runs the same collectives: the ``distributed`` mode's matrix by matrix (dense
     first, then experts), then the ``duplicated`` mode's split matrices in one exchange per
-    tp group (:func:`_gathered_once`)."""
+    tp group (:func:`_gathered_once`). The matrices orthogonalised here whole (not split
+    over tp, or ``blockwise``) are iterated in batches of equal part shapes
+    (:func:`orthogonalize_batched`)."""
     out: list = [None] * len(pairs)
     once: dict[str, list] = {}
+    whole: list = []        # (index, U, Matrix, parts) iterated in batches
     for i in sorted(range(len(pairs)), key=lambda i: pairs[i][0].expert):
         mat, u = pairs[i]
         split = param_meta(mat.param).tensor_parallel and mat.group.size > 1
         if split and ocfg.muon_tp_mode == "duplicated":
             once.setdefault(mat.group.name, []).append((i, mat, u))
+        elif not split:
+            whole.append((i, u, mat, mat.parts))
+        elif ocfg.muon_tp_mode == "blockwise":
+            local = tuple(p // mat.group.size for p in mat.parts) if mat.parts else None
+            whole.append((i, u, mat, local))
         else:
-            out[i] = tp_orthogonalize(u, mat, ocfg)
+            out[i] = _distributed(u.float(), mat, ocfg)
+    for (i, *_), o in zip(whole, orthogonalize_batched([w[1:] for w in whole], ocfg)):
+        out[i] = o
     for items in once.values():
         for i, o in _gathered_once(items, ocfg).items():
             out[i] = o
@@ -208,10 +269,12 @@ def _gathered_once(items: list, ocfg) -> dict[int, torch.Tensor]:
             u = items[k][2]
             shards[k].append(recv[offset:offset + u.numel()].view(u.shape))
             offset += u.numel()
+    jobs = [(unshard(shards[k], items[k][1].param), items[k][1], items[k][1].parts)
+            for k in mine]
+    del recv, shards          # the reassembled matrices replace the received shards
     results = {}
-    for k in mine:
+    for k, full in zip(mine, orthogonalize_batched(jobs, ocfg)):
         mat = items[k][1]
-        full = orthogonalize_full(unshard(shards[k], mat.param), mat, ocfg, mat.parts)
         results[k] = [shard(full, mat.param, size, r).reshape(-1) for r in range(size)]
     back = [results[k][r] for r in range(size) for k in mine]
     empty = torch.zeros(0, device=device)

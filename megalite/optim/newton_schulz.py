@@ -114,7 +114,10 @@ def newton_schulz(x: torch.Tensor, steps: int, kind: str = "quintic",
 
 
 def _iterate(x: torch.Tensor, steps: int, kind: str, group) -> torch.Tensor:
-    sq = x.square().sum(dim=(-2, -1), keepdim=True)
+    # the squared norm as row sums, then their sum: on the CPU one reduction over both
+    # dimensions splits its work (and its float rounding) by the size of the batch, these
+    # two do not, so a matrix's result is bitwise the same alone or stacked with others
+    sq = x.square().sum(dim=-1, keepdim=True).sum(dim=-2, keepdim=True)
     if group is not None:
         collectives.all_reduce(sq, group)
     x = x / sq.sqrt().clamp_min(EPS)
@@ -130,9 +133,12 @@ def _iterate(x: torch.Tensor, steps: int, kind: str, group) -> torch.Tensor:
 def orthogonalize(x: torch.Tensor, steps: int, kind: str = "quintic",
                   precision: str | None = None) -> torch.Tensor:
     """:func:`newton_schulz` of whole matrices ``[..., m, n]`` on one rank, on the side
-    with the smaller Gram matrix (transposed when ``m > n``)."""
+    with the smaller Gram matrix (transposed when ``m > n``: the iteration runs on a
+    contiguous ``[..., n, m]`` copy, the memory layout a stack of such matrices has, so
+    that the result does not depend on being batched,
+    :func:`megalite.optim.muon_layout.orthogonalize_batched`)."""
     if x.shape[-2] > x.shape[-1]:
-        return newton_schulz(x.mT, steps, kind, precision=precision).mT
+        return newton_schulz(x.mT.contiguous(), steps, kind, precision=precision).mT
     return newton_schulz(x, steps, kind, precision=precision)
 
 
