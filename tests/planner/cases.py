@@ -30,6 +30,9 @@ MEMORY_CASES: tuple[Layout, ...] = (
     row("mem", 1, "llama-mtp", model={**LLAMA, "mtp_num_layers": 2}),
     row("mem", 2, tp=2),
     row("mem", 2, "sel", model=SEL, tp=2),
+    # sequence parallelism: the linears keep this rank's [s/tp, b, h] inputs and gather them
+    # again in backward; RMSNorm's composite keeps its output split over tp too
+    row("mem", 2, "llama", model=LLAMA, tp=2, sp=True),
     row("mem", 2, distopt=True),
     row("mem", 2, "og", strategy="optim_grads"),
     row("mem", 2, "offload", strategy="optim", optim=OFFLOAD),
