@@ -491,18 +491,22 @@ def cpu_rms_norm_bytes(m, lay, layers: list, in_flight: int, last: bool) -> floa
     """What RMSNorm keeps for backward on a CPU beyond a GPU's: torch runs ``F.rms_norm``
     there as its composite (``x * rsqrt(mean(x^2) + eps) * w``), whose autograd keeps the
     normalised ``[s/sp, b, h]`` for the weight's gradient, where CUDA's fused kernel keeps
-    only the input and the ``[s, b]`` reciprocal. Per layer the input and pre-MLP norms
-    (and the query and key norms under ``--qk-layernorm``), for each (micro-batch, chunk)
-    in flight, the layers inside a full-recompute unit excepted; the final norm once on
-    the output stage."""
+    only the input and the ``[s, b]`` reciprocal. In bf16 / fp16 the composite computes in
+    fp32 and keeps, per element, the fp32 copy of its input and the fp32 normalised beside
+    the normalised cast back to the training dtype (4 + 4 + 2 bytes; measured on a
+    Llama-style model in bf16: 64 + 64 + 32 KiB per ``[s, b, h]`` of 16 K elements). Per
+    layer the input and pre-MLP norms (and the query and key norms under
+    ``--qk-layernorm``), for each (micro-batch, chunk) in flight, the layers inside a
+    full-recompute unit excepted; the final norm once on the output stage."""
     eb, tp = lay.dtype_bytes, lay.tp
+    kept_bytes = eb if eb == 4 else 4 + 4 + eb
     tokens, h = lay.tokens_per_microbatch, m.hidden_size
     per_layer = 2 * tokens * h // lay.sp
     if m.qk_layernorm and not m.multi_latent_attention:
         per_layer += tokens * (m.num_attention_heads + m.num_query_groups) * m.kv_channels // tp
     kept = 0 if m.recompute_granularity == "full" else len(layers)
     return (kept * per_layer * in_flight / lay.vpp
-            + (tokens * h // lay.sp if last else 0)) * eb
+            + (tokens * h // lay.sp if last else 0)) * kept_bytes
 
 
 def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
