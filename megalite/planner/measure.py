@@ -16,11 +16,13 @@ often after the training thread has dropped its own references. Counted as never
 those buffers would pile up over a step (0.5-1 MiB in a tiny tp2 run, varying from run to
 run with the threads' timing). The running sum therefore follows each block by its
 address: an allocation at the address of a block still counted as live means that block
-was freed unseen, before it, and it is taken off the sum there (:func:`live_bytes`).
+was freed unseen, before it, and it is taken off the sum there (:func:`live_bytes`; so
+is a block that a new allocation overlaps).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any
 
@@ -48,17 +50,24 @@ def peak_allocated(fn: Callable[[], Any]) -> tuple[Any, int]:
 def live_bytes(events) -> list[int]:
     """The running sum of bytes allocated after each of ``events`` (``(time ns, bytes,
     address)``: bytes > 0 an allocation, < 0 a free), in time order (a free before an
-    allocation of the same instant). A block allocated at an address where an earlier
-    block is still counted as live replaces it: that one was freed on a thread the
-    profiler does not record (gloo's workers), so its bytes come off the sum there."""
-    blocks: dict[int, int] = {}
+    allocation of the same instant). A block allocated over the bytes of a block still
+    counted as live (at its address or inside it, or spanning it) replaces it: that one
+    was freed on a thread the profiler does not record (gloo's workers), so its bytes come
+    off the sum there."""
+    starts: list[int] = []          # addresses of the blocks counted as live, sorted
+    sizes: dict[int, int] = {}
     live, out = 0, []
     for _, nbytes, ptr in sorted(events, key=lambda e: (e[0], e[1])):
         if nbytes > 0:
-            live -= blocks.pop(ptr, 0)
-            blocks[ptr] = nbytes
-        else:
-            blocks.pop(ptr, None)
+            i = bisect.bisect_left(starts, ptr + nbytes)
+            while i > 0 and starts[i - 1] + sizes[starts[i - 1]] > ptr:   # overlaps
+                live -= sizes.pop(starts.pop(i - 1))
+                i -= 1
+            bisect.insort(starts, ptr)
+            sizes[ptr] = nbytes
+        elif ptr in sizes:
+            del sizes[ptr]
+            starts.pop(bisect.bisect_left(starts, ptr))
         live += nbytes
         out.append(live)
     return out

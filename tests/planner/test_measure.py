@@ -17,12 +17,13 @@ ROOT = str(Path(__file__).resolve().parents[2])
 def test_live_bytes_takes_a_block_freed_unseen_off_where_its_address_returns():
     # A (100 B) freed unseen, B (50 B) allocated, a new 80 B block at A's address; then B
     # freed as the profiler sees it, and a free of a block allocated before the start
-    events = [(0, 100, 0xA), (1, 50, 0xB), (2, 80, 0xA), (3, -50, 0xB), (4, -30, 0xC)]
+    events = [(0, 100, 0x1000), (1, 50, 0x2000), (2, 80, 0x1000), (3, -50, 0x2000),
+              (4, -30, 0x3000)]
     assert live_bytes(events) == [100, 150, 130, 80, 50]
 
 
 def test_live_bytes_orders_a_free_before_an_allocation_of_the_same_instant():
-    events = [(0, 64, 0xA), (1, 64, 0xA), (1, -64, 0xA)]
+    events = [(0, 64, 0x1000), (1, 64, 0x1000), (1, -64, 0x1000)]
     assert live_bytes(events) == [64, 0, 64]
 
 
@@ -64,3 +65,12 @@ def test_a_tensor_freed_on_another_thread_is_not_counted_twice():
     total, peak = map(int, out.stdout.split()[-2:])
     assert total == 1 << 13
     assert peak == 1 << 16
+
+
+def test_live_bytes_takes_off_a_block_a_new_allocation_overlaps():
+    # A [0x100, 0x200) and B [0x200, 0x300) freed unseen; C [0x180, 0x280) overlaps both;
+    # D [0x300, 0x310) only touches B's end (B is gone already) and E [0x50, 0x100) ends
+    # where A began
+    events = [(0, 0x100, 0x100), (1, 0x100, 0x200), (2, 0x100, 0x180), (3, 0x10, 0x300),
+              (4, 0xB0, 0x50)]
+    assert live_bytes(events) == [0x100, 0x200, 0x100, 0x110, 0x1C0]
