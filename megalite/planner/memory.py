@@ -43,7 +43,11 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   parameters themselves (nothing extra); under optim_grads_params (ZeRO-3: parameters
   sharded, ``2 / D`` bytes each between steps) the full copies of the running unit and
   of the prefetched one (:mod:`megalite.optim.param_sharding`): the two largest of this
-  stage's units (:func:`unit_params`: each layer, the embedding, the output layer).
+  stage's units (:func:`unit_params`: each layer, the embedding, the output layer). On
+  CPU (``device_type="cpu"``) one more: gloo's all-gather into a tensor gathers into a
+  flat buffer of the output's size that it allocates for the collective and copies out
+  of at its end (NCCL writes into the output), so the prefetched unit's gather in flight
+  holds a second copy of it.
 * **reused** (``device_type="cpu"`` only) -- storage megalite keeps from step to step on
   CPU instead of allocating it afresh (:mod:`megalite.layers.reused_buffer`): the
   embedding's and the output layer's ``[V/tp, h]`` weight gradients, held through the
@@ -473,7 +477,10 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
         comm += tokens * h * eb * (2 if sp > 1 else 1)            # all-reduce's buffer
     gathered = 0.0
     if strategy == "optim_grads_params":   # the running unit and the prefetched one
-        gathered = sum(sorted(unit_params(m, p, pp_rank), reverse=True)[:2]) * eb
+        units = sorted(unit_params(m, p, pp_rank), reverse=True)
+        gathered = sum(units[:2]) * eb
+        if device_type == "cpu":   # gloo's staging copy of the prefetch's gather
+            gathered += units[0] * eb
     if device_type == "cpu" and m.normalization == "RMSNorm":
         activations += cpu_rms_norm_bytes(m, lay, layers, in_flight, last)
     reused = 0.0
