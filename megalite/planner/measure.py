@@ -7,10 +7,22 @@ live when the stretch starts (``baseline``, counted by the caller from the stora
 knows of: parameters, gradient buffers, optimizer state). Every tensor counts, views once
 (they allocate nothing), whoever allocates it: activations saved for backward, transient
 logits, communication buffers, the optimizer's temporaries.
+
+The profiler records the allocator's events of the threads it profiles only: a tensor
+whose last reference dies on another thread is freed unseen. gloo's worker threads do
+this to collective buffers (the input copy of a reduce-scatter, an all-gather's output):
+the work object a worker runs keeps its tensors until the worker drops it, which is
+often after the training thread has dropped its own references. Counted as never freed,
+those buffers would pile up over a step (0.5-1 MiB in a tiny tp2 run, varying from run to
+run with the threads' timing). The running sum therefore follows each block by its
+address: an allocation at the address of a block still counted as live means that block
+was freed unseen, before it, and it is taken off the sum there (:func:`live_bytes`; so
+is a block that a new allocation overlaps).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any
 
@@ -21,15 +33,44 @@ def peak_allocated(fn: Callable[[], Any]) -> tuple[Any, int]:
     """Run ``fn()`` under the profiler; (its result, peak bytes allocated above the bytes
     live at the start). Frees of memory allocated before the start count as negative, so
     the figure is the peak of the change in live bytes (never below 0)."""
+    from torch._C._profiler import _EventType
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
+    events, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            f = node.extra_fields
+            events.append((node.start_time_ns, f.alloc_size, f.ptr))
+    return result, max([0, *live_bytes(events)])
+
+
+def live_bytes(events) -> list[int]:
+    """The running sum of bytes allocated after each of ``events`` (``(time ns, bytes,
+    address)``: bytes > 0 an allocation, < 0 a free), in time order (a free before an
+    allocation of the same instant). A block allocated over the bytes of a block still
+    counted as live (at its address or inside it, or spanning it) replaces it: that one
+    was freed on a thread the profiler does not record (gloo's workers), so its bytes come
+    off the sum there."""
+    starts: list[int] = []          # addresses of the blocks counted as live, sorted
+    sizes: dict[int, int] = {}
+    live, out = 0, []
+    for _, nbytes, ptr in sorted(events, key=lambda e: (e[0], e[1])):
+        if nbytes > 0:
+            i = bisect.bisect_left(starts, ptr + nbytes)
+            while i > 0 and starts[i - 1] + sizes[starts[i - 1]] > ptr:   # overlaps
+                live -= sizes.pop(starts.pop(i - 1))
+                i -= 1
+            bisect.insort(starts, ptr)
+            sizes[ptr] = nbytes
+        elif ptr in sizes:
+            del sizes[ptr]
+            starts.pop(bisect.bisect_left(starts, ptr))
         live += nbytes
-        peak = max(peak, live)
-    return result, peak
+        out.append(live)
+    return out
 
 
 def measure_training_peak(cfg, iterations: int = 1) -> dict:

@@ -43,7 +43,11 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   parameters themselves (nothing extra); under optim_grads_params (ZeRO-3: parameters
   sharded, ``2 / D`` bytes each between steps) the full copies of the running unit and
   of the prefetched one (:mod:`megalite.optim.param_sharding`): the two largest of this
-  stage's units (:func:`unit_params`: each layer, the embedding, the output layer).
+  stage's units (:func:`unit_params`: each layer, the embedding, the output layer). On
+  CPU (``device_type="cpu"``) one more: gloo's all-gather into a tensor gathers into a
+  flat buffer of the output's size that it allocates for the collective and copies out
+  of at its end (NCCL writes into the output), so the prefetched unit's gather in flight
+  holds a second copy of it.
 * **reused** (``device_type="cpu"`` only) -- storage megalite keeps from step to step on
   CPU instead of allocating it afresh (:mod:`megalite.layers.reused_buffer`): the
   embedding's and the output layer's ``[V/tp, h]`` weight gradients, held through the
@@ -473,7 +477,10 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
         comm += tokens * h * eb * (2 if sp > 1 else 1)            # all-reduce's buffer
     gathered = 0.0
     if strategy == "optim_grads_params":   # the running unit and the prefetched one
-        gathered = sum(sorted(unit_params(m, p, pp_rank), reverse=True)[:2]) * eb
+        units = sorted(unit_params(m, p, pp_rank), reverse=True)
+        gathered = sum(units[:2]) * eb
+        if device_type == "cpu":   # gloo's staging copy of the prefetch's gather
+            gathered += units[0] * eb
     if device_type == "cpu" and m.normalization == "RMSNorm":
         activations += cpu_rms_norm_bytes(m, lay, layers, in_flight, last)
     reused = 0.0
@@ -491,18 +498,22 @@ def cpu_rms_norm_bytes(m, lay, layers: list, in_flight: int, last: bool) -> floa
     """What RMSNorm keeps for backward on a CPU beyond a GPU's: torch runs ``F.rms_norm``
     there as its composite (``x * rsqrt(mean(x^2) + eps) * w``), whose autograd keeps the
     normalised ``[s/sp, b, h]`` for the weight's gradient, where CUDA's fused kernel keeps
-    only the input and the ``[s, b]`` reciprocal. Per layer the input and pre-MLP norms
-    (and the query and key norms under ``--qk-layernorm``), for each (micro-batch, chunk)
-    in flight, the layers inside a full-recompute unit excepted; the final norm once on
-    the output stage."""
+    only the input and the ``[s, b]`` reciprocal. In bf16 / fp16 the composite computes in
+    fp32 and keeps, per element, the fp32 copy of its input and the fp32 normalised beside
+    the normalised cast back to the training dtype (4 + 4 + 2 bytes; measured on a
+    Llama-style model in bf16: 64 + 64 + 32 KiB per ``[s, b, h]`` of 16 K elements). Per
+    layer the input and pre-MLP norms (and the query and key norms under
+    ``--qk-layernorm``), for each (micro-batch, chunk) in flight, the layers inside a
+    full-recompute unit excepted; the final norm once on the output stage."""
     eb, tp = lay.dtype_bytes, lay.tp
+    kept_bytes = eb if eb == 4 else 4 + 4 + eb
     tokens, h = lay.tokens_per_microbatch, m.hidden_size
     per_layer = 2 * tokens * h // lay.sp
     if m.qk_layernorm and not m.multi_latent_attention:
         per_layer += tokens * (m.num_attention_heads + m.num_query_groups) * m.kv_channels // tp
     kept = 0 if m.recompute_granularity == "full" else len(layers)
     return (kept * per_layer * in_flight / lay.vpp
-            + (tokens * h // lay.sp if last else 0)) * eb
+            + (tokens * h // lay.sp if last else 0)) * kept_bytes
 
 
 def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:

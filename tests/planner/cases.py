@@ -25,11 +25,17 @@ MEMORY_CASES: tuple[Layout, ...] = (
     row("mem", 1),
     row("mem", 1, "full", model=FULL),
     row("mem", 1, "llama", model=LLAMA),
+    # in bf16 the CPU's composite RMSNorm keeps fp32 copies of its input and output too
+    row("mem", 1, "llama-bf16", model={**LLAMA, "bf16": True}),
     # two multi-token prediction depths: their layers, logits and the embedding looked up
     # again
     row("mem", 1, "llama-mtp", model={**LLAMA, "mtp_num_layers": 2}),
     row("mem", 2, tp=2),
     row("mem", 2, "sel", model=SEL, tp=2),
+    # sequence parallelism: the linears keep this rank's [s/tp, b, h] inputs and gather them
+    # again in backward; RMSNorm's composite keeps its output split over tp too
+    row("mem", 2, "llama", model=LLAMA, tp=2, sp=True),
+    row("mem", 2, "llama-bf16", model={**LLAMA, "bf16": True}, tp=2, sp=True),
     row("mem", 2, distopt=True),
     row("mem", 2, "og", strategy="optim_grads"),
     row("mem", 2, "offload", strategy="optim", optim=OFFLOAD),

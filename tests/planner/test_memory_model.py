@@ -15,16 +15,15 @@ from tests.layouts import run_by_world
 from tests.planner.cases import MEMORY_CASES, measure_body, planner_config
 
 TOLERANCE = 0.10
-# tp layouts on a loaded machine: gloo's worker threads release all-reduced tensors
-# late under CPU contention, so 2-8 extra [s, b, h] buffers (up to 0.5 MiB, +-10%) can be
-# live at the peak, varying from run to run; checked in the slow suite only
-# (seen on the tp rows with pipeline or MoE too: the two tp ranks of one stage, doing the
-# same work, measured 2.50 and 2.75 MiB)
-TIMING_SENSITIVE = {"mem-tp2", "mem-tp2-sel", "mem-tp2-pp2-distopt-full",
-                    "mem-tp2-sp-dp2-ep2-distopt-moe",
-                    # within 10% measured alone, but 8.57 MiB against 7.69 estimated
-                    # (-10.3%) after the other rows on the same ranks: not yet explained
-                    "mem-dp2-optim_grads_params-zero3"}
+# rows not yet within 10% in every run, checked in the slow suite only:
+# MoE tp2 sp ep2: its four ranks measure 5.5 to 6.2 MiB against 6.30 estimated, the
+# estimate 4% to 15% over on the last rank and over 10% in 3 runs of 7 (it budgets the
+# busiest expert rank, MOE_IMBALANCE; not yet checked against the tokens each rank's
+# experts receive);
+# ZeRO-3: 8.12 to 8.83 MiB against 8.13 estimated (with gloo's staging copy of the
+# prefetched unit's gather: 0% to -8%; it was over 10% on one rank before that copy was
+# counted), but the 0.7 MiB spread from run to run is not yet explained
+TIMING_SENSITIVE = {"mem-tp2-sp-dp2-ep2-distopt-moe", "mem-dp2-optim_grads_params-zero3"}
 CASES = [pytest.param(c, marks=pytest.mark.slow) if c.name in TIMING_SENSITIVE else c
          for c in MEMORY_CASES]
 
