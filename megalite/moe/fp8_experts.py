@@ -89,11 +89,8 @@ class Fp8ExpertWeights(StepWeights):
         """(values, scales) of ``w.transpose(1, 2)`` (``transposed``, along ``a``) or ``w``
         (along ``b``), row amaxes reduced over ``group`` (split contraction; the
         collective runs only when the copy is made)."""
-        def make():
-            x = w.transpose(1, 2) if transposed else w
-            return _quantised(x, recipe, recipe.forward_dtype, group)
-
-        return self.step_copy((name, transposed), self.training, make)
+        return self.step_copy((name, transposed), self.training,
+                              lambda: _weight_quantised(w, transposed, recipe, group))
 
 
 class Fp8ExpertBmm(torch.autograd.Function):
@@ -129,11 +126,18 @@ class Fp8ExpertBmm(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None
 
 
+def _weight_quantised(w: torch.Tensor, transposed: bool, recipe: Fp8Recipe, group
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) of ``w`` ``[E, a, b]`` in the forward's fp8 dtype: ``w^T`` along
+    ``a`` (``transposed``) or ``w`` along ``b`` (:func:`_quantised`)."""
+    return _quantised(w.transpose(1, 2) if transposed else w, recipe, recipe.forward_dtype,
+                      group)
+
+
 def _weight(weights: Fp8ExpertWeights | None, name: str, transposed: bool, w, recipe, group):
     """The quantised weight from the step's ``weights``, or made now without them."""
     if weights is None:
-        return _quantised(w.transpose(1, 2) if transposed else w, recipe,
-                          recipe.forward_dtype, group)
+        return _weight_quantised(w, transposed, recipe, group)
     return weights.quantised(name, transposed, w, recipe, group)
 
 

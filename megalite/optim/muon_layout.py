@@ -3,10 +3,11 @@ model-parallel group, from momentum pieces held anywhere.
 
 A Muon matrix (:class:`Matrix`) is one parameter as :mod:`megalite.layers.sharding` sees
 it: its full tensor is the tp shards reassembled part by part (``unshard``), an expert
-stack ``[E, a, b]`` is ``E`` matrices. Orthogonalising it (:func:`orthogonalize_full`) is
-one Newton-Schulz iteration per matrix -- per Q, K and V part of a fused QKV weight with
---muon-split-qkv -- times the scale of ``--muon-scale-mode`` for that matrix's ``[out,
-in]`` shape (dense weights are ``[out, in]``, expert stacks ``[E, in, out]``). The
+stack ``[E, a, b]`` is ``E`` matrices. Orthogonalising it is one Newton-Schulz
+iteration (:func:`megalite.optim.newton_schulz.orthogonalize`) per matrix -- per Q, K
+and V part of a fused QKV weight with --muon-split-qkv -- times the scale of
+``--muon-scale-mode`` for that matrix's ``[out, in]`` shape (dense weights are ``[out,
+in]``, expert stacks ``[E, in, out]``). The
 matrices a rank orthogonalises whole are iterated together (:func:`orthogonalize_batched`):
 the parts of equal shape (after the Q/K/V split and the transpose to ``m <= n``; an expert
 stack counts as ``E`` parts of its shape) are stacked into ``[B, m, n]`` batches of at
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.layers.sharding import shard, unshard
-from megalite.optim.newton_schulz import newton_schulz, ns_flops, orthogonalize, scale_factor
+from megalite.optim.newton_schulz import newton_schulz, ns_flops, scale_factor
 from megalite.parallel import collectives
 from megalite.parallel.params import param_meta
 
@@ -119,20 +120,6 @@ def _scaled(o: torch.Tensor, shape: tuple, expert: bool, ocfg) -> torch.Tensor:
     return o * (scale_factor(out, inp, ocfg.muon_scale_mode) * ocfg.muon_extra_scale_factor)
 
 
-def orthogonalize_full(full: torch.Tensor, mat: Matrix, ocfg,
-                       parts: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Orthogonalised and scaled ``full`` (the matrix, or its ``[E, a, b]`` stack), part by
-    part along dimension 0 when ``parts`` (sizes) is given: one matrix at a time, the
-    definition :func:`orthogonalize_batched` computes for many at once."""
-    steps, kind = ocfg.muon_num_ns_steps, ocfg.muon_coefficient_type
-    prec = ocfg.muon_fp32_matmul_prec
-    full = full.float()
-    if parts is None:
-        return _scaled(orthogonalize(full, steps, kind, prec), full.shape, mat.expert, ocfg)
-    return torch.cat([_scaled(orthogonalize(x, steps, kind, prec), x.shape, mat.expert, ocfg)
-                      for x in full.split(list(parts), dim=0)], dim=0)
-
-
 # Bytes of stacked fp32 input one batched Newton-Schulz iteration takes at most
 # (:func:`orthogonalize_batched`). The iteration holds up to five tensors of its batch's
 # size at its peak (the input stack, X, a X, the product with X and their sum; the Gram
@@ -142,9 +129,10 @@ MUON_BATCH_BYTES = 256 * 2 ** 20
 
 
 def orthogonalize_batched(jobs: list, ocfg) -> list[torch.Tensor]:
-    """:func:`orthogonalize_full` of each of ``jobs`` ``[(full, Matrix, parts)]`` (a
-    matrix ``[a, b]`` or an expert stack ``[E, a, b]``, cut into ``parts`` along dimension
-    0 when given), with the parts of equal shape iterated together.
+    """Orthogonalised and scaled (``--muon-scale-mode`` of each part's shape) each of
+    ``jobs`` ``[(full, Matrix, parts)]`` (a matrix ``[a, b]`` or an expert stack ``[E, a,
+    b]``, cut into ``parts`` along dimension 0 when given), with the parts of equal shape
+    iterated together.
 
     Each part is turned to ``[m, n]`` with ``m <= n`` (transposed when ``a > b``) and the
     parts of one ``(m, n)`` are stacked, in the order of ``jobs``, into ``[B, m, n]`` fp32

@@ -67,7 +67,7 @@ def dualpipev_bubble(pp: int, num_microbatches: int) -> float:
     ``(PP/2 - 1)(F&B + B - 3W)``; with no overlap inside a pair (megalite runs the paired
     forward and backward one after the other on one stream, so ``F&B = F + B``) and ``B =
     2F``, ``W = F`` that reads ``(pp - 1) / (3 m)``, an upper bound megalite's schedule
-    beats: the measured bubble at p 2 (0.058 / 0.037 at m 4 / 8, ``docs/benchmarks.md``)
+    beats: the measured bubble at p 2 (0.050 / 0.027 at m 4 / 8, ``docs/benchmarks.md``)
     is below it (0.083 / 0.042), and above the step lists' value by the per-step fixed
     costs the planner charges elsewhere."""
     return (pp - 1) / (6 * num_microbatches)
@@ -109,11 +109,9 @@ def paired_backward_share(pp: int, num_microbatches: int, vpp: int = 1,
     :func:`megalite.pipeline.plan.pairs_of`), on the pipeline rank with the fewest (the one
     whose all-to-all stays most exposed). 1F1B: ``(m - pp) / m`` on the first stage
     (``m - 1`` of ``m`` at pp 1); 0 for the schedules the overlap refuses (zb_h1, zbv,
-    dualpipev)."""
-    if schedule in ("zb_h1", "zbv", "dualpipev"):
-        return 0.0
+    dualpipev: the plan pairs nothing in a V or among W steps)."""
     steps = [build_schedule(pp, r, num_microbatches, vpp, schedule=schedule)
              for r in range(pp)]
-    pairs = pairs_of(steps, vpp)
+    pairs = pairs_of(steps, vpp, is_v_schedule(schedule))
     return min(len(at) / max(1, sum(kind == "B" for kind, _, _ in s))
                for at, s in zip(pairs, steps))

@@ -1,7 +1,7 @@
 """Muon's batched Newton-Schulz (:func:`megalite.optim.muon_layout.orthogonalize_batched`):
 the matrices a rank orthogonalises whole are iterated in stacks of equal part shapes, and
 on the CPU every result is bitwise the one-matrix-at-a-time result
-(:func:`~megalite.optim.muon_layout.orthogonalize_full`), for a model's worth of shapes:
+(:func:`orthogonalize_full` below), for a model's worth of shapes:
 a Llama-style GQA MoE model (Q, K, V apart with --muon-split-qkv, SwiGLU, expert stacks
 ``[E, in, out]``, the first layer dense) and a GPT-style one (``fc1 [4h, h]`` and ``fc2
 [h, 4h]`` meet after the transpose), under each scale mode; one ``newton_schulz`` call per
@@ -13,8 +13,8 @@ import torch
 from megalite.models.gpt import GPTModel
 from megalite.optim import muon_layout
 from megalite.optim.algorithms.muon import is_matrix
-from megalite.optim.muon_layout import (Matrix, matrices, orthogonalize_full,
-                                        orthogonalize_local)
+from megalite.optim.muon_layout import Matrix, _scaled, matrices, orthogonalize_local
+from megalite.optim.newton_schulz import orthogonalize
 from megalite.parallel.params import mark_param
 from megalite.parallel.state import ParallelState
 from tests.training.common import tiny_config
@@ -25,6 +25,16 @@ LLAMA_MOE = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 176,
              "group_query_attention": True, "num_query_groups": 2, "num_experts": 4,
              "moe_layer_freq": "[0,1]"}
 GPT = {"num_layers": 1, "hidden_size": 48, "num_attention_heads": 4}
+
+
+def orthogonalize_full(full: torch.Tensor, mat: Matrix, ocfg, parts=None) -> torch.Tensor:
+    """The definition the batches must equal: ``full`` (a matrix or an ``[E, a, b]``
+    stack) orthogonalised one matrix at a time, part by part along dimension 0 when
+    ``parts`` (sizes) is given, each scaled for its shape."""
+    steps, kind = ocfg.muon_num_ns_steps, ocfg.muon_coefficient_type
+    prec = ocfg.muon_fp32_matmul_prec
+    return torch.cat([_scaled(orthogonalize(x, steps, kind, prec), x.shape, mat.expert, ocfg)
+                      for x in full.float().split(list(parts or [full.shape[0]]), dim=0)])
 
 
 def _pairs(optim: dict):
