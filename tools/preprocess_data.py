@@ -33,6 +33,7 @@ from megalite.data.preprocess import (
     PreprocessError,
     PreprocessOptions,
     format_summary,
+    interrupt_handler,
     preprocess,
 )
 from megalite.config.data import TOKENIZER_TYPES
@@ -87,16 +88,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _exit_on_sigterm(signum, frame):
-    raise KeyboardInterrupt  # unwinds through the cleanup that deletes partial outputs
-
-
 def main(argv=None) -> int:
     args = vars(parse_args(argv))
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    # a parent that blocked SIGTERM / SIGINT (a blocked mask is inherited across exec) must
-    # not leave this run unstoppable: the cleanup that deletes partial outputs needs them
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    # the handlers this run installs are put back on return (main() is also called in-process)
+    previous = {sig: signal.signal(sig, interrupt_handler)
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _run(args)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(args: dict) -> int:
     ignored = []
     if args.pop("lang") != "english":
         ignored.append("--lang (sentences are split by a punctuation rule, not a per-language "
@@ -107,6 +111,10 @@ def main(argv=None) -> int:
     if ignored:
         print("accepted, no effect here: " + "; ".join(ignored), flush=True)
     try:
+        # a parent that blocked SIGTERM / SIGINT (a blocked mask is inherited across exec)
+        # must not leave this run unstoppable: the cleanup that deletes partial outputs needs
+        # them (one already pending is raised here, as KeyboardInterrupt)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
         summary = preprocess(PreprocessOptions(**args))
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)

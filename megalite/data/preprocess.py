@@ -292,13 +292,16 @@ def _run_pool(args, encoder_args, chunks):
             parts.append(part)
             yield chunk
 
-    # workers start with the signals blocked until _init_worker has reset their handlers
+    # workers start with the signals blocked until _init_worker has reset their handlers, and
+    # an interrupt while the pool is being built is held until ``pool`` names it
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _PARENT_SIGNALS)
     try:
-        pool = multiprocessing.Pool(args.workers, _init_worker, encoder_args)
+        with _interrupts_held():
+            pool = multiprocessing.Pool(args.workers, _init_worker, encoder_args)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     try:
+        _raise_if_interrupted()
         for i, encoded in enumerate(pool.imap(_encode_chunk, gated())):
             slots.release()
             yield parts[i], encoded
@@ -306,14 +309,66 @@ def _run_pool(args, encoder_args, chunks):
     except BaseException:
         stop.set()
         slots.release()
-        pool.terminate()
+        _drain(pool)
         raise
     finally:
         pool.join()
 
 
+def _drain(pool) -> None:
+    """Stop ``pool`` after an error or interrupt: no new chunks are handed out (the caller
+    stopped the feed), the workers finish the few in flight (at most ``4 x workers``
+    chunks) and exit. ``Pool.terminate()`` is kept for a second interrupt only: it kills
+    workers that may be writing a result, and one killed while holding the result queue's
+    lock leaves the pool's task thread, and so this process, waiting forever."""
+    pool.close()
+    try:
+        pool.join()
+    except BaseException:
+        pool.terminate()
+        raise
+
+
+# ----------------------------------------------------------------------------------------
+# interrupts: SIGINT / SIGTERM end a run with nothing written
+
+_interrupt = threading.Event()   # set by the handler, read by the main loop
+_hold = threading.local()        # >0 while the handler must not raise in this thread
+
+
+def interrupt_handler(signum, frame) -> None:
+    """The handler ``tools/preprocess_data.py`` installs for SIGINT and SIGTERM: raise
+    KeyboardInterrupt, which unwinds through the cleanup that deletes partial outputs. The
+    request is also recorded, because Python runs a handler between any two bytecodes of the
+    main thread, a ``__del__`` or weakref callback included, where the exception is printed
+    and dropped: the main loop raises it again after each chunk and before the outputs are
+    renamed into place."""
+    _interrupt.set()
+    if not getattr(_hold, "depth", 0):
+        raise KeyboardInterrupt
+
+
+class _interrupts_held:
+    """While inside, an interrupt is recorded but not raised (``multiprocessing.Pool``'s
+    start-up and shutdown must not stop half way); the caller raises it afterwards with
+    :func:`_raise_if_interrupted`."""
+
+    def __enter__(self):
+        _hold.depth = getattr(_hold, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _hold.depth -= 1
+
+
+def _raise_if_interrupted() -> None:
+    if _interrupt.is_set():
+        raise KeyboardInterrupt
+
+
 def preprocess(args: PreprocessOptions) -> dict:
-    """Run the conversion; returns the summary numbers. Raises PreprocessError."""
+    """Run the conversion; returns the summary numbers. Raises PreprocessError, and
+    KeyboardInterrupt after :func:`interrupt_handler` ran (nothing written either way)."""
+    _interrupt.clear()
     dtype = optimal_dtype(_load_tokenizer(args).vocab_size)
     check_output_dir(args.output_prefix)
     chunks = read_chunks(args.input, partition_boundaries(args))
@@ -325,9 +380,11 @@ def preprocess(args: PreprocessOptions) -> dict:
     encoded_chunks = _run_pool(args, encoder_args, chunks)
     try:
         for part, encoded in encoded_chunks:
+            _raise_if_interrupted()
             new_docs = stats.add_chunk(encoded, outputs.writers_for(part),
                                        args.input if args.strict else None)
             progress.advance(new_docs, stats)
+        _raise_if_interrupted()
         if stats.docs == 0:  # an empty dataset is no success: write nothing, say why
             raise PreprocessError(f"{args.input}: no documents to write "
                                   f"({nothing_written(stats)}); no output written")

@@ -214,3 +214,31 @@ def test_unwritable_output_directory_is_one_clear_error(tmp_path, corpus, capsys
     err = capsys.readouterr().err
     assert f"--output-prefix {blocker / 'sub' / 'out'}: cannot write to the directory" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_an_interrupt_dropped_where_python_ignores_exceptions_still_stops_the_run(
+        tmp_path, corpus, monkeypatch, capsys, workers):
+    """Python runs a signal handler between any two bytecodes of the main thread, a
+    ``__del__`` included, where the KeyboardInterrupt it raises is printed and dropped: the
+    run must stop anyway, with nothing written."""
+    from megalite.data import preprocess as engine
+
+    seen = []
+    original = engine.Stats.add_chunk
+
+    def add_chunk(self, *args, **kwargs):
+        seen.append(1)
+        if len(seen) == 2:   # the handler runs inside something that swallows its exception
+            try:
+                engine.interrupt_handler(15, None)
+            except KeyboardInterrupt:
+                pass
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "CHUNK_LINES", 16)
+    monkeypatch.setattr(engine.Stats, "add_chunk", add_chunk)
+    assert run(tmp_path, corpus, "--workers", workers) == 130
+    assert "interrupted; no output written" in capsys.readouterr().err
+    assert outputs(tmp_path) == []
+    assert len(seen) == 2   # stopped at the next chunk, not at the end of the input

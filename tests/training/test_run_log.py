@@ -69,7 +69,9 @@ def test_resume_keeps_each_iteration_once_and_the_wandb_run(tmp_path, monkeypatc
     assert c2.wandb_id == run_id and c2.metrics.wandb_id == run_id
     assert read_metadata(os.path.join(older, "iter_0000008"))[WANDB_RUN_ID] == run_id
     runs = [r for r in os.listdir(os.path.join(wb, "wandb")) if r.startswith("offline-run-")]
-    assert runs and all(r.endswith(run_id) for r in runs), runs
+    # offline-run-<start time>-<run id>; wandb adds "-1" when both runs start in one second
+    assert runs and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", r)
+                        for r in runs), runs
 
 
 def test_finetune_starts_a_new_wandb_run_and_keeps_the_jsonl(tmp_path, monkeypatch):
