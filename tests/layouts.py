@@ -574,6 +574,12 @@ _FP8 = [
     # each owner needs the other's amax (tests/fp8/test_param_gather.py plants its loss)
     row("fp8", 2, "tensorwise-param-gather-small-buckets",
         model={**FP8_MODEL["tensorwise"], **FP8_GATHER}, distopt=True, bucket=1),
+    # ZeRO-3 without the fp8 gather: a freed unit forgets its fp8 copies (a linear's, the
+    # block recipes' two layouts, the routed experts'), made again after the next gather
+    *(row("fp8", 2, recipe, model=FP8_MODEL[recipe], strategy="optim_grads_params")
+      for recipe in ("tensorwise", "mxfp8")),
+    row("fp8", 2, "tensorwise-moe", model={**FP8_MODEL["tensorwise"], **_FP8_MOE},
+        strategy="optim_grads_params"),
 ]
 
 # -- qk-clip: --qk-clip (Kimi-K2's MuonClip) at a threshold the tiny models' logits pass

@@ -10,14 +10,16 @@ FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 # the multiple each fp8 GEMM dimension must be: 16 for per-tensor scales (the kernels'
 # rule), the block length for block scales (megalite.layers.fp8.recipes)
 FP8_TILE = {"delayed": 16, "tensorwise": 16, "mxfp8": 32, "blockwise": 128}
+BLOCK_TILED = ("mxfp8", "blockwise")
 
 
 def fp8_gemm_dims(m, tp: int, cp: int, micro_batch_size: int, etp: int | None = None
                   ) -> dict[str, int]:
     """Every dimension one rank's fp8 GEMMs contract over (each linear's local input
     and output features, the routed experts' per ``etp`` rank, and the tokens of one
-    micro-batch: under context parallelism each of a rank's two sequence chunks),
-    named for error messages."""
+    micro-batch: under context parallelism each of a rank's two sequence chunks; under
+    the block recipes also each rank's part of the QKV output that a block must not
+    straddle), named for error messages."""
     d, nh, ng = m.kv_channels, m.num_attention_heads, m.num_query_groups
     mult = 2 if m.swiglu else 1
     tokens = (m.seq_length // (2 * cp) if cp > 1 else m.seq_length) * micro_batch_size
@@ -46,6 +48,12 @@ def fp8_gemm_dims(m, tp: int, cp: int, micro_batch_size: int, etp: int | None = 
         dims.update({
             "the QKV projection's output per tp rank": (nh + 2 * ng) * d // tp,
             "the attention output per tp rank (heads x kv_channels / tp)": nh * d // tp})
+        if m.fp8_recipe in BLOCK_TILED:
+            # the input gradient's blocks run along the QKV output, whose whole layout is
+            # [q | k | v] and a tp rank's [q_r | k_r | v_r]: blocks line up only where each
+            # rank's key (and value) part fills whole blocks
+            dims["the QKV projection's key part per tp rank (query groups x kv_channels "
+                 "/ tp)"] = ng * d // tp
     shared = m.moe_shared_expert_intermediate_size
     if shared:
         dims["moe_shared_expert_intermediate_size / tp"] = shared // tp

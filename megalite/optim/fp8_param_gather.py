@@ -32,15 +32,18 @@ bucket ``stale``; ``DataParallelGrads.finish_param_sync`` gathers them in the pa
 dtype before anything reads parameters: a checkpoint, evaluation, the end of training);
 under ZeRO-3 the weights point at the NaN placeholder while their unit is gathered.
 
-ZeRO-3 gathers a unit before every forward and backward of the step, but the shards do
-not change within a step and each scaling keeps its given fp8 weight until the step ends
-(:func:`megalite.layers.fp8.scaling.finish_step`). So once every fp8 weight of a bucket
-was given this step, a later gather of the bucket packs only its plain elements (a row
-of the largest rank's plain bytes; no collective when the bucket has none): no scales,
-no quantisation, no fp8 bytes again. Every rank of ``bucket.group`` runs the same gathers
-in the same order, so all take the same branch. Only
-training forwards use the fp8 gather; evaluation gathers as without the flag. The fp32
-masters (and so checkpoints) are unchanged.
+ZeRO-3 gathers a unit before every forward and backward of the step, each time in fp8
+(the scalings' fp8 weights, like the unit's other parameters, are forgotten when the unit
+is freed: :mod:`megalite.optim.param_sharding`). The shards and scales do not change within
+a step, so each rank quantises and packs its row once per step and sends the same row at
+every later gather (no scales, no amax collectives, no quantisation again); the row is
+packed again once a scaling's step ended (``StepWeights.steps``,
+:mod:`megalite.layers.fp8.scaling`: the optimizer is about to change the shards, the delayed
+histories moved) or the shards were written otherwise (:meth:`Fp8BucketGather.forget_row`,
+from ``ParamSharding.invalidate`` / ``write_back``: a load). Every rank of
+``bucket.group`` sees the same steps and calls, so all take the same branch (the scales'
+collectives run on all or none). Only training forwards use the fp8 gather; evaluation gathers
+as without the flag. The fp32 masters (and so checkpoints) are unchanged.
 """
 
 from __future__ import annotations
@@ -88,10 +91,8 @@ class Fp8BucketGather:
         self.segments = [self._segments(r) for r in range(bucket.group.size)]
         self.row_bytes = max(self.packed_bytes(r) for r in range(bucket.group.size))
         self.row_bytes = -(-self.row_bytes // ALIGN) * ALIGN
-        # a later gather of the step: the plain elements alone
-        self.plain_row_bytes = max(self.packed_bytes(r, fp8=False)
-                                   for r in range(bucket.group.size))
-        self.plain_row_bytes = -(-self.plain_row_bytes // ALIGN) * ALIGN
+        # this rank's packed row and scales, kept while the shard and the step stay the same
+        self._packed: tuple | None = None      # (key, row, scale_of)
 
     def _segments(self, rank: int) -> tuple[list, list]:
         """(plain, fp8) segments ``(member, s, e)`` of ``rank``'s shard, in bucket order."""
@@ -103,16 +104,11 @@ class Fp8BucketGather:
                 (plain if m[3] is None else fp8).append((m, s, e))
         return plain, fp8
 
-    def packed_bytes(self, rank: int, fp8: bool = True) -> int:
-        """Bytes ``rank`` sends: its plain elements at the dtype's size, its fp8 ones at 1
-        (none with ``fp8`` False: a later gather of the step)."""
+    def packed_bytes(self, rank: int) -> int:
+        """Bytes ``rank`` sends: its plain elements at the dtype's size, its fp8 ones at 1."""
         plain, fp8_segments = self.segments[rank]
         return (sum(e - s for _, s, e in plain) * self.itemsize
-                + (sum(e - s for _, s, e in fp8_segments) if fp8 else 0))
-
-    def weights_held(self) -> bool:
-        """Every fp8 weight of the bucket was given this step by an earlier gather."""
-        return all(m[3].holds_given_weight() for m in self.fp8)
+                + sum(e - s for _, s, e in fp8_segments))
 
     @property
     def active(self) -> bool:
@@ -156,58 +152,66 @@ class Fp8BucketGather:
         return scales
 
     @torch.no_grad()
-    def start(self, shard: torch.Tensor, full: torch.Tensor):
-        """Quantise this rank's fp8 pieces of ``shard`` (``[N_b / D]``, this rank's shard of
-        the bucket), pack and launch the all-gather (asynchronous, over ``bucket.group``)
-        into ``full`` (``[N_b]``, the plain elements) and per-weight fp8 tensors; the
-        returned handle's ``wait()`` unpacks and gives each scaling its fp8 weight. When the
-        scalings already hold this step's fp8 weights (:meth:`weights_held`), only the plain
-        elements are gathered (``plain_row_bytes`` per rank; no collective when there are
-        none; module docstring)."""
-        group = self.bucket.group
+    def _row(self, shard: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """This rank's packed row ``[row_bytes]`` (uint8) and ``id(weight) -> scale``: made
+        (scales, quantisation) at the step's first gather and, under ZeRO-3, reused by the
+        step's later gathers (module docstring; the distributed optimizer gathers once a
+        step and keeps nothing)."""
+        key = tuple(m[3].steps for m in self.fp8)
+        if self._packed is not None and self._packed[0] == key:
+            return self._packed[1], self._packed[2]
         lo, _ = self.bucket.shard_range()
-        plain, fp8 = self.segments[group.rank]
-        scale_of = None
-        if not self.weights_held():
-            scale_of = {id(m[0]): d for m, d in zip(self.fp8, self._scales(shard))}
-        row_bytes = self.row_bytes if scale_of is not None else self.plain_row_bytes
-        out = torch.empty(group.size * row_bytes, dtype=torch.uint8, device=shard.device)
-        if not row_bytes:
-            return _Fp8Work(self, None, out, full, scale_of)
-        row = torch.zeros(row_bytes, dtype=torch.uint8, device=shard.device)
+        plain, fp8 = self.segments[self.bucket.group.rank]
+        scale_of = {id(m[0]): d for m, d in zip(self.fp8, self._scales(shard))}
+        row = torch.zeros(self.row_bytes, dtype=torch.uint8, device=shard.device)
         at = 0
         for _, s, e in plain:
             n = (e - s) * self.itemsize
             row[at:at + n] = shard[s - lo:e - lo].contiguous().view(torch.uint8)
             at += n
-        for (p, _, _, scaling), s, e in (fp8 if scale_of is not None else ()):
+        for (p, _, _, scaling), s, e in fp8:
             q = quantize(shard[s - lo:e - lo], scale_of[id(p)], scaling.recipe.forward_dtype)
             row[at:at + e - s] = q.view(torch.uint8)
             at += e - s
-        work = collectives.all_gather_into_tensor(out, row, group, async_op=True)
+        if self.bucket.buffer.shard_params:   # ZeRO-3 gathers again within the step
+            self._packed = (key, row, scale_of)
+        return row, scale_of
+
+    def forget_row(self) -> None:
+        """The shard was written (a load): pack it again at the next gather."""
+        self._packed = None
+
+    def start(self, shard: torch.Tensor, full: torch.Tensor):
+        """Launch the all-gather (asynchronous, over ``bucket.group``) of every rank's
+        packed row of ``shard`` (``[N_b / D]``, this rank's shard of the bucket: its fp8
+        pieces quantised, :meth:`_row`) into ``full`` (``[N_b]``, the plain elements) and
+        per-weight fp8 tensors; the returned handle's ``wait()`` unpacks and gives each
+        scaling its fp8 weight."""
+        row, scale_of = self._row(shard)
+        out = torch.empty(self.bucket.group.size * self.row_bytes, dtype=torch.uint8,
+                          device=shard.device)
+        work = collectives.all_gather_into_tensor(out, row, self.bucket.group, async_op=True)
         return _Fp8Work(self, work, out, full, scale_of)
 
-    def unpack(self, out: torch.Tensor, full: torch.Tensor, scale_of: dict | None) -> None:
+    def unpack(self, out: torch.Tensor, full: torch.Tensor, scale_of: dict) -> None:
         """Every rank's row of ``out`` into ``full`` (plain elements) and the fp8 weights;
-        each fp8 weight's scaling gets ``(scale, fp8 weight)`` for this step. ``scale_of``
-        None: the rows hold the plain elements alone, the fp8 weights stay as given."""
+        each fp8 weight's scaling gets ``(scale, fp8 weight)`` (until the step ends, or
+        under ZeRO-3 until the unit is freed)."""
         dtype = full.dtype
-        row_bytes = self.row_bytes if scale_of is not None else self.plain_row_bytes
         weights = {id(m[0]): torch.empty(m[2] - m[1], dtype=m[3].recipe.forward_dtype,
-                                         device=out.device)
-                   for m in (self.fp8 if scale_of is not None else ())}
+                                         device=out.device) for m in self.fp8}
         for r in range(self.bucket.group.size):
-            base = r * row_bytes
+            base = r * self.row_bytes
             plain, fp8 = self.segments[r]
             for _, s, e in plain:
                 n = (e - s) * self.itemsize
                 full[s:e] = out[base:base + n].view(dtype)
                 base += n
-            for (p, a, _, scaling), s, e in (fp8 if scale_of is not None else ()):
+            for (p, a, _, scaling), s, e in fp8:
                 weights[id(p)][s - a:e - a] = out[base:base + e - s].view(
                     scaling.recipe.forward_dtype)
                 base += e - s
-        for p, _, _, scaling in (self.fp8 if scale_of is not None else ()):
+        for p, _, _, scaling in self.fp8:
             if scaling.training:
                 scaling.give_weight(scale_of[id(p)], weights[id(p)].view(p.shape))
         self.stale = True
@@ -221,8 +225,7 @@ class _Fp8Work:
             gather, work, out, full, scale_of)
 
     def wait(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
+        self.work.wait()
         self.gather.unpack(self.out, self.full, self.scale_of)
         return True
 

@@ -74,6 +74,9 @@ class Bucket:
         # (megalite.optim.fp8_param_gather.Fp8BucketGather), or None
         self.fp8_gather = None
         self.fp8_gathered = False     # optim_grads_params: the gather in flight / held is fp8
+        # optim_grads_params: the StepWeights quantising this bucket's weights, told to
+        # forget their copies when the bucket is freed
+        self.step_weights: list = []
 
     @property
     def grad(self) -> torch.Tensor:

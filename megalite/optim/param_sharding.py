@@ -20,8 +20,11 @@ a bucket is gathered while a unit holding it does (a count, ``bucket.gather_user
   rank's shard into it over the bucket's group (asynchronous); waiting for it points the
   parameters (``p.data``) at their views of it.
 * free: the parameters point at a one-element NaN placeholder expanded to their shape (a
-  stray read gives NaN, which the loss check reports; an in-place write raises), and the
-  bucket's storage is resized to 0. Autograd's saved views of a weight keep the storage
+  stray read gives NaN, which the loss check reports; an in-place write raises), the
+  bucket's storage is resized to 0, and the fp8 copies of its weights
+  (:class:`~megalite.layers.fp8.scaling.StepWeights`) are forgotten: like the weights,
+  they exist only while their unit is gathered, and are made again after its next
+  gather. Autograd's saved views of a weight keep the storage
   object, which the gather before backward refills, so backward reads gathered values.
 
 Hooks, per unit module:
@@ -123,6 +126,23 @@ def find_units(chunk: torch.nn.Module) -> list[Unit]:
     return units
 
 
+def _step_weights_of(units: list[list[Unit]]) -> dict[int, list]:
+    """``id(parameter) -> [StepWeights]``: the modules keeping quantised copies of the
+    parameter through a step (:class:`megalite.layers.fp8.scaling.StepWeights`, a child of
+    the module whose own parameter it quantises: an fp8 linear's scaling, the routed
+    experts' fp8 weights)."""
+    from megalite.layers.fp8.scaling import StepWeights
+
+    out: dict[int, list] = {}
+    for chunk_units in units:
+        for unit in chunk_units:
+            for owner in unit.module.modules():
+                kept = [c for c in owner.children() if isinstance(c, StepWeights)]
+                for p in owner.parameters(recurse=False) if kept else ():
+                    out.setdefault(id(p), []).extend(kept)
+    return out
+
+
 def _tensors(value) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -156,6 +176,10 @@ class ParamSharding:
         self._callback_task = None
         bucket_of = {id(p): bucket for buf in buffers if buf.shard_params
                      for bucket in buf.buckets for p in bucket.params}
+        copies = _step_weights_of(units)
+        for bucket in set(bucket_of.values()):
+            bucket.step_weights = list({id(sw): sw for p in bucket.params
+                                        for sw in copies.get(id(p), ())}.values())
         self.units: list[Unit] = []
         self._handles = []
         for chunk_units in units:
@@ -230,6 +254,8 @@ class ParamSharding:
         self._wait_gather(bucket)     # never leave a collective writing into freed memory
         for p in bucket.params:
             p.data = self._placeholder(p)
+        for copies in bucket.step_weights:   # fp8 copies live while their unit is gathered
+            copies.forget_weight()
         bucket.param.untyped_storage().resize_(0)
         self._count(bucket, -1)
 
@@ -320,9 +346,17 @@ class ParamSharding:
             self._ready(unit)
 
     def invalidate(self) -> None:
-        """Free every gathered copy (after the optimizer updated the shards)."""
+        """Free every gathered copy (after the optimizer updated the shards, or a load)."""
         for unit in self.units:
             self._drop(unit, *_REASONS)
+        self._forget_fp8_rows()
+
+    def _forget_fp8_rows(self) -> None:
+        """``--fp8-param-gather``: the shards changed, each bucket packs its row again."""
+        for unit in self.units:
+            for bucket in unit.buckets:
+                if bucket.fp8_gather is not None:
+                    bucket.fp8_gather.forget_row()
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -334,6 +368,7 @@ class ParamSharding:
                     self._wait_gather(bucket)
                     lo, hi = bucket.shard_range()
                     bucket.param_shard.copy_(bucket.param[lo:hi])
+        self._forget_fp8_rows()
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -26,7 +26,8 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   ``--fp8-format`` the fp8 linears' inputs as they keep them (one byte per element under
   the per-tensor recipes with fp8 weight gradients, :func:`fp8_linear_input`) and, per
   step, the fp8 weight copies (:func:`fp8_weight_copies`, the routed experts'
-  :func:`fp8_expert_weight_copies`).
+  :func:`fp8_expert_weight_copies`; under ZeRO-3 the gathered units' only,
+  :func:`fp8_step_copies`).
 * **transient** -- the largest working set on top of the saved activations: the backward
   of one layer (gradient of the MLP's widest tensor plus the layer's input gradient), on
   the last stage the logits and the cross entropy's fp32 copy of them (where the peak of
@@ -285,17 +286,32 @@ def fp8_linear_input(m, elements: int) -> tuple[int, int]:
 def fp8_weight_copies(m, p, pp_rank: int) -> int:
     """Bytes of the fp8 weights kept through a training step on pipeline rank ``pp_rank``
     (:class:`megalite.layers.fp8.scaling.StepWeights`: quantised at the step's first
-    forward and at its first backward, saved for every backward, dropped before the
-    optimizer), per local weight element of each fp8 layer's tensor-parallel linears: two
-    bytes under the per-tensor recipes (``[N, K]`` and its transpose ``[K, N]``), two and
-    two 32nds under the block recipes (along K and along N, each with one e8m0 byte per 32
-    elements under mxfp8 or one fp32 scale per 128 under blockwise); 0 without fp8."""
-    if m.fp8_format is None:
+    forward and at its first backward, dropped before the optimizer), per local weight
+    element of each fp8 layer's tensor-parallel linears: two bytes under the per-tensor
+    recipes (``[N, K]`` and its transpose ``[K, N]``), two and two 32nds under the block
+    recipes (along K and along N, each with one e8m0 byte per 32 elements under mxfp8 or
+    one fp32 scale per 128 under blockwise); 0 without fp8."""
+    return sum(_fp8_dense_copies(m, p, layer) for layer in stage_layers(m, p, pp_rank))
+
+
+def _fp8_dense_copies(m, p, layer: int) -> int:
+    """:func:`fp8_weight_copies` of global layer ``layer`` alone."""
+    if m.fp8_format is None or not fp8_layer(m, layer):
         return 0
+    elements = fp8_linear_weights(m, layer) // p.tensor_model_parallel_size
     if m.fp8_recipe in BLOCK_RECIPES:
-        elements = _fp8_linear_elements(m, p, pp_rank)
         return 2 * elements + 2 * (elements // 32)
-    return 2 * fp8_weight_elements(m, p, pp_rank)
+    return 2 * elements
+
+
+def fp8_step_copies(m, p, pp_rank: int, strategy: str) -> int:
+    """Bytes of the fp8 weight copies (dense linears' and routed experts') live at the peak
+    of a training step on ``pp_rank``: every fp8 layer's, or under optim_grads_params
+    (ZeRO-3, whose freed units forget them) the two largest layers' -- the running unit
+    and the one gathered beside it."""
+    per_layer = sorted((_fp8_dense_copies(m, p, layer) + _fp8_expert_copies(m, p, layer)
+                        for layer in stage_layers(m, p, pp_rank)), reverse=True)
+    return sum(per_layer[:2] if strategy == "optim_grads_params" else per_layer)
 
 
 def fp8_weight_elements(m, p, pp_rank: int) -> int:
@@ -304,11 +320,6 @@ def fp8_weight_elements(m, p, pp_rank: int) -> int:
     gathers in fp8); 0 under block recipes or without fp8."""
     if m.fp8_format is None or m.fp8_recipe in BLOCK_RECIPES:
         return 0
-    return _fp8_linear_elements(m, p, pp_rank)
-
-
-def _fp8_linear_elements(m, p, pp_rank: int) -> int:
-    """Local weight elements of the fp8 layers' tensor-parallel linears on ``pp_rank``."""
     tp = p.tensor_model_parallel_size
     return sum(fp8_linear_weights(m, layer) // tp for layer in stage_layers(m, p, pp_rank)
                if fp8_layer(m, layer))
@@ -323,18 +334,22 @@ def fp8_expert_weight_copies(m, p, pp_rank: int) -> int:
     forward's contraction and along the input gradient's), with their scales: one fp32
     per row of each layout (per-tensor recipes: per-row scaling), or a byte per 32
     elements (block recipes); 0 without fp8 or experts."""
-    if m.fp8_format is None or not m.num_experts:
+    return sum(_fp8_expert_copies(m, p, layer) for layer in stage_layers(m, p, pp_rank))
+
+
+def _fp8_expert_copies(m, p, layer: int) -> int:
+    """:func:`fp8_expert_weight_copies` of global layer ``layer`` alone."""
+    if m.fp8_format is None or not m.num_experts or not is_moe_layer(m, layer) \
+            or not fp8_layer(m, layer):
         return 0
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     h, f1 = m.hidden_size, (2 if m.swiglu else 1) * m.moe_ffn_hidden_size // etp
     f2, local = m.moe_ffn_hidden_size // etp, m.num_experts // ep
     elements = local * (h * f1 + f2 * h)
     if m.fp8_recipe in BLOCK_RECIPES:
-        per_layer = 2 * elements + 2 * (elements // 32)
-    else:   # rows: fc1^T [f1, h] and fc1 [h, f1]; fc2^T [h, f2] and fc2 [f2, h]
-        per_layer = 2 * elements + 4 * local * (f1 + h + h + f2)
-    return per_layer * sum(1 for layer in stage_layers(m, p, pp_rank)
-                           if is_moe_layer(m, layer) and fp8_layer(m, layer))
+        return 2 * elements + 2 * (elements // 32)
+    # rows: fc1^T [f1, h] and fc1 [h, f1]; fc2^T [h, f2] and fc2 [f2, h]
+    return 2 * elements + 4 * local * (f1 + h + h + f2)
 
 
 def fp8_linear_weights(m, layer: int) -> int:
@@ -445,8 +460,7 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     chunk_bytes = saved / vpp          # one (micro-batch, chunk) pair
     in_flight = peak_in_flight(pp, pp_rank, lay.num_microbatches, vpp,
                                lay.pipeline_schedule)
-    activations = (chunk_bytes * in_flight + fp8_weight_copies(m, p, pp_rank)
-                   + fp8_expert_weight_copies(m, p, pp_rank))
+    activations = chunk_bytes * in_flight + fp8_step_copies(m, p, pp_rank, strategy)
     first, last = pp_rank == 0, pp_rank == output_stage(p)
     vocab = lay.padded_vocab_size
     if last:  # final norm input and output (the output layer's input)

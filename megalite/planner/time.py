@@ -373,16 +373,15 @@ def _rank_params(ctx: StepContext) -> int:
 def _gathered_bytes(ctx: StepContext, gathers: int) -> float:
     """Bytes of the step's ``gathers`` all-gathers of the busiest stage rank's parameters
     under the distributed optimizer, in the training dtype; under ``--fp8-param-gather``
-    the first carries the fp8 linears' weights as one byte per element and the later ones
-    (ZeRO-3's, before every forward and backward) not at all: the linears keep the step's
-    fp8 weights (:mod:`megalite.optim.fp8_param_gather`)."""
+    each (ZeRO-3's too, before every forward and backward: its freed units keep no fp8
+    weights) carries the fp8 linears' weights as one byte per element
+    (:mod:`megalite.optim.fp8_param_gather`)."""
     m, p, lay = ctx.cfg.model, ctx.cfg.parallel, ctx.lay
     out = 0.0
     for r in range(lay.pp):
         total = sum(stage_param_counts(m, p, r)) * lay.dtype_bytes
         fp8 = fp8_weight_elements(m, p, r) if m.fp8_param_gather else 0
-        out = max(out, gathers * total - fp8 * (lay.dtype_bytes - 1)
-                  - (gathers - 1) * fp8 * lay.dtype_bytes)
+        out = max(out, gathers * (total - fp8 * (lay.dtype_bytes - 1)))
     return out
 
 

@@ -143,31 +143,37 @@ def test_no_fp8_wgrad_keeps_the_weight_gradient_in_the_training_precision(name):
 
 @pytest.mark.parametrize("name", ["tensorwise", "delayed"])
 def test_the_weight_is_quantised_once_per_training_step(name):
-    """Every micro-batch of a step multiplies the same fp8 copy of the weight (one saved
-    for backward, not one per micro-batch); finish_step forgets it before the optimizer
-    changes the weight; outside training each call quantises afresh."""
+    """Every micro-batch of a step multiplies the same fp8 copy of the weight (the step's,
+    which backward takes again: not one per micro-batch, none saved with the activations);
+    finish_step forgets it before the optimizer changes the weight; outside training each
+    call quantises afresh and saves its copy for its backward."""
     from megalite.layers.fp8.scaling import finish_step
 
     scaling = Fp8Scaling(Fp8Recipe("hybrid", name), ((), (), ()))
     x, w, _ = _operands(False)
     w = w.clone().requires_grad_()
-    ys = [fp8_linear(x[i::2].clone().requires_grad_(), w, None, scaling) for i in range(2)]
-    saved = [y.grad_fn.saved_tensors[1] for y in ys]     # (qx, qw, dx, dw, x)
-    assert saved[0].data_ptr() == saved[1].data_ptr()
+    ys, copies = [], []
+    for i in range(2):
+        ys.append(fp8_linear(x[i::2].clone().requires_grad_(), w, None, scaling))
+        copies.append(scaling._step["fp8"][1])
+    assert copies[0] is copies[1]
+    for y in ys:   # (qx^T, weight, dx, x, qw, dw): the weight itself, no fp8 copy of it
+        assert y.grad_fn.saved_tensors[1] is w and y.grad_fn.saved_tensors[4] is None
     with torch.no_grad():
         w.mul_(2.0)                                       # the optimizer's update
     model = torch.nn.Module()
     model.scaling = scaling
     finish_step([model], None if name == "tensorwise" else _LocalPS())
+    assert "fp8" not in scaling._step
     y = fp8_linear(x.clone().requires_grad_(), w, None, scaling)
-    assert y.grad_fn.saved_tensors[1].data_ptr() != saved[0].data_ptr()
+    assert scaling._step["fp8"][1] is not copies[0]
     ref = _run(Fp8Recipe("hybrid", name), x, w.detach(),
                torch.zeros(x.shape[0], w.shape[0]), history=scaling.amax_history[:, 0]
                if name == "delayed" else None)[0]
     torch.testing.assert_close(y.detach(), ref, rtol=0, atol=0)
     scaling.eval()
-    a = fp8_linear(x, w, None, scaling).grad_fn.saved_tensors[1]
-    b = fp8_linear(x, w, None, scaling).grad_fn.saved_tensors[1]
+    a = fp8_linear(x, w, None, scaling).grad_fn.saved_tensors[4]
+    b = fp8_linear(x, w, None, scaling).grad_fn.saved_tensors[4]
     assert a.data_ptr() != b.data_ptr()
 
 

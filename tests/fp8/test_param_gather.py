@@ -10,6 +10,7 @@ parameter, so that every weight is cut between the ranks' shards):
 """
 
 import dataclasses
+from collections import Counter
 
 import torch
 
@@ -21,13 +22,20 @@ ROW = "fp8-dp2-distopt-tensorwise-param-gather-small-buckets"
 
 
 def _counting_rank(rank: int, world_size: int, layout):
-    """Train ``layout``; every all-gather over ``dp_cp`` as ``(dtype, bytes sent)``, and the
-    ``(numel, holds an fp8 weight)`` of every dense bucket."""
+    """Train ``layout``; every all-gather over ``dp_cp`` as ``(dtype, bytes sent)``, the
+    ``(numel, holds an fp8 weight)`` of every dense bucket, the losses, and how many times
+    a rank computed its fp8 weights' scales (packed its row)."""
     from megalite.optim import data_parallel
+    from megalite.optim.fp8_param_gather import Fp8BucketGather
     from megalite.parallel import collectives
 
-    sent, buckets = [], []
+    sent, buckets, packs = [], [], []
     gather, attach = collectives.all_gather_into_tensor, data_parallel.fp8_param_gather_attach
+    scales = Fp8BucketGather._scales
+
+    def counting_scales(self, shard):
+        packs.append(self.bucket.numel)
+        return scales(self, shard)
 
     def counting(out, x, group, async_op=False):
         if group.name == "dp_cp":
@@ -42,20 +50,23 @@ def _counting_rank(rank: int, world_size: int, layout):
 
     collectives.all_gather_into_tensor = counting
     data_parallel.fp8_param_gather_attach = attaching
+    Fp8BucketGather._scales = counting_scales
     try:
         losses, _, _ = check.train_and_gather(layout)
     finally:
         collectives.all_gather_into_tensor = gather
         data_parallel.fp8_param_gather_attach = attach
-    return sent, buckets, losses
+        Fp8BucketGather._scales = scales
+    return sent, buckets, losses, packs
 
 
 def test_gathered_weights_are_fp8_bytes():
     layout = by_name(ROW)
     layout = dataclasses.replace(layout, model={**layout.model, "bf16": True})
     ranks = run_distributed(2, _counting_rank, layout)
-    for sent, buckets, losses in ranks:
+    for sent, buckets, losses, packs in ranks:
         assert len(losses) == check.ITERS
+        assert len(packs) == 8 * check.ITERS     # each fp8 bucket quantised once a step
         fp8 = [n for n, is_fp8 in buckets if is_fp8]
         plain = [n for n, is_fp8 in buckets if not is_fp8]
         assert len(fp8) == 8 and plain      # 2 layers x (qkv, proj, fc1, fc2)
@@ -105,20 +116,29 @@ def test_local_shard_amax_is_caught():
 
 
 def test_zero3_gathers_fp8_weights_per_layer():
-    """ZeRO-3 gathers each layer's buckets around its forward and backward: the fp8
-    weights' buckets travel as fp8 bytes at the step's first gather only (the scalings
-    keep the fp8 weights through the step; a bucket of fp8 weights alone then has nothing
-    left to send), and the final read gathers them in bf16."""
+    """ZeRO-3 gathers each layer's buckets around its forward and backward, each time with
+    the fp8 weights as fp8 bytes: a freed unit keeps no fp8 copies, so none outlives its
+    gather. Each rank quantises its pieces once per step (scales and amax collectives
+    included) and sends the same row at the step's later gathers; the final read gathers
+    the weights in bf16."""
     layout = by_name(ROW)
     parallel = {k: v for k, v in layout.parallel.items() if k != "use_distributed_optimizer"}
     layout = dataclasses.replace(layout, model={**layout.model, "bf16": True}, parallel={
         **parallel, "data_parallel_sharding_strategy": "optim_grads_params"})
-    for sent, buckets, losses in run_distributed(2, _counting_rank, layout):
+    for sent, buckets, losses, packs in run_distributed(2, _counting_rank, layout):
         assert len(losses) == check.ITERS
-        fp8 = {n // 2 for n, is_fp8 in buckets if is_fp8}
-        rows = sorted(b for dtype, b in sent if dtype == "torch.uint8")
-        assert rows == sorted([n // 2 for n, is_fp8 in buckets if is_fp8] * check.ITERS)
-        assert set(rows) == fp8
+        fp8 = [n for n, is_fp8 in buckets if is_fp8]
+        assert len(fp8) == 8
+        assert sorted(packs) == sorted(fp8 * check.ITERS)
+        rows = Counter(b for dtype, b in sent if dtype == "torch.uint8")
+        assert set(rows) == {n // 2 for n in fp8}
+        # every gather (a forward and a backward per micro-batch) in fp8, but the first
+        # forward's: it runs on the parameters the model was built with
+        train = check.config(layout).train
+        micro = train.global_batch_size // (train.micro_batch_size * 2)      # dp 2
+        per_size = Counter(n // 2 for n in fp8)
+        assert rows == {size: (2 * micro * check.ITERS - 1) * k
+                        for size, k in per_size.items()}
 
 
 def _save_rank(rank: int, world_size: int, layout, root: str) -> None:

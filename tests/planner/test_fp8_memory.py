@@ -12,6 +12,7 @@ from megalite.config import ModelConfig, ParallelConfig
 from megalite.planner.memory import (
     estimate_memory,
     fp8_expert_weight_copies,
+    fp8_step_copies,
     fp8_weight_copies,
     layer_activation_elements,
 )
@@ -138,3 +139,21 @@ def test_estimate_memory_counts_the_fp8_savings():
     inputs = tokens * (h - h + h + f)
     weights = 2 * (4 * h * h + 2 * h * f)
     assert bf16.activations - fp8.activations == layers * (inputs - weights)
+
+
+def test_zero3_keeps_the_copies_of_the_gathered_layers_only():
+    """Under optim_grads_params a freed unit forgets its fp8 copies: at most the running
+    layer's and its neighbour's are held (the two largest of the stage's fp8 layers);
+    under the other strategies every fp8 layer's, through the step."""
+    moe = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, swiglu=True,
+               moe_layer_freq=[1, 0, 1, 0])
+    m = ModelConfig(**{**TINY, **moe, "fp8_format": "hybrid", "fp8_recipe": "tensorwise"})
+    p = ParallelConfig(expert_model_parallel_size=2)
+    attention, mlp = 3 * 64 * 64 + 64 * 64, 2 * 128 * 64 + 64 * 128   # swiglu fc1, fc2
+    experts = fp8_expert_weight_copies(m, p, 0) // 2       # layers 0 and 2
+    moe_layer, dense_layer = 2 * attention + experts, 2 * (attention + mlp)
+    assert moe_layer < dense_layer
+    assert fp8_weight_copies(m, p, 0) == 2 * (4 * attention + 2 * mlp)
+    assert fp8_step_copies(m, p, 0, "optim") == 2 * moe_layer + 2 * dense_layer
+    assert fp8_step_copies(m, p, 0, "optim_grads_params") == 2 * dense_layer
+    assert fp8_step_copies(ModelConfig(**TINY), p, 0, "optim_grads_params") == 0

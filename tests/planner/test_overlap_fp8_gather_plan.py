@@ -85,9 +85,9 @@ def test_fp8_param_gather_sends_one_byte_per_fp8_weight(strategy):
     params = sum(stage_param_counts(cfg.model, cfg.parallel, 0))
     fp8_weights = sum(fp8_linear_weights(cfg.model, layer) for layer in range(8))
     gathers = 1 if strategy == "optim" else 2 * lay.num_microbatches
-    # the gathers' bytes per rank: (d - 1) / d of (P - P8) bf16 bytes each, P8 fp8 bytes
-    # in the step's first (the linears keep the fp8 weights through the step)
-    saved = 7 / 8 * (2 * gathers - 1) * fp8_weights
+    # the gathers' bytes per rank: (d - 1) / d of (P - P8) bf16 bytes and P8 fp8 bytes
+    # each (ZeRO-3's freed units keep no fp8 weights: every gather sends them)
+    saved = 7 / 8 * gathers * fp8_weights
     assert plain.comm_bytes["dp"] - fp8.comm_bytes["dp"] == pytest.approx(saved)
     assert plain.comm_bytes["dp"] == pytest.approx(
         7 / 8 * (4 * params + gathers * 2 * params))    # fp32 gradients, bf16 parameters

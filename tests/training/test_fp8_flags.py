@@ -74,6 +74,12 @@ def test_fp8_param_gather_refuses_block_recipes(recipe):
     # cp 2 at seq 32 x micro-batch 1: chunks of 8 tokens cut the 16-token tiles
     (["--context-parallel-size", "2", "--micro-batch-size", "1"],
      "tokens per micro-batch and sequence chunk .* is 8"),
+    # mxfp8 under grouped-query attention: 2 groups x 16 / tp 2 = 16 key columns per rank,
+    # so the input gradient's 32-column blocks along QKV's [q | k | v] would straddle
+    # k and v on a rank and not in the whole layout (the QKV output, 64, does tile)
+    (["--fp8-recipe", "mxfp8", "--group-query-attention", "--num-query-groups", "2",
+      "--tensor-model-parallel-size", "2"], "multiple of 32: the QKV projection's key part "
+     r"per tp rank \(query groups x kv_channels / tp\) is 16"),
 ])
 def test_untileable_shapes_are_one_error(argv, match):
     base = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--seq-length", "32",

@@ -15,7 +15,9 @@ two layouts its GEMMs take (``[M, K]`` for fprop, ``[K, M]`` for wgrad: the one 
 saved for backward) and ``dy`` once into ``[M, N]`` (dgrad) and ``[N, M]`` (wgrad)
 (:func:`~megalite.layers.fp8.recipes.quantize_both`); ``w`` once per training step
 (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8`), transposed once per step
-for dgrad (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8_t`). They run
+for dgrad (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_fp8_t`); the forward
+saves the weight, not its fp8 copy, which backward takes from the scaling again (under
+ZeRO-3 the copies live only while the layer's unit is gathered). They run
 ``torch._scaled_mm`` (it takes per-tensor scales on the CPU and on GPUs of compute
 capability 8.9+, accumulating in fp32, on a GPU the forward with fast accumulation,
 :data:`FPROP_FAST_ACCUM`; ``a`` row-major, ``b`` column-major, hence the layouts); where
@@ -121,7 +123,10 @@ class Fp8LinearFunction(torch.autograd.Function):
             else:              # --no-fp8-wgrad: the weight gradient from x itself
                 qx, qx_t = quantize(x2, dx, fwd), None
             y = scaled_mm(qx, qw, dx, dw, x.dtype, fast_accum=FPROP_FAST_ACCUM)
-            ctx.save_for_backward(qx_t, qw, dx, dw, None if recipe.wgrad else x2)
+            # training saves the weight, not its fp8 copy: backward asks the scaling again
+            # (the step's copy, or, under ZeRO-3, one made again after the unit's gather)
+            kept = (None, None) if record else (qw, dw)
+            ctx.save_for_backward(qx_t, weight, dx, None if recipe.wgrad else x2, *kept)
         ctx.scaling, ctx.record, ctx.has_bias = scaling, record, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         y = y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -143,7 +148,9 @@ class Fp8LinearFunction(torch.autograd.Function):
                 gw = block_fp32(g2.t(), recipe.block, gdt, mx) @ \
                     block_fp32(x2.t(), recipe.block, fwd, mx).t()
         else:
-            qx_t, qw, dx, dw, x2 = ctx.saved_tensors
+            qx_t, weight, dx, x2, qw, dw = ctx.saved_tensors
+            if qw is None:
+                dw, qw = scaling.weight_fp8(weight, fwd, ctx.record)
             dg = scaling.scale(GRAD, g2, gdt, ctx.record)
             fp8_wgrad = ctx.needs_input_grad[1] and recipe.wgrad
             if fp8_wgrad:      # dy [M, N] for dgrad and dy^T [N, M] for wgrad, at once

@@ -47,14 +47,19 @@ class StepWeights(torch.nn.Module):
     """Quantised copies of weights kept through one training step: each is made at the
     step's first training call that asks for its key and reused by every later call of
     the step, until :meth:`forget_weight` (:func:`finish_step`, before the optimizer
-    changes the weights); outside training (``record`` False) made afresh at every call
-    and not kept. Subclasses: :class:`Fp8Scaling` (a linear's weight) and the routed
-    experts' (:mod:`megalite.moe.fp8_experts`). No parameters or buffers (nothing in
+    changes the weights; under ZeRO-3 also whenever the weights' unit is freed,
+    :mod:`megalite.optim.param_sharding`, so that copies live only while their unit is
+    gathered); outside training (``record`` False) made afresh at every call and not
+    kept. ``steps``: how many steps :func:`finish_step` ended (what a copy made elsewhere
+    for this step, :mod:`megalite.optim.fp8_param_gather`, is checked against).
+    Subclasses: :class:`Fp8Scaling` (a linear's weight) and the routed experts'
+    (:mod:`megalite.moe.fp8_experts`). No parameters or buffers (nothing in
     ``state_dict``)."""
 
     def __init__(self):
         super().__init__()
         self._step: dict = {}
+        self.steps = 0
 
     def step_copy(self, key, record: bool, make):
         """``make()``'s result for ``key``: kept for the step when ``record`` (training)."""
@@ -65,8 +70,14 @@ class StepWeights(torch.nn.Module):
         return self._step[key]
 
     def forget_weight(self) -> None:
-        """Drop the step's quantised weights (the optimizer is about to change them)."""
+        """Drop the quantised weights (the optimizer is about to change the weights, or
+        their ZeRO-3 unit was freed)."""
         self._step.clear()
+
+    def end_step(self) -> None:
+        """The step is over (:func:`finish_step`): forget its copies."""
+        self.forget_weight()
+        self.steps += 1
 
 
 class Fp8Scaling(StepWeights):
@@ -160,12 +171,6 @@ class Fp8Scaling(StepWeights):
         transposed copy is made from it at the first backward, like the scaling's own."""
         self._step["fp8"], self._given = (d, q), True
 
-    def holds_given_weight(self) -> bool:
-        """Whether this step's fp8 weight came from the fp8 parameter gather (a later
-        gather of the same step, ZeRO-3's before every forward and backward, need not
-        send it again)."""
-        return self._given and "fp8" in self._step
-
     def forget_weight(self) -> None:
         super().forget_weight()
         self._given = False
@@ -199,7 +204,7 @@ def finish_step(model_chunks, ps) -> None:
     for chunk in model_chunks:
         for module in chunk.modules():
             if isinstance(module, StepWeights):
-                module.forget_weight()
+                module.end_step()
     scalings = [s for _, s in delayed_scalings(model_chunks)]
     if not scalings:
         return
