@@ -104,7 +104,10 @@ GPT3_175B = """
 # examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh: the expert and routing
 # flags of its DeepSeek-V3 architecture (its attention is in the DeepSeek-V3 column), with
 # the flex dispatcher (for its alltoall) and the fusions of Megatron-Core's MoE model zoo,
-# and the batch-level all-to-all overlap its MoE README gives for DeepSeek-V3
+# and the batch-level all-to-all overlap its MoE README gives for DeepSeek-V3. Megatron-LM
+# refuses the script's --moe-shared-expert-overlap with the README's
+# --overlap-moe-expert-parallel-comm (so does megalite): tests/moe/test_deepseek_flags.py
+# trains the flags with one or the other
 DEEPSEEK_V3_MOE = """
 --num-experts 256 --moe-layer-freq [0]*3+[1]*58 --moe-ffn-hidden-size 2048
 --moe-router-dtype fp32 --moe-router-score-function sigmoid --moe-router-bias-update-rate 1e-3

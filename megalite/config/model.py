@@ -287,8 +287,10 @@ class ModelConfig:
         no_effect="the router runs as a few fp32 tensor operations; there is no fused "
                   "kernel to choose")
     moe_shared_expert_overlap: bool = arg(
-        False, "Overlap the shared experts with the token dispatch.",
-        no_effect="megalite runs the shared experts after the routed ones on one stream")
+        False, "Run the shared experts' forward while the alltoall dispatcher's token "
+        "all-to-all over expert-parallel ranks is in flight (bitwise the same results); "
+        "without it they run after the routed experts. Only effective with "
+        "--moe-shared-expert-intermediate-size and expert parallel size > 1.")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -378,6 +380,11 @@ class ModelConfig:
         if self.moe_pad_expert_input_to_capacity:
             require(self.moe_expert_capacity_factor is not None,
                      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        if self.moe_shared_expert_overlap and self.moe_shared_expert_intermediate_size:
+            require(self.moe_token_dispatcher_type in ("alltoall", "flex"),
+                    "--moe-shared-expert-overlap hides the shared experts behind the alltoall "
+                    "dispatcher's all-to-all, not --moe-token-dispatcher-type "
+                    f"{self.moe_token_dispatcher_type}; use alltoall or drop the flag")
         check_router(self)
 
     @property

@@ -28,6 +28,9 @@ def check_moe_overlap(m, p, t, dp: int) -> None:
                 f"{FLAG} pairs with the next forward; give {FLAG} too, or drop it")
     if not p.overlap_moe_expert_parallel_comm:
         return
+    require(not m.moe_shared_expert_overlap,
+            f"{FLAG} with --moe-shared-expert-overlap is not supported (as in Megatron-LM): "
+            "the other micro-batch already hides the all-to-all; drop one of the two")
     require(bool(m.num_experts),
             f"{FLAG} overlaps the token dispatch of MoE layers: the model has none; give "
             "--num-experts or drop the flag")

@@ -128,30 +128,35 @@ class _ReduceUneven(torch.autograd.Function):
         return _gather_rows(grad, ctx.sizes, ctx.group), None, None
 
 
-def _lane_all_to_all(x: torch.Tensor, group, send, recv) -> torch.Tensor:
-    """The uneven all-to-all: launched asynchronously and, inside a pair of
-    :mod:`megalite.parallel.paired_lanes` (``--overlap-moe-expert-parallel-comm``), left
-    running while the other micro-batch computes; blocking otherwise. Timed either way."""
-    if paired_lanes.active():
+def _lane_all_to_all(x: torch.Tensor, group, send, recv, side=None) -> torch.Tensor:
+    """The uneven all-to-all: launched asynchronously and left running while ``side``
+    (a :class:`megalite.moe.shared_overlap.SideJob`'s ``run``: the shared experts under
+    ``--moe-shared-expert-overlap``) computes and, inside a pair of
+    :mod:`megalite.parallel.paired_lanes` (``--overlap-moe-expert-parallel-comm``), while
+    the other micro-batch computes; blocking without either. Timed either way."""
+    if paired_lanes.active() or side is not None:
         return paired_lanes.exchange(
-            lambda: collectives.all_to_all_async(x, group, send, recv))
+            lambda: collectives.all_to_all_async(x, group, send, recv), side=side)
     return paired_lanes.timed(lambda: collectives.all_to_all(x, group, send, recv))
 
 
 def all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group,
-               counter: CommCounter | None = None, name: str = "all_to_all"
-               ) -> torch.Tensor:
+               counter: CommCounter | None = None, name: str = "all_to_all",
+               side=None) -> torch.Tensor:
     """Uneven all-to-all of rows over ``group`` (``all_to_all_single``).
 
     ``x`` ``[sum(send), ...]``: its first ``send[0]`` rows go to rank 0, the next
     ``send[1]`` to rank 1, ...; returns ``[sum(recv), ...]``, ``recv[r]`` rows from rank r
     in rank order. Backward is the reverse exchange. Counts rows sent to other ranks.
+    ``side``: a :class:`megalite.moe.shared_overlap.SideJob` the forward exchange runs
+    while in flight (not run when ``group`` has one member: the caller takes it after).
     """
     if group.size == 1:
         return x
     if counter is not None:
         counter.add(name, (sum(send) - send[group.rank]) * _row_bytes(x))
-    return mappings.all_to_all(x, group, send, recv, exchange=_lane_all_to_all)
+    return mappings.all_to_all(x, group, send, recv, exchange=_lane_all_to_all,
+                               side=None if side is None else side.run)
 
 
 def gather_uneven(x: torch.Tensor, sizes: Sequence[int], group,

@@ -103,13 +103,15 @@ class _Dispatcher:
 class AllToAllDispatcher(_Dispatcher):
     """Uneven all-to-all over ``ps.ep`` (see the module docstring)."""
 
-    def __call__(self, x, probs, routing_map, experts) -> torch.Tensor:
+    def __call__(self, x, probs, routing_map, experts, side=None) -> torch.Tensor:
+        """``side``: a :class:`megalite.moe.shared_overlap.SideJob` run while the dispatch
+        all-to-all is in flight (at ep 1 it is left to the caller)."""
         tokens, token_index, token_probs, counts = permute(x, probs, routing_map)
         ep, counter = self.ep, self.counter
         counts = counts.view(ep.size, self.num_local)
         recv_counts = comm.exchange_counts(counts, ep, counter)  # [ep, E_l] from each rank
         send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        tokens = comm.all_to_all(tokens, send, recv, ep, counter, "dispatch")
+        tokens = comm.all_to_all(tokens, send, recv, ep, counter, "dispatch", side=side)
         out = self.run_experts(tokens, recv_counts, experts)
         out = comm.all_to_all(out, recv, send, ep, counter, "combine")
         return unpermute(out, token_index, token_probs, x.shape[0])
@@ -118,7 +120,9 @@ class AllToAllDispatcher(_Dispatcher):
 class AllGatherDispatcher(_Dispatcher):
     """All-gather over ``ps.ep``, local experts, reduce-scatter over ``ps.ep``."""
 
-    def __call__(self, x, probs, routing_map, experts) -> torch.Tensor:
+    def __call__(self, x, probs, routing_map, experts, side=None) -> torch.Tensor:
+        """``side`` is not run here (no all-to-all to hide it behind): the caller takes
+        it after."""
         ep = self.ep
         if ep.size > 1:
             peers = ep.size - 1

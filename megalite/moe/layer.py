@@ -19,6 +19,9 @@ losses; dropless, no real token's output depends on it. Training (the sequence d
 by tp) never pads. Then: router -> dispatcher (alltoall / allgather over ``ps.ep``) ->
 local experts (grouped GEMM) -> weighted combine, plus the shared experts (a dense
 tensor-parallel MLP of ``--moe-shared-expert-intermediate-size`` over every token).
+The shared experts run after the routed ones; under ``--moe-shared-expert-overlap`` (the
+alltoall dispatcher at ep > 1) they run while the dispatch all-to-all is in flight, with the
+same results (:mod:`megalite.moe.shared_overlap`).
 
 Router losses. The aux (load-balancing) and z losses join the gradient through
 :class:`megalite.moe.router.AttachAuxLoss` on the layer's output: identity forward, and in
@@ -55,6 +58,7 @@ from megalite.moe.comm import CommCounter
 from megalite.moe.dispatcher import DISPATCHERS
 from megalite.moe.experts import GroupedMLP, activation
 from megalite.moe.router import AttachAuxLoss, TopKRouter
+from megalite.moe.shared_overlap import SideJob
 from megalite.parallel import mappings
 from megalite.parallel.params import update_meta
 
@@ -107,6 +111,8 @@ class MoELayer(torch.nn.Module):
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpertMLP(   # fp8 GEMMs as the dense MLP's
                 cfg, cfg.moe_shared_expert_intermediate_size, ps, fp8=fp8, **kw)
+        self.shared_overlap = (self.shared_experts is not None
+                               and cfg.moe_shared_expert_overlap)
         self.recompute = cfg.recomputes("moe")
         self.aux_loss_scale = 1.0
         self.aux_losses: dict = {}
@@ -159,11 +165,18 @@ class MoELayer(torch.nn.Module):
         h]``, ``probs`` / ``routing_map`` ``[s*b, E]`` -> ``[s, b, h]``. The part
         ``--recompute-modules moe`` checkpoints (its collectives over ``ps.ep`` /
         ``ps.etp`` run again in backward); the router stays outside, so its losses,
-        expert-load counts and random logits are computed once."""
+        expert-load counts and random logits are computed once. Under
+        ``--moe-shared-expert-overlap`` the shared experts run inside the dispatch
+        all-to-all (:mod:`megalite.moe.shared_overlap`)."""
         s, b, h = hidden.shape
+        job = None
+        if self.shared_overlap:
+            job = SideJob(lambda: self.shared_experts(hidden))
         out = self.dispatcher(hidden.reshape(s * b, h), probs, routing_map,
-                              self.experts).view(s, b, h)
-        if self.shared_experts is not None:
+                              self.experts, side=job).view(s, b, h)
+        if job is not None:
+            out = out + job.take()
+        elif self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return out
 

@@ -149,15 +149,17 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, send, recv, exchange):
+    def forward(ctx, x, group, send, recv, exchange, side):
         ctx.group, ctx.send, ctx.recv, ctx.exchange = group, send, recv, exchange
-        return exchange(x, group, send, recv)
+        if side is None:
+            return exchange(x, group, send, recv)
+        return exchange(x, group, send, recv, side=side)
 
     @staticmethod
     def backward(ctx, grad):
         # the reverse exchange: what was received goes back to where it came from
         back = ctx.exchange(grad.contiguous(), ctx.group, ctx.recv, ctx.send)
-        return back, None, None, None, None
+        return back, None, None, None, None, None
 
 
 # -- public API --------------------------------------------------------------------------
@@ -226,11 +228,15 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.
 
 
 def all_to_all(x: torch.Tensor, group, send: Sequence[int] | None = None,
-               recv: Sequence[int] | None = None, exchange=C.all_to_all) -> torch.Tensor:
+               recv: Sequence[int] | None = None, exchange=C.all_to_all,
+               side=None) -> torch.Tensor:
     """All-to-all of dim-0 row blocks over ``group`` (``all_to_all_single``); backward
     sends the gradient back the reverse way. ``exchange(x, group, send, recv)`` runs the
     collective both ways (:func:`megalite.parallel.collectives.all_to_all`; the MoE
-    dispatch passes one that can overlap, :mod:`megalite.moe.comm`).
+    dispatch passes one that can overlap, :mod:`megalite.moe.comm`). ``side``: work for
+    the forward's exchange to run while it is in flight, passed as
+    ``exchange(..., side=side)`` (the MoE shared experts, :mod:`megalite.moe.shared_overlap`);
+    not run when ``group`` has one member, nor in backward.
 
     Even (``send``/``recv`` None): ``x`` ``[n * m, ...]`` (n = ``group.size``), block r
     goes to rank r; returns ``[n * m, ...]`` whose block r came from rank r. Uneven:
@@ -242,4 +248,4 @@ def all_to_all(x: torch.Tensor, group, send: Sequence[int] | None = None,
         return x
     if send is not None:
         send, recv = list(send), list(recv)
-    return _AllToAll.apply(x, group, send, recv, exchange)
+    return _AllToAll.apply(x, group, send, recv, exchange, side)

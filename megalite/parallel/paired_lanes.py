@@ -39,7 +39,8 @@ class ExchangeStats:
     """All-to-alls seen by :func:`exchange` / :func:`timed` (seconds)."""
 
     calls: int = 0
-    overlapped: int = 0        # of them issued inside a pair with the other lane alive
+    overlapped: int = 0        # of them with other work while in flight: issued inside a
+                               # pair with the other lane alive, or given a side job
     span: float = 0.0          # issue -> completion seen by the issuing lane
     blocked: float = 0.0       # time the issuing lane spent waiting for it
 
@@ -96,13 +97,18 @@ def _finish(pair: _Pair, me: str) -> None:
         pair.cond.notify_all()
 
 
-def exchange(launch: Callable[[], tuple[torch.Tensor, object]]) -> torch.Tensor:
-    """Run the collective ``launch()`` returns as ``(output, work)``: inside a pair, let
-    the other lane compute before waiting on ``work``; outside, wait at once."""
+def exchange(launch: Callable[[], tuple[torch.Tensor, object]],
+             side: Callable[[], None] | None = None) -> torch.Tensor:
+    """Run the collective ``launch()`` returns as ``(output, work)``: call ``side()``
+    (this lane's own work that does not need the output, e.g. the shared experts of
+    ``--moe-shared-expert-overlap``) while it is in flight, then inside a pair let the
+    other lane compute before waiting on ``work``; outside a pair, wait."""
     t0 = time.perf_counter()
     out, work = launch()
+    overlapped = side is not None
+    if side is not None:
+        side()
     pair = _pair
-    overlapped = False
     if pair is not None:
         me = _lane_name(pair)
         if not pair.done[me] and not pair.done["side" if me == "main" else "main"]:
@@ -114,7 +120,7 @@ def exchange(launch: Callable[[], tuple[torch.Tensor, object]]) -> torch.Tensor:
     STATS.calls += 1
     STATS.overlapped += overlapped
     STATS.span += t2 - t0
-    STATS.blocked += t2 - t1 if overlapped else t2 - t0
+    STATS.blocked += t2 - t1 if overlapped else t2 - t0   # the side work is hidden time
     return out
 
 
