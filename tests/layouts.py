@@ -265,6 +265,16 @@ _DEEPSEEK = [
     row("moe-training", 4, "deepseek-recompute", model={
         **DEEPSEEK_MOE, "recompute_granularity": "selective",
         "recompute_modules": ["mlp", "moe", "layernorm"]}, tp=2, sp=True, ep=2, etp=1),
+    # --moe-shared-expert-overlap: the shared experts inside the dispatch all-to-all (under
+    # tp 2 + SP their own all-gather / reduce-scatter over tp run while it is in flight),
+    # also recomputed in backward
+    row("moe-training", 2, "deepseek-sharedov",
+        model={**DEEPSEEK_MOE, "moe_shared_expert_overlap": True}, ep=2),
+    row("moe-training", 4, "deepseek-sharedov",
+        model={**DEEPSEEK_MOE, "moe_shared_expert_overlap": True}, tp=2, sp=True, ep=2, etp=1),
+    row("moe-training", 4, "deepseek-sharedov-recompute", model={
+        **DEEPSEEK_MOE, "moe_shared_expert_overlap": True, "recompute_granularity": "selective",
+        "recompute_modules": ["moe"]}, tp=2, sp=True, ep=2, etp=1),
     # multi-token prediction with MLA in front of the experts; its depths' MoE layer (the
     # last layer's kind) has an expert bias of its own: ep 2, and pp 2 (the depths on stage 1)
     row("moe-training", 4, "deepseek-mtp", model={**DEEPSEEK_MOE, **MLA, **MTP}, ep=2),

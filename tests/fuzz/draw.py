@@ -53,7 +53,10 @@ The MoE all-to-all overlap (``--overlap-moe-expert-parallel-comm``, a third of t
 with ``--delay-wgrad-compute``) comes for half of the accepted draws it applies to (MoE at
 ep > 1, alltoall, 1F1B plain or interleaved, two or more micro-batches, no MoE or full
 recomputation, no ZeRO-3, no activation offload) from ``"a2a-overlap-<seed>"``, after
-acceptance: every other dimension of a seed stays what it was.
+acceptance: every other dimension of a seed stays what it was. Where shared experts were
+drawn, half the accepted draws then run them inside the dispatch all-to-all
+(``--moe-shared-expert-overlap``, kept where validation accepts it: alltoall, no
+all-to-all overlap) from ``"shared-overlap-<seed>"``, likewise after acceptance.
 QK-clip (``--qk-clip``) comes for a quarter of the seeds from ``"qkclip-<seed>"``, drawn
 last: a threshold the tiny models' logits pass at once (0.02, 0.04) or never (100), alpha
 0.3 / 0.5 / 0.7; where QK norm without multi-latent attention was drawn (which QK-clip
@@ -446,6 +449,17 @@ def _a2a_overlap(prng: random.Random, layout: Layout) -> Layout:
     return drawn if rejection(drawn) is None else layout
 
 
+def _shared_overlap(hrng: random.Random, layout: Layout) -> Layout:
+    """``--moe-shared-expert-overlap`` for half the accepted draws with shared experts,
+    where validation accepts it; from its own generator, after acceptance."""
+    on = hrng.random() < 0.5
+    if not on or "moe_shared_expert_intermediate_size" not in layout.model:
+        return layout
+    drawn = dataclasses.replace(layout, name=layout.name + "-shov",
+                                model={**layout.model, "moe_shared_expert_overlap": True})
+    return drawn if rejection(drawn) is None else layout
+
+
 def draw_layout(seed: int) -> Layout:
     """The layout of ``seed``: the first draw of ``random.Random(seed)`` that fits 1 to 8
     ranks and that megalite accepts."""
@@ -456,14 +470,14 @@ def draw_layout(seed: int) -> Layout:
     frng, mrng = random.Random(f"fp8-{seed}"), random.Random(f"recompute-{seed}")
     qrng, trng = random.Random(f"qkclip-{seed}"), random.Random(f"mtp-{seed}")
     grng = random.Random(f"fp8-param-gather-{seed}")
-    prng = random.Random(f"a2a-overlap-{seed}")
+    prng, hrng = random.Random(f"a2a-overlap-{seed}"), random.Random(f"shared-overlap-{seed}")
     for _ in range(MAX_ATTEMPTS):
         layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng, vrng, frng, mrng,
                             qrng, trng, grng)
         if layout is None:
             continue
         if rejection(layout) is None:
-            return _a2a_overlap(prng, layout)
+            return _shared_overlap(hrng, _a2a_overlap(prng, layout))
         if "fp8_format" in layout.model and rejection(_without_fp8(layout)) is None:
-            return _a2a_overlap(prng, _without_fp8(layout))
+            return _shared_overlap(hrng, _a2a_overlap(prng, _without_fp8(layout)))
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")

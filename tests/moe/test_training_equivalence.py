@@ -71,8 +71,10 @@ def _train(rank, world_size, layouts, directory):
 
 def _reference_model(layout):
     """The model of the single-process reference: the dispatcher only moves tokens
-    between ranks, so one reference serves both."""
-    return {k: v for k, v in layout.model.items() if k != "moe_token_dispatcher_type"}
+    between ranks, and --moe-shared-expert-overlap only runs the shared experts earlier,
+    so one reference serves each."""
+    return {k: v for k, v in layout.model.items()
+            if k not in ("moe_token_dispatcher_type", "moe_shared_expert_overlap")}
 
 
 def _reference_key(layout) -> str:
