@@ -43,6 +43,9 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   ``--overlap-moe-expert-parallel-comm`` the paired backwards' share of it
   (:func:`megalite.planner.schedule.paired_backward_share`) runs under the other
   micro-batch's compute: exposed only where it is longer than that share of the compute.
+  Under ``--moe-shared-expert-overlap`` the forward's dispatch (a quarter of the four
+  exchanges) runs under the shared experts' forward (their matmuls at the compute rate):
+  exposed only where longer.
 * **pp** -- one activation per micro-batch and chunk boundary forward and its gradient
   backward, ``2 vpp m`` transfers of ``[s/cp, b, h]`` (``/tp`` under sp); per step the
   word embedding's gradient summed between the first and the last stage (tied
@@ -325,7 +328,9 @@ def ep_cost(ctx: StepContext) -> Cost:
     ``--overlap-moe-expert-parallel-comm`` the share ``f`` of backwards paired with a
     forward (:func:`~megalite.planner.schedule.paired_backward_share`) hides that share of
     the all-to-all behind the same share of the rank's compute: exposed ``(1 - f) a2a +
-    f max(0, a2a - compute)``."""
+    f max(0, a2a - compute)``. Under ``--moe-shared-expert-overlap`` (refused with the
+    former) the forward's dispatch, ``a2a / 4``, runs under the shared experts' forward
+    (:func:`shared_expert_forward_seconds`): ``a2a - min(a2a / 4, shared)``."""
     m, p, lay = ctx.cfg.model, ctx.cfg.parallel, ctx.lay
     ep = lay.ep
     if ep == 1:
@@ -338,7 +343,22 @@ def ep_cost(ctx: StepContext) -> Cost:
         f = paired_backward_share(lay.pp, lay.num_microbatches, lay.vpp,
                                   lay.pipeline_schedule)
         seconds = (1 - f) * seconds + f * max(0.0, seconds - compute_seconds(ctx))
+    elif m.moe_shared_expert_overlap:
+        seconds -= min(seconds / 4, shared_expert_forward_seconds(ctx))
     return Cost(path=seconds, sent=a2a)
+
+
+def shared_expert_forward_seconds(ctx: StepContext) -> float:
+    """The rank's share of the shared experts' forward matmuls in a step (``2 x`` their
+    parameters per token, every MoE layer, the global batch over the world), at the
+    cluster's matmul rate; 0 without shared experts."""
+    m, lay, cluster = ctx.cfg.model, ctx.lay, ctx.cluster
+    shared = m.moe_shared_expert_intermediate_size
+    if not shared or m.num_experts is None:
+        return 0.0
+    flops = (2.0 * dense_mlp_params(m, 1, shared) * moe_layer_count(m)
+             * lay.global_batch_size * m.seq_length)
+    return flops / lay.world_size / cluster.peak_flops / cluster.matmul_efficiency
 
 
 def pp_cost(ctx: StepContext) -> Cost:

@@ -1,6 +1,7 @@
-"""The planner's model of two communication savings: ``--overlap-moe-expert-parallel-comm``
+"""The planner's model of three communication savings: ``--overlap-moe-expert-parallel-comm``
 hides the paired backwards' share of the expert all-to-all behind the same share of the
-rank's compute, and ``--fp8-param-gather`` gathers the fp8 linears' weights as one byte
+rank's compute, ``--moe-shared-expert-overlap`` the forward's dispatch behind the shared
+experts' forward, and ``--fp8-param-gather`` gathers the fp8 linears' weights as one byte
 per element in the distributed optimizer's parameter all-gather (ZeRO-3's later gathers
 of the step leave them out)."""
 
@@ -93,3 +94,24 @@ def test_fp8_param_gather_sends_one_byte_per_fp8_weight(strategy):
         7 / 8 * (4 * params + gathers * 2 * params))    # fp32 gradients, bf16 parameters
     assert fp8.comm["dp"] < plain.comm["dp"]
     assert fp8.compute == pytest.approx(plain.compute)
+
+
+@pytest.mark.parametrize("shared", [8192, 64])
+def test_shared_expert_overlap_hides_the_forward_dispatch(shared):
+    """--moe-shared-expert-overlap: the forward's dispatch (a quarter of the all-to-all)
+    runs under the shared experts' forward matmuls, hidden up to their length."""
+    gb = ["--global-batch-size", "64", "--moe-shared-expert-intermediate-size", str(shared)]
+    cfg, plain = _time(8, *gb)
+    _, over = _time(8, *gb, "--moe-shared-expert-overlap")
+    cluster = preset("h100", 1)
+    h = cfg.model.hidden_size
+    params = 2 * h * shared + shared + h           # fc1 and fc2 with their biases
+    tokens = 64 * cfg.model.seq_length
+    forward = 2.0 * params * 4 * tokens / 8 / cluster.peak_flops / cluster.matmul_efficiency
+    a2a = plain.comm["ep"]
+    assert a2a > 0
+    assert over.comm["ep"] == pytest.approx(a2a - min(a2a / 4, forward))
+    if shared == 8192:     # a wide shared expert outlasts the dispatch: all of it hidden
+        assert forward > a2a / 4 and over.comm["ep"] == pytest.approx(0.75 * a2a)
+    else:                  # a narrow one hides only its own length
+        assert 0 < forward < a2a / 4
