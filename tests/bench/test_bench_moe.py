@@ -58,6 +58,22 @@ def test_all_to_all_overlap_measured(capsys, pooled_ranks):
     assert "all-to-all overlap" in capsys.readouterr().out
 
 
+def test_shared_expert_overlap_measured(capsys, pooled_ranks):
+    """--overlap-shared-expert-size adds --moe-shared-expert-overlap: each forward dispatch
+    runs the shared experts while in flight, nothing pairs."""
+    out = bench.main(["--skip-compute", "--ranks", "--fine-ranks", "--overlap-ranks", "2",
+                      "--overlap-hidden-size", "16", "--overlap-tokens", "32",
+                      "--overlap-microbatches", "3", "--overlap-layers", "2",
+                      "--overlap-shared-expert-size", "32", "--repeat", "1"])
+    row = out["overlap"][2]
+    plain, shared = row["plain"], row["shared"]
+    assert plain["calls"] == shared["calls"] == 24 and plain["overlapped"] == 0
+    assert shared["overlapped"] == 3 * 2      # the forward dispatch of each layer and batch
+    assert shared["pairs_by_stage"] == [0]
+    assert row["shared_hidden_fraction"] == 1 - shared["blocked_s"] / plain["blocked_s"]
+    assert "shared experts of width 32" in capsys.readouterr().out
+
+
 def test_all_to_all_overlap_over_two_pipeline_stages(capsys, pooled_ranks):
     """pp 2 x ep 2 (4 ranks): every backward of 1F1B's steady state pairs on both stages
     (m - 2 and m - 1), each pair's exchanges overlapped."""

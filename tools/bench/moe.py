@@ -5,7 +5,7 @@
 [--fine-ranks 1 2 4] [--fine-experts 64] [--fine-topk 8] [--fine-tokens 1024]
 [--fine-hidden-size 256] [--fine-ffn-hidden-size 64] [--overlap-ranks 2]
 [--overlap-hidden-size 256] [--overlap-tokens 1024] [--overlap-microbatches 4]
-[--overlap-layers 2] [--overlap-pp 1]``
+[--overlap-layers 2] [--overlap-pp 1] [--overlap-shared-expert-size 0]``
 
 1. Expert compute on one rank (fp32, SwiGLU experts, tokens routed by a random router):
    tokens/s of :func:`megalite.moe.experts.grouped_mlp` (padded ``torch.bmm``) against the
@@ -32,6 +32,9 @@
    stages (``pp x ep`` ranks, the layers on each stage) and also prints the pairs each
    stage ran (``ScheduleStats.pairs``: ``m - pp + stage``). On a CPU whose cores also run
    gloo's threads the numbers only indicate; take them on a quiet machine.
+   ``--overlap-shared-expert-size F`` gives the MoE layers shared experts of width F and
+   adds a third variant, ``--moe-shared-expert-overlap`` (unpaired): the shared experts'
+   forward runs while each forward dispatch all-to-all is in flight.
 """
 
 from __future__ import annotations
@@ -283,7 +286,9 @@ def _overlap_on_rank(rank, world, args):
     h, m = args.overlap_hidden_size, args.overlap_microbatches
     cfg = ModelConfig(hidden_size=h, num_experts=2 * ps.ep.size, moe_router_topk=2,
                       moe_ffn_hidden_size=2 * h, swiglu=True, add_bias_linear=False,
-                      init_method_std=0.02, num_layers=args.overlap_layers)
+                      init_method_std=0.02, num_layers=args.overlap_layers,
+                      moe_shared_expert_intermediate_size=args.overlap_shared_expert_size
+                      or None)
     model = _OverlapModel(cfg, ps, args.overlap_layers, 4 * h)
     gen = torch.Generator().manual_seed(rank)
     xs = [torch.randn(args.overlap_tokens, 1, h, generator=gen) for _ in range(m)]
@@ -296,40 +301,50 @@ def _overlap_on_rank(rank, world, args):
         y = model(xs[mb] if received is None else received)
         return y.square().mean() if last else y
 
-    def step(paired: bool):
+    def step(variant: str):
+        paired = variant == "overlap"
+        for layer in model.moe:   # --moe-shared-expert-overlap, as the config would set it
+            layer.shared_overlap = variant == "shared"
         stats = ScheduleStats()
         run_schedule(steps, forward_step=forward_step, ps=ps, vpp=1, comm=comm,
                      pair_backward_forward=paired, stats=stats)
         model.zero_grad(set_to_none=True)
-        pairs[paired] = stats.pairs
+        pairs[variant] = stats.pairs
 
     out = {}
-    for paired in (False, True):   # warm-up
-        step(paired)
-    totals = {False: [0.0, 0.0, 0.0, 0, 0], True: [0.0, 0.0, 0.0, 0, 0]}
-    best = {False: float("inf"), True: float("inf")}
+    variants = _overlap_variants(args)
+    for variant in variants:   # warm-up
+        step(variant)
+    totals = {v: [0.0, 0.0, 0.0, 0, 0] for v in variants}
+    best = {v: float("inf") for v in variants}
     for _ in range(args.repeat):
-        for paired in (False, True):   # alternate: load from elsewhere drifts over both
+        for variant in variants:   # alternate: load from elsewhere drifts over all
             dist.barrier()
             paired_lanes.STATS.reset()
             t0 = time.perf_counter()
-            step(paired)
+            step(variant)
             elapsed = time.perf_counter() - t0
-            best[paired] = min(best[paired], elapsed)
-            st, tot = paired_lanes.STATS, totals[paired]
+            best[variant] = min(best[variant], elapsed)
+            st, tot = paired_lanes.STATS, totals[variant]
             tot[0] += elapsed
             tot[1] += st.blocked
             tot[2] += st.span
             tot[3] += st.calls
             tot[4] += st.overlapped
-    for paired in (False, True):
-        wall, blocked, span, calls, overlapped = totals[paired]
-        out[paired] = {"step_s": best[paired], "blocked_s": blocked / args.repeat,
-                       "span_s": span / args.repeat, "calls": calls // args.repeat,
-                       "overlapped": overlapped // args.repeat, "pairs": pairs[paired]}
+    for variant in variants:
+        wall, blocked, span, calls, overlapped = totals[variant]
+        out[variant] = {"step_s": best[variant], "blocked_s": blocked / args.repeat,
+                        "span_s": span / args.repeat, "calls": calls // args.repeat,
+                        "overlapped": overlapped // args.repeat, "pairs": pairs[variant]}
     out["stage"] = ps.pp.rank
     ps.destroy()
     return out
+
+
+def _overlap_variants(args) -> tuple[str, ...]:
+    """plain, overlap (paired lanes), and shared (--moe-shared-expert-overlap) when the
+    MoE layers have shared experts."""
+    return ("plain", "overlap") + (("shared",) if args.overlap_shared_expert_size else ())
 
 
 def bench_overlap(args) -> dict:
@@ -345,36 +360,47 @@ def bench_overlap(args) -> dict:
     and the last backward of a step are alone, so at most ``(m - 1) / m`` can hide (on
     stage ``s`` of ``--overlap-pp`` stages ``m - pp + s`` backwards pair: its warm-up
     forwards have no partner either). With ``--overlap-pp`` above 1 the ranks are
-    ``pp x ep`` and ``pairs_by_stage`` lists the pairs each stage ran."""
+    ``pp x ep`` and ``pairs_by_stage`` lists the pairs each stage ran. With
+    ``--overlap-shared-expert-size`` the row has a third variant, ``shared``
+    (``--moe-shared-expert-overlap``, not paired: ``overlapped`` counts the forward
+    dispatches that ran the shared experts while in flight), and ``shared_hidden_fraction``
+    ``1 - blocked(shared) / blocked(plain)``."""
     h, T, m = args.overlap_hidden_size, args.overlap_tokens, args.overlap_microbatches
     pp = args.overlap_pp
     print(f"\nall-to-all overlap (--overlap-moe-expert-parallel-comm): {args.overlap_layers} "
           f"x (dense MLP + MoE layer){' per stage' if pp > 1 else ''}, h={h}, T={T} tokens "
           f"per micro-batch and rank, {m} micro-batches, 1F1B over {pp} pipeline "
-          "stage(s), fp32, forward+backward; slowest rank")
+          "stage(s), fp32, forward+backward; slowest rank"
+          + (f"; shared experts of width {args.overlap_shared_expert_size}"
+             if args.overlap_shared_expert_size else ""))
     print(f"{'ep':>3} {'variant':>8} {'step ms':>9} {'a2a blocked ms':>15} "
           f"{'a2a span ms':>12} {'a2a calls':>10} {'overlapped':>11} {'hidden':>7}")
     rows = {}
     for world in args.overlap_ranks:
         by_rank = _ranks.run_on_ranks(_overlap_on_rank, world * pp, args)
         row = {}
-        for paired, name in ((False, "plain"), (True, "overlap")):
-            row[name] = {key: max(r[paired][key] for r in by_rank)
+        names = _overlap_variants(args)
+        for name in names:
+            row[name] = {key: max(r[name][key] for r in by_rank)
                          for key in ("step_s", "blocked_s", "span_s", "calls", "overlapped")}
-            row[name]["pairs_by_stage"] = [max(r[paired]["pairs"] for r in by_rank
+            row[name]["pairs_by_stage"] = [max(r[name]["pairs"] for r in by_rank
                                                if r["stage"] == s) for s in range(pp)]
         plain = row["plain"]["blocked_s"]
         row["hidden_fraction"] = 1.0 - row["overlap"]["blocked_s"] / plain if plain else 0.0
+        if "shared" in row:
+            row["shared_hidden_fraction"] = (1.0 - row["shared"]["blocked_s"] / plain
+                                             if plain else 0.0)
         rows[world] = row
-        for name in ("plain", "overlap"):
+        for name in names:
             v = row[name]
-            hidden = f"{row['hidden_fraction']:>7.2f}" if name == "overlap" else f"{'':>7}"
+            fraction = {"overlap": "hidden_fraction", "shared": "shared_hidden_fraction"}
+            hidden = (f"{row[fraction[name]]:>7.2f}" if name in fraction else f"{'':>7}")
             print(f"{world:>3} {name:>8} {v['step_s'] * 1e3:>9.1f} {v['blocked_s'] * 1e3:>15.2f} "
                   f"{v['span_s'] * 1e3:>12.2f} {v['calls']:>10} {v['overlapped']:>11} {hidden}")
         if pp > 1:
             print(f"    pairs run per pipeline stage: {row['overlap']['pairs_by_stage']}")
-    print("hidden: 1 - a2a blocked (overlap) / a2a blocked (plain); blocked: time waiting on "
-          "the expert all-to-alls per step")
+    print("hidden: 1 - a2a blocked (overlap or shared) / a2a blocked (plain); blocked: time "
+          "waiting on the expert all-to-alls per step; shared: --moe-shared-expert-overlap")
     return rows
 
 
@@ -404,6 +430,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--overlap-layers", type=int, default=2)
     parser.add_argument("--overlap-pp", type=int, default=1,
                         help="pipeline stages of the overlap section (ranks: pp x ep)")
+    parser.add_argument("--overlap-shared-expert-size", type=int, default=0,
+                        help="shared experts of this width in the overlap section's MoE "
+                             "layers, and a variant with --moe-shared-expert-overlap")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return {"experts": bench_experts(args) if not args.skip_compute else {},
