@@ -32,7 +32,7 @@ from tests.fuzz.draw import draw_layout
 #  56  tp2 + sp x pp2 (ZB-H1) with an uneven last stage x dp2, distributed optimizer +
 #      overlap, bf16, optimizer offload, a multi-token prediction depth
 #  77  tp2 + sp x pp2 x dp2, MoE ep2 etp2 alltoall, distributed optimizer + overlap, bf16,
-#      the expert bias, QK norm, --log-max-attention-logit
+#      the expert bias, QK norm, --log-max-attention-logit, --moe-shared-expert-overlap
 #  93  tp4 + sp x pp2 x vpp2, tied embeddings across stages, QK-clip
 # 143  tp2 + sp x cp2 (p2p ring), MoE ep2 etp1 with pre-softmax routing, distributed
 #      optimizer + overlap, SGD, split backward (ZB-H1 at pp 1)
