@@ -33,19 +33,22 @@ Tolerances (absolute, on losses about 4 and parameters about 0.02-1):
   grad norm off by a factor of 2 to 4 or a loss off by 5e-2 within the 3 steps.
 * fp8 GEMMs in fp32 (``--fp8-format``; with ``--bf16`` the bf16 tolerances): the first
   iteration at the fp32 tolerances (loss 2e-5, grad norm 1e-4 relative: same parameters,
-  and the scales must match), later ones at loss 2e-4, grad norm 3e-3 relative,
+  and the scales must match), later ones at loss 1e-3, grad norm 1e-2 relative,
   parameters 8e-3. A reordered fp32 sum moves an operand by ~1e-7 relative, and the few
   elements that sit on an fp8 rounding boundary then round one fp8 step (2^-3 relative)
-  apart; AdamW's first steps are about ``lr`` x sign(gradient), so a gradient element near
-  0 that changes sign moves its parameter by up to 2 x lr = 6e-3 (observed over the fp8
-  rows and fuzz draws: loss <= 1.1e-4, grad norm <= 1.1e-3 relative, parameters <= 4.7e-3
-  in 2 of 12288 elements). A tp weight amax left unreduced moved the first iteration's
-  grad norm by 1.7e-3 relative; amaxes of delayed scaling left unreduced over dp show in
-  the histories (tests/fp8/test_checkpoint.py compares them with one process at 1e-5).
-  With routed experts (fp8 GEMMs there too) later iterations at loss 2e-3 and grad norm
-  1e-2 relative: once the parameters differ by those steps, a token near a routing tie
-  takes another expert (observed: loss 7.5e-4 at iteration 3, mxfp8 at tp2 + sp); the
-  first iteration, where the scales must match, keeps the fp32 tolerances.
+  apart, or flush to 0 or not; AdamW's first steps are about ``lr`` x sign(gradient), so a
+  gradient element near 0 that changes sign (or becomes 0) moves its parameter by up to
+  2 x lr = 6e-3. Only tensor parallelism reorders the forward's sums, and there the
+  iterations after such a step differ: over the 46 fp8 draws of seeds 0-407 and 509, the
+  tp > 1 ones reached loss 4.9e-4 (seed 509, e4m3 gradients), grad norm 3.6e-3 relative
+  (seed 343) and parameters 4.7e-3 at iteration 3, with the first two iterations' losses
+  equal to the last bit; the others stayed within 3e-5. A tp weight amax left unreduced
+  moved the first iteration's grad norm by 1.7e-3 relative; amaxes of delayed scaling
+  left unreduced over dp show in the histories (tests/fp8/test_checkpoint.py compares them
+  with one process at 1e-5). With routed experts (fp8 GEMMs there too) later iterations at
+  loss 2e-3: once the parameters differ by those steps, a token near a routing tie takes
+  another expert (observed: loss 7.5e-4 at iteration 3, mxfp8 at tp2 + sp); the first
+  iteration, where the scales must match, keeps the fp32 tolerances.
 """
 
 from __future__ import annotations
@@ -81,9 +84,9 @@ class Tolerance:
 FP32 = Tolerance(loss_abs=2e-5, loss_rel=1e-5, norm_rel=1e-4, param_abs=5e-5)
 BF16 = Tolerance(loss_abs=1e-2, loss_rel=0.0, norm_rel=5e-2, param_abs=1e-2,
                  param_rel=2 ** -6)
-FP8 = Tolerance(loss_abs=2e-4, loss_rel=0.0, norm_rel=3e-3, param_abs=8e-3,
+FP8 = Tolerance(loss_abs=1e-3, loss_rel=0.0, norm_rel=1e-2, param_abs=8e-3,
                 first_loss_abs=FP32.loss_abs, first_norm_rel=FP32.norm_rel)
-FP8_MOE = dataclasses.replace(FP8, loss_abs=2e-3, norm_rel=1e-2)
+FP8_MOE = dataclasses.replace(FP8, loss_abs=2e-3)
 
 
 def tolerance(layout: Layout) -> Tolerance:
