@@ -67,9 +67,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megalite.config.layout import resolve_layout
-from megalite.config.shapes import (dense_layer_params, dense_mlp_params, fp8_layer,
-                                    is_moe_layer, mla_up_proj_params, moe_mlp_params,
-                                    mtp_depth_params, mtp_depths, norm_params)
+from megalite.config.shapes import (attention_gemms, dense_layer_params, dense_mlp_params,
+                                    fp8_layer, is_moe_layer, layer_gemms,
+                                    mla_up_proj_params, moe_mlp_params, mtp_depth_params,
+                                    mtp_depths, norm_params)
 from megalite.layers.fp8.recipes import BLOCK_RECIPES
 from megalite.optim.algorithms import algorithm_of
 from megalite.optim.memory import expected_bytes_per_param
@@ -474,6 +475,8 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     backward = tokens * (f + 2 * h) * eb + recompute
     if sp > 1:   # a column-parallel linear's input, gathered again for its weight gradient
         backward += tokens * h * eb
+    if device_type == "cpu":   # torch._scaled_mm's fp32 copies of its operands there
+        backward += cpu_fp8_gemm_bytes(m, tp, tokens, layers)
     loss = tokens * vocab // tp * (eb + 4) if last else 0  # logits, fp32 shifted logits
     # --qk-clip: the largest-logit pass in a layer's forward (scores, fp32 q and k copies)
     logits = qk_clip.transient_bytes(m, tp, lay.cp, mb, eb)
@@ -506,6 +509,27 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
                           gathered_params=gathered, params_elements=state["elements"],
                           in_flight=in_flight, notes=notes, host=state["host"],
                           reused=reused)
+
+
+def cpu_fp8_gemm_bytes(m, tp: int, tokens: int, layers: list) -> int:
+    """The working set a per-tensor fp8 GEMM adds on a CPU, where ``torch._scaled_mm``
+    (:func:`megalite.layers.fp8.gemm.scaled_mm`) multiplies fp32 copies of its operands:
+    ``a`` dequantised (4 bytes per element), then ``b`` converted and dequantised (two
+    copies at once), ``4 (a + 2 b)`` bytes; on a GPU the kernel reads the fp8 bytes. The
+    largest over the three GEMMs of the fp8 linears of ``layers`` (``a`` / ``b``: fprop
+    ``x [M, K]`` / ``w [N, K]``, dgrad ``dy [M, N]`` / ``w^T [K, N]``, wgrad ``dy^T [N, M]``
+    / ``x^T [K, M]``, ``M`` the micro-batch's ``tokens``); 0 without per-tensor fp8."""
+    if m.fp8_format is None or m.fp8_recipe in BLOCK_RECIPES:
+        return 0
+    most = 0
+    for layer in layers:
+        if not fp8_layer(m, layer):
+            continue
+        gemms = (attention_gemms(m, tokens, tp) if is_moe_layer(m, layer)
+                 else layer_gemms(m, tokens, tp))
+        for mm, k, n in gemms:
+            most = max(most, mm * k + 2 * n * k, mm * n + 2 * k * n, n * mm + 2 * k * mm)
+    return 4 * most
 
 
 def cpu_rms_norm_bytes(m, lay, layers: list, in_flight: int, last: bool) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.planner.memory import (
+    cpu_fp8_gemm_bytes,
     estimate_memory,
     fp8_expert_weight_copies,
     fp8_step_copies,
@@ -157,3 +158,28 @@ def test_zero3_keeps_the_copies_of_the_gathered_layers_only():
     assert fp8_step_copies(m, p, 0, "optim") == 2 * moe_layer + 2 * dense_layer
     assert fp8_step_copies(m, p, 0, "optim_grads_params") == 2 * dense_layer
     assert fp8_step_copies(ModelConfig(**TINY), p, 0, "optim_grads_params") == 0
+
+
+def test_cpu_fp8_gemms_count_the_emulations_fp32_operands():
+    """On a CPU torch._scaled_mm multiplies fp32 copies of its fp8 operands: 4 (a + 2 b)
+    bytes for ``a`` then ``b``, beyond its output (measured here with the profiler, so the
+    term goes stale if torch gains a CPU kernel reading fp8); the planner counts the
+    largest of the fp8 linears' three GEMMs."""
+    import torch
+
+    from megalite.layers.fp8.gemm import scaled_mm
+    from megalite.planner.measure import peak_allocated
+
+    mm, k, n = 64, 32, 96
+    a = torch.randn(mm, k).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k).to(torch.float8_e4m3fn)
+    one = torch.tensor(1.0)
+    _, peak = peak_allocated(lambda: scaled_mm(a, b, one, one))
+    assert peak >= 4 * (mm * k + 2 * n * k) + 4 * mm * n
+    # tp 2, micro-batch 2 x seq 32: qkv [64 tokens, 64 -> 96] has the largest: its input
+    # gradient's dy [64, 96] and w^T [64, 96], 4 x (6144 + 2 x 6144) bytes
+    m = ModelConfig(**TINY, fp8_format="hybrid", fp8_recipe="tensorwise")
+    assert cpu_fp8_gemm_bytes(m, 2, 64, [0, 1, 2, 3]) == 4 * (64 * 96 + 2 * 64 * 96)
+    blocks = ModelConfig(**TINY, fp8_format="e4m3", fp8_recipe="mxfp8")
+    assert cpu_fp8_gemm_bytes(blocks, 2, 64, [0]) == 0
+    assert cpu_fp8_gemm_bytes(ModelConfig(**TINY), 2, 64, [0]) == 0
