@@ -350,7 +350,7 @@ def interrupt_handler(signum, frame) -> None:
 
 class _interrupts_held:
     """While inside, an interrupt is recorded but not raised (``multiprocessing.Pool``'s
-    start-up and shutdown must not stop half way); the caller raises it afterwards with
+    start-up must not stop half way); the caller raises it afterwards with
     :func:`_raise_if_interrupted`."""
 
     def __enter__(self):
