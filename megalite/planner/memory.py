@@ -295,11 +295,17 @@ def fp8_weight_copies(m, p, pp_rank: int) -> int:
     return sum(_fp8_dense_copies(m, p, layer) for layer in stage_layers(m, p, pp_rank))
 
 
-def _fp8_dense_copies(m, p, layer: int) -> int:
-    """:func:`fp8_weight_copies` of global layer ``layer`` alone."""
+def _fp8_dense_elements(m, p, layer: int) -> int:
+    """Local weight elements of global layer ``layer``'s fp8 tensor-parallel linears (0
+    when the layer is not fp8)."""
     if m.fp8_format is None or not fp8_layer(m, layer):
         return 0
-    elements = fp8_linear_weights(m, layer) // p.tensor_model_parallel_size
+    return fp8_linear_weights(m, layer) // p.tensor_model_parallel_size
+
+
+def _fp8_dense_copies(m, p, layer: int) -> int:
+    """:func:`fp8_weight_copies` of global layer ``layer`` alone."""
+    elements = _fp8_dense_elements(m, p, layer)
     if m.fp8_recipe in BLOCK_RECIPES:
         return 2 * elements + 2 * (elements // 32)
     return 2 * elements
@@ -321,9 +327,7 @@ def fp8_weight_elements(m, p, pp_rank: int) -> int:
     gathers in fp8); 0 under block recipes or without fp8."""
     if m.fp8_format is None or m.fp8_recipe in BLOCK_RECIPES:
         return 0
-    tp = p.tensor_model_parallel_size
-    return sum(fp8_linear_weights(m, layer) // tp for layer in stage_layers(m, p, pp_rank)
-               if fp8_layer(m, layer))
+    return sum(_fp8_dense_elements(m, p, layer) for layer in stage_layers(m, p, pp_rank))
 
 
 def fp8_expert_weight_copies(m, p, pp_rank: int) -> int:

@@ -391,9 +391,9 @@ def bench_overlap(args) -> dict:
             row["shared_hidden_fraction"] = (1.0 - row["shared"]["blocked_s"] / plain
                                              if plain else 0.0)
         rows[world] = row
+        fraction = {"overlap": "hidden_fraction", "shared": "shared_hidden_fraction"}
         for name in names:
             v = row[name]
-            fraction = {"overlap": "hidden_fraction", "shared": "shared_hidden_fraction"}
             hidden = (f"{row[fraction[name]]:>7.2f}" if name in fraction else f"{'':>7}")
             print(f"{world:>3} {name:>8} {v['step_s'] * 1e3:>9.1f} {v['blocked_s'] * 1e3:>15.2f} "
                   f"{v['span_s'] * 1e3:>12.2f} {v['calls']:>10} {v['overlapped']:>11} {hidden}")
