@@ -180,6 +180,8 @@ class ParamSharding:
         for bucket in set(bucket_of.values()):
             bucket.step_weights = list({id(sw): sw for p in bucket.params
                                         for sw in copies.get(id(p), ())}.values())
+            for sw in bucket.step_weights:
+                sw.freed_between_passes = True
         self.units: list[Unit] = []
         self._handles = []
         for chunk_units in units:

@@ -157,8 +157,9 @@ def test_the_weight_is_quantised_once_per_training_step(name):
         ys.append(fp8_linear(x[i::2].clone().requires_grad_(), w, None, scaling))
         copies.append(scaling._step["fp8"][1])
     assert copies[0] is copies[1]
-    for y in ys:   # (qx^T, weight, dx, x, qw, dw): the weight itself, no fp8 copy of it
-        assert y.grad_fn.saved_tensors[1] is w and y.grad_fn.saved_tensors[4] is None
+    for y in ys:   # (qx^T, dx, x, weight, qw, dw, qw^T): the step's transposed copy only
+        saved = y.grad_fn.saved_tensors
+        assert saved[3] is None and saved[4] is None and saved[6] is scaling._step["fp8_t"]
     with torch.no_grad():
         w.mul_(2.0)                                       # the optimizer's update
     model = torch.nn.Module()

@@ -184,9 +184,10 @@ def test_a_gathered_fp8_weight_is_transposed_once_per_step():
 @pytest.mark.parametrize("wgrad", [True, False], ids=["fp8-wgrad", "no-fp8-wgrad"])
 def test_the_forward_saves_one_fp8_input_already_transposed(wgrad):
     """The forward quantises x once into [M, K] (its GEMM) and [K, M] (wgrad's operand,
-    saved: one fp8 copy of x, not two); the backward quantises dy once into [M, N] and
-    [N, M], transposes the step's fp8 weight (its first backward) and never x. Under
-    --no-fp8-wgrad no fp8 copy of x is kept, nor dy^T made."""
+    saved: one fp8 copy of x, not two) and, at the step's first forward, the weight into
+    [N, K] and its transpose [K, N]; the backward quantises dy once into [M, N] and
+    [N, M] and transposes nothing. Under --no-fp8-wgrad no fp8 copy of x is kept, nor
+    dy^T made."""
     recipe = Fp8Recipe("hybrid", "tensorwise", wgrad=wgrad)
     scaling = Fp8Scaling(recipe, ((), (), ()))
     g = torch.Generator().manual_seed(3)
@@ -203,12 +204,11 @@ def test_the_forward_saves_one_fp8_input_already_transposed(wgrad):
                            .t().contiguous())
     else:
         assert fp8_saved == []
-    assert forward.shapes == ({(M, K): 1, (K, M): 1, (N, K): 1} if wgrad
-                              else {(M, K): 1, (N, K): 1})
+    assert forward.shapes == ({(M, K): 1, (K, M): 1, (N, K): 1, (K, N): 1} if wgrad
+                              else {(M, K): 1, (N, K): 1, (K, N): 1})
     with Fp8Writes() as backward:
         y.backward(torch.randn(M, N, generator=g))
-    assert backward.shapes == ({(M, N): 1, (N, M): 1, (K, N): 1} if wgrad
-                               else {(M, N): 1, (K, N): 1})
+    assert backward.shapes == ({(M, N): 1, (N, M): 1} if wgrad else {(M, N): 1})
 
 
 @pytest.mark.parametrize("name", ["mxfp8", "blockwise"])

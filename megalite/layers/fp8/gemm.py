@@ -100,33 +100,45 @@ def block_fp32(a: torch.Tensor, block: int, dtype, mx: bool) -> torch.Tensor:
 
 class Fp8LinearFunction(torch.autograd.Function):
     """``x`` ``[..., K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` or None, ``scaling`` an
-    :class:`~megalite.layers.fp8.scaling.Fp8Scaling` -> ``[..., N]``; collectives only
-    those of ``scaling`` (tensorwise amaxes)."""
+    :class:`~megalite.layers.fp8.scaling.Fp8Scaling`, and for the per-tensor recipes the
+    weight's operands that :func:`fp8_linear` took from the scaling before the call:
+    ``dw`` (0-d fp32 scale), ``qw`` (fp8 ``[N, K]``) and ``qw_t`` (fp8 ``[K, N]``, or None
+    when backward asks the scaling for it) -> ``[..., N]``; collectives only those of
+    ``scaling`` (tensorwise amaxes).
+
+    With tensorwise scaling and the weight's copies held through the step, neither pass
+    touches any state (the step's copies are read and made outside, in
+    :func:`fp8_linear`), so ``torch.compile`` traces the function into the layer's graph
+    and fuses each quantisation with its neighbours; delayed scaling (which records the
+    amaxes), ZeRO-3 (whose copies are made again in backward) and evaluation keep state
+    and run the function eagerly inside a compiled layer."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scaling):
+    def forward(ctx, x, weight, bias, scaling, dw, qw, qw_t):
         recipe = scaling.recipe
         record = scaling.training
         x2 = x.reshape(-1, x.shape[-1])
         fwd = recipe.forward_dtype
         block = recipe.block
         if block is not None:
-            qw = scaling.block_weight(weight, False, record)   # along K, once per step
+            qb = scaling.block_weight(weight, False, record)   # along K, once per step
             y = block_fp32(x2, block, fwd, recipe.recipe == "mxfp8") @ \
-                block_dequantize(*qw).t()
+                block_dequantize(*qb).t()
             ctx.save_for_backward(x2, weight)
         else:
             dx = scaling.scale(INPUT, x2, fwd, record)
-            dw, qw = scaling.weight_fp8(weight, fwd, record)   # once per training step
             if recipe.wgrad:   # wgrad's operand: x^T [K, M], quantised with x itself
                 qx, qx_t = quantize_both(x2, dx, fwd)
             else:              # --no-fp8-wgrad: the weight gradient from x itself
                 qx, qx_t = quantize(x2, dx, fwd), None
             y = scaled_mm(qx, qw, dx, dw, x.dtype, fast_accum=FPROP_FAST_ACCUM)
-            # training saves the weight, not its fp8 copy: backward asks the scaling again
-            # (the step's copy, or, under ZeRO-3, one made again after the unit's gather)
-            kept = (None, None) if record else (qw, dw)
-            ctx.save_for_backward(qx_t, weight, dx, None if recipe.wgrad else x2, *kept)
+            # what backward's input gradient needs of the weight: the transposed copy when
+            # the caller holds it through the step; under ZeRO-3 (record, no qw_t) the
+            # weight, whose copies backward asks the scaling for again (made again after
+            # the unit's gather); outside training the fp8 copy itself
+            kept = ((None, None, dw, qw_t) if qw_t is not None
+                    else (weight, None, None, None) if record else (None, qw, dw, None))
+            ctx.save_for_backward(qx_t, dx, None if recipe.wgrad else x2, *kept)
         ctx.scaling, ctx.record, ctx.has_bias = scaling, record, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         y = y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -148,17 +160,18 @@ class Fp8LinearFunction(torch.autograd.Function):
                 gw = block_fp32(g2.t(), recipe.block, gdt, mx) @ \
                     block_fp32(x2.t(), recipe.block, fwd, mx).t()
         else:
-            qx_t, weight, dx, x2, qw, dw = ctx.saved_tensors
-            if qw is None:
-                dw, qw = scaling.weight_fp8(weight, fwd, ctx.record)
+            qx_t, dx, x2, weight, qw, dw, qw_t = ctx.saved_tensors
+            if qw_t is None:
+                if qw is None:     # ZeRO-3: the step's copy, or one made after the gather
+                    dw, qw = scaling.weight_fp8(weight, fwd, ctx.record)
+                qw_t = scaling.weight_fp8_t(qw, ctx.record)
             dg = scaling.scale(GRAD, g2, gdt, ctx.record)
             fp8_wgrad = ctx.needs_input_grad[1] and recipe.wgrad
             if fp8_wgrad:      # dy [M, N] for dgrad and dy^T [N, M] for wgrad, at once
                 qg, qg_t = quantize_both(g2, dg, gdt)
             else:
                 qg = quantize(g2, dg, gdt)
-            # the step's transposed fp8 weight [K, N], made at its first backward
-            gx = scaled_mm(qg, scaling.weight_fp8_t(qw, ctx.record), dg, dw, ctx.x_dtype)
+            gx = scaled_mm(qg, qw_t, dg, dw, ctx.x_dtype)
             if fp8_wgrad:
                 gw = scaled_mm(qg_t, qx_t, dg, dx, ctx.w_dtype)
         if ctx.needs_input_grad[1] and not recipe.wgrad:   # in the training precision
@@ -166,10 +179,15 @@ class Fp8LinearFunction(torch.autograd.Function):
         gx = gx.to(ctx.x_dtype).view(ctx.x_shape)
         gw = None if gw is None else gw.to(ctx.w_dtype)
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                scaling) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with its three GEMMs in fp8 (module docstring)."""
-    return Fp8LinearFunction.apply(x, weight, bias, scaling)
+    """``F.linear(x, weight, bias)`` with its three GEMMs in fp8 (module docstring). The
+    per-tensor recipes' weight operands come from ``scaling`` here, before the autograd
+    function (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_operands`)."""
+    dw = qw = qw_t = None
+    if scaling.recipe.block is None:
+        dw, qw, qw_t = scaling.weight_operands(weight, scaling.training)
+    return Fp8LinearFunction.apply(x, weight, bias, scaling, dw, qw, qw_t)

@@ -60,6 +60,10 @@ class StepWeights(torch.nn.Module):
         super().__init__()
         self._step: dict = {}
         self.steps = 0
+        # True under ZeRO-3 (set by megalite.optim.param_sharding): the copies are also
+        # forgotten when their weights' unit is freed, between a micro-batch's forward and
+        # its backward, so backward asks for them again instead of keeping them
+        self.freed_between_passes = False
 
     def step_copy(self, key, record: bool, make):
         """``make()``'s result for ``key``: kept for the step when ``record`` (training)."""
@@ -141,11 +145,27 @@ class Fp8Scaling(StepWeights):
             self._step["fp8"] = out
         return out
 
+    def weight_operands(self, weight: torch.Tensor, record: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Per-tensor recipes: what the fp8 GEMMs need of ``weight`` ``[N, K]``, as
+        (0-d fp32 scale, fp8 ``[N, K]`` for the forward, fp8 ``[K, N]`` for the input
+        gradient): the step's copies (:meth:`weight_fp8`, :meth:`weight_fp8_t`), both
+        made at the step's first forward. The transposed one is None where backward must
+        ask for it (outside training, where nothing is kept, and when the copies are
+        :attr:`freed_between_passes`). Not differentiated: the weight's gradient comes
+        from the GEMMs' autograd function."""
+        with torch.no_grad():
+            d, q = self.weight_fp8(weight, self.recipe.forward_dtype, record)
+            if not record or self.freed_between_passes:
+                return d, q, None
+            return d, q, self.weight_fp8_t(q, record)
+
     def weight_fp8_t(self, qw: torch.Tensor, record: bool) -> torch.Tensor:
         """``qw`` ``[N, K]`` (the fp8 weight :meth:`weight_fp8` gave this call's forward)
-        transposed to a row-major ``[K, N]``, the input-gradient GEMM's operand: made at
-        the step's first training backward and reused by the step's later ones (the step's
-        fp8 weight does not change within the step); afresh outside training."""
+        transposed to a row-major ``[K, N]``, the input-gradient GEMM's operand: made once
+        per step (at its first forward, or under ZeRO-3 at the first backward after each
+        gather) and reused by the step's later calls (the step's fp8 weight does not change
+        within the step); afresh outside training."""
         return self.step_copy("fp8_t", record, lambda: qw.t().contiguous())
 
     def block_weight(self, weight: torch.Tensor, transposed: bool, record: bool

@@ -1,0 +1,90 @@
+"""fp8 linears inside a compiled transformer layer (``--compile``, regional compilation).
+
+With tensorwise scaling the fp8 GEMMs' autograd function touches no state: the step's
+weight copies are read and made before it (``fp8_linear``), so dynamo traces each layer,
+its quantisations included, into one graph with no break, and inductor can fuse every
+quantisation (amax, scale, cast, transpose) with its neighbours. A break there runs the
+function eagerly, one kernel per elementwise step, which on a GPU costs more than the fp8
+GEMM saves. Delayed scaling's amax records are writes to the scaling's buffers, which
+the compiled graphs keep.
+
+``aot_eager`` traces forward and backward as inductor would, without compiling C++, so
+these tests take seconds; the losses match eager within fp32 rounding.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from megalite.config import MegaliteConfig, OptimConfig, TrainConfig
+from megalite.layers.fp8 import finish_step
+from megalite.models.compile import compile_model
+from megalite.models.gpt import GPTModel
+from megalite.optim.build import build_grads_and_optimizer
+from tests.model.common import batch, llama_config, single_process_state
+
+MICRO, STEPS = 2, 2
+
+
+def _train(recipe: str, compiled: bool) -> tuple[list[float], torch.Tensor]:
+    """Losses of STEPS optimizer steps of MICRO micro-batches of a 2-layer fp8 Llama, and
+    its linears' amax histories stacked (delayed scaling; empty otherwise)."""
+    model_cfg = dataclasses.replace(llama_config(hidden_size=64, ffn_hidden_size=128),
+                                    fp8_format="hybrid", fp8_recipe=recipe)
+    run = MegaliteConfig(model=model_cfg, optim=OptimConfig(lr=1e-2),
+                         train=TrainConfig(micro_batch_size=2, global_batch_size=2 * MICRO))
+    ps = single_process_state()
+    torch.manual_seed(0)
+    model = GPTModel(model_cfg, ps, seed=1)
+    grads, optimizer = build_grads_and_optimizer(model, run, ps)
+    if compiled:
+        compile_model(model, backend="aot_eager")
+    losses = []
+    for step in range(STEPS):
+        grads.zero_grad(num_microbatches=MICRO)
+        total = 0.0
+        for micro in range(MICRO):
+            ids, labels = batch(model_cfg, seed=10 * step + micro)
+            loss = model(ids, labels=labels).mean() / MICRO
+            loss.backward()
+            total += float(loss.detach())
+        grads.finish_grad_sync()
+        finish_step([model], ps)
+        optimizer.step()
+        losses.append(total)
+    histories = [m.amax_history for m in model.modules() if hasattr(m, "amax_history")]
+    return losses, torch.stack(histories) if histories else torch.empty(0)
+
+
+@pytest.fixture
+def dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+
+
+def test_tensorwise_layers_compile_into_one_graph_without_breaks(dynamo):
+    """Two layers, two micro-batches a step: no graph break; one graph for the step's
+    first micro-batch (which quantises the weights) and one for the later ones (which
+    read the step's copies), shared by both layers."""
+    eager, _ = _train("tensorwise", False)
+    compiled, _ = _train("tensorwise", True)
+    assert dict(dynamo["graph_break"]) == {}
+    assert dynamo["stats"]["unique_graphs"] == 2
+    assert compiled[-1] < compiled[0]
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
+
+
+def test_delayed_scaling_compiles_and_records_the_amaxes_eager_records(dynamo):
+    """Delayed scaling records each operand's amax in the forward and, for the output
+    gradient, in the backward, into buffers of the scaling: the compiled layers keep those
+    writes (the histories after the steps equal eager's) and break no graph."""
+    eager, eager_history = _train("delayed", False)
+    compiled, history = _train("delayed", True)
+    assert dict(dynamo["graph_break"]) == {}
+    assert eager_history.shape == (8, 3, 1) and bool((eager_history[:, 2] > 0).all())
+    torch.testing.assert_close(history, eager_history, rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
