@@ -12,7 +12,8 @@
 #   env        GPU, driver, torch and transformers versions
 #   test-gpu   the tests marked gpu (tests/gpu): bf16, fp8 and Muon on CUDA against the CPU
 #   fp8        tools/benchmark.py fp8: each linear of one layer in fp8 against bf16
-#   step       tools/benchmark.py gpu --compile: bf16 against transformers, fp8 tensorwise
+#   step       tools/benchmark.py gpu --compile: bf16 against transformers, fp8 tensorwise,
+#              fp8 delayed (its cast needs no amax pass first)
 #              and Muon rows, one micro-batch per step
 #   muon-accum the bf16 and Muon rows at 16 micro-batches per optimizer step (Muon's
 #              Newton-Schulz is fixed per step: its share at a realistic batch)
@@ -50,7 +51,7 @@ print(torch.__version__, transformers.__version__, \
 torch.cuda.get_device_name() if torch.cuda.is_available() else \"no CUDA\")'"
 section test-gpu 150 "$PY" -m pytest -q -rs -m gpu tests/gpu
 section fp8 90 "$PY" tools/benchmark.py fp8 "${FP8[@]}"
-section step 240 "$PY" tools/benchmark.py gpu "${BENCH[@]}" --fp8-recipe tensorwise --muon
+section step 240 "$PY" tools/benchmark.py gpu "${BENCH[@]}" --fp8-recipe tensorwise,delayed --muon
 section muon-accum 180 "$PY" tools/benchmark.py gpu "${BENCH[@]}" --no-hf --muon \
     --grad-accum "$ACCUM"
 echo "=== [$((SECONDS - start))s] done; logs in $OUT" | tee -a "$OUT/log.txt"

@@ -7,6 +7,8 @@
 * the forward GEMM runs that kernel with fast accumulation, the gradient GEMMs without;
 * an fp8 run on CUDA (per-tensor recipes through that kernel) follows the same fp8 run on
   the CPU, and differs from the fp32 run (the fp8 path ran);
+* a compiled fp8 run on CUDA (the fp8 linears inside the layers' graphs) follows the
+  eager one;
 * a Muon run on CUDA follows the CPU's, with its Newton-Schulz matmuls in IEEE fp32 and
   at ``--muon-fp32-matmul-prec medium`` (bf16 inside; further from the CPU, still close).
 """
@@ -76,6 +78,26 @@ def test_fp8_on_cuda_follows_cpu(monkeypatch, recipe):
     worst = max(abs(cuda.losses[i] - ref.losses[i]) for i in ref.losses)
     assert worst <= FP8_LOSS_ATOL, (worst, cuda.losses, ref.losses)
     assert max(abs(cuda.losses[i] - plain.losses[i]) for i in ref.losses) > 1e-4
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_compiled_fp8_follows_eager_fp8_on_cuda(recipe):
+    """``--compile`` traces the fp8 linears, their quantisations and ``torch._scaled_mm``
+    into the layers' graphs (no graph break), which inductor compiles for the GPU: the
+    curve stays within the CPU-to-CUDA bound of the eager fp8 run's."""
+    from torch._dynamo.utils import counters
+
+    _needs_fp8_kernel()
+    fp8 = {"fp8_format": "hybrid", "fp8_recipe": recipe}
+    eager, _ = run_training(config_on(CUDA, model=fp8, train={"train_iters": ITERS}))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = run_training(config_on(CUDA, model=fp8,
+                                         train={"train_iters": ITERS, "compile": True}))
+    assert dict(counters["graph_break"]) == {}
+    assert list(compiled.losses) == list(eager.losses) == list(range(1, ITERS + 1))
+    worst = max(abs(compiled.losses[i] - eager.losses[i]) for i in eager.losses)
+    assert worst <= FP8_LOSS_ATOL, (worst, compiled.losses, eager.losses)
 
 
 @pytest.mark.parametrize("precision", ["high", "medium"])
