@@ -8,11 +8,14 @@ frees ``param.grad``, so gradients accumulate across micro-batches in the buffer
 Reduction, per bucket, over ``ps.dp_cp`` (dense parameters) or ``ps.edp`` (expert
 parameters, ``ParamMeta.expert``): an all-reduce SUM, or with the distributed
 optimizer (``use_distributed_optimizer``) a reduce-scatter SUM into this rank's shard.
-With ``shard_grads`` (``--data-parallel-sharding-strategy optim_grads``) the shard is a
-buffer of its own and the full-size gradient buffer is freed once the step's reduction is
-done, and allocated again, zeroed, by the next step's :meth:`zero_grad` (or its first
-gradient): between steps a rank holds only its ``1/D`` of the fp32 gradients
-(:mod:`megalite.optim.grad_buffer`). Read the reduced gradients with ``bucket.shard_grad()``.
+With ``shard_grads`` (``--data-parallel-sharding-strategy optim_grads``, ZeRO-2) the shard
+is a buffer of its own and there is no full-size buffer: each bucket is reduce-scattered
+into the shard (added) once every one of its parameters has received a gradient since its
+last reduction -- once per micro-batch -- and its full gradient is dropped, so a rank holds
+its ``1/D`` of the fp32 gradients plus the buckets the backward is filling
+(:mod:`megalite.optim.grad_buffer`). Those reductions do not wait for the last micro-batch,
+and without ``overlap_grad_reduce`` each completes before backward goes on. Read the
+reduced gradients with ``bucket.shard_grad()``.
 
 * ``overlap_grad_reduce`` False: nothing happens during backward; :meth:`finish_grad_sync`
   reduces every bucket after the last micro-batch.
@@ -87,6 +90,12 @@ from megalite.pipeline.layout import model_chunks
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements
 
 
+def bucket_elements(bucket_size: int | None, dp_cp: int) -> int:
+    """Elements per gradient bucket: ``--ddp-bucket-size``, or by default
+    max(40M, 1M x data-parallel size) as in Megatron-LM."""
+    return bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * dp_cp)
+
+
 def _param_chunks(model) -> list:
     """``model`` as a list of chunks: the pipeline chunks of a Module or list of Modules
     (``pipeline.layout.model_chunks``), or any other iterable of parameters as one chunk."""
@@ -111,7 +120,8 @@ class DataParallelGrads:
     bucket_size:  elements per bucket (``--ddp-bucket-size``); default
                   max(40M, 1M x data-parallel size) as in Megatron-LM.
     trace:        set to a list to record ``(event, chunk, buffer, bucket)`` tuples
-                  (``grad-final``, ``grad-sync-start``, ``param-sync-start``,
+                  (``grad-final``, ``grad-sync-start``, ``grad-round-start`` (a
+                  ``shard_grads`` bucket's round), ``param-sync-start``,
                   ``param-sync-wait``) for tests of the overlap order.
     shard_params: ZeRO-3 (see module docstring); ``model`` must be modules (chunks).
     prefetch:     with ``shard_params``: gather the next layer while this one computes.
@@ -139,7 +149,7 @@ class DataParallelGrads:
         self.overlap_param_gather = overlap_param_gather
         self.sharded = use_distributed_optimizer
         self.grad_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
-        self.bucket_size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * ps.dp_cp.size)
+        self.bucket_size = bucket_elements(bucket_size, ps.dp_cp.size)
         self.chunks = _param_chunks(model)
         self._units = None
         if shard_params:
@@ -242,8 +252,6 @@ class DataParallelGrads:
                 for grad in shared:
                     grad.copy_(total)
             all_reduce_coalesced(shared, self.ps.embedding)
-        for buf in self.buffers:
-            buf.release()       # optim_grads: only the reduced shards stay
         if timer:
             timer.stop()
 
@@ -261,9 +269,10 @@ class DataParallelGrads:
         return bucket.reduced_shard[s - lo:max(s, e) - lo]
 
     def memory_tensors(self) -> list[torch.Tensor]:
-        """The gradient storages this object holds (full buffers, empty between steps
-        under ``shard_grads``, and the reduced shards), for memory accounting."""
+        """The gradient storages this object holds (full buffers, or under ``shard_grads``
+        the buckets' rounds held now and the reduced shards), for memory accounting."""
         held = [b.grad_data for b in self.buffers]
+        held += [t for b in self.buffers if b.shard_grads for t in b.round_tensors()]
         return held + [b.shard_grad_data for b in self.buffers if b.shard_grad_data is not None]
 
     def param_memory_tensors(self) -> list[torch.Tensor]:
@@ -355,8 +364,9 @@ class DataParallelGrads:
                 f"announced: zero_grad(num_microbatches={self._expected}), last-micro-batch "
                 f"flags {self._last}); call grads.set_last_microbatch(False) before non-last "
                 "backward passes or announce the right number of micro-batches")
-        if bucket.reduced_shard is not None and not bucket.buffer.allocated:
-            bucket.buffer.allocate()      # a step that did not start with zero_grad()
+        if bucket.reduced_shard is not None:
+            self._add_to_round(param, b, bucket)
+            return
         param.main_grad.add_(param.grad)
         param.grad = None
         if not self.overlap_grad_reduce:
@@ -368,6 +378,23 @@ class DataParallelGrads:
         done = self._final[id(bucket)] = self._final.get(id(bucket), 0) + 1
         if done == len(bucket.params):
             self._launch_ready(self.buffers[b])
+
+    def _add_to_round(self, param, b: int, bucket: Bucket) -> None:
+        """``shard_grads``: add ``param.grad`` to its bucket's open round (opening one); once
+        every parameter of the bucket has a gradient in it, reduce-scatter the round into
+        the shard (collective over the bucket's group; waited for at once unless
+        ``overlap_grad_reduce``). All ranks of the group close rounds in the same order:
+        their backward passes produce the same gradients in the same order."""
+        bucket.open_round()
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        bucket.round_arrivals.add(id(param))
+        if len(bucket.round_arrivals) < len(bucket.params):
+            return
+        self._record("grad-round-start", self._where[id(param)][0], b, bucket.index)
+        bucket.start_round()
+        if not self.overlap_grad_reduce:
+            bucket.wait_rounds()
 
     def _launch_ready(self, buf: GradBuffer) -> None:
         """Launch, in bucket order, every bucket of ``buf`` whose gradients are final."""

@@ -28,14 +28,18 @@ through :mod:`megalite.parallel.collectives`:
   from a copy) into the whole bucket.
 
 Sharded gradients (``shard_grads``, ``--data-parallel-sharding-strategy optim_grads``, with
-``D > 1``): the reduce-scatter writes straight into a persistent ``shard_grad_data``
-``[N / D]`` (bucket ``b``'s shard at the sum of the earlier buckets' ``N_b / D``), and the
-full ``grad_data`` is allocated only while a step accumulates: :meth:`GradBuffer.release`
-drops it after the reduction (``grad_data`` becomes an empty tensor and the parameters lose
-their ``main_grad`` attribute, so a stray read raises AttributeError) and
-:meth:`GradBuffer.allocate` (from ``zero_()`` or the first gradient of a step) makes a new,
-zeroed one and the views again. Between steps a rank
-holds ``4 N / D`` bytes of fp32 gradients instead of ``4 N``.
+``D > 1``; ZeRO-2): no buffer holds the whole model's gradients. Each bucket allocates its
+own zeroed ``[N_b]`` gradient (and its parameters' ``main_grad`` views) when the first
+gradient of a round reaches it; a round ends when every parameter of the bucket has
+received a gradient since the last one (once per micro-batch, for a fixed graph), and
+then the bucket is reduce-scattered (SUM over ``group``) into a fresh ``[N_b / D]`` that is
+added to this rank's persistent shard ``shard_grad_data`` ``[N / D]`` (bucket ``b``'s at
+the sum of the earlier buckets' ``N_b / D``), and its full gradient is dropped
+(:meth:`Bucket.start_round` / :meth:`Bucket.wait_rounds`). A rank holds ``4 N / D`` bytes
+of fp32 gradients plus the buckets of the backward in flight, as under Megatron-FSDP,
+at the cost of one reduce-scatter per bucket and micro-batch instead of one per step.
+Between rounds a parameter has no ``main_grad`` attribute, so a stray read raises
+AttributeError.
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ import torch
 from megalite.parallel import collectives
 from megalite.parallel.params import param_meta
 from megalite.parallel.state import Group
+
+
+ROUNDS_IN_FLIGHT = 1
+"""``shard_grads``: reduce-scatters of rounds a buffer leaves in flight when it launches
+another (the backward computes the next bucket while the last one is reduced)."""
 
 
 class Bucket:
@@ -77,11 +86,68 @@ class Bucket:
         # optim_grads_params: the StepWeights quantising this bucket's weights, told to
         # forget their copies when the bucket is freed
         self.step_weights: list = []
+        # shard_grads: this round's full gradient [numel] (None between rounds), the ids of
+        # the parameters that received a gradient in it, and the rounds being reduced
+        self._own_grad: torch.Tensor | None = None
+        self.round_arrivals: set = set()
+        self._rounds: list = []
 
     @property
     def grad(self) -> torch.Tensor:
-        """``[numel]``: the bucket's view of the buffer's ``grad_data``."""
+        """``[numel]``: the bucket's view of the buffer's ``grad_data``; under
+        ``shard_grads`` this round's own gradient (:meth:`open_round`)."""
+        if self.buffer.shard_grads:
+            if self._own_grad is None:
+                raise RuntimeError("this bucket has no gradient between rounds "
+                                   "(optim_grads keeps only the reduced shard)")
+            return self._own_grad
         return self.buffer.grad_data[self.start:self.end]
+
+    # -- rounds of sharded gradients (shard_grads) -----------------------------------------
+    @property
+    def round_open(self) -> bool:
+        return self._own_grad is not None
+
+    def open_round(self) -> None:
+        """A zeroed ``[numel]`` gradient for a new round and its parameters' ``main_grad``
+        views into it (a no-op while a round is open)."""
+        if self._own_grad is None:
+            self._own_grad = torch.zeros(self.numel, dtype=self.buffer.grad_dtype,
+                                         device=self.buffer.device)
+            for p, (a, b) in zip(self.params, self.ranges):
+                p.main_grad = self._own_grad[a:b].view(p.shape)
+
+    def start_round(self) -> None:
+        """Close the open round: launch the reduce-scatter (SUM over ``group``) of its
+        gradient into a fresh ``[numel / D]`` without waiting and drop the ``main_grad``
+        views. The buffer's rounds launched before complete first
+        (:data:`ROUNDS_IN_FLIGHT`), so the backward holds in full at most the bucket it
+        fills and the one being reduced."""
+        grad, self._own_grad = self._own_grad, None
+        self.round_arrivals.clear()
+        for p in self.params:
+            if hasattr(p, "main_grad"):
+                del p.main_grad
+        in_flight = self.buffer.rounds_in_flight
+        while len(in_flight) >= ROUNDS_IN_FLIGHT:
+            in_flight.pop(0).wait_rounds()
+        out = torch.empty(self.numel // self.group.size, dtype=grad.dtype, device=grad.device)
+        work = collectives.reduce_scatter_tensor(out, grad, self.group, async_op=True)
+        self._rounds.append((work, out, grad))
+        in_flight.append(self)
+
+    def wait_rounds(self) -> None:
+        """Complete the launched rounds, adding each reduced ``[numel / D]`` into
+        ``reduced_shard`` (no collective of its own)."""
+        for work, out, _grad in self._rounds:
+            work.wait()
+            self.reduced_shard.add_(out)
+        self._rounds.clear()
+
+    def round_tensors(self) -> list[torch.Tensor]:
+        """The full gradients this bucket holds now (the open round's, those in flight)."""
+        held = [] if self._own_grad is None else [self._own_grad]
+        return held + [grad for _w, _o, grad in self._rounds]
 
     @property
     def group(self) -> Group:
@@ -124,9 +190,9 @@ class Bucket:
         self.grad_sync_launched = True
         if self.group.size == 1:
             return
-        if self.reduced_shard is not None:    # optim_grads: into the persistent shard
-            self._grad_work = collectives.reduce_scatter_tensor(self.reduced_shard, self.grad,
-                                                                self.group, async_op=True)
+        if self.reduced_shard is not None:    # optim_grads: the open round, if any
+            if self.round_open:
+                self.start_round()
         elif self.buffer.sharded:
             self._scattered = torch.empty(self.numel // self.group.size,
                                           dtype=self.grad.dtype, device=self.grad.device)
@@ -137,6 +203,9 @@ class Bucket:
 
     def wait_grad_sync(self) -> None:
         """Complete the launched reduction (a no-op if none is in flight)."""
+        if self.reduced_shard is not None:
+            self.wait_rounds()
+            return
         if self._grad_work is None:
             return
         self._grad_work.wait()
@@ -204,7 +273,9 @@ class GradBuffer:
         spans = self._layout(self.params, bucket_size, group.size if sharded else 1, unit_of)
         total = spans[-1][2] if spans else 0
         self.total, self.grad_dtype, self.device = total, grad_dtype, device
-        self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
+        # under shard_grads no full buffer: each bucket's rounds hold their own gradients
+        self.grad_data = torch.zeros(0 if self.shard_grads else total, dtype=grad_dtype,
+                                     device=device)
         self.param_data = None
         if sharded and not self.shard_params:
             self.param_data = torch.zeros(total, dtype=self.param_dtype, device=device)
@@ -225,8 +296,8 @@ class GradBuffer:
                     with torch.no_grad():
                         bucket.param[a:b].copy_(p.detach().reshape(-1))
                     p.data = bucket.param[a:b].view(p.shape)
-        self._attach_main_grads()
         self.shard_grad_data = None
+        self.rounds_in_flight: list[Bucket] = []   # shard_grads, oldest first
         if self.shard_grads:
             self.shard_grad_data = torch.zeros(total // group.size, dtype=grad_dtype,
                                                device=device)
@@ -235,7 +306,8 @@ class GradBuffer:
                 n = bucket.numel // group.size
                 bucket.reduced_shard = self.shard_grad_data[offset:offset + n]
                 offset += n
-            self.release()
+        else:
+            self._attach_main_grads()
         self.shard_param_data = None
         if self.shard_params:
             self.shard_param_data = torch.empty(total // group.size, dtype=self.param_dtype,
@@ -248,7 +320,6 @@ class GradBuffer:
                 bucket.param_shard.copy_(bucket.param[lo:hi])
                 offset += n
 
-    # -- the full gradient buffer's storage (shard_grads) --------------------------------
     def _attach_main_grads(self) -> None:
         """``param.main_grad``: a view of ``grad_data`` in the parameter's shape."""
         for bucket in self.buckets:
@@ -256,25 +327,9 @@ class GradBuffer:
             for p, (a, b) in zip(bucket.params, bucket.ranges):
                 p.main_grad = grad[a:b].view(p.shape)
 
-    @property
-    def allocated(self) -> bool:
-        return self.grad_data.numel() == self.total
-
-    def allocate(self) -> None:
-        """A new, zeroed ``grad_data`` and the ``main_grad`` views into it."""
-        if not self.allocated:
-            self.grad_data = torch.zeros(self.total, dtype=self.grad_dtype,
-                                         device=self.device)
-            self._attach_main_grads()
-
-    def release(self) -> None:
-        """Drop ``grad_data`` and the ``main_grad`` views (``shard_grads`` only: the
-        reduced shard lives on in ``shard_grad_data``)."""
-        if self.shard_grads:
-            self.grad_data = torch.empty(0, dtype=self.grad_dtype, device=self.device)
-            for p in self.params:
-                if hasattr(p, "main_grad"):
-                    del p.main_grad
+    def round_tensors(self) -> list[torch.Tensor]:
+        """``shard_grads``: the buckets' full gradients held now (open or in flight)."""
+        return [t for bucket in self.buckets for t in bucket.round_tensors()]
 
     @staticmethod
     def _layout(params: list, bucket_size: int, pad_to: int, unit_of: dict | None = None
@@ -302,8 +357,18 @@ class GradBuffer:
         return spans
 
     def zero_(self) -> None:
-        if self.shard_grads and not self.allocated:
-            self.allocate()
+        """Zero the gradients for a new step (under ``shard_grads`` the reduced shards;
+        a round still open or in flight from an abandoned step is dropped)."""
+        if self.shard_grads:
+            self.rounds_in_flight.clear()
+            for bucket in self.buckets:
+                bucket.wait_rounds()
+                if bucket.round_open:
+                    bucket._own_grad = None
+                    bucket.round_arrivals.clear()
+                    for p in bucket.params:
+                        del p.main_grad
+            self.shard_grad_data.zero_()
         else:
             self.grad_data.zero_()
         for bucket in self.buckets:

@@ -9,10 +9,10 @@ For one rank (pipeline stage ``pp_rank``) of a validated :class:`MegaliteConfig`
   ``--grad-reduce-in-bf16``), Adam's two fp32 moments plus an fp32 master copy when
   training in half precision, the optimizer (and with optim_grads the gradients) divided
   by the data-parallel group that shards them: dp x cp for dense parameters, the expert
-  data-parallel size for experts. Under optim_grads the full gradient buffer exists while
-  a step accumulates (megalite allocates it at the step's first gradient and drops it
-  after the reduce-scatter), so the peak holds it and the persistent shard, ``(1 + 1/D)``
-  gradient bytes; between steps only the shard (:func:`state_bytes`). With
+  data-parallel size for experts. Under optim_grads (and optim_grads_params) no rank holds
+  the whole gradient: each bucket is reduce-scattered into the persistent shard once per
+  micro-batch, so the peak adds to the shard only the buckets a backward holds in full
+  (:func:`grad_round_bytes`); between steps only the shard (:func:`state_bytes`). With
   ``--optimizer-cpu-offload`` the device keeps ``1 - F`` of the optimizer bytes and the
   host ``16 F / D`` per parameter (fp32 master, a gradient copy, two moments):
   ``host``, not part of the device total.
@@ -73,6 +73,7 @@ from megalite.config.shapes import (attention_gemms, dense_layer_params, dense_m
                                     mtp_depths, norm_params)
 from megalite.layers.fp8.recipes import BLOCK_RECIPES
 from megalite.optim.algorithms import algorithm_of
+from megalite.optim.data_parallel import bucket_elements
 from megalite.optim.memory import expected_bytes_per_param
 from megalite.planner import qk_clip
 from megalite.planner.schedule import output_stage, peak_in_flight, stage_layers
@@ -439,8 +440,8 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     state = state_bytes(cfg, world_size, pp_rank)
     params, optimizer = state["params"], state["optimizer"]
     grads = state["grads"]
-    if strategy in ("optim_grads", "optim_grads_params"):   # the full buffer in a step
-        grads += state["full_grads"]
+    if strategy in ("optim_grads", "optim_grads_params"):   # the buckets in a backward
+        grads += grad_round_bytes(cfg, world_size, pp_rank)
     notes = []
 
     mb, vpp = lay.micro_batch_size, lay.vpp
@@ -558,13 +559,36 @@ def cpu_rms_norm_bytes(m, lay, layers: list, in_flight: int, last: bool) -> floa
             + (tokens * h // lay.sp if last else 0)) * kept_bytes
 
 
+def grad_round_bytes(cfg, world_size: int, pp_rank: int = 0) -> float:
+    """optim_grads / optim_grads_params: bytes of the full gradients a backward holds at
+    once on stage ``pp_rank`` (:mod:`megalite.optim.grad_buffer`'s rounds): per gradient
+    buffer (dense, expert) the bucket being filled and, with ``--overlap-grad-reduce``,
+    the one being reduce-scattered. A bucket holds ``--ddp-bucket-size`` elements (the
+    default of :func:`megalite.optim.data_parallel.bucket_elements`) or one larger
+    parameter (the largest: the vocabulary table on the first and output stages, else a
+    layer's widest linear), within the stage's elements and, under optim_grads_params,
+    within one gathered unit."""
+    m, p = cfg.model, cfg.parallel
+    lay = resolve_layout(cfg, world_size)
+    grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
+    largest = max(i * o for _t, i, o in layer_gemms(m, 1, lay.tp))
+    if pp_rank in (0, output_stage(p)):
+        largest = max(largest, m.padded_vocab_size(lay.tp) * m.hidden_size // lay.tp)
+    bucket = max(bucket_elements(p.ddp_bucket_size, lay.dp * lay.cp), largest)
+    if lay.strategy == "optim_grads_params":
+        bucket = min(bucket, max(unit_params(m, p, pp_rank)))
+    held = 2 if p.overlap_grad_reduce else 1
+    return sum(held * min(n, bucket) for n in stage_param_counts(m, p, pp_rank)
+               if n) * grad_bytes
+
+
 def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
     """Bytes of parameters, gradients and optimizer state one rank of stage ``pp_rank``
     holds between steps, as :func:`megalite.optim.memory.rank_memory` measures them:
-    ``{"params", "grads", "optimizer", "host", "full_grads", "elements"}``; ``host`` the
+    ``{"params", "grads", "optimizer", "host", "elements"}``; ``host`` the
     optimizer bytes ``--optimizer-cpu-offload`` keeps in host memory (a fraction ``F`` of
     the shard's elements: fp32 master, gradient copy and Adam's two moments, 16 bytes
-    each), ``full_grads`` the unsharded gradient buffer (held during a step)."""
+    each)."""
     m, p, o = cfg.model, cfg.parallel, cfg.optim
     lay = resolve_layout(cfg, world_size)
     half = m.bf16 or m.fp16
@@ -574,7 +598,7 @@ def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
     host_bytes = 4 * floats + 8   # + master (fp32 runs too) and grad
     offload = o.optimizer_offload_fraction if getattr(o, "optimizer_cpu_offload", False) \
         else 0.0
-    out = dict.fromkeys(("params", "grads", "optimizer", "host", "full_grads"), 0.0)
+    out = dict.fromkeys(("params", "grads", "optimizer", "host"), 0.0)
     dense, expert = stage_param_counts(m, p, pp_rank)
     for n, group in ((dense, lay.dp * lay.cp), (expert, lay.edp)):
         per = expected_bytes_per_param(lay.strategy, group, lay.dtype_bytes, grad_bytes,
@@ -583,6 +607,5 @@ def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
         out["grads"] += n * per["grads"]
         out["optimizer"] += n * per["optimizer"] * (1 - offload)
         out["host"] += n * host_bytes / group * offload
-        out["full_grads"] += n * grad_bytes
     out["elements"] = dense + expert
     return out

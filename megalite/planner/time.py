@@ -51,7 +51,8 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   word embedding's gradient summed between the first and the last stage (tied
   embeddings).
 * **dp** -- the gradient reduction over dp x cp (``2 (d-1)/d`` of the gradient bytes,
-  all-reduce or reduce-scatter + parameter all-gather), exposed in full unless
+  all-reduce or reduce-scatter + parameter all-gather; under optim_grads and
+  optim_grads_params the reduce-scatter runs once per micro-batch), exposed in full unless
   ``--overlap-grad-reduce`` (the reduction) and ``--overlap-param-gather`` (the gather)
   hide all but the last bucket (``OVERLAP_EXPOSED`` of it left); under
   ``--fp8-param-gather`` the fp8 linears' weights travel in the step's first gather as
@@ -407,10 +408,10 @@ def _gathered_bytes(ctx: StepContext, gathers: int) -> float:
 
 def dp_cost(ctx: StepContext) -> Cost:
     """The gradient reduction over dp x cp (all-reduce, or reduce-scatter + parameter
-    all-gather under the distributed optimizer; ZeRO-3 gathers each unit before every
-    forward and backward), exposed in full unless --overlap-grad-reduce /
-    --overlap-param-gather hide all but the last bucket; plus the loss and gradient norm,
-    two scalar all-reduces over the world."""
+    all-gather under the distributed optimizer; ZeRO-2/3 reduce-scatter once per
+    micro-batch, and ZeRO-3 gathers each unit before every forward and backward), exposed
+    in full unless --overlap-grad-reduce / --overlap-param-gather hide all but the last
+    bucket; plus the loss and gradient norm, two scalar all-reduces over the world."""
     p, lay, cluster = ctx.cfg.parallel, ctx.lay, ctx.cluster
     lat = cluster.latency_s
     local = _rank_params(ctx)
@@ -425,6 +426,8 @@ def dp_cost(ctx: StepContext) -> Cost:
         gathers = 1
         if lay.strategy == "optim_grads_params":   # each unit before forward and backward
             gathers = ctx.passes * lay.num_microbatches
+        if lay.strategy in ("optim_grads", "optim_grads_params"):   # once per micro-batch
+            grad_bytes *= lay.num_microbatches
         dp_time = (_ring(grad_bytes / 2, d, bw, lat) * (hidden if p.overlap_grad_reduce
                                                          else 1)
                    + _ring(_gathered_bytes(ctx, gathers) / 2, d, bw, lat)

@@ -38,6 +38,10 @@ MEMORY_CASES: tuple[Layout, ...] = (
     row("mem", 2, "llama-bf16", model={**LLAMA, "bf16": True}, tp=2, sp=True),
     row("mem", 2, distopt=True),
     row("mem", 2, "og", strategy="optim_grads"),
+    # ZeRO-2 with buckets of about a layer: backward holds one bucket's gradient in full
+    # (two with the reduce-scatter overlapped), not the whole model's
+    row("mem", 2, "og-buckets", strategy="optim_grads", bucket=20000),
+    row("mem", 2, "og-buckets", strategy="optim_grads", bucket=20000, overlap_grad=True),
     row("mem", 2, "offload", strategy="optim", optim=OFFLOAD),
     row("mem", 2, "zero3", strategy="optim_grads_params"),
     row("mem", 2, pp=2),

@@ -19,8 +19,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "planner"
 # script -> {recompute: (estimated GiB per GPU on the busiest stage, estimated MFU %)}
 ESTIMATES = {
     "gpt_145b_a100": {"full": (40.6, 42.3)},
-    "llama2_70b_h100_maxtext": {"none": (459.0, 48.0), "full": (291.9, 37.4)},
-    "llama31_8b_h100_torchtitan": {"selective": (133.9, 60.1)},
+    "llama2_70b_h100_maxtext": {"none": (205.5, 48.0), "full": (38.5, 37.4)},
+    "llama31_8b_h100_torchtitan": {"selective": (107.9, 60.1)},
     "llama31_405b_h100": {"none": (83.5, 40.5), "full": (24.2, 31.1)},
     "mixtral_8x7b_h100": {"none": (65.6, 54.5)},
     "deepseek_v3_h800": {"none": (218.5, 25.0), "full": (22.9, 22.7)},

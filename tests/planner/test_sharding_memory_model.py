@@ -62,15 +62,35 @@ def test_state_bytes_equal_the_measured_rank_memory():
                 assert optim <= est["optimizer"] and host >= est["host"], (name, rank)
 
 
-def test_peak_holds_the_full_gradient_buffer_under_optim_grads():
-    """optim_grads shards the gradients between steps only: during a step the full buffer
-    and the shard are both live."""
+def test_peak_holds_the_shard_and_the_buckets_in_flight_under_optim_grads():
+    """optim_grads never holds the whole gradient: between steps the shard, during a step
+    the shard and the bucket the backward fills (with --overlap-grad-reduce also the one
+    being reduce-scattered), each bucket --ddp-bucket-size elements or one larger
+    parameter (here the 32000 x 768 word embedding), within the stage's; each
+    reduce-scattered once per micro-batch."""
+    from megalite.planner.time import estimate_time
+
     flags = SMALL + ["--micro-batch-size", "1"]
     opt = parse_args(flags + ["--data-parallel-sharding-strategy", "optim"]).validate(8)
     og = parse_args(flags + ["--data-parallel-sharding-strategy", "optim_grads"]).validate(8)
     s_opt, s_og = state_bytes(opt, 8), state_bytes(og, 8)
     assert s_og["grads"] == s_opt["grads"] / 8
-    assert estimate_memory(og, 8).grads == s_opt["grads"] * (1 + 1 / 8)
+    n = s_opt["elements"]
+    vocab = og.model.padded_vocab_size(1) * og.model.hidden_size
+    assert vocab == 32000 * 768 < 40_000_000 < n     # the default bucket: 40M elements
+    assert estimate_memory(og, 8).grads == s_og["grads"] + 4 * 40_000_000
+    small = ["--data-parallel-sharding-strategy", "optim_grads", "--ddp-bucket-size", "1000"]
+    for extra, held in (([], 1), (["--overlap-grad-reduce"], 2)):
+        cfg = parse_args(flags + small + extra).validate(8)
+        assert estimate_memory(cfg, 8).grads == s_og["grads"] + held * 4 * vocab
+    huge = parse_args(flags + small[:2] + ["--ddp-bucket-size", str(10 * n)]).validate(8)
+    assert estimate_memory(huge, 8).grads == s_og["grads"] + 4 * n
+    m = og.train.global_batch_size // (8 * og.train.micro_batch_size)
+    assert m > 1
+    t_opt, t_og = estimate_time(opt, 8, preset("h100", 1)), estimate_time(og, 8,
+                                                                            preset("h100", 1))
+    grads = 7 / 8 * 4 * n
+    assert t_og.comm_bytes["dp"] - t_opt.comm_bytes["dp"] == pytest.approx((m - 1) * grads)
     off = parse_args(flags + ["--use-distributed-optimizer", "--optimizer-cpu-offload",
                               "--optimizer-offload-fraction", "0.25"]).validate(8)
     s_off = state_bytes(off, 8)
