@@ -123,11 +123,7 @@ class Bucket:
         views. The buffer's rounds launched before complete first
         (:data:`ROUNDS_IN_FLIGHT`), so the backward holds in full at most the bucket it
         fills and the one being reduced."""
-        grad, self._own_grad = self._own_grad, None
-        self.round_arrivals.clear()
-        for p in self.params:
-            if hasattr(p, "main_grad"):
-                del p.main_grad
+        grad = self.drop_round()
         in_flight = self.buffer.rounds_in_flight
         while len(in_flight) >= ROUNDS_IN_FLIGHT:
             in_flight.pop(0).wait_rounds()
@@ -135,6 +131,16 @@ class Bucket:
         work = collectives.reduce_scatter_tensor(out, grad, self.group, async_op=True)
         self._rounds.append((work, out, grad))
         in_flight.append(self)
+
+    def drop_round(self) -> torch.Tensor | None:
+        """End the open round without reducing it: drop the ``main_grad`` views and
+        return its gradient (None if no round was open)."""
+        grad, self._own_grad = self._own_grad, None
+        self.round_arrivals.clear()
+        for p in self.params:
+            if hasattr(p, "main_grad"):
+                del p.main_grad
+        return grad
 
     def wait_rounds(self) -> None:
         """Complete the launched rounds, adding each reduced ``[numel / D]`` into
@@ -363,11 +369,7 @@ class GradBuffer:
             self.rounds_in_flight.clear()
             for bucket in self.buckets:
                 bucket.wait_rounds()
-                if bucket.round_open:
-                    bucket._own_grad = None
-                    bucket.round_arrivals.clear()
-                    for p in bucket.params:
-                        del p.main_grad
+                bucket.drop_round()
             self.shard_grad_data.zero_()
         else:
             self.grad_data.zero_()

@@ -17,9 +17,10 @@ from tests.planner.cases import MEMORY_CASES, measure_body, planner_config
 TOLERANCE = 0.10
 # rows not yet within 10% in every run, checked in the slow suite only:
 # MoE tp2 sp ep2: its four ranks measure 5.5 to 6.2 MiB against 6.30 estimated, the
-# estimate 4% to 15% over on the last rank and over 10% in 3 runs of 7 (it budgets the
-# busiest expert rank, MOE_IMBALANCE; not yet checked against the tokens each rank's
-# experts receive);
+# estimate 4% to 15% over on the last rank and over 10% in 3 runs of 7 when each rank was
+# checked; against the largest of the four (the busiest expert rank the estimate budgets,
+# as the test now checks MoE rows) +4.1%, +5.3% and +6.6% in three runs, to be confirmed
+# over more runs before the row joins the main suite;
 # ZeRO-3: 8.12 to 8.83 MiB against 8.13 estimated (with gloo's staging copy of the
 # prefetched unit's gather: 0% to -8%; it was over 10% on one rank before that copy was
 # counted), but the 0.7 MiB spread from run to run is not yet explained
@@ -46,14 +47,24 @@ def test_cases_cover_dense_moe_optimizers_recompute_and_pipelines():
 
 @pytest.mark.parametrize("lay", CASES, ids=str)
 def test_memory_estimate_matches_measured_peak(lay, measured):
+    """Each rank's peak within TOLERANCE of the estimate of its pipeline stage. With MoE
+    layers the estimate budgets the busiest expert rank (``MOE_IMBALANCE`` of the even
+    share of routed tokens), so it must match the largest peak of the stage's ranks and
+    may exceed the others' (an expert rank whose experts drew fewer tokens: 9.5 against
+    10.7 MiB at dp2 ep2 in one CI run)."""
     cfg = planner_config(lay)
-    lines, bad = [], []
+    moe = bool(lay.model.get("num_experts"))
+    lines, peaks, estimates = [], {}, {}
     for rank, got in enumerate(measured(lay)):
         est = estimate_memory(cfg, lay.world_size, got["pp_rank"], device_type="cpu")
         assert est.params_elements == got["params"], (rank, est.params_elements, got)
-        err = est.total / got["peak"] - 1
         lines.append(f"rank {rank}: measured {got['peak'] / 2**20:.3f} MiB, estimated "
-                     f"{est.total / 2**20:.3f} MiB ({err:+.1%})")
-        if abs(err) > TOLERANCE:
-            bad.append(rank)
+                     f"{est.total / 2**20:.3f} MiB ({est.total / got['peak'] - 1:+.1%})")
+        peaks.setdefault(got["pp_rank"], []).append(got["peak"])
+        estimates[got["pp_rank"]] = est.total
+    bad = []
+    for stage, stage_peaks in peaks.items():
+        checked = [max(stage_peaks)] if moe else stage_peaks
+        bad += [peak for peak in checked if abs(estimates[stage] / peak - 1) > TOLERANCE]
+        bad += [peak for peak in stage_peaks if peak > estimates[stage] * (1 + TOLERANCE)]
     assert not bad, f"{lay}: estimate off by more than {TOLERANCE:.0%}:\n" + "\n".join(lines)
