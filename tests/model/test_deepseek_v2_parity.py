@@ -229,3 +229,41 @@ def test_latent_norm_eps_and_mtp_warnings():
                                                         mtp_num_layers=1))
     assert "--norm-epsilon 1e-05" in eps and "DeepSeek-V2" in eps
     assert "multi token prediction" in mtp.replace("-", " ") and "not written" in mtp
+
+
+# config.json fields of the hub's DeepSeek-V2-Lite and DeepSeek-V2 (sizes as published;
+# the legacy ``rope_scaling`` spelling, fields transformers does not read left in)
+V2_LITE_HUB = {"model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048,
+               "intermediate_size": 10944, "moe_intermediate_size": 1408,
+               "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+               "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+               "first_k_dense_replace": 1, "moe_layer_freq": 1, "kv_lora_rank": 512,
+               "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+               "v_head_dim": 128, "rope_theta": 10000, "rms_norm_eps": 1e-6,
+               "max_position_embeddings": 163840, "routed_scaling_factor": 1.0,
+               "norm_topk_prob": False, "topk_method": "greedy", "n_group": 1,
+               "topk_group": 1, "scoring_func": "softmax", "seq_aux": True,
+               "aux_loss_alpha": 0.001, "tie_word_embeddings": False,
+               "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707,
+                                "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+                                "original_max_position_embeddings": 4096}}
+V2_HUB = {**V2_LITE_HUB, "hidden_size": 5120, "intermediate_size": 12288,
+          "moe_intermediate_size": 1536, "num_hidden_layers": 60, "num_attention_heads": 128,
+          "num_key_value_heads": 128, "n_routed_experts": 160, "q_lora_rank": 1536,
+          "routed_scaling_factor": 16.0, "topk_method": "group_limited_greedy",
+          "n_group": 8, "topk_group": 3}
+
+
+def test_hub_configs():
+    """V2-Lite's config.json converts (greedy top-6 of 64, two shared experts, YaRN 40);
+    V2's top-6 of 3 groups of 8 is refused, naming the fields."""
+    lite = ModelConfig(**SPEC.config_from_hf(transformers.DeepseekV2Config(**V2_LITE_HUB)))
+    assert (lite.num_layers, lite.num_experts, lite.moe_router_topk) == (27, 64, 6)
+    assert lite.moe_router_pre_softmax and lite.moe_router_num_groups is None
+    assert lite.moe_shared_expert_intermediate_size == 2816 and lite.q_lora_rank is None
+    assert lite.moe_layer_freq == "[0]*1+[1]*26" and lite.kv_lora_rank == 512
+    assert (lite.rotary_scaling_factor, lite.mscale, lite.mscale_all_dim) == (40.0, 0.707,
+                                                                              0.707)
+    assert family_of(lite) is SPEC
+    with pytest.raises(ValueError, match=r"num_experts_per_tok 6 // topk_group 3 = 2"):
+        SPEC.config_from_hf(transformers.DeepseekV2Config(**V2_HUB))
