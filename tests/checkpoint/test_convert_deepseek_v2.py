@@ -3,7 +3,8 @@ checkpoints written by ``save_pretrained`` (V2-Lite's shape: no query latent, gr
 routing; V2's: query latent, group_limited_greedy, scaled, YaRN) convert to megalite with
 the routing flags printed; the converted checkpoint gives transformers' logits (in one
 process, and for V2's shape at tp 2 x ep 2); converted back it is the source's tensors bit
-for bit and its config; configs megalite cannot compute alike are refused by the tool."""
+for bit and its config; it continues training; configs megalite cannot compute alike are
+refused by the tool."""
 
 import io
 import json
@@ -132,3 +133,32 @@ def test_tool_refuses_what_megalite_computes_otherwise(converted, tmp_path, caps
         assert "DeepSeek-V2 config megalite cannot represent" in err
         assert len(err.strip().splitlines()) == 1
         assert not (tmp_path / "never").exists()
+
+
+def test_converted_checkpoint_continues_training(converted, tmp_path):
+    """--load DIR --finetune with the printed architecture: the model starts from the
+    source's tensors and its loss falls."""
+    from safetensors.torch import load_file
+
+    from megalite.models.families import get_family
+    from megalite.parallel.state import ParallelState
+    from megalite.training.build import build_components
+    from megalite.training.loop import train
+    from tests.training.common import tiny_config
+
+    case, src, mid, _, _ = converted
+    if case != "v2":
+        pytest.skip("once, on the V2 shape")
+    spec = get_family("deepseek_v2")
+    model = {k: v for k, v in spec.config_from_hf(transformers.AutoConfig.from_pretrained(
+        src, local_files_only=True)).items()
+        if k not in ("vocab_size", "seq_length", "max_position_embeddings")}
+    cfg = tiny_config(model=model, train={"train_iters": 3},
+                      checkpoint={"load": mid, "finetune": True, "save": str(tmp_path / "c")})
+    c = build_components(cfg, ParallelState.build(cfg.parallel), peak_probe_seconds=0.01)
+    want = spec.from_hf(load_file(os.path.join(src, "model.safetensors")), c.cfg.model)
+    for name, tensor in c.model.full_state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+    result = train(c)
+    c.close()
+    assert result.iteration == 3 and result.losses[3] < result.losses[1]
