@@ -285,6 +285,21 @@ _DEEPSEEK = [
     row("reshard", 1, "expert-bias", model=DEEPSEEK_MOE),
 ]
 
+# -- DeepSeek-V2 routing (converted DeepseekV2ForCausalLM checkpoints): softmax over all
+# experts, not renormalized (--moe-router-pre-softmax), 8 experts in 4 groups, top-3 of 2
+# groups (a group scored by its best expert), scaled, a shared expert, the first layer
+# dense, multi-latent attention; trained by the moe-training suite
+DEEPSEEK_V2_MOE = {"num_experts": 8, "moe_router_topk": 3, "moe_router_pre_softmax": True,
+                   "moe_router_num_groups": 4, "moe_router_group_topk": 2,
+                   "moe_router_topk_scaling_factor": 2.5,
+                   "moe_shared_expert_intermediate_size": 32, "moe_layer_freq": "[0]+[1]",
+                   **MLA}
+_DEEPSEEK += [
+    row("moe-training", 2, "deepseek-v2", model=DEEPSEEK_V2_MOE, ep=2),
+    row("moe-training", 4, "deepseek-v2", model=DEEPSEEK_V2_MOE, tp=2, sp=True, ep=2,
+        etp=1),
+]
+
 # -- optim: each layout x (plain | distributed optimizer | sharded gradients) x (overlap off
 # | on), and optimizer CPU offload (half of the elements, or all) on some layouts ----------
 OPTIM_VARIANTS = {

@@ -17,10 +17,10 @@
 Families: GPT-2, Llama (GQA, tied or untied embeddings; megalite rotates in HF's
 rotate-half layout, so q/k need no permutation), Mixtral (experts stacked ``[E, ...]``;
 hub ``w1/w2/w3`` files or transformers' fused names), Qwen3 (Llama's with q/k norms),
-Qwen3-MoE (dense and sparse layers, ``norm_topk_prob``) and DeepSeek-V3 (multi-latent
+Qwen3-MoE (dense and sparse layers, ``norm_topk_prob``), DeepSeek-V3 (multi-latent
 attention, routed and shared experts, the router's correction bias; the hub's
-multi-token-prediction layers are dropped with a note, as megalite has no MTP yet):
-one spec each in
+multi-token-prediction layers as ``--mtp-num-layers`` depths) and DeepSeek-V2 / V2-Lite
+(the same layers with softmax routing, ``--moe-router-pre-softmax``): one spec each in
 megalite.models.families, which the converter asks for names, configs and architectures.
 Megatron-LM checkpoints map through megalite.checkpoint.megatron (Megatron-Core's sharded
 keys, its per-group q/k/v interleave, the config from the saved ``args``).

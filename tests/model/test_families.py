@@ -22,7 +22,8 @@ TINY = {"gpt2": gpt2_config, "llama": llama_config, "mixtral": mixtral_config,
 def test_builtin_families():
     import transformers
 
-    assert family_names() == ("gpt2", "llama", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
+    assert family_names() == ("gpt2", "llama", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3",
+                              "deepseek_v2")
     for name in family_names():
         spec = get_family(name)
         assert spec.name == name and family_for_hf(spec.hf_model_type) is spec

@@ -5,7 +5,9 @@ DeepSeek-V3 routing (sigmoid, group-limited, the expert bias updated every step,
 first layer dense) at ep 2, ep 2 x tp 2 + SP, pp 2 and the distributed optimizer, whose
 per-layer expert loads (``expert_load``) must equal the single-process run's too; and
 Qwen3-MoE's shape (QK norm, softmax before the top-k without renormalizing, a dense first
-layer wider than the experts) at ep 2 x tp 2 + SP and ep 2 x pp 2.
+layer wider than the experts) at ep 2 x tp 2 + SP and ep 2 x pp 2; and DeepSeek-V2
+routing (softmax before a group-limited top-3, scaled, a shared expert, multi-latent
+attention, a dense first layer) at ep 2 and ep 2 x tp 2 + SP.
 
 Every layout trains the same model (fp32, dropout 0, dropless, aux loss 0.01, z loss
 0.001) on the same mock data for ``ITERS`` iterations through the real loop

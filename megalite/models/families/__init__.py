@@ -14,11 +14,20 @@ a ``FamilySpec`` subclass, plus its line in ``BUILTIN`` below.
 
 from __future__ import annotations
 
-from megalite.models.families import deepseek_v3, gpt2, llama, mixtral, qwen3, qwen3_moe
+from megalite.models.families import (
+    deepseek_v2,
+    deepseek_v3,
+    gpt2,
+    llama,
+    mixtral,
+    qwen3,
+    qwen3_moe,
+)
 from megalite.models.families.spec import FamilySpec
 
 # In the order family_of asks them; the built-in families' matches() are disjoint.
-BUILTIN = (gpt2.SPEC, llama.SPEC, mixtral.SPEC, qwen3.SPEC, qwen3_moe.SPEC, deepseek_v3.SPEC)
+BUILTIN = (gpt2.SPEC, llama.SPEC, mixtral.SPEC, qwen3.SPEC, qwen3_moe.SPEC, deepseek_v3.SPEC,
+           deepseek_v2.SPEC)
 
 
 class FamilyRegistry:
