@@ -106,12 +106,13 @@ class Fp8LinearFunction(torch.autograd.Function):
     when backward asks the scaling for it) -> ``[..., N]``; collectives only those of
     ``scaling`` (tensorwise amaxes).
 
-    With tensorwise scaling and the weight's copies held through the step, neither pass
-    touches any state (the step's copies are read and made outside, in
-    :func:`fp8_linear`), so ``torch.compile`` traces the function into the layer's graph
-    and fuses each quantisation with its neighbours; delayed scaling (which records the
-    amaxes), ZeRO-3 (whose copies are made again in backward) and evaluation keep state
-    and run the function eagerly inside a compiled layer."""
+    Neither pass touches the scaling's Python state (the step's weight copies are read
+    and made in :func:`fp8_linear`; delayed scaling's amax records are buffer writes,
+    which compiled graphs keep), so ``torch.compile`` traces the function into the
+    layer's graph and fuses each quantisation with its neighbours. It still runs eagerly
+    inside a compiled layer under ZeRO-3 (backward asks the scaling for the copies again)
+    and where an amax is all-reduced over tp or cp (megalite's collectives break the
+    graph there, as they do for the layers' own tp collectives)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, scaling, dw, qw, qw_t):
