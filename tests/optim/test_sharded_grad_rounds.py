@@ -48,7 +48,7 @@ def _body(rank, world_size, overlap):
 
             def open_round(bucket, opened=opened, grads=grads):
                 opened(bucket)
-                held.append(sum(t.numel() for t in grads.memory_tensors()[1:-1]))
+                held.append(sum(t.numel() for b in grads.buffers for t in b.round_tensors()))
 
             Bucket.open_round = open_round
             try:
