@@ -71,6 +71,17 @@ def dense_layers(model_cfg) -> int:
     return pattern.index(1) if 1 in pattern else len(pattern)
 
 
+# the ModelConfig defaults DeepSeek-V2 and V3 share; each adds its router's
+DEEPSEEK_DEFAULTS = {"position_embedding_type": "rope", "normalization": "RMSNorm",
+                     "swiglu": True, "add_bias_linear": False,
+                     "untie_embeddings_and_output_weights": True,
+                     "multi_latent_attention": True, "qk_layernorm": True,
+                     "num_experts": 8, "moe_router_topk": 2, "moe_router_dtype": "fp32",
+                     "moe_router_load_balancing_type": "seq_aux_loss",
+                     "moe_ffn_hidden_size": 128, "moe_shared_expert_intermediate_size": 128,
+                     "norm_epsilon": 1e-6}
+
+
 class DeepseekSpec(FamilySpec):
     """MLA + dense-then-MoE layers with shared experts; the router is the subclass's."""
 

@@ -40,7 +40,7 @@ no place for them) and says so.
 
 from __future__ import annotations
 
-from megalite.models.families.deepseek_base import DeepseekSpec
+from megalite.models.families.deepseek_base import DEEPSEEK_DEFAULTS, DeepseekSpec
 
 GREEDY, GROUP_LIMITED = "greedy", "group_limited_greedy"
 
@@ -50,14 +50,8 @@ class DeepseekV2Spec(DeepseekSpec):
     hf_model_type = "deepseek_v2"
     hf_architecture = "DeepseekV2ForCausalLM"
     label = "DeepSeek-V2"
-    defaults = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
-                "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
-                "multi_latent_attention": True, "qk_layernorm": True,
-                "num_experts": 8, "moe_router_topk": 2, "moe_router_score_function": "softmax",
-                "moe_router_pre_softmax": True, "moe_router_dtype": "fp32",
-                "moe_router_load_balancing_type": "seq_aux_loss",
-                "moe_ffn_hidden_size": 128, "moe_shared_expert_intermediate_size": 128,
-                "norm_epsilon": 1e-6}
+    defaults = {**DEEPSEEK_DEFAULTS, "moe_router_score_function": "softmax",
+                "moe_router_pre_softmax": True}
 
     def router_problems(self, model_cfg) -> list[str]:
         c = model_cfg

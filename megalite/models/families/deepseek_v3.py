@@ -33,7 +33,7 @@ import re
 
 import torch
 
-from megalite.models.families.deepseek_base import HF_LAYER_PREFIX, DeepseekSpec
+from megalite.models.families.deepseek_base import DEEPSEEK_DEFAULTS, HF_LAYER_PREFIX, DeepseekSpec
 from megalite.models.families.deepseek_mtp import mtp_from_hf, mtp_to_hf
 from megalite.models.families.names import Rename
 
@@ -48,14 +48,8 @@ class DeepseekV3Spec(DeepseekSpec):
     fp32_hf_suffixes = ("e_score_correction_bias",)   # fp32 on the hub; it picks experts
     extra_layer_renames = (Rename("mlp.router.expert_bias",
                                   "mlp.gate.e_score_correction_bias"),)
-    defaults = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
-                "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
-                "multi_latent_attention": True, "qk_layernorm": True,
-                "num_experts": 8, "moe_router_topk": 2, "moe_router_score_function": "sigmoid",
-                "moe_router_enable_expert_bias": True, "moe_router_dtype": "fp32",
-                "moe_router_load_balancing_type": "seq_aux_loss",
-                "moe_ffn_hidden_size": 128, "moe_shared_expert_intermediate_size": 128,
-                "norm_epsilon": 1e-6}
+    defaults = {**DEEPSEEK_DEFAULTS, "moe_router_score_function": "sigmoid",
+                "moe_router_enable_expert_bias": True}
 
     # -- the router ----------------------------------------------------------------------
     def router_problems(self, model_cfg) -> list[str]:
