@@ -73,6 +73,22 @@ def _safetensors(directory):
     return out
 
 
+def assert_same_export(src: str, out: str, config_keys=()) -> tuple[dict, dict]:
+    """The HF checkpoint exported to ``out`` holds ``src``'s tensors bit for bit, under the
+    same names, and its config.json the same value of each of ``config_keys``; returns
+    (the exported tensors, the exported config)."""
+    want, got = _safetensors(src), _safetensors(out)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    with open(os.path.join(src, "config.json")) as f, \
+            open(os.path.join(out, "config.json")) as g:
+        a, b = json.load(f), json.load(g)
+    for key in config_keys:
+        assert a.get(key) == b.get(key), key
+    return got, b
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_to_megalite_to_hf_is_bit_identical(tmp_path, family, capsys):
     src, mid, out = (str(tmp_path / n) for n in ("hf", "megalite", "back"))
@@ -88,17 +104,10 @@ def test_hf_to_megalite_to_hf_is_bit_identical(tmp_path, family, capsys):
     convert("--source", "megalite", "--target", "hf", "--load-dir", mid, "--save-dir", out,
             "--max-shard-size", "20KB")
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))  # sharded
-    want, got = _safetensors(src), _safetensors(out)
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert torch.equal(got[name], tensor), name
-    with open(os.path.join(src, "config.json")) as f, \
-            open(os.path.join(out, "config.json")) as g:
-        a, b = json.load(f), json.load(g)
-    for key in ("model_type", "vocab_size", "num_attention_heads", "num_key_value_heads",
-                "n_head", "n_layer", "num_hidden_layers", "tie_word_embeddings",
-                "num_local_experts", "num_experts_per_tok"):
-        assert a.get(key) == b.get(key), key
+    assert_same_export(src, out, ("model_type", "vocab_size", "num_attention_heads",
+                                  "num_key_value_heads", "n_head", "n_layer",
+                                  "num_hidden_layers", "tie_word_embeddings",
+                                  "num_local_experts", "num_experts_per_tok"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -5,14 +5,13 @@ tp 2, pp 2 and tp 2 x ep 2 and gives transformers' logits and greedy tokens; con
 back it is the source's tensors bit for bit (the MTP module too) and config; it continues
 training (the expert bias moving, the depth's loss logged)."""
 
-import json
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.checkpoint.test_convert import VOCAB, _safetensors, convert
+from tests.checkpoint.test_convert import VOCAB, _safetensors, assert_same_export, convert
 from tests.distributed.harness import run_distributed
 from tests.model.test_deepseek_v3_parity import hf_tiny_config, randomize
 
@@ -106,21 +105,14 @@ def test_megalite_to_hf_round_trip(converted, tmp_path):
     src, mid, _, _, _ = converted
     out = str(tmp_path / "back")
     convert("--source", "megalite", "--target", "hf", "--load-dir", mid, "--save-dir", out)
-    want, got = _safetensors(src), _safetensors(out)
-    assert sorted(got) == sorted(want) and "model.layers.2.eh_proj.weight" in got
-    for name, tensor in got.items():
-        assert torch.equal(tensor, want[name]), name
-    with open(os.path.join(src, "config.json")) as f, \
-            open(os.path.join(out, "config.json")) as g:
-        a, b = json.load(f), json.load(g)
+    back, b = assert_same_export(src, out, (
+        "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "n_routed_experts",
+        "n_shared_experts", "n_group", "topk_group", "first_k_dense_replace",
+        "routed_scaling_factor", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+        "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size", "rope_interleave"))
+    assert "model.layers.2.eh_proj.weight" in back
     assert b["num_nextn_predict_layers"] == 1 and b["architectures"] == [
         "DeepseekV3ForCausalLM"]
-    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                "n_routed_experts", "n_shared_experts", "n_group", "topk_group",
-                "first_k_dense_replace", "routed_scaling_factor", "q_lora_rank",
-                "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                "moe_intermediate_size", "rope_interleave"):
-        assert a.get(key) == b.get(key), key
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"
     # bf16: the correction bias stays fp32, as on the hub (it decides the experts)
@@ -129,7 +121,7 @@ def test_megalite_to_hf_round_trip(converted, tmp_path):
             "--dtype", "bf16")
     got = _safetensors(bf16)
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-    assert got[bias].dtype == torch.float32 and torch.equal(got[bias], want[bias])
+    assert got[bias].dtype == torch.float32 and torch.equal(got[bias], back[bias])
     assert got["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
 
 

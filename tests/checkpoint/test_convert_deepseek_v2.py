@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megalite.errors import EXIT_CHECKPOINT
-from tests.checkpoint.test_convert import VOCAB, _safetensors, _tool, convert
+from tests.checkpoint.test_convert import VOCAB, _tool, assert_same_export, convert
 from tests.distributed.harness import run_distributed
 from tests.model.test_deepseek_v2_parity import FULL, LITE, hf_tiny_config, randomize
 
@@ -92,20 +92,14 @@ def test_megalite_to_hf_round_trip(converted, tmp_path, capsys):
     out = str(tmp_path / "back")
     convert("--source", "megalite", "--target", "hf", "--load-dir", mid, "--save-dir", out)
     assert "warning" not in capsys.readouterr().out
-    want, got = _safetensors(src), _safetensors(out)
-    assert sorted(got) == sorted(want) and "model.layers.1.mlp.experts.7.up_proj.weight" in got
-    for name, tensor in got.items():
-        assert torch.equal(tensor, want[name]), name
-    with open(os.path.join(src, "config.json")) as f, \
-            open(os.path.join(out, "config.json")) as g:
-        a, b = json.load(f), json.load(g)
+    got, b = assert_same_export(src, out, (
+        "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "n_routed_experts",
+        "n_shared_experts", "n_group", "topk_group", "topk_method", "norm_topk_prob",
+        "num_experts_per_tok", "first_k_dense_replace", "routed_scaling_factor",
+        "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+        "moe_intermediate_size", "rope_parameters"))
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in got
     assert b["architectures"] == ["DeepseekV2ForCausalLM"]
-    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "topk_method",
-                "norm_topk_prob", "num_experts_per_tok", "first_k_dense_replace",
-                "routed_scaling_factor", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
-                "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size", "rope_parameters"):
-        assert a.get(key) == b.get(key), key
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     assert type(hf).__name__ == "DeepseekV2ForCausalLM"
 

@@ -11,16 +11,19 @@ import pytest
 import torch
 
 from megalite.config import ModelConfig
-from megalite.inference.generation import generate
-from megalite.models.families import family_of, get_family
+from megalite.models.families import get_family
 from megalite.models.gpt import GPTModel
 from tests.model.common import TINY, single_process_state
+from tests.model.deepseek_parity import (
+    TOL,
+    assert_greedy_generation_matches,
+    assert_logits_match,
+    assert_state_dict_round_trip,
+)
 
 transformers = pytest.importorskip("transformers")
 
 SPEC = get_family("deepseek_v3")
-TOL = 1e-5
-PROMPT = [3, 17, 41, 8, 29]
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
         "mscale_all_dim": 0.707, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0}
@@ -80,44 +83,16 @@ def pair(request):
 
 def test_family_and_state_dict_round_trip(pair):
     _, hf, ours, cfg = pair
-    assert family_of(cfg) is SPEC
-    want = hf.state_dict()
-    back = SPEC.to_hf(ours.full_state_dict(), cfg)
-    assert sorted(back) == sorted(want)
-    assert all(torch.equal(back[k], want[k]) for k in want)
-    # hub files: per-expert gate_proj / up_proj / down_proj [out, in]
-    hub = SPEC.to_hub_names(back, cfg)
-    prefix = "model.layers.1.mlp.experts."
-    assert prefix + "gate_up_proj" not in hub and prefix + "7.up_proj.weight" in hub
-    f = cfg.moe_ffn_hidden_size
-    assert torch.equal(hub[prefix + "5.up_proj.weight"], want[prefix + "gate_up_proj"][5, f:])
-    assert torch.equal(hub[prefix + "2.down_proj.weight"], want[prefix + "down_proj"][2])
-    again = SPEC.from_hf(hub, cfg)
-    full = ours.full_state_dict()
-    assert sorted(again) == sorted(full)
-    assert all(torch.equal(again[k], full[k]) for k in full)
+    assert_state_dict_round_trip(SPEC, hf, ours, cfg)
 
 
 def test_logits_match_transformers(pair):
-    case, hf, ours, cfg = pair
-    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = hf(ids).logits
-        got = ours(ids)[..., :cfg.vocab_size]
-    assert want.abs().max() > 1.0   # not a near-zero output
-    assert (got - want).abs().max().item() < TOL, case
+    assert_logits_match(*pair)
 
 
 def test_greedy_generation_matches_transformers(pair):
     _, hf, ours, cfg = pair
-    new = cfg.seq_length - len(PROMPT)
-    config = transformers.GenerationConfig(max_new_tokens=new, do_sample=False,
-                                           eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([PROMPT]), generation_config=config)[0, len(PROMPT):]
-    got = generate(ours, PROMPT, new)
-    assert got == want.tolist()
-    assert len(set(got)) > 1
+    assert_greedy_generation_matches(hf, ours, cfg)
 
 
 def test_config_round_trip_and_refusals():
