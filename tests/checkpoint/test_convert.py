@@ -73,6 +73,32 @@ def _safetensors(directory):
     return out
 
 
+def finetune_from(src: str, mid: str, family: str, save: str):
+    """Build (in this process) training components for 3 iterations that load the megalite
+    checkpoint ``mid`` converted from the HF checkpoint ``src`` with ``--finetune``, the
+    model from ``src``'s config.json as the converter maps it for ``family`` (the tiny
+    test run's vocabulary and sequence length). Asserts the model starts at ``src``'s
+    tensors; returns (the components, ``src``'s tensors in megalite's names)."""
+    import transformers
+
+    from megalite.models.families import get_family
+    from megalite.parallel.state import ParallelState
+    from megalite.training.build import build_components
+    from tests.training.common import tiny_config
+
+    spec = get_family(family)
+    model = {k: v for k, v in spec.config_from_hf(transformers.AutoConfig.from_pretrained(
+        src, local_files_only=True)).items()
+        if k not in ("vocab_size", "seq_length", "max_position_embeddings")}
+    cfg = tiny_config(model=model, train={"train_iters": 3},
+                      checkpoint={"load": mid, "finetune": True, "save": save})
+    c = build_components(cfg, ParallelState.build(cfg.parallel), peak_probe_seconds=0.01)
+    want = spec.from_hf(load_file(os.path.join(src, "model.safetensors")), c.cfg.model)
+    for name, tensor in c.model.full_state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+    return c, want
+
+
 def assert_same_export(src: str, out: str, config_keys=()) -> tuple[dict, dict]:
     """The HF checkpoint exported to ``out`` holds ``src``'s tensors bit for bit, under the
     same names, and its config.json the same value of each of ``config_keys``; returns

@@ -11,7 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.checkpoint.test_convert import VOCAB, _safetensors, assert_same_export, convert
+from tests.checkpoint.test_convert import (
+    VOCAB,
+    _safetensors,
+    assert_same_export,
+    convert,
+    finetune_from,
+)
 from tests.distributed.harness import run_distributed
 from tests.model.test_deepseek_v3_parity import hf_tiny_config, randomize
 
@@ -126,24 +132,10 @@ def test_megalite_to_hf_round_trip(converted, tmp_path):
 
 
 def test_converted_checkpoint_continues_training(converted, tmp_path):
-    from megalite.models.families import get_family
-    from megalite.parallel.state import ParallelState
-    from megalite.training.build import build_components
     from megalite.training.loop import train
-    from tests.training.common import tiny_config
 
     src, mid, _, _, _ = converted
-    spec = get_family("deepseek_v3")
-    model = {k: v for k, v in spec.config_from_hf(transformers.AutoConfig.from_pretrained(
-        src, local_files_only=True)).items()
-        if k not in ("vocab_size", "seq_length", "max_position_embeddings")}
-    cfg = tiny_config(model=model, train={"train_iters": 3},
-                      checkpoint={"load": mid, "finetune": True, "save": str(tmp_path / "c")})
-    c = build_components(cfg, ParallelState.build(cfg.parallel), peak_probe_seconds=0.01)
-    hf_state = load_file(os.path.join(src, "model.safetensors"))
-    want = spec.from_hf(hf_state, c.cfg.model)
-    for name, tensor in c.model.full_state_dict().items():
-        assert torch.equal(tensor, want[name]), name
+    c, want = finetune_from(src, mid, "deepseek_v3", str(tmp_path / "c"))
     bias = "decoder.layers.1.mlp.router.expert_bias"
     result = train(c)
     moved = not torch.equal(c.model.full_state_dict()[bias], want[bias])

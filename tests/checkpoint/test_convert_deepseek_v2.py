@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megalite.errors import EXIT_CHECKPOINT
-from tests.checkpoint.test_convert import VOCAB, _tool, assert_same_export, convert
+from tests.checkpoint.test_convert import VOCAB, _tool, assert_same_export, convert, finetune_from
 from tests.distributed.harness import run_distributed
 from tests.model.test_deepseek_v2_parity import FULL, LITE, hf_tiny_config, randomize
 
@@ -132,27 +132,12 @@ def test_tool_refuses_what_megalite_computes_otherwise(converted, tmp_path, caps
 def test_converted_checkpoint_continues_training(converted, tmp_path):
     """--load DIR --finetune with the printed architecture: the model starts from the
     source's tensors and its loss falls."""
-    from safetensors.torch import load_file
-
-    from megalite.models.families import get_family
-    from megalite.parallel.state import ParallelState
-    from megalite.training.build import build_components
     from megalite.training.loop import train
-    from tests.training.common import tiny_config
 
     case, src, mid, _, _ = converted
     if case != "v2":
         pytest.skip("once, on the V2 shape")
-    spec = get_family("deepseek_v2")
-    model = {k: v for k, v in spec.config_from_hf(transformers.AutoConfig.from_pretrained(
-        src, local_files_only=True)).items()
-        if k not in ("vocab_size", "seq_length", "max_position_embeddings")}
-    cfg = tiny_config(model=model, train={"train_iters": 3},
-                      checkpoint={"load": mid, "finetune": True, "save": str(tmp_path / "c")})
-    c = build_components(cfg, ParallelState.build(cfg.parallel), peak_probe_seconds=0.01)
-    want = spec.from_hf(load_file(os.path.join(src, "model.safetensors")), c.cfg.model)
-    for name, tensor in c.model.full_state_dict().items():
-        assert torch.equal(tensor, want[name]), name
+    c, _ = finetune_from(src, mid, "deepseek_v2", str(tmp_path / "c"))
     result = train(c)
     c.close()
     assert result.iteration == 3 and result.losses[3] < result.losses[1]

@@ -6,11 +6,29 @@ from __future__ import annotations
 
 import torch
 
+from megalite.config import ModelConfig
 from megalite.inference.generation import generate
 from megalite.models.families import family_of
+from megalite.models.gpt import GPTModel
+from tests.model.common import TINY, single_process_state
 
 TOL = 1e-5
 PROMPT = [3, 17, 41, 8, 29]
+
+
+def our_config(spec, hf_cfg) -> ModelConfig:
+    """``spec``'s conversion of the transformers config ``hf_cfg``, at the tiny test
+    vocabulary and length."""
+    return ModelConfig(**{**spec.config_from_hf(hf_cfg), **TINY})
+
+
+def our_model(spec, hf) -> tuple[GPTModel, ModelConfig]:
+    """(megalite model, its config) converted by ``spec`` from the transformers model
+    ``hf``, holding its weights."""
+    cfg = our_config(spec, hf.config)
+    ours = GPTModel(cfg, single_process_state(), seed=1).eval()
+    ours.load_full_state_dict(spec.from_hf(hf.state_dict(), cfg))
+    return ours, cfg
 
 
 def assert_state_dict_round_trip(spec, hf, ours, cfg) -> None:

@@ -13,9 +13,9 @@ import torch
 
 from megalite.config import ModelConfig
 from megalite.models.families import family_of, get_family
-from megalite.models.gpt import GPTModel
 from megalite.moe.router import topk_probs
-from tests.model.common import TINY, single_process_state
+from tests.model.common import TINY
+from tests.model import deepseek_parity as parity
 from tests.model.deepseek_parity import (
     assert_greedy_generation_matches,
     assert_logits_match,
@@ -69,7 +69,7 @@ def randomize(hf_model, seed=3):
 
 
 def our_config(hf_cfg) -> ModelConfig:
-    return ModelConfig(**{**SPEC.config_from_hf(hf_cfg), **TINY})
+    return parity.our_config(SPEC, hf_cfg)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -78,9 +78,7 @@ def pair(request):
     torch.manual_seed(0)
     hcfg = hf_tiny_config(**CASES[request.param])
     hf = randomize(transformers.DeepseekV2ForCausalLM(hcfg).eval())
-    cfg = our_config(hcfg)
-    ours = GPTModel(cfg, single_process_state(), seed=1).eval()
-    ours.load_full_state_dict(SPEC.from_hf(hf.state_dict(), cfg))
+    ours, cfg = parity.our_model(SPEC, hf)
     return request.param, hf, ours, cfg
 
 
