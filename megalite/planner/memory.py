@@ -441,7 +441,7 @@ def estimate_memory(cfg, world_size: int, pp_rank: int | None = None,
     params, optimizer = state["params"], state["optimizer"]
     grads = state["grads"]
     if strategy in ("optim_grads", "optim_grads_params"):   # the buckets in a backward
-        grads += grad_round_bytes(cfg, world_size, pp_rank)
+        grads += grad_round_bytes(cfg, lay, pp_rank)
     notes = []
 
     mb, vpp = lay.micro_batch_size, lay.vpp
@@ -559,17 +559,17 @@ def cpu_rms_norm_bytes(m, lay, layers: list, in_flight: int, last: bool) -> floa
             + (tokens * h // lay.sp if last else 0)) * kept_bytes
 
 
-def grad_round_bytes(cfg, world_size: int, pp_rank: int = 0) -> float:
+def grad_round_bytes(cfg, lay, pp_rank: int = 0) -> float:
     """optim_grads / optim_grads_params: bytes of the full gradients a backward holds at
-    once on stage ``pp_rank`` (:mod:`megalite.optim.grad_buffer`'s rounds): per gradient
-    buffer (dense, expert) the bucket being filled and, with ``--overlap-grad-reduce``,
-    the one being reduce-scattered. A bucket holds ``--ddp-bucket-size`` elements (the
+    once on stage ``pp_rank`` of ``cfg`` (resolved as ``lay``;
+    :mod:`megalite.optim.grad_buffer`'s rounds): per gradient buffer (dense, expert) the
+    bucket being filled and, with ``--overlap-grad-reduce``, the one being
+    reduce-scattered. A bucket holds ``--ddp-bucket-size`` elements (the
     default of :func:`megalite.optim.data_parallel.bucket_elements`) or one larger
     parameter (the largest: the vocabulary table on the first and output stages, else a
     layer's widest linear), within the stage's elements and, under optim_grads_params,
     within one gathered unit."""
     m, p = cfg.model, cfg.parallel
-    lay = resolve_layout(cfg, world_size)
     grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
     largest = max(i * o for _t, i, o in layer_gemms(m, 1, lay.tp))
     if pp_rank in (0, output_stage(p)):
