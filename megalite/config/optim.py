@@ -78,9 +78,9 @@ class OptimConfig:
                                      "orthogonalise (embeddings, output layer, norms, "
                                      "biases, router).", choices=("adam",))
     muon_fp32_matmul_prec: str = arg(
-        "medium", "Matmul precision of Muon's fp32 Newton-Schulz iteration on GPUs "
-        "(torch's float32 matmul precision: high is TF32, medium and low torch's medium); "
-        "the CPU runs it in IEEE fp32.", choices=("low", "medium", "high"))
+        "medium", "Matmul precision of Muon's Newton-Schulz iteration on GPUs: high runs "
+        "it in TF32, medium (and low) on bf16 copies, as Megatron-LM does; the CPU runs it "
+        "in IEEE fp32.", choices=("low", "medium", "high"))
     clip_grad: float = arg(1.0, "Clip gradients to this global norm (0 disables).")
     loss_scale: float | None = arg(None, "Static loss scale (fp16); dynamic when unset.")
     initial_loss_scale: float = arg(2.0 ** 32, "Initial dynamic loss scale.")

@@ -78,22 +78,31 @@ def coefficients(kind: str, steps: int) -> list[tuple[float, float, float]]:
     return (table * math.ceil(steps / len(table)))[:steps]
 
 
-# --muon-fp32-matmul-prec -> torch's float32 matmul precision for the iteration on a GPU
-# (Megatron-LM passes the value to torch; torch has no "low", which is taken as "medium")
-MATMUL_PRECISION = {"low": "medium", "medium": "medium", "high": "high"}
+# --muon-fp32-matmul-prec on a GPU, Megatron-LM's meanings: ``high`` runs the iteration's
+# fp32 matmuls as TF32; ``medium`` (and ``low``, which torch does not name) asks for fp32
+# matmuls with bf16 inside, which CUDA does not have (torch's "medium" is TF32 there), so
+# the iteration runs on a bf16 copy of X, as NVIDIA's Emerging-Optimizers does
+ITERATION_DTYPE = {"low": torch.bfloat16, "medium": torch.bfloat16, "high": torch.float32}
+
+
+def iteration_dtype(x: torch.Tensor, precision: str | None) -> torch.dtype:
+    """The dtype the iteration's matmuls take for ``precision`` (``--muon-fp32-matmul-prec``)
+    on ``x``'s device: fp32 on the CPU (IEEE, so that the CPU runs and the layout tests that
+    compare them stay exact) and with ``precision`` None; on a GPU :data:`ITERATION_DTYPE`."""
+    if precision is None or x.device.type != "cuda":
+        return torch.float32
+    return ITERATION_DTYPE[precision]
 
 
 @contextlib.contextmanager
 def matmul_precision(x: torch.Tensor, precision: str | None):
-    """On a GPU, the iteration's fp32 matmuls at ``precision`` (``--muon-fp32-matmul-prec``:
-    ``high`` TF32, ``medium`` / ``low`` torch's ``medium``, bf16 inside where the GPU
-    has it); IEEE fp32 elsewhere (the CPU runs, and the layout tests that compare them,
-    stay exact) and with ``precision`` None."""
-    if precision is None or x.device.type != "cuda":
+    """On a GPU with ``precision`` ``high``, the fp32 matmuls in TF32 (torch's ``high``);
+    nothing changes elsewhere. torch's global setting is restored on exit."""
+    if precision != "high" or x.device.type != "cuda":
         yield
         return
     before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(MATMUL_PRECISION[precision])
+    torch.set_float32_matmul_precision("high")
     try:
         yield
     finally:
@@ -103,31 +112,42 @@ def matmul_precision(x: torch.Tensor, precision: str | None):
 def newton_schulz(x: torch.Tensor, steps: int, kind: str = "quintic",
                   group=None, precision: str | None = None) -> torch.Tensor:
     """Orthogonalise ``x`` ``[..., m, n]`` (fp32; a batch of matrices) along its last two
-    dimensions, as given (no transpose: pass ``m <= n`` for the cheap side); its matmuls
-    at ``precision`` on a GPU (:func:`matmul_precision`).
+    dimensions, as given (no transpose: pass ``m <= n`` for the cheap side); fp32 out.
+    ``precision`` (``--muon-fp32-matmul-prec``) sets the matmuls' dtype on a GPU
+    (:func:`iteration_dtype`, :func:`matmul_precision`).
 
     ``group`` (a :class:`~megalite.parallel.state.Group`, or None): ``x`` holds this rank's
     columns of each matrix; the squared norms ``[...]`` and the Gram matrices
-    ``[..., m, m]`` are all-reduced (SUM) over ``group`` (collective over it)."""
+    ``[..., m, m]`` are all-reduced in fp32 (SUM) over ``group`` (collective over it)."""
     with matmul_precision(x, precision):
-        return _iterate(x, steps, kind, group)
+        return iterate(x, steps, kind, group, iteration_dtype(x, precision))
 
 
-def _iterate(x: torch.Tensor, steps: int, kind: str, group) -> torch.Tensor:
+def iterate(x: torch.Tensor, steps: int, kind: str, group=None,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The iteration of :func:`newton_schulz` with its matmuls in ``dtype`` (fp32 or
+    bf16): the norm in fp32, then X cast to ``dtype``; each step's two products with a
+    scaled addend are single ``addmm`` / ``baddbmm`` calls, whose fp32 epilogue rounds a
+    bf16 result once. Returns fp32 ``[..., m, n]``."""
     # the squared norm as row sums, then their sum: on the CPU one reduction over both
     # dimensions splits its work (and its float rounding) by the size of the batch, these
     # two do not, so a matrix's result is bitwise the same alone or stacked with others
+    shape = x.shape
+    x = x.reshape(-1, *shape[-2:]) if x.dim() > 3 else x
     sq = x.square().sum(dim=-1, keepdim=True).sum(dim=-2, keepdim=True)
     if group is not None:
         collectives.all_reduce(sq, group)
-    x = x / sq.sqrt().clamp_min(EPS)
+    x = (x / sq.sqrt().clamp_min(EPS)).to(dtype)
+    add_product = torch.addmm if x.dim() == 2 else torch.baddbmm
     for a, b, c in coefficients(kind, steps):
         gram = x @ x.mT
-        if group is not None:
+        if group is not None:       # partial sums over the column blocks, added in fp32
+            gram = gram.float()
             collectives.all_reduce(gram, group)
-        poly = b * gram + c * (gram @ gram)
-        x = a * x + poly @ x
-    return x
+            gram = gram.to(dtype)
+        poly = add_product(gram, gram, gram, beta=b, alpha=c)       # b A + c A A
+        x = add_product(x, poly, x, beta=a)                         # a X + poly X
+    return x.float().reshape(shape)
 
 
 def orthogonalize(x: torch.Tensor, steps: int, kind: str = "quintic",

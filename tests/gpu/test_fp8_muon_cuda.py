@@ -9,8 +9,10 @@
   the CPU, and differs from the fp32 run (the fp8 path ran);
 * a compiled fp8 run on CUDA (the fp8 linears inside the layers' graphs) follows the
   eager one;
-* a Muon run on CUDA follows the CPU's, with its Newton-Schulz matmuls in IEEE fp32 and
-  at ``--muon-fp32-matmul-prec medium`` (bf16 inside; further from the CPU, still close).
+* Newton-Schulz on CUDA at ``--muon-fp32-matmul-prec medium`` iterates in bf16 and at
+  ``high`` in TF32, each within its rounding of the CPU's IEEE fp32 result;
+* a Muon run on CUDA follows the CPU's at ``high`` and at ``medium`` (further from the
+  CPU, still close).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from megalite.layers.fp8 import gemm
 from megalite.layers.fp8.recipes import E4M3, E5M2, dequant_scale, quantize
+from megalite.optim.newton_schulz import iterate, iteration_dtype, newton_schulz
 from tests.gpu.common import CPU, CUDA, config_on
 from tests.training.common import run_training
 
@@ -98,6 +101,24 @@ def test_compiled_fp8_follows_eager_fp8_on_cuda(recipe):
     assert list(compiled.losses) == list(eager.losses) == list(range(1, ITERS + 1))
     worst = max(abs(compiled.losses[i] - eager.losses[i]) for i in eager.losses)
     assert worst <= FP8_LOSS_ATOL, (worst, compiled.losses, eager.losses)
+
+
+@pytest.mark.parametrize("precision,dtype,bound", [("high", torch.float32, 5e-3),
+                                                   ("medium", torch.bfloat16, 1.5e-2)])
+def test_newton_schulz_precision_on_cuda(precision, dtype, bound):
+    """The iteration's matmul dtype on CUDA for each ``--muon-fp32-matmul-prec`` (bf16 at
+    medium, as Megatron-LM runs it; the CPU's bf16 iteration is 6e-3 from fp32 at this
+    shape), each result within its rounding of the CPU's IEEE fp32 one; torch's global
+    matmul precision is left as it was."""
+    x = torch.randn(4, 256, 704, generator=torch.Generator().manual_seed(3))
+    exact = iterate(x, 5, "quintic")
+    assert iteration_dtype(x.to(CUDA), precision) == dtype
+    before = torch.get_float32_matmul_precision()
+    got = newton_schulz(x.to(CUDA), 5, "quintic", precision=precision).cpu()
+    assert torch.get_float32_matmul_precision() == before
+    assert got.dtype == torch.float32
+    rel = (got - exact).norm(dim=(-2, -1)) / exact.norm(dim=(-2, -1))
+    assert rel.max() < bound, rel
 
 
 @pytest.mark.parametrize("precision", ["high", "medium"])

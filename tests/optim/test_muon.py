@@ -10,7 +10,8 @@ from megalite.config.fields import ConfigError
 from megalite.models.gpt import GPTModel
 from megalite.optim.loss_scaler import build_loss_scaler
 from megalite.optim.muon_layout import assign_owners, check_matrix
-from megalite.optim.newton_schulz import COEFFICIENTS, coefficients, orthogonalize
+from megalite.optim.newton_schulz import (COEFFICIENTS, ITERATION_DTYPE, coefficients, iterate,
+                                          orthogonalize)
 from megalite.optim.optimizer import MixedPrecisionOptimizer
 from megalite.parallel.params import mark_param
 from megalite.parallel.state import ParallelState
@@ -48,6 +49,26 @@ def test_matmul_precision_leaves_the_cpu_in_ieee_fp32(precision):
     before = torch.get_float32_matmul_precision()
     assert torch.equal(orthogonalize(x, 5, "quintic", precision), orthogonalize(x, 5))
     assert torch.get_float32_matmul_precision() == before
+
+
+def test_the_bf16_iteration_of_medium_precision():
+    """``--muon-fp32-matmul-prec medium`` / ``low`` run the GPU's iteration on bf16 copies
+    (Megatron-LM's meaning), ``high`` in fp32 (TF32). The bf16 iteration, run here on the
+    CPU: the singular values in quintic's band, the result within bf16's rounding of the
+    fp32 one, and each matrix's result bitwise the same alone or in a batch."""
+    assert ITERATION_DTYPE == {"low": torch.bfloat16, "medium": torch.bfloat16,
+                               "high": torch.float32}
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 32, 48, generator=g)
+    exact = iterate(x, 5, "quintic")
+    low = iterate(x, 5, "quintic", dtype=torch.bfloat16)
+    assert low.dtype == torch.float32 and low.shape == x.shape
+    s = torch.linalg.svdvals(low)
+    assert (s - 1).abs().max() < 0.05, s
+    rel = (low - exact).norm(dim=(-2, -1)) / exact.norm(dim=(-2, -1))
+    assert 1e-3 < rel.max() < 1.5e-2, rel          # bf16 rounding, but no more than that
+    for i in range(4):
+        assert torch.equal(iterate(x[i], 5, "quintic", dtype=torch.bfloat16), low[i])
 
 
 def test_coefficient_schedules():
