@@ -24,6 +24,15 @@ publishes progress), and a communication failure (a timeout after
 :class:`~megalite.parallel.watchdog.DistributedFaultError` naming the group, the operation
 and the ranks that never arrived. Asynchronous launches return a :class:`TrackedWork`
 whose ``wait()`` does the same.
+
+Under ``torch.compile`` (``--compile`` traces each transformer layer) :func:`all_reduce`,
+:func:`all_gather_dim0`, :func:`reduce_scatter_dim0`, :func:`all_to_all` and the two
+``*_into_tensor`` / ``*_tensor`` forms (which then complete at once, returning no work
+handle, and leave the overlap to the compiler) run as torch's functional collectives
+(``torch.distributed._functional_collectives``), which the compiler traces into the layer's
+graph instead of breaking it at every collective; the flight recorder, whose clock and ring
+buffer a graph cannot hold, does not see them (a hang there still ends at
+``--distributed-timeout-minutes``, with torch's error rather than the recorder's).
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ from megalite.parallel.state import Group
 from megalite.parallel.watchdog import RECORDER
 
 ReduceOp = dist.ReduceOp
+# the functional collectives name their reductions
+_FUNCTIONAL_OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min",
+                   ReduceOp.AVG: "avg", ReduceOp.PRODUCT: "product"}
 
 # Newer torch names the single-tensor collectives all_gather_single / reduce_scatter_single;
 # older releases only have all_gather_into_tensor / reduce_scatter_tensor. Resolved once here.
@@ -64,6 +76,16 @@ def _alone(group: Group | None) -> bool:
 
 def _pg(group: Group | None):
     return None if group is None else group.group
+
+
+def _traced() -> bool:
+    """Whether torch.compile is tracing this call (its collectives go functional)."""
+    return torch.compiler.is_compiling()
+
+
+def _functional():
+    from torch.distributed import _functional_collectives as funcol
+    return funcol
 
 
 def _begin(group: Group | None, op: str, /, *args):
@@ -142,8 +164,12 @@ def all_reduce(tensor: torch.Tensor, group: Group | None = None,
                op=ReduceOp.SUM) -> torch.Tensor:
     """Reduce ``tensor`` (any shape, contiguous) in place over ``group`` (None: the world)
     with ``op`` (SUM, MAX, ...); returns ``tensor``."""
-    if not _alone(group):
-        _sync(group, "all_reduce", dist.all_reduce, tensor, op=op, group=_pg(group))
+    if _alone(group):
+        return tensor
+    if _traced():
+        pg = _pg(group) or dist.group.WORLD
+        return tensor.copy_(_functional().all_reduce(tensor, _FUNCTIONAL_OPS[op], pg))
+    _sync(group, "all_reduce", dist.all_reduce, tensor, op=op, group=_pg(group))
     return tensor
 
 
@@ -191,6 +217,9 @@ def all_gather_into_tensor(out: torch.Tensor, x: torch.Tensor, group: Group,
     if group.size == 1:
         out.copy_(x.reshape(out.shape))
         return None
+    if _traced():
+        out.copy_(_functional().all_gather_tensor(x, 0, group.group).view(out.shape))
+        return None
     if async_op:
         return _launch(group, "all_gather", _all_gather_single, out, x, group=group.group)
     _sync(group, "all_gather", _all_gather_single, out, x, group=group.group)
@@ -206,6 +235,9 @@ def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: Group,
     if group.size == 1:
         out.copy_(x.reshape(out.shape))
         return None
+    if _traced():
+        out.copy_(_functional().reduce_scatter_tensor(x, "sum", 0, group.group).view(out.shape))
+        return None
     if async_op:
         return _launch(group, "reduce_scatter", _reduce_scatter_single, out, x,
                        group=group.group)
@@ -219,6 +251,8 @@ def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group.size == 1:
         return x
     x = x.contiguous()
+    if _traced():
+        return _functional().all_gather_tensor(x, 0, group.group)
     out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
     _sync(group, "all_gather", _all_gather_single, out, x, group=group.group)
     return out
@@ -233,6 +267,8 @@ def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
     if size % group.size:
         raise ValueError(f"dim 0 ({size}) is not divisible by the group size {group.size}")
     x = x.contiguous()
+    if _traced():
+        return _functional().reduce_scatter_tensor(x, "sum", 0, group.group)
     out = x.new_empty((size // group.size, *x.shape[1:]))
     _sync(group, "reduce_scatter", _reduce_scatter_single, out, x, group=group.group)
     return out
@@ -261,6 +297,10 @@ def all_to_all(x: torch.Tensor, group: Group, send: Sequence[int] | None = None,
     """
     if group.size == 1:
         return x
+    if _traced():
+        return _functional().all_to_all_single(
+            x.contiguous(), None if recv is None else list(recv),
+            None if send is None else list(send), group.group)
     if send is None:
         out = torch.empty_like(x)
         _sync(group, "all_to_all", dist.all_to_all_single, out, x.contiguous(),
