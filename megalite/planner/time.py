@@ -70,7 +70,9 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
 * **optimizer** -- the step reads and writes the local optimizer state at memory bandwidth;
   with ``--optimizer-cpu-offload`` the offloaded fraction's gradients go to the host and
   its parameters come back (8 bytes each at ``host_bw``) and the host steps Adam (36 bytes
-  of traffic each at ``host_memory_bw``).
+  of traffic each at ``host_memory_bw``). Under ``--optimizer muon`` the busiest rank's
+  Newton-Schulz FLOPs at the iteration's rate and its exchanges' bytes over tp and dp x cp
+  (:mod:`megalite.planner.muon`).
 
 The group a collective runs on is on NVLink or the network by its size and stride in
 megalite's rank order (tp fastest, then cp, dp, pp; :meth:`Cluster.group_bw`).
@@ -92,7 +94,7 @@ from megalite.config.shapes import (
     moe_layer_count,
     moe_mlp_params,
 )
-from megalite.planner import qk_clip
+from megalite.planner import muon, qk_clip
 from megalite.planner.cluster import Cluster
 from megalite.planner.memory import (
     fp8_linear_weights,
@@ -457,7 +459,8 @@ def dp_cost(ctx: StepContext) -> Cost:
 def optimizer_seconds(ctx: StepContext) -> float:
     """The step reads and writes the local optimizer state at memory bandwidth; with
     --optimizer-cpu-offload the offloaded fraction's gradients go to the host and its
-    parameters come back and the host steps Adam."""
+    parameters come back and the host steps Adam; Muon adds its Newton-Schulz iterations
+    and their exchanges (module docstring)."""
     o, p, lay, cluster = ctx.cfg.optim, ctx.cfg.parallel, ctx.lay, ctx.cluster
     local = _rank_params(ctx)
     shard = lay.dp * lay.cp if p.use_distributed_optimizer else 1
@@ -466,6 +469,12 @@ def optimizer_seconds(ctx: StepContext) -> float:
     if offload:  # gradients to the host, parameters back (fp32), Adam on the host
         moved = offload * local / shard
         seconds += moved * 8 / cluster.host_bw + moved * 36 / cluster.host_memory_bw
+    if o.optimizer == "muon":   # Newton-Schulz and its exchanges (megalite.planner.muon)
+        seconds += muon.step_flops(ctx.cfg, lay) / muon.iteration_rate(
+            o.muon_fp32_matmul_prec, cluster)
+        tp_bytes, dp_bytes = muon.step_bytes(ctx.cfg, lay)
+        seconds += tp_bytes / cluster.group_bw(lay.tp, 1) \
+            + dp_bytes / cluster.group_bw(lay.dp * lay.cp, lay.tp)
     return seconds
 
 
