@@ -75,7 +75,7 @@ from megalite.layers.fp8.recipes import BLOCK_RECIPES
 from megalite.optim.algorithms import algorithm_of
 from megalite.optim.data_parallel import bucket_elements
 from megalite.optim.memory import expected_bytes_per_param
-from megalite.planner import qk_clip
+from megalite.planner import muon, qk_clip
 from megalite.planner.schedule import output_stage, peak_in_flight, stage_layers
 
 
@@ -588,24 +588,33 @@ def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
     ``{"params", "grads", "optimizer", "host", "elements"}``; ``host`` the
     optimizer bytes ``--optimizer-cpu-offload`` keeps in host memory (a fraction ``F`` of
     the shard's elements: fp32 master, gradient copy and Adam's two moments, 16 bytes
-    each)."""
+    each). Under Muon its matrices keep one fp32 state tensor (the momentum) and the other
+    parameters the scalar optimizer's (:func:`megalite.planner.muon.stage_elements`),
+    spread over a sharded optimizer's ranks in proportion."""
     m, p, o = cfg.model, cfg.parallel, cfg.optim
     lay = resolve_layout(cfg, world_size)
     half = m.bf16 or m.fp16
     grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
-    floats = algorithm_of(o).state_floats(o)     # fp32 state tensors per parameter
-    optim_bytes = 4 * floats + (4 if half else 0)
-    host_bytes = 4 * floats + 8   # + master (fp32 runs too) and grad
     offload = o.optimizer_offload_fraction if getattr(o, "optimizer_cpu_offload", False) \
         else 0.0
     out = dict.fromkeys(("params", "grads", "optimizer", "host"), 0.0)
     dense, expert = stage_param_counts(m, p, pp_rank)
-    for n, group in ((dense, lay.dp * lay.cp), (expert, lay.edp)):
-        per = expected_bytes_per_param(lay.strategy, group, lay.dtype_bytes, grad_bytes,
-                                       optim_bytes)
-        out["params"] += n * per["params"]
-        out["grads"] += n * per["grads"]
-        out["optimizer"] += n * per["optimizer"] * (1 - offload)
-        out["host"] += n * host_bytes / group * offload
+    algorithm = algorithm_of(o)
+    matrices = muon.stage_elements(cfg, lay, pp_rank) if algorithm.orthogonal else (0, 0)
+    for n, group, ortho in ((dense, lay.dp * lay.cp, matrices[0]),
+                            (expert, lay.edp, matrices[1])):
+        # (elements, fp32 state tensors of each): the matrices' rule and the rest's
+        parts = ([(ortho, algorithm.state_floats(o, "muon")),
+                  (n - ortho, algorithm.state_floats(o, o.muon_scalar_optimizer))]
+                 if algorithm.orthogonal else [(n, algorithm.state_floats(o))])
+        for count, floats in parts:
+            optim_bytes = 4 * floats + (4 if half else 0)
+            host_bytes = 4 * floats + 8   # + master (fp32 runs too) and grad
+            per = expected_bytes_per_param(lay.strategy, group, lay.dtype_bytes, grad_bytes,
+                                           optim_bytes)
+            out["params"] += count * per["params"]
+            out["grads"] += count * per["grads"]
+            out["optimizer"] += count * per["optimizer"] * (1 - offload)
+            out["host"] += count * host_bytes / group * offload
     out["elements"] = dense + expert
     return out

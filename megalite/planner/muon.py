@@ -130,6 +130,18 @@ def _stage_matrices(m, p, split_qkv: bool, ep: int, stage: int) -> list[MatrixSh
     return out
 
 
+def stage_elements(cfg, lay, stage: int) -> tuple[int, int]:
+    """(dense, expert) elements of the Muon matrices one rank of pipeline rank ``stage``
+    holds: its tp (experts: etp) shard of each split matrix, the others whole."""
+    m, o, p = cfg.model, cfg.optim, cfg.parallel
+    out = [0, 0]
+    for mat in _stage_matrices(m, p, o.muon_split_qkv, lay.ep, stage):
+        tp = lay.etp if mat.expert else lay.tp
+        elements = mat.count * mat.rows * mat.cols
+        out[1 if mat.expert else 0] += elements // tp if mat.split is not None else elements
+    return out[0], out[1]
+
+
 def step_flops(cfg, lay) -> float:
     """Newton-Schulz FLOPs the busiest rank runs per optimizer step (module docstring);
     ``lay`` is ``cfg``'s resolved layout."""

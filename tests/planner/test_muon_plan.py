@@ -2,7 +2,8 @@
 FLOPs of the matrices Muon orthogonalises, counted from the config, equal those of the
 model megalite builds; each rank's share follows ``--muon-tp-mode`` and the distributed
 optimizer's owners; the iteration's rate follows ``--muon-fp32-matmul-prec``; the step time
-carries it."""
+carries it; the optimizer state (momentum for the matrices, Adam's two moments for the
+rest) equals what the ranks hold."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from megalite.optim.algorithms.muon import is_matrix
 from megalite.optim.muon_layout import matrices
 from megalite.planner import muon
 from megalite.planner.cluster import preset
+from megalite.planner.memory import state_bytes
 from megalite.planner.time import estimate_time
 from tests.model.common import (deepseek_v3_config, gpt2_config, llama_config,
                                 mixtral_config, single_process_state)
@@ -145,3 +147,39 @@ def test_exchange_bytes():
     assert muon.step_bytes(cfg, lay)[0] == pytest.approx(
         8 * STEPS * sum(2 * 4 * k * k / 2 for k in kept))
     assert muon.step_bytes(*_cfg(*tp2, "--muon-tp-mode", "blockwise", world=2)) == (0.0, 0.0)
+
+
+def _measure_muon_state(rank, world):
+    import torch
+    from types import SimpleNamespace
+
+    from tools.bench.memory import _config, _runs, measure
+
+    torch.set_num_threads(1)
+    bench = SimpleNamespace(num_layers=2, hidden_size=64, vocab_size=256,
+                            tensor_model_parallel_size=1, grad_reduce_in_bf16=False,
+                            optimizer_offload_fraction=None, optimizer="muon")
+    rows = []
+    for run in _runs(bench):
+        name, strategy, _, mem = measure(bench, world, run)[:4]
+        rows.append((name, mem.optimizer, state_bytes(_config(bench, world, strategy, None),
+                                                      world)["optimizer"]))
+    return rows
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_muon_state_bytes_equal_the_measured_rank_memory(world):
+    """bf16 GPT, every sharding strategy: the fp32 masters, the matrices' momentum and the
+    scalar parameters' two Adam moments (21% of the elements here) as the ranks hold them;
+    within Adam's step counters on one rank, the mean of the two ranks' shards at dp 2
+    (each rank's split of matrices and the rest follows the bucket layout: 3% apart)."""
+    from tests.distributed.harness import run_distributed
+
+    per_rank = run_distributed(world, _measure_muon_state)
+    for rows in zip(*per_rank):
+        assert len({name for name, *_ in rows}) == 1
+        measured = sum(optim for _, optim, _ in rows) / world
+        estimate = rows[0][2]
+        assert estimate == pytest.approx(measured, rel=1e-3), rows
+        for _, optim, _ in rows:
+            assert optim == pytest.approx(estimate, rel=0.04), rows

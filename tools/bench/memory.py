@@ -62,6 +62,8 @@ def _config(args, world: int, strategy: str, offload: float | None):
         flags += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", str(offload)]
     if args.grad_reduce_in_bf16:
         flags.append("--grad-reduce-in-bf16")
+    if getattr(args, "optimizer", None):   # the planner's tests measure Muon's state too
+        flags += ["--optimizer", args.optimizer]
     return parse_args(flags).validate(world)
 
 

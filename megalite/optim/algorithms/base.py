@@ -12,7 +12,8 @@ how to update the fp32 master tensors they hold:
   (:mod:`megalite.optim.optimizer_state`);
 - ``build(groups, ocfg)``: the torch optimizer over those groups; ``init_state``: its
   state created up front (measurable memory from the start);
-- ``state_floats(ocfg)``: fp32 state tensors per parameter, for the memory estimates;
+- ``state_floats(ocfg, rule)``: fp32 state tensors per parameter of that rule, for the
+  memory estimates;
 - ``orthogonal``: True when the update of a matrix needs the whole matrix (Muon). The
   optimizer built then offers ``updates()`` / ``apply(outputs)`` around an orthogonalisation
   the wrapper performs with the layout's collectives
@@ -48,9 +49,9 @@ class Algorithm:
     def init_state(self, optimizer: torch.optim.Optimizer, ocfg) -> None:
         """Create the state up front (default: lazily, by the first step)."""
 
-    def state_floats(self, ocfg) -> int:
-        """fp32 state tensors per parameter (the memory estimates' count)."""
-        return len(self.state_keys(ocfg))
+    def state_floats(self, ocfg, rule: str | None = None) -> int:
+        """fp32 state tensors per parameter of ``rule`` (the memory estimates' count)."""
+        return len(self.state_keys(ocfg, rule))
 
     def check(self, ocfg, named_params: list) -> None:
         """Raise ValueError naming a parameter this algorithm cannot update."""

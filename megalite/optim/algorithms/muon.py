@@ -143,8 +143,10 @@ class Muon(Algorithm):
             if not optimizer.state.get(p):
                 optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p)}
 
-    def state_floats(self, ocfg):
-        return 1   # the matrices' momentum; the scalar parameters' two Adam moments are few
+    def state_floats(self, ocfg, rule=None):
+        """The matrices' momentum (``rule`` None or ``muon``), or the scalar optimizer's
+        state (``rule`` ``adam``)."""
+        return len(self.state_keys(ocfg, rule or "muon"))
 
     def check(self, ocfg, named_params):
         from megalite.optim.muon_layout import check_matrix
