@@ -5,7 +5,8 @@ In this process alone, pretending to be rank ``R`` of ``N``: validate every conf
 for ``N`` ranks; join a fake process group (``torch.distributed``'s ``fake`` backend:
 collectives return at once, no peers) and build the ParallelState's groups; build rank
 ``R``'s model chunks on the ``meta`` device (shapes and parameters, no storage); check
-the parameter count against the planner's count from the config; walk one step of the
+the parameter count against the planner's count from the config (and under Muon its
+matrices' elements); walk one step of the
 pipeline schedule of every pipeline rank and match their transfers
 (:func:`megalite.pipeline.plan.plan_rounds`), without data or math; print rank ``R``'s
 coordinates, parameters and the planner's memory estimate
@@ -65,6 +66,8 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
         if n_params != dense + expert:
             raise AssertionError(f"rank {rank} built {n_params:,} parameters, the planner "
                                  f"counts {dense + expert:,} from the config")
+        if cfg.optim.optimizer == "muon":
+            _check_muon_matrices(cfg, layout, model, ps.pp.rank, rank)
         steps = layout_schedules(layout)
         pairs = (pairs_of(steps, layout.vpp, layout.v_shape)
                  if p.overlap_moe_expert_parallel_comm else None)   # as run_schedule plans
@@ -90,6 +93,24 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
         f"  estimated peak memory: {mem.total / gib:.2f} GiB ({parts})",
         f"  took {time.perf_counter() - start:.1f} s",
     ])
+
+
+def _check_muon_matrices(cfg, layout, model, pp_rank: int, rank: int) -> None:
+    """The elements of the matrices Muon orthogonalises on this rank (dense, expert) are
+    those the planner counts from the config (:func:`megalite.planner.muon.stage_elements`)."""
+    from megalite.optim.algorithms.muon import is_matrix
+    from megalite.parallel.params import param_meta
+    from megalite.planner.muon import stage_elements
+
+    built = [0, 0]
+    for name, p in model.named_parameters():
+        if is_matrix(name, p):
+            built[1 if param_meta(p).expert else 0] += p.numel()
+    counted = stage_elements(cfg, layout, pp_rank)
+    if tuple(built) != counted:
+        raise AssertionError(f"rank {rank} built Muon matrices of {built[0]:,} dense and "
+                             f"{built[1]:,} expert elements, the planner counts "
+                             f"{counted[0]:,} and {counted[1]:,} from the config")
 
 
 def ps_pp_rank(coords: str) -> int:

@@ -116,3 +116,31 @@ def test_dry_run_multi_token_prediction_under_a_v_schedule(schedule):
     with_depth = sum(stage_param_counts(cfg.model, cfg.parallel, 0))
     cfg.model.mtp_num_layers = None
     assert with_depth > sum(stage_param_counts(cfg.model, cfg.parallel, 0))
+
+
+MIXTRAL_MOE = ["--num-layers", "4", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+               "--num-attention-heads", "32", "--group-query-attention",
+               "--num-query-groups", "8", "--seq-length", "4096", "--vocab-size", "32000",
+               "--tokenizer-type", "NullTokenizer", "--mock-data", "--global-batch-size",
+               "64", "--micro-batch-size", "1", "--train-iters", "1", "--bf16",
+               "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+               "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+               "--num-experts", "8", "--moe-router-topk", "2"]
+
+
+@pytest.mark.parametrize("model,layout,rank", [
+    (DEEPSEEK_V3_ATTENTION, ["--tensor-model-parallel-size", "8",
+                             "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+                             "--mtp-num-layers", "1"], 63),
+    (MIXTRAL_MOE, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                   "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
+                   "--muon-no-split-qkv"], 5),
+], ids=["deepseek-v3-attention-mtp", "mixtral-tp2-ep4"])
+def test_dry_run_muon_matrices_are_the_planners(model, layout, rank):
+    """Under --optimizer muon the dry run checks the built rank's Muon matrices (their
+    dense and expert elements: tp shards, replicated down projections, local experts over
+    etp, the prediction depth) against the planner's count from the config."""
+    out = _dry("--world-size", "64", "--rank", str(rank), *model, *layout,
+               "--optimizer", "muon", "--use-distributed-optimizer")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "parameters on this rank" in out.stdout
