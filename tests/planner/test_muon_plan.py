@@ -7,6 +7,8 @@ rest) equals what the ranks hold."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from megalite.arguments import parse_args
@@ -47,6 +49,7 @@ def test_config_matrices_are_the_models(family, split):
     assert sum(mat.flops(STEPS) for mat in counted) == sum(m.cost(STEPS) for m in built)
     assert sum(mat.count * mat.rows * mat.cols for mat in counted) == \
         sum(m.param.numel() for m in built)
+
     def shapes(m):
         full = m.full_shape()
         count = full[0] if m.expert else 1
@@ -107,8 +110,7 @@ def test_each_ranks_share_follows_the_layout():
 def test_experts_are_shared_over_their_own_groups():
     moe = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512"]
     one = _flops(*moe)
-    ep2 = _flops(*moe, "--expert-model-parallel-size", "2",
-                 world=2)
+    ep2 = _flops(*moe, "--expert-model-parallel-size", "2", world=2)
     experts = 8 * 8 * (muon.ns_flops(1024, 2 * 512, STEPS) + muon.ns_flops(512, 1024, STEPS))
     # ep 2 holds half the experts; dense matrices stay whole on every replica
     assert one - ep2 == pytest.approx(experts / 2)
@@ -116,10 +118,9 @@ def test_experts_are_shared_over_their_own_groups():
 
 def test_precision_sets_the_rate_and_muon_shows_in_the_step():
     cfg, _ = _cfg()
-    h100, cpu = preset("h100", 1), preset("h100", 1)
+    h100 = preset("h100", 1)
     assert muon.iteration_rate("high", h100) * 2 == muon.iteration_rate("medium", h100) \
         == muon.iteration_rate("low", h100) == h100.peak_flops * h100.matmul_efficiency
-    from dataclasses import replace
     cpu = replace(h100, fp32_flops=0.0)       # a CPU cluster: IEEE fp32 at every setting
     assert muon.iteration_rate("high", cpu) == muon.iteration_rate("medium", cpu)
     adam = estimate_time(parse_args([a for a in BASE if a not in ("--optimizer", "muon")]
