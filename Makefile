@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 # starts, rendezvous and timeouts, so two workers on two cores finish in about 0.8x the time
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?= -q -m "not slow and not gpu and not multinode" --durations=15 \
-	-n $(TEST_WORKERS) --dist loadgroup
+	-n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: install pretrain test test-gpu test-multinode test-all fuzz chaos bench lint clean
 

@@ -8,11 +8,6 @@
 * Tests marked ``gpu`` need a CUDA GPU (``make test-gpu`` runs them); they ask for it
   explicitly (``--device cuda``) and are skipped, with the reason, where there is none.
 * Rank pools are closed when the session ends.
-* Under ``make test``'s pytest-xdist workers (``--dist loadgroup``) each test file is one
-  group, so its tests, module fixtures and rank pools stay on one worker, except the files
-  of :data:`MANY_RANKS`, which share one group: they train on four ranks at once for most
-  of their time, and two of them side by side would put eight busy processes on the
-  machine's two cores.
 """
 
 import os
@@ -32,19 +27,7 @@ def _no_gpu_reason() -> str | None:
     return None
 
 
-# the longest files whose bodies keep four ranks busy (serial seconds on the 2-core machine:
-# 99, 66, 31, 29, 28, 27, 21, 17)
-MANY_RANKS = frozenset({
-    "tests/pipeline/test_pipeline_training.py", "tests/moe/test_training_equivalence.py",
-    "tests/optim/test_equivalence.py", "tests/fault/test_restarts.py",
-    "tests/checkpoint/test_reshard.py", "tests/fuzz/test_layout_fuzz.py",
-    "tests/context_parallel/test_training_equivalence.py", "tests/fp8/test_layouts.py"})
-
-
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("many-ranks" if path in MANY_RANKS else path))
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
