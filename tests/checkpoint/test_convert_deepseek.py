@@ -19,7 +19,8 @@ from tests.checkpoint.test_convert import (
     finetune_from,
 )
 from tests.distributed.harness import run_distributed
-from tests.model.test_deepseek_v3_parity import hf_tiny_config, randomize
+from tests.model.deepseek_parity import randomize
+from tests.model.test_deepseek_v3_parity import hf_tiny_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,7 +17,8 @@ import torch
 from megalite.errors import EXIT_CHECKPOINT
 from tests.checkpoint.test_convert import VOCAB, _tool, assert_same_export, convert, finetune_from
 from tests.distributed.harness import run_distributed
-from tests.model.test_deepseek_v2_parity import FULL, LITE, hf_tiny_config, randomize
+from tests.model.deepseek_parity import randomize
+from tests.model.test_deepseek_v2_parity import FULL, LITE, hf_tiny_config
 
 transformers = pytest.importorskip("transformers")
 

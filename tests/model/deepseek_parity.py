@@ -22,6 +22,31 @@ def our_config(spec, hf_cfg) -> ModelConfig:
     return ModelConfig(**{**spec.config_from_hf(hf_cfg), **TINY})
 
 
+def randomize(hf_model, seed=3):
+    """O(1) weights everywhere (norms near one, V3's routing correction bias small and
+    random) so a slip in any mapping shows in the logits; returns ``hf_model``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in hf_model.state_dict().items():
+            noise = torch.randn(t.shape, generator=g)
+            if "norm" in name:
+                t.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("e_score_correction_bias"):
+                t.copy_(0.1 * noise)
+            else:
+                t.copy_(0.15 * noise)
+    return hf_model
+
+
+def converted_pair(spec, hf_model_class, hf_cfg) -> tuple:
+    """(transformers ``hf_model_class(hf_cfg)`` with :func:`randomize`d weights, in eval
+    mode; the megalite model ``spec`` converts from it; its config)."""
+    torch.manual_seed(0)
+    hf = randomize(hf_model_class(hf_cfg).eval())
+    ours, cfg = our_model(spec, hf)
+    return hf, ours, cfg
+
+
 def our_model(spec, hf) -> tuple[GPTModel, ModelConfig]:
     """(megalite model, its config) converted by ``spec`` from the transformers model
     ``hf``, holding its weights."""

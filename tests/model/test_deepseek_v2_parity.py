@@ -58,16 +58,6 @@ def hf_tiny_config(**overrides):
     return cfg
 
 
-def randomize(hf_model, seed=3):
-    """O(1) weights everywhere (norms near one) so a slip in any mapping shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in hf_model.state_dict().items():
-            noise = torch.randn(t.shape, generator=g)
-            t.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
-    return hf_model
-
-
 def our_config(hf_cfg) -> ModelConfig:
     return parity.our_config(SPEC, hf_cfg)
 
@@ -75,10 +65,8 @@ def our_config(hf_cfg) -> ModelConfig:
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request):
     """(case, HF model, our model, our config) holding the same weights."""
-    torch.manual_seed(0)
-    hcfg = hf_tiny_config(**CASES[request.param])
-    hf = randomize(transformers.DeepseekV2ForCausalLM(hcfg).eval())
-    ours, cfg = parity.our_model(SPEC, hf)
+    hf, ours, cfg = parity.converted_pair(SPEC, transformers.DeepseekV2ForCausalLM,
+                                          hf_tiny_config(**CASES[request.param]))
     return request.param, hf, ours, cfg
 
 

@@ -20,6 +20,7 @@ from tests.model.deepseek_parity import (
     assert_greedy_generation_matches,
     assert_logits_match,
     assert_state_dict_round_trip,
+    randomize,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -50,22 +51,6 @@ def hf_tiny_config(**overrides):
     return cfg
 
 
-def randomize(hf_model, seed=3):
-    """O(1) weights everywhere (norms near one, a random correction bias) so a slip in
-    any mapping shows in the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in hf_model.state_dict().items():
-            noise = torch.randn(t.shape, generator=g)
-            if "norm" in name:
-                t.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("e_score_correction_bias"):
-                t.copy_(0.1 * noise)
-            else:
-                t.copy_(0.15 * noise)
-    return hf_model
-
-
 def our_config(hf_cfg) -> ModelConfig:
     return parity.our_config(SPEC, hf_cfg)
 
@@ -73,10 +58,8 @@ def our_config(hf_cfg) -> ModelConfig:
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request):
     """(case, HF model, our model, our config) holding the same weights."""
-    torch.manual_seed(0)
-    hcfg = hf_tiny_config(**CASES[request.param])
-    hf = randomize(transformers.DeepseekV3ForCausalLM(hcfg).eval())
-    ours, cfg = parity.our_model(SPEC, hf)
+    hf, ours, cfg = parity.converted_pair(SPEC, transformers.DeepseekV3ForCausalLM,
+                                          hf_tiny_config(**CASES[request.param]))
     return request.param, hf, ours, cfg
 
 
