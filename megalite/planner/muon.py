@@ -57,6 +57,11 @@ class MatrixShape:
     def flops(self, steps: int) -> float:
         return self.count * ns_flops(self.rows, self.cols, steps)
 
+    def local_elements(self, tp: int) -> int:
+        """Elements one rank holds: its ``1/tp`` of a split matrix, the others whole."""
+        whole = self.count * self.rows * self.cols
+        return whole // tp if self.split is not None else whole
+
 
 def _attention(m, split_qkv: bool) -> list[MatrixShape]:
     h, n = m.hidden_size, m.num_attention_heads
@@ -120,41 +125,44 @@ def _rank_flops(mat: MatrixShape, steps: int, mode: str, tp: int) -> tuple[float
     return mat.count * steps * (4.0 * kept * kept * cut / tp + 2.0 * kept ** 3), 1
 
 
-def _stage_matrices(m, p, split_qkv: bool, ep: int, stage: int) -> list[MatrixShape]:
+def _stage_matrices(cfg, lay, stage: int) -> list[MatrixShape]:
     """The Muon matrices pipeline rank ``stage`` holds (its layers; the prediction depths on
     the output stage)."""
+    m, p, split_qkv = cfg.model, cfg.parallel, cfg.optim.muon_split_qkv
     out = [mat for layer in stage_layers(m, p, stage)
-           for mat in layer_matrices(m, layer, split_qkv, ep)]
+           for mat in layer_matrices(m, layer, split_qkv, lay.ep)]
     if stage == output_stage(p):
-        out += mtp_matrices(m, split_qkv, ep)
+        out += mtp_matrices(m, split_qkv, lay.ep)
     return out
+
+
+def _groups(cfg, lay, expert: bool) -> tuple[int, int]:
+    """(ranks a matrix is split over: tp, etp for experts; its possible owners: dp x cp,
+    edp for experts, under a sharded optimizer, else 1)."""
+    owners = (lay.edp if expert else lay.dp * lay.cp) \
+        if cfg.parallel.use_distributed_optimizer else 1
+    return (lay.etp if expert else lay.tp), owners
 
 
 def stage_elements(cfg, lay, stage: int) -> tuple[int, int]:
     """(dense, expert) elements of the Muon matrices one rank of pipeline rank ``stage``
     holds: its tp (experts: etp) shard of each split matrix, the others whole."""
-    m, o, p = cfg.model, cfg.optim, cfg.parallel
     out = [0, 0]
-    for mat in _stage_matrices(m, p, o.muon_split_qkv, lay.ep, stage):
-        tp = lay.etp if mat.expert else lay.tp
-        elements = mat.count * mat.rows * mat.cols
-        out[1 if mat.expert else 0] += elements // tp if mat.split is not None else elements
+    for mat in _stage_matrices(cfg, lay, stage):
+        out[1 if mat.expert else 0] += mat.local_elements(_groups(cfg, lay, mat.expert)[0])
     return out[0], out[1]
 
 
 def step_flops(cfg, lay) -> float:
     """Newton-Schulz FLOPs the busiest rank runs per optimizer step (module docstring);
     ``lay`` is ``cfg``'s resolved layout."""
-    m, o, p = cfg.model, cfg.optim, cfg.parallel
-    steps, mode = o.muon_num_ns_steps, o.muon_tp_mode
+    steps, mode = cfg.optim.muon_num_ns_steps, cfg.optim.muon_tp_mode
     busiest = 0.0
     for stage in range(lay.pp):
-        mats = _stage_matrices(m, p, o.muon_split_qkv, lay.ep, stage)
+        mats = _stage_matrices(cfg, lay, stage)
         rank = 0.0
         for expert in (False, True):
-            tp = lay.etp if expert else lay.tp
-            owners = (lay.edp if expert else lay.dp * lay.cp) \
-                if p.use_distributed_optimizer else 1
+            tp, owners = _groups(cfg, lay, expert)
             shares = [_rank_flops(mat, steps, mode, tp) for mat in mats if mat.expert == expert]
             if shares:
                 spread = sum(f / k for f, k in shares) / owners
@@ -175,18 +183,14 @@ def iteration_rate(precision: str, cluster) -> float:
 def step_bytes(cfg, lay) -> tuple[float, float]:
     """(tp bytes, dp bytes) the busiest rank sends per step for Muon's exchanges (module
     docstring)."""
-    m, o, p = cfg.model, cfg.optim, cfg.parallel
-    sharded = p.use_distributed_optimizer
+    o = cfg.optim
     tp_bytes = dp_bytes = 0.0
     for stage in range(lay.pp):
-        mats = _stage_matrices(m, p, o.muon_split_qkv, lay.ep, stage)
         t = d = 0.0
-        for mat in mats:
-            group = lay.etp if mat.expert else lay.tp
-            owners = (lay.edp if mat.expert else lay.dp * lay.cp) if sharded else 1
-            elements = mat.count * mat.rows * mat.cols
+        for mat in _stage_matrices(cfg, lay, stage):
+            group, owners = _groups(cfg, lay, mat.expert)
             split = mat.split is not None and group > 1
-            local = elements / group if split else elements
+            local = mat.local_elements(group)
             if split and o.muon_tp_mode == "duplicated":
                 t += 2 * 4 * local * (group - 1) / group / owners
             elif split and o.muon_tp_mode == "distributed":
