@@ -161,6 +161,7 @@ UNLESS_DEFAULT = ("multi_latent_attention", "qk_layernorm", "q_lora_rank", "kv_l
                   "moe_layer_freq", "moe_shared_expert_intermediate_size",
                   "moe_router_score_function", "moe_router_topk_scaling_factor",
                   "moe_router_num_groups", "moe_router_group_topk", "mtp_num_layers",
+                  "mtp_loss_scaling_factor",
                   "moe_router_enable_expert_bias", "moe_router_dtype",
                   "moe_router_load_balancing_type", "moe_router_pre_softmax")
 
@@ -370,11 +371,13 @@ def megalite_to_megatron(args) -> None:
             raise ConversionError(f"cannot convert {args.load_dir} to Megatron: "
                                   f"{'; '.join(problems)}; megalite writes {SUPPORTED}")
         bar.set_postfix_str("writing torch_dist")
-        directory = write_megatron(cfg, full, args.save_dir, iteration, tp, pp)
+        impl = args.transformer_impl or cfg.model.transformer_impl or mapping.TE
+        directory = write_megatron(cfg, full, args.save_dir, iteration, tp, pp, impl)
         bar.update(1)
     print(f"wrote {directory} (Megatron-Core torch_dist, iteration {iteration}, vocabulary "
-          f"padded to {cfg.model.padded_vocab_size(tp)}); load it in Megatron-LM with "
-          f"--ckpt-format torch_dist --load {args.save_dir} --finetune and the model's flags")
+          f"padded to {cfg.model.padded_vocab_size(tp)}, names of --transformer-impl "
+          f"{impl}); load it in Megatron-LM with --ckpt-format torch_dist --load "
+          f"{args.save_dir} --finetune and the model's flags")
 
 
 def megalite_to_hf(args) -> None:
@@ -502,6 +505,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iteration", type=int, dest="ckpt_step", help=argparse.SUPPRESS)
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
+                   help="megalite -> Megatron: the layer spec the Megatron run builds "
+                   "(Megatron-LM's flag), whose names the norms are written under "
+                   "(default: the one the checkpoint's config records, else "
+                   "transformer_engine, Megatron-LM's default).")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="HF / consolidated output precision.")
     p.add_argument("--max-shard-size", default="5GB", help="HF output: safetensors shard "

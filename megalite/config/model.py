@@ -144,7 +144,9 @@ class ModelConfig:
         None, "Megatron's choice of layer implementation (Transformer Engine's or "
         "Megatron-Core's local one).", choices=("transformer_engine", "local"),
         no_effect="megalite has one implementation of the transformer layers "
-                  "(megalite.transformer), which both values run")
+                  "(megalite.transformer), which both values run; the checkpoint records "
+                  "it, and convert_checkpoint.py --target megatron names the layer norms "
+                  "as that Megatron layer spec does")
     use_flash_attn: bool = arg(
         False, "Megatron's older switch for flash attention.",
         no_effect="--attention-backend auto (the default) already runs flash-attn where it "

@@ -96,19 +96,23 @@ DEEPSEEK = {**LLAMA, "num_layers": 3, "group_query_attention": False, "num_query
             "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
             "moe_router_bias_update_rate": 0.01, "moe_router_num_groups": 2,
             "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.0,
-            "moe_router_load_balancing_type": "none"}
+            "moe_router_load_balancing_type": "none", "mtp_num_layers": 1}
 
 
-@pytest.mark.parametrize("model", [LLAMA, DEEPSEEK], ids=["llama", "deepseek"])
-def test_trained_megalite_checkpoint_round_trips_through_megatron(tmp_path, model):
-    """A megalite run's checkpoint -> Megatron torch_dist -> megalite: the same weights
-    (and expert biases) and the same model flags."""
+@pytest.mark.parametrize("model,impl", [(LLAMA, "local"), (DEEPSEEK, "transformer_engine")],
+                         ids=["llama", "deepseek-mtp"])
+def test_trained_megalite_checkpoint_round_trips_through_megatron(tmp_path, model, impl):
+    """A megalite run's checkpoint -> Megatron torch_dist (either layer spec's names) ->
+    megalite: the same weights (expert biases and the prediction depth's included) and the
+    same model flags."""
     save, mt = str(tmp_path / "run"), str(tmp_path / "megatron")
     iters = 3 if model is DEEPSEEK else 2
     run_training(tiny_config(model=model, train={"train_iters": iters},
                              checkpoint={"save": save}))
     assert convert("--source", "megalite", "--target", "megatron", "--load-dir", save,
-                   "--save-dir", mt, "--target-pipeline-parallel-size", "2") == 0
+                   "--save-dir", mt, "--target-pipeline-parallel-size", "2",
+                   "--transformer-impl", impl) == 0
+    assert read_common(find_checkpoint(mt))["args"].transformer_impl == impl
     assert find_checkpoint(mt).iteration == iters
     back = read_megatron(mt)
     _, trained = load_full_model(save)
@@ -116,8 +120,10 @@ def test_trained_megalite_checkpoint_round_trips_through_megatron(tmp_path, mode
     assert back.state.keys() == want.keys()
     for key, tensor in want.items():
         assert torch.equal(back.state[key], tensor), key
-    biases = [t for k, t in want.items() if k.endswith("expert_bias")]
+    biases = [t for k, t in want.items() if k.endswith("expert_bias") and "mtp." not in k]
     assert len(biases) == (2 if model is DEEPSEEK else 0)
+    assert ("mtp.layers.0.transformer_layer.mlp.router.expert_bias" in want) == \
+        ("mtp.layers.0.eh_proj.weight" in want) == (model is DEEPSEEK)
     assert all(b.abs().max() > 0 for b in biases)
     for field, value in model.items():
         if value is None:   # a default the config fills in
@@ -142,6 +148,9 @@ def test_flag_table_says_torch_dist_is_megalites_own_format():
     ({**DEEPSEEK, "original_max_position_embeddings": 8192},
      "--original-max-position-embeddings 8192 (Megatron-Core's multi-latent attention "
      "corrects YaRN for 4096 positions)"),
+    ({"position_embedding_type": "learned_absolute", "mtp_num_layers": 1},
+     "--mtp-num-layers 1 with learned absolute position embeddings (Megatron-LM builds "
+     "multi-token prediction only with rope or no positions)"),
 ])
 def test_what_megatron_would_build_otherwise_is_refused(tmp_path, capsys, changes, message):
     from megalite.checkpoint.consolidated import save_full_model, single_process_state
@@ -154,3 +163,60 @@ def test_what_megatron_would_build_otherwise_is_refused(tmp_path, capsys, change
                    "--save-dir", str(tmp_path / "mt")) == 4
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+# What Megatron-Core 0.19.2's layer specs (models/gpt/gpt_layer_specs.py) call a layer's
+# norms where the two --transformer-impl differ: Transformer Engine's fuses a norm into a
+# following LayerNorm*Linear (standard attention's QKV, a dense MLP's fc1, multi-latent
+# attention's up projections under --qk-layernorm) and keeps an MoE layer's pre-MLP norm
+# (TENorm); the local spec maps standard attention's norms to the fused names
+# (sharded_state_dict_keys_map, MoE layers too) and keeps multi-latent attention's own.
+# fixture -> {the local name it was saved with: Transformer Engine's}
+TE_RENAMES = {
+    "mixtral_ep2": {"mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"},
+    "deepseek_v3_mtp_ep2": {   # layer 0 dense, layer 1 and the depth's layer MoE
+        "decoder.layers.0.pre_mlp_layernorm.weight":
+            "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+        "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+        "self_attention.kv_layernorm.weight":
+            "self_attention.linear_kv_up_proj.layer_norm_weight"},
+    "llama_mtp_tp2_pp2": {},   # dense standard attention: the same names
+}
+
+
+@pytest.mark.parametrize("name", sorted(TE_RENAMES))
+def test_transformer_engine_export_names_the_norms_as_its_spec_does(tmp_path, name):
+    """``--transformer-impl transformer_engine`` (Megatron-LM's default; the import of a
+    local-spec fixture records ``local`` and exports it by default): the fixture's entries
+    with Transformer Engine's norm names, the same tensors, and the import of that export
+    is the import of the fixture."""
+    ml, mt = str(tmp_path / "megalite"), str(tmp_path / "megatron")
+    theirs = find_checkpoint(os.path.join(FIXTURES, name))
+    assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
+                   os.path.dirname(theirs.directory), "--save-dir", ml) == 0
+    tp = read_common(theirs)["args"].tensor_model_parallel_size   # the same vocab padding
+    assert convert("--source", "megalite", "--target", "megatron", "--load-dir", ml,
+                   "--save-dir", mt, "--transformer-impl", "transformer_engine",
+                   "--target-tensor-parallel-size", str(tp)) == 0
+    ours = find_checkpoint(mt)
+    assert read_common(ours)["args"].transformer_impl == "transformer_engine"
+
+    def te_name(key):
+        for local, te in TE_RENAMES[name].items():
+            if key.endswith(local) and (local.startswith("decoder.") or "." + local in key):
+                return key[:len(key) - len(local)] + te
+        return key
+
+    want = {te_name(k): v for k, v in tensor_shapes(theirs).items()}
+    got = tensor_shapes(ours)
+    assert got.keys() == want.keys()
+    renamed = sum(te_name(k) != k for k in tensor_shapes(theirs))
+    assert renamed == {"mixtral_ep2": 1, "deepseek_v3_mtp_ep2": 7, "llama_mtp_tp2_pp2": 0}[name]
+    assert all(got[k][0] == want[k][0] for k in want)
+    a = read_tensors(theirs, [k for k in tensor_shapes(theirs) if "_extra_state" not in k
+                              and k not in ("embedding.word_embeddings.weight",
+                                            "output_layer.weight", "common_state/shard_0_1")])
+    b = read_tensors(ours, [te_name(k) for k in a])
+    assert all(torch.equal(a[k], b[te_name(k)]) for k in a)
+    back, first = read_megatron(mt).state, read_megatron(os.path.dirname(theirs.directory)).state
+    assert back.keys() == first.keys() and all(torch.equal(back[k], first[k]) for k in first)

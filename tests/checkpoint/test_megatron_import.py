@@ -54,12 +54,32 @@ def _reference(name):
     return ref["tokens"], ref["logits"]
 
 
+def depth_logits(model, tokens):
+    """Each prediction depth's logits ``[N, b, s, V]`` of ``model`` (one process, eval) on
+    ``tokens`` ``[b, s]``: its output layer's calls before the main head's."""
+    from megalite.transformer.mtp import roll_for_mtp
+
+    calls = []
+    hook = model.output_layer.register_forward_hook(lambda m, i, o: calls.append(o))
+    labels = torch.roll(tokens, -1, dims=1)
+    rolled = roll_for_mtp({"tokens": tokens, "labels": labels,
+                           "loss_mask": torch.ones_like(tokens)}, model.config.mtp_num_layers)
+    try:
+        with torch.no_grad():
+            model.eval()(tokens, labels=labels, mtp_tokens=rolled["mtp_tokens"],
+                         mtp_labels=rolled["mtp_labels"])
+    finally:
+        hook.remove()
+    return torch.stack([c.transpose(0, 1) for c in calls[:-1]])
+
+
 def test_fixtures_are_megatron_core_checkpoints():
     assert {"gpt2_tp1_pp1", "gpt2_tp2_pp2", "llama_tp1_pp1", "llama_tp2_pp2",
             "mixtral_tp1_pp1", "mixtral_ep2", "llama_pp2_vpp2", "gpt2_tp2_pp2_legacy",
             "llama_tp2_pp2_legacy", "mixtral_ep2_legacy", "llama_pp2_vpp2_legacy",
             "qwen3_tp1_pp1", "qwen3_tp2_pp2", "mla_tp2_pp2", "mla_noqlora_pp2",
-            "moe_bias_ep2"} <= set(NAMES)
+            "moe_bias_ep2", "llama_mtp_tp2_pp2", "llama_mtp_tp2_pp2_legacy",
+            "deepseek_v3_mtp_ep2"} <= set(NAMES)
     for name in NAMES:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
         assert ckpt.iteration == 1
@@ -91,6 +111,12 @@ def test_imported_logits_equal_megatrons(converted, name):
     vocab = cfg.model.vocab_size   # NullTokenizer 100 + eod; Megatron pads to 112 or 128
     assert vocab == 101 and want.shape[-1] >= vocab
     assert (got[..., :vocab] - want[..., :vocab]).abs().max().item() <= TOLERANCE
+    depths = torch.load(os.path.join(FIXTURES, name, "logits.pt")).get("mtp_logits")
+    assert (depths is not None) == ("_mtp_" in name) == bool(cfg.model.mtp_num_layers)
+    if depths is not None:   # each prediction depth's logits too
+        got = depth_logits(model, tokens)
+        assert got.shape[0] == depths.shape[0] == cfg.model.mtp_num_layers
+        assert (got[..., :vocab] - depths[..., :vocab]).abs().max().item() <= TOLERANCE
 
 
 def test_qkv_interleave_round_trips():
@@ -123,10 +149,11 @@ def test_imported_checkpoint_loads_resharded(converted, name, tp, pp, ep):
         assert (got - want[..., :got.shape[-1]]).abs().max().item() <= TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["llama_tp1_pp1", "moe_bias_ep2", "mla_tp2_pp2"])
+@pytest.mark.parametrize("name", ["llama_tp1_pp1", "moe_bias_ep2", "deepseek_v3_mtp_ep2"])
 def test_pretrain_finetunes_from_an_import(tmp_path, capsys, name):
-    """The flags the converter prints train on from the import (--finetune); the imported
-    expert biases are where the bias updates start from."""
+    """The flags the converter prints train on from the import (--finetune), prediction
+    depths included; the imported expert biases (the depth's too) are where the bias
+    updates start from."""
     save = str(tmp_path / "imported")
     assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
                    os.path.join(FIXTURES, name), "--save-dir", save) == 0
@@ -134,6 +161,7 @@ def test_pretrain_finetunes_from_an_import(tmp_path, capsys, name):
     flags = shlex.split(printed.split("pretrain/pretrain_gpt.py ", 1)[1].split(" --load ")[0])
     assert "--swiglu" in flags and ("--num-query-groups" in flags
                                     or "--multi-latent-attention" in flags)
+    assert ("--mtp-num-layers" in flags) == ("_mtp_" in name)
     run = tmp_path / "run"
     proc = subprocess.run(
         [PYTHON, ENTRYPOINT, *flags, "--load", save, "--finetune", "--save", str(run / "ck"),
@@ -145,10 +173,11 @@ def test_pretrain_finetunes_from_an_import(tmp_path, capsys, name):
     rows = read_jsonl(str(run / "m.jsonl"))
     assert [r["iteration"] for r in rows] == [1, 2]
     assert all(0 < r["lm_loss"] < 10 for r in rows), rows   # ln(101) = 4.6 from scratch
+    assert all(0 < r["mtp_1_loss"] < 10 for r in rows) if "_mtp_" in name else True, rows
     assert os.path.exists(run / "ck" / "iter_0000002")
     imported, trained = (load_full_model(d)[1].state_dict() for d in (save, str(run / "ck")))
     biases = [k for k in imported if k.endswith("expert_bias")]
-    assert len(biases) == (2 if name == "moe_bias_ep2" else 0)
+    assert len(biases) == {"moe_bias_ep2": 2, "deepseek_v3_mtp_ep2": 2}.get(name, 0)
     for key in biases:   # two steps of --moe-router-bias-update-rate 1e-3 from the import
         step = (trained[key] - imported[key]).abs()
         assert imported[key].abs().min() > 0.01 and 0 < step.max() <= 2e-3 + 1e-6, key
@@ -202,12 +231,13 @@ def test_megatron_source_errors_are_one_line(tmp_path, capsys):
 
 
 def test_unmapped_model_is_refused(tmp_path, capsys):
-    """A feature megalite's model lacks (here multi-token prediction and a gated shared
-    expert, read from common.pt as older Megatron-Core versions write it) is named, not
-    imported with other logits."""
-    root = _with_args(tmp_path, "moe_bias_ep2", mtp_num_layers=1, moe_shared_expert_gate=True)
+    """A feature megalite's model lacks (here one layer shared by the prediction depths and
+    a gated shared expert, read from common.pt as older Megatron-Core versions write it) is
+    named, not imported with other logits."""
+    root = _with_args(tmp_path, "deepseek_v3_mtp_ep2", mtp_use_repeated_layer=True,
+                      moe_shared_expert_gate=True)
     line = _one_line_error(capsys, *_from_megatron(root, tmp_path / "o"))
-    assert "multi-token prediction layers (--mtp-num-layers)" in line
+    assert "--mtp-use-repeated-layer (one layer shared by the prediction depths)" in line
     assert "--moe-shared-expert-gate" in line and "megalite imports" in line
 
 

@@ -203,14 +203,17 @@ def test_config_refusals():
 
 
 def test_formats_without_depths_say_so():
-    """Megatron checkpoints (import and export) refuse a model with depths rather than drop
-    them; a Hugging Face family without a place for them warns on export."""
-    from megalite.checkpoint.megatron.arguments import megatron_args, unsupported
+    """Megatron checkpoints carry the depths (tests/checkpoint/test_megatron_*), but not
+    with learned absolute positions, which Megatron-LM does not build; a Hugging Face
+    family without a place for them warns on export."""
+    from megalite.checkpoint.megatron.arguments import megatron_args, unexportable, unsupported
     from megalite.models.families import get_family
 
     model = llama_config(mtp_num_layers=1)
-    problems = unsupported(megatron_args(MegaliteConfig(model=model)))
-    assert any("multi-token prediction" in p for p in problems)
+    assert unsupported(megatron_args(MegaliteConfig(model=model))) == []
+    assert unexportable(model) == []
+    (problem,) = unexportable(gpt2_config(mtp_num_layers=1))
+    assert "with learned absolute position embeddings" in problem
     (warning,) = get_family("llama").export_warnings(model)
     assert "1 multi-token prediction depth(s)" in warning
     assert get_family("llama").export_warnings(llama_config()) == []

@@ -28,7 +28,7 @@ from megalite.checkpoint.megatron.files import (
 
 SUPPORTED = ("Megatron-Core torch_dist and legacy per-rank checkpoints of GPT models "
              "(GPT-2, Llama, Qwen3, multi-latent attention; MoE as Mixtral, Qwen3-MoE, "
-             "DeepSeek-V3) without multi-token prediction")
+             "DeepSeek-V3), with multi-token prediction depths")
 
 
 @dataclass

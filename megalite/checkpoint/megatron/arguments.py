@@ -52,7 +52,8 @@ def unsupported(args: Namespace) -> list[str]:
          "multi-latent attention with --rope-type rope and a --rotary-scaling-factor or "
          "--rotary-percent (megalite's is YaRN)"),
         (_get(a, "mla_down_proj_fusion", False), "--mla-down-proj-fusion"),
-        (_get(a, "mtp_num_layers", None), "multi-token prediction layers (--mtp-num-layers)"),
+        (_get(a, "mtp_num_layers", None) and _get(a, "mtp_use_repeated_layer", False),
+         "--mtp-use-repeated-layer (one layer shared by the prediction depths)"),
         (_get(a, "heterogeneous_layers_config_path", None), "heterogeneous layers"),
         (_get(a, "position_embedding_type", "learned_absolute") not in
          ("learned_absolute", "rope", "none"),
@@ -80,6 +81,9 @@ def unexportable(model_cfg) -> list[str]:
         (m.multi_latent_attention and m.original_max_position_embeddings not in (None, 4096),
          f"--original-max-position-embeddings {m.original_max_position_embeddings} "
          "(Megatron-Core's multi-latent attention corrects YaRN for 4096 positions)"),
+        (m.mtp_num_layers and m.learned_positions,
+         f"--mtp-num-layers {m.mtp_num_layers} with learned absolute position embeddings "
+         "(Megatron-LM builds multi-token prediction only with rope or no positions)"),
     ] if bad]
 
 
@@ -119,6 +123,12 @@ def model_kwargs(args: Namespace) -> dict:
         freq = _get(args, "moe_layer_freq", 1)
         if freq is not None:
             kw["moe_layer_freq"] = freq   # an int, or the evaluated list
+    if _get(args, "mtp_num_layers"):
+        kw["mtp_num_layers"] = args.mtp_num_layers
+        if _get(args, "mtp_loss_scaling_factor") is not None:
+            kw["mtp_loss_scaling_factor"] = args.mtp_loss_scaling_factor
+    if _get(args, "transformer_impl") in ("transformer_engine", "local"):
+        kw["transformer_impl"] = args.transformer_impl   # an export writes its names
     kw["vocab_size"] = vocab_size_of(args)
     return kw
 
@@ -128,10 +138,12 @@ def data_kwargs(args: Namespace) -> dict:
     return {n: getattr(args, n) for n in TOKENIZER if _get(args, n) is not None}
 
 
-def megatron_args(cfg, tp: int = 1, pp: int = 1) -> Namespace:
+def megatron_args(cfg, tp: int = 1, pp: int = 1, impl: str = "transformer_engine"
+                  ) -> Namespace:
     """A Megatron-LM ``args`` namespace for megalite's ``cfg`` (what an exported
     checkpoint's common state carries: the architecture, tokenizer and layout flags
-    Megatron checks and reads back with ``--use-checkpoint-args``)."""
+    Megatron checks and reads back with ``--use-checkpoint-args``; ``impl`` the
+    ``--transformer-impl`` whose names the tensors carry)."""
     m = cfg.model
     kw = {n: getattr(m, n) for n in SAME}
     kw.update(num_query_groups=m.num_query_groups if m.group_query_attention else 1,
@@ -144,7 +156,9 @@ def megatron_args(cfg, tp: int = 1, pp: int = 1) -> Namespace:
               rotary_interleaved=False, openai_gelu=False, squared_relu=False,
               qk_layernorm=m.qk_layernorm, qk_l2_norm=False,
               multi_latent_attention=m.multi_latent_attention,
-              mtp_num_layers=m.mtp_num_layers,   # refused by unsupported(), not dropped
+              mtp_num_layers=m.mtp_num_layers or None,
+              mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
+              mtp_use_repeated_layer=False, transformer_impl=impl,
               use_legacy_models=False, bf16=False, fp16=False,
               data_parallel_random_init=False,
               num_experts=m.num_experts)

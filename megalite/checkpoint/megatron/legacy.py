@@ -18,7 +18,10 @@ pipelining) with stage-local layer numbers and its tensor-parallel shards, next 
   ``linear_fc2``, ``[out, in/tp]``) along dim 1; everything else (norms, QK norms, row
   biases, the router and its expert bias) is replicated and taken from tp rank 0;
 * experts: ``local_experts.{j}`` (or Transformer Engine's ``weight{j}``) of ep rank ``e``
-  is global expert ``e * E/ep + j``, stacked ``[E, ...]``.
+  is global expert ``e * E/ep + j``, stacked ``[E, ...]``;
+* multi-token prediction (the last stage's ``mtp.layers.<k>.*``): the depth's
+  ``eh_proj`` is column-parallel, its layer (``mtp_model_layer``, saved as
+  ``transformer_layer``) merges as a decoder layer does, one key per depth.
 
 Every rank's file is read into memory at once: a converter for checkpoints that fit.
 """
@@ -32,7 +35,7 @@ import torch
 
 from megalite.checkpoint.files import CheckpointError
 from megalite.checkpoint.megatron.files import LEGACY_FILE, MegatronCheckpoint, load_pickled
-from megalite.checkpoint.megatron.mapping import LAYERS
+from megalite.checkpoint.megatron.mapping import LAYERS, MTP_LAYER, mtp_key
 
 RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
@@ -47,7 +50,7 @@ MLA_DOWN = tuple(f"self_attention.{proj}.{p}" for proj in (
 COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
           "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "embedding.word_embeddings.weight",
           "output_layer.weight", "linear_fc1", "mlp.shared_experts.linear_fc1.weight",
-          "mlp.shared_experts.linear_fc1.bias", *MLA_COLUMN)
+          "mlp.shared_experts.linear_fc1.bias", "eh_proj.weight", *MLA_COLUMN)
 ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "linear_fc2",
        "mlp.shared_experts.linear_fc2.weight")
 GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "linear_fc1",
@@ -150,27 +153,38 @@ def read_legacy(ckpt: MegatronCheckpoint) -> tuple[dict, dict, dict]:
             for e in range(eps):
                 per_tp = [_chunks(states[(t, p, e)])[v] for t in range(tps)]
                 for key in names:
-                    m = LAYER_KEY.match(key)
-                    suffix = m[2] if m else key
+                    prefix, suffix = _split(key, offsets[(p, v)])
                     x = EXPERT_KEY.match(suffix)
                     if x is None and e > 0:
                         continue   # non-expert tensors: ep rank 0's
                     shards = [s[key] for s in per_tp]
                     if x is None:
-                        name = key if m is None else \
-                            f"decoder.layers.{offsets[(p, v)] + int(m[1])}.{suffix}"
-                        merged[name] = _merge_tp(suffix, shards, gated, column)
+                        merged[prefix + suffix] = _merge_tp(suffix, shards, gated, column)
                         continue
                     j, which = (int(x[1]), x[2]) if x[1] is not None else (int(x[4]), x[3])
-                    layer = offsets[(p, v)] + int(m[1])
-                    experts.setdefault((layer, which), {})[(e, j)] = \
+                    experts.setdefault((prefix, which), {})[(e, j)] = \
                         _merge_tp(which, shards, gated)
-    for (layer, which), by_rank in experts.items():
+    for (prefix, which), by_rank in experts.items():
         per_rank = 1 + max(j for _, j in by_rank)
         stacked = [by_rank[(e, j)] for e in range(eps) for j in range(per_rank)]
-        merged[f"decoder.layers.{layer}.mlp.experts.experts.{which}.weight"] = \
-            torch.stack(stacked)
+        merged[f"{prefix}mlp.experts.experts.{which}.weight"] = torch.stack(stacked)
     return common, *_stack_layers(merged, num_layers)
+
+
+def _split(key: str, offset: int) -> tuple[str, str]:
+    """(global prefix, suffix) of a rank file's key: ``decoder.layers.<i>.<s>`` of a chunk
+    whose first layer is global ``offset`` -> (``decoder.layers.<offset + i>.``, ``s``); a
+    prediction depth's ``mtp.layers.<k>.mtp_model_layer.<s>`` (older files:
+    ``transformer_layer``) -> (``mtp.layers.<k>.transformer_layer.``, ``s``) and its
+    own ``mtp.layers.<k>.<s>`` -> (``mtp.layers.<k>.``, ``s``); other keys -> ("", key)."""
+    m = LAYER_KEY.match(key)
+    if m:
+        return f"decoder.layers.{offset + int(m[1])}.", m[2]
+    depth = mtp_key(key)
+    if depth is None:
+        return "", key
+    k, suffix, inner = depth
+    return (MTP_LAYER.format(k) if inner else f"mtp.layers.{k}."), suffix
 
 
 def _stack_layers(merged: dict[str, torch.Tensor], num_layers: int) -> tuple[dict, dict]:

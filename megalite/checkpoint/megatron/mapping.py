@@ -30,14 +30,25 @@ group its q heads, then its k, then its v   head-major (the head of q row block 
                                             writes ``q_layernorm.*``, as we do)
 ``self_attention.linear_kv_up_proj.``       ``self_attention.kv_layernorm.*``
 ``layer_norm_*`` (Transformer Engine)
+``mtp.layers.<k>.transformer_layer.<s>``    ``mtp.layers.<k>.transformer_layer.<s'>``: a
+(legacy files: ``mtp_model_layer.<s>``)     prediction depth's layer, one key per depth,
+                                            ``<s>`` -> ``<s'>`` as a decoder layer's
 ==========================================  ==============================================
+
+Which norm names an export writes depends on the layer spec Megatron will build
+(``--transformer-impl``, :func:`export_suffix`): Transformer Engine's fuses a norm into the
+linear after it where that linear is a ``LayerNorm*Linear`` (the QKV projection, a dense
+MLP's fc1, multi-latent attention's up projections) and keeps ``pre_mlp_layernorm`` of an
+MoE layer; the local spec saves standard attention's norms under the fused names (MoE
+layers too) and multi-latent attention's under their own.
 
 Everything else has the same name on both sides: QK norm (``self_attention.q_layernorm``,
 ``k_layernorm``), multi-latent attention's projections (``linear_q_proj`` or
 ``linear_q_down_proj`` / ``linear_q_up_proj``, ``linear_kv_down_proj`` ``[kv_lora_rank +
 qk_pos_emb_head_dim, h]``, ``linear_kv_up_proj`` ``[nh * (qk_head_dim + v_head_dim),
 kv_lora_rank]``, per head its key part then its value part), the router's ``weight`` and its
-``expert_bias`` ``[E]`` (fp32, aux-loss-free balancing).
+``expert_bias`` ``[E]`` (fp32, aux-loss-free balancing), a prediction depth's ``enorm``,
+``hnorm``, ``eh_proj`` ``[h, 2h]`` and ``final_layernorm``.
 
 Embedding and output rows beyond the vocabulary (Megatron pads it to a multiple of
 ``make_vocab_size_divisible_by x tp``) are dropped on import and zero on export; a tied
@@ -59,7 +70,14 @@ POSITION = "embedding.position_embeddings.weight"
 OUTPUT = "output_layer.weight"
 GLOBALS = (WORD, POSITION, "decoder.final_layernorm.weight", "decoder.final_layernorm.bias",
            OUTPUT)
-MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
+# a prediction depth's tensors: its own, and its transformer layer's (Megatron-Core's
+# sharded keys call the layer transformer_layer, its module and legacy files mtp_model_layer)
+MTP_KEY = re.compile(r"mtp\.layers\.(\d+)\.(?:(?:transformer_layer|mtp_model_layer)\.(.+)|(.+))$")
+MTP_OWN = tuple(f"{n}.{p}" for n in ("enorm", "hnorm", "final_layernorm")
+                for p in ("weight", "bias")) + ("eh_proj.weight",)
+MTP_LAYER = "mtp.layers.{}.transformer_layer."
+TE, LOCAL = "transformer_engine", "local"   # --transformer-impl
 
 PLAIN, QKV, EXPERT = "plain", "qkv", "expert"
 
@@ -71,10 +89,7 @@ class Rule:
     kind: str = PLAIN
 
 
-# The first rule for a megalite name is the one an export writes (the names Megatron-Core's
-# local layer spec saves and loads: for standard attention Transformer Engine's too); the
-# others are read too. Multi-latent attention's local spec keeps the layer norms' own
-# names (MLA_SKIPS: not written for it).
+# Every rule is read; an export writes the one export_suffix() picks for the layer spec.
 LAYER_RULES = (
     Rule("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
     Rule("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
@@ -109,7 +124,26 @@ LAYER_RULES = (
       for x in ("q", "kv") for p in ("weight", "bias")),
 )
 BY_MEGATRON = {r.megatron: r for r in LAYER_RULES}
-MLA_SKIPS = ("self_attention.linear_qkv.layer_norm_", "mlp.linear_fc1.layer_norm_")
+BY_OURS = {}
+for _rule in LAYER_RULES:
+    BY_OURS.setdefault(_rule.ours, _rule)
+
+
+def export_suffix(ours: str, *, mla: bool, moe: bool, impl: str = TE) -> str:
+    """The Megatron-Core suffix an export writes for our layer suffix ``ours`` in a layer
+    with multi-latent attention (``mla``) or an MoE MLP (``moe``), as the layer spec of
+    ``--transformer-impl`` ``impl`` names it (the norm rows of the module docstring)."""
+    norm, _, p = ours.rpartition(".")
+    if norm == "input_layernorm":
+        return ours if mla else f"self_attention.linear_qkv.layer_norm_{p}"
+    if norm == "pre_mlp_layernorm":
+        fused = not moe if impl == TE else not mla
+        return f"mlp.linear_fc1.layer_norm_{p}" if fused else ours
+    if mla and impl == TE and norm in ("self_attention.q_layernorm",
+                                       "self_attention.kv_layernorm"):
+        x = norm.split(".")[1].removesuffix("_layernorm")
+        return f"self_attention.linear_{x}_up_proj.layer_norm_{p}"
+    return BY_OURS[ours].megatron
 
 
 # -- q/k/v ------------------------------------------------------------------------------------
@@ -158,10 +192,21 @@ def per_layer_keys(model_cfg) -> bool:
     return bool(model_cfg.num_experts) and model_cfg.moe_layer_freq != 1
 
 
+def mtp_key(key: str) -> tuple[int, str, bool] | None:
+    """(depth index, suffix, whether the suffix is its transformer layer's) of a prediction
+    depth's key ``mtp.layers.<k>.<suffix>``; None for other keys."""
+    m = MTP_KEY.match(key)
+    if m is None:
+        return None
+    return (int(m[1]), m[2], True) if m[2] is not None else (int(m[1]), m[3], False)
+
+
 def unknown_keys(keys) -> list[str]:
     """Model keys of a Megatron checkpoint that no rule maps."""
     def known(k):
-        parsed = layer_key(k)
+        parsed, depth = layer_key(k), mtp_key(k)
+        if depth is not None:
+            return depth[1] in (BY_MEGATRON if depth[2] else MTP_OWN)
         return k in GLOBALS or (parsed is not None and parsed[1] in BY_MEGATRON)
 
     return sorted(k for k in keys if is_model_key(k) and not known(k))
@@ -170,9 +215,32 @@ def unknown_keys(keys) -> list[str]:
 def unmapped(full_keys) -> list[str]:
     """megalite state dict keys that no rule writes to Megatron (a feature whose tensors
     Megatron-Core names otherwise or lacks)."""
-    ours = {r.ours for r in LAYER_RULES}
-    return sorted(k for k in full_keys if k not in GLOBALS and not (
-        (m := PER_LAYER.match(k)) and m[2] in ours))
+    def mapped(k):
+        if (m := PER_LAYER.match(k)) is not None:
+            return m[2] in BY_OURS
+        if (depth := mtp_key(k)) is not None:
+            return depth[1] in (BY_OURS if depth[2] else MTP_OWN)
+        return k in GLOBALS
+
+    return sorted(k for k in full_keys if not mapped(k))
+
+
+def _inward(rule: Rule, x: torch.Tensor, c) -> torch.Tensor:
+    """One layer's tensor, Megatron's layout -> ours."""
+    if rule.kind == QKV:
+        x = qkv_from_megatron(x, c.num_attention_heads, c.num_query_groups, c.kv_channels)
+    elif rule.kind == EXPERT:
+        x = x.transpose(-1, -2)
+    return x.contiguous()
+
+
+def _outward(rule: Rule, x: torch.Tensor, c) -> torch.Tensor:
+    """One layer's tensor, our layout -> Megatron's (the inverse of :func:`_inward`)."""
+    if rule.kind == QKV:
+        x = qkv_to_megatron(x, c.num_attention_heads, c.num_query_groups, c.kv_channels)
+    elif rule.kind == EXPERT:
+        x = x.transpose(-1, -2)
+    return x.contiguous()
 
 
 def to_megalite(tensors: dict[str, torch.Tensor], chunks: dict[str, list], model_cfg
@@ -188,6 +256,15 @@ def to_megalite(tensors: dict[str, torch.Tensor], chunks: dict[str, list], model
         t = tensors[key]
         out[key] = t[:vocab] if key in (WORD, OUTPUT) else t
     for key, t in tensors.items():
+        depth = mtp_key(key)
+        if depth is not None:
+            k, suffix, inner = depth
+            if inner and suffix in BY_MEGATRON:
+                rule = BY_MEGATRON[suffix]
+                out[MTP_LAYER.format(k) + rule.ours] = _inward(rule, t, c)
+            elif not inner and suffix in MTP_OWN:
+                out[key] = t
+            continue
         parsed = layer_key(key)
         if parsed is None or parsed[1] not in BY_MEGATRON:
             continue
@@ -196,21 +273,27 @@ def to_megalite(tensors: dict[str, torch.Tensor], chunks: dict[str, list], model
         held = [(layer, t)] if layer is not None else \
             [(i, t[i]) for i in layers_held(chunks[key])]
         for i, x in held:
-            if rule.kind == QKV:
-                x = qkv_from_megatron(x, c.num_attention_heads, c.num_query_groups,
-                                      c.kv_channels)
-            elif rule.kind == EXPERT:
-                x = x.transpose(-1, -2)
-            out[OURS_LAYER.format(i) + rule.ours] = x.contiguous()
+            out[OURS_LAYER.format(i) + rule.ours] = _inward(rule, x, c)
     return {k: v.to(torch.float32) for k, v in out.items()}
 
 
-def to_megatron(full: dict[str, torch.Tensor], model_cfg, padded_vocab: int
-                ) -> dict[str, torch.Tensor]:
+def _layer_out(layer: dict[str, torch.Tensor], c, impl: str) -> dict[str, torch.Tensor]:
+    """One layer's tensors (by our suffix) -> by the suffix ``impl``'s spec saves."""
+    moe = "mlp.router.weight" in layer
+    return {export_suffix(ours, mla=c.multi_latent_attention, moe=moe, impl=impl):
+            _outward(BY_OURS[ours], x, c) for ours, x in layer.items()}
+
+
+def to_megatron(full: dict[str, torch.Tensor], model_cfg, padded_vocab: int,
+                impl: str = TE) -> dict[str, torch.Tensor]:
     """megalite's full state dict -> Megatron-Core's sharded keys, stacked or per layer
-    as :func:`per_layer_keys` says (the inverse of :func:`to_megalite`; vocabulary rows
-    padded with zeros to ``padded_vocab``)."""
+    as :func:`per_layer_keys` says, named for the layer spec of ``--transformer-impl``
+    ``impl`` (the inverse of :func:`to_megalite`; vocabulary rows padded with zeros to
+    ``padded_vocab``). Raises ``ValueError`` for a tensor no rule writes
+    (:func:`unmapped`)."""
     c = model_cfg
+    if unmapped(full):
+        raise ValueError(f"no Megatron-Core name for {', '.join(unmapped(full)[:3])}")
     out = {}
     for key in GLOBALS:
         if key in full:
@@ -218,24 +301,25 @@ def to_megatron(full: dict[str, torch.Tensor], model_cfg, padded_vocab: int
             if key in (WORD, OUTPUT):
                 t = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
             out[key] = t
-    per_layer = per_layer_keys(c)
-    written = set()
-    for rule in LAYER_RULES:
-        if rule.ours in written or (c.multi_latent_attention
-                                    and rule.megatron.startswith(MLA_SKIPS)):
-            continue
-        layers = [full.get(OURS_LAYER.format(i) + rule.ours) for i in range(c.num_layers)]
-        if all(x is None for x in layers) or (not per_layer and any(x is None for x in layers)):
-            continue
-        written.add(rule.ours)
-        if rule.kind == QKV:
-            layers = [x if x is None else qkv_to_megatron(
-                x, c.num_attention_heads, c.num_query_groups, c.kv_channels) for x in layers]
-        elif rule.kind == EXPERT:
-            layers = [x if x is None else x.transpose(-1, -2) for x in layers]
-        if per_layer:
-            out.update({f"{LAYERS}{i}.{rule.megatron}": x.contiguous()
-                        for i, x in enumerate(layers) if x is not None})
-        else:
-            out[LAYERS + rule.megatron] = torch.stack(layers).contiguous()
+    layers = [{} for _ in range(c.num_layers)]
+    depths: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in full.items():
+        if (m := PER_LAYER.match(key)) is not None:
+            layers[int(m[1])][m[2]] = t
+        elif (depth := mtp_key(key)) is not None:
+            k, suffix, inner = depth
+            if inner:
+                depths.setdefault(k, {})[suffix] = t
+            else:
+                out[key] = t
+    layers = [_layer_out(layer, c, impl) for layer in layers]
+    if per_layer_keys(c):
+        out.update({f"{LAYERS}{i}.{name}": x for i, layer in enumerate(layers)
+                    for name, x in layer.items()})
+    else:   # every layer has the same tensors
+        out.update({LAYERS + name: torch.stack([layer[name] for layer in layers])
+                    for name in layers[0]})
+    for k, layer in depths.items():
+        out.update({MTP_LAYER.format(k) + name: x
+                    for name, x in _layer_out(layer, c, impl).items()})
     return out

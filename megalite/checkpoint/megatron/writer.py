@@ -33,30 +33,29 @@ EXPERTS = "mlp.experts.experts."
 
 def _extra_states(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, list]:
     """The ``_extra_state`` objects (``[None]`` outside fp8) Megatron's linear layers (the
-    ``linear_*`` modules) save, one per layer (and expert), keyed as its ShardedObjects are:
-    ``<module>._extra_state/shard_<layer>_<L>`` (``shard_<layer>.<e>_<L>.<E>`` for experts)
-    for stacked layers, ``decoder.layers.<i>.<module>._extra_state/shard_0_1``
-    (``shard_<e>_<E>``) for per-layer keys."""
+    ``linear_*`` modules and a prediction depth's ``eh_proj``) save, one per layer (and
+    expert), keyed as its ShardedObjects are: ``<module>._extra_state/shard_<layer>_<L>``
+    (``shard_<layer>.<e>_<L>.<E>`` for experts) for stacked layers,
+    ``<module>._extra_state/shard_0_1`` (``shard_<e>_<E>``) for a per-layer key
+    (``decoder.layers.<i>.``, ``mtp.layers.<k>.``)."""
     out = {}
     for key, t in tensors.items():
+        module = key.removesuffix(".weight")
+        last = module.rsplit(".", 1)[-1]
         parsed = mapping.layer_key(key)
-        if parsed is None or not parsed[1].endswith(".weight"):
+        if module == key or not (last.startswith("linear_") or last == "eh_proj") or (
+                parsed is None and mapping.mtp_key(key) is None):
             continue
-        layer, suffix = parsed
-        module = suffix[:-len(".weight")]
-        if not module.rsplit(".", 1)[-1].startswith("linear_"):
-            continue
-        if layer is not None:
-            name = f"{mapping.LAYERS}{layer}.{module}._extra_state"
-            if module.startswith(EXPERTS):
+        name = f"{module}._extra_state"
+        if parsed is None or parsed[0] is not None:   # one layer's key
+            if EXPERTS in module:
                 experts = t.shape[0]
                 out.update({f"{name}/shard_{e}_{experts}": [None] for e in range(experts)})
             else:
                 out[f"{name}/shard_0_1"] = [None]
             continue
-        name = f"{mapping.LAYERS}{module}._extra_state"
         for i in range(num_layers):
-            if module.startswith(EXPERTS):
+            if EXPERTS in module:
                 experts = t.shape[1]
                 out.update({f"{name}/shard_{i}.{e}_{num_layers}.{experts}": [None]
                             for e in range(experts)})
@@ -66,19 +65,20 @@ def _extra_states(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str
 
 
 def write_megatron(cfg, full: dict[str, torch.Tensor], root: str, iteration: int,
-                   tp: int = 1, pp: int = 1) -> str:
+                   tp: int = 1, pp: int = 1, impl: str = mapping.TE) -> str:
     """Write ``full`` (names as ``GPTModel.full_state_dict()``) of the model ``cfg.model``
     as iteration ``iteration`` of a Megatron torch_dist checkpoint under ``root``
     (vocabulary padded as Megatron pads it at ``tp``; ``tp`` / ``pp`` are recorded in the
-    args). Returns the iteration directory."""
+    args), its norms named as the layer spec of ``--transformer-impl impl`` loads them.
+    Returns the iteration directory."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
     m = cfg.model
-    tensors = mapping.to_megatron(full, m, m.padded_vocab_size(tp))
+    tensors = mapping.to_megatron(full, m, m.padded_vocab_size(tp), impl)
     state: dict = dict(tensors)
     state.update(_extra_states(tensors, m.num_layers))
-    common = {"args": megatron_args(cfg, tp, pp), "checkpoint_version": CHECKPOINT_VERSION,
+    common = {"args": megatron_args(cfg, tp, pp, impl), "checkpoint_version": CHECKPOINT_VERSION,
               "iteration": iteration, "num_floating_point_operations_so_far": 0,
               "content_metadata": {"singleton_local_shards": False,
                                    "chained_optim_avoid_prefix": True}}

@@ -116,6 +116,15 @@ FIXTURES = {
     "mixtral_ep2_legacy": ([*MIXTRAL, "--expert-model-parallel-size", "2", "--ckpt-format",
                             "torch"], 1, 1),
     "qwen3_tp1_pp1": (QWEN3, 1, 1),
+    # multi-token prediction: two depths over a tp 2 x pp 2 Llama (the depths on the last
+    # stage), and one DeepSeek-V3-shaped depth (multi-latent attention, routed and shared
+    # experts) over ep 2
+    "llama_mtp_tp2_pp2": ([*LLAMA, "--mtp-num-layers", "2"], 2, 2),
+    "llama_mtp_tp2_pp2_legacy": ([*LLAMA, "--mtp-num-layers", "2", "--ckpt-format", "torch"],
+                                 2, 2),
+    "deepseek_v3_mtp_ep2": ([*DEEPSEEK_V3, "--num-layers", "2", "--moe-layer-freq", "[0]+[1]",
+                             "--mtp-num-layers", "1", "--expert-model-parallel-size", "2"],
+                            1, 1),
     "qwen3_tp2_pp2": (QWEN3, 2, 2),
     "mla_tp2_pp2": (MLA, 2, 2),
     "mla_noqlora_pp2": (MLA_NO_Q_LORA, 1, 2),
@@ -162,10 +171,11 @@ def check_export(name: str, directory: str) -> int:
     import torch
 
     _torchrun(name, "--check-export", name, os.path.abspath(directory))
-    got = torch.load(os.path.join(directory, "megatron_logits.pt"))["logits"]
-    want = torch.load(os.path.join(OUT, name, "logits.pt"))["logits"]
-    vocab = min(got.shape[-1], want.shape[-1], 101)
-    diff = (got[..., :vocab] - want[..., :vocab]).abs().max().item()
+    got = torch.load(os.path.join(directory, "megatron_logits.pt"))
+    want = torch.load(os.path.join(OUT, name, "logits.pt"))
+    vocab = min(got["logits"].shape[-1], want["logits"].shape[-1], 101)
+    diff = max((got[k][..., :vocab] - want[k][..., :vocab]).abs().max().item()
+               for k in ("logits", "mtp_logits") if k in want)
     print(f"{name}: Megatron-Core loaded {directory}; max |logit difference| {diff:.3g}")
     return 0 if diff <= 1e-5 else 1
 
@@ -254,6 +264,7 @@ def _build(args, name, vp_stage=None):
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
     )
     from megatron.training.arguments import core_transformer_config_from_args
 
@@ -265,6 +276,8 @@ def _build(args, name, vp_stage=None):
     else:
         spec = get_gpt_layer_local_spec(args.num_experts, False,
                                         normalization=args.normalization)
+    mtp = (get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
+                                  vp_stage=vp_stage) if args.mtp_num_layers else None)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings,
@@ -273,7 +286,8 @@ def _build(args, name, vp_stage=None):
                      parallel_output=True, vp_stage=vp_stage,
                      share_embeddings_and_output_weights=tied,
                      position_embedding_type=args.position_embedding_type,
-                     rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+                     rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                     mtp_block_spec=mtp)
     return model.to(torch.float32)
 
 
@@ -281,7 +295,9 @@ def _logits(models, args, tokens):
     """Full ``[b, s, padded_vocab]`` logits on the last stage (None elsewhere): the model
     chunks run in pipeline order (chunk-major under virtual pipelining), hidden states
     ``[s, b, h]`` sent over the pipeline group; vocabulary shards gathered over the
-    tensor group."""
+    tensor group. With multi-token prediction, ``(logits, depths)``: ``depths`` ``[N, b,
+    s, padded_vocab]`` each depth's logits (its calls of the output layer, which come
+    before the main head's)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
@@ -292,7 +308,11 @@ def _logits(models, args, tokens):
     pp_group = mpu.get_pipeline_model_parallel_group()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     ranks = dist.get_process_group_ranks(pp_group)
-    out = None
+    out, calls = None, []
+    last = models[-1]
+    if getattr(last, "post_process", False) and args.mtp_num_layers:
+        # a copy: Megatron's cross entropy works in place on the logits it is given
+        last.output_layer.register_forward_hook(lambda m, i, o: calls.append(o[0].clone()))
     for v, model in enumerate(models):
         if not (v == 0 and mpu.is_pipeline_first_stage()):
             hidden = torch.empty(s, b, args.hidden_size)
@@ -306,9 +326,17 @@ def _logits(models, args, tokens):
     if out is None:
         return None
     tp_group = mpu.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(out) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(parts, out.contiguous(), group=tp_group)
-    return torch.cat(parts, dim=-1)
+
+    def gather(x):
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(tp_group))]
+        dist.all_gather(parts, x.contiguous(), group=tp_group)
+        return torch.cat(parts, dim=-1)
+
+    if not args.mtp_num_layers:
+        return gather(out)
+    assert len(calls) == args.mtp_num_layers + 1, len(calls)
+    depths = torch.stack([gather(c).transpose(0, 1) for c in calls[:-1]])   # [N, b, s, V]
+    return gather(out), depths
 
 
 def worker(name: str, dest: str, check: bool = False) -> None:
@@ -346,8 +374,7 @@ def worker(name: str, dest: str, check: bool = False) -> None:
         load_checkpoint(models, None, None)
         logits = _logits([m.eval() for m in models], args, tokens)
         if logits is not None and mpu.get_tensor_model_parallel_rank() == 0:
-            torch.save({"tokens": tokens, "logits": logits},
-                       os.path.join(dest, "megatron_logits.pt"))
+            torch.save(_record(tokens, logits), os.path.join(dest, "megatron_logits.pt"))
         dist.destroy_process_group()
         return
     for model in models:
@@ -357,12 +384,20 @@ def worker(name: str, dest: str, check: bool = False) -> None:
     save_checkpoint(ITERATION, models, None, None, 0)
     dist.barrier()
     if logits is not None and mpu.get_tensor_model_parallel_rank() == 0:
-        torch.save({"tokens": tokens, "logits": logits}, os.path.join(dest, "logits.pt"))
+        torch.save(_record(tokens, logits), os.path.join(dest, "logits.pt"))
         with open(os.path.join(dest, "fixture.json"), "w") as f:
             json.dump({"made_by": "megatron-core " + _version(), "tp": tp, "pp": pp,
                        "flags": [*COMMON, *flags],
                        "padded_vocab_size": args.padded_vocab_size}, f, indent=1)
     dist.destroy_process_group()
+
+
+def _record(tokens, logits) -> dict:
+    """What ``logits.pt`` holds: the tokens, the logits and, with multi-token prediction,
+    ``mtp_logits`` ``[N, b, s, padded_vocab]``."""
+    if isinstance(logits, tuple):
+        return {"tokens": tokens, "logits": logits[0], "mtp_logits": logits[1]}
+    return {"tokens": tokens, "logits": logits}
 
 
 def _version() -> str:
