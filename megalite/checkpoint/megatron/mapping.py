@@ -225,19 +225,11 @@ def unmapped(full_keys) -> list[str]:
     return sorted(k for k in full_keys if not mapped(k))
 
 
-def _inward(rule: Rule, x: torch.Tensor, c) -> torch.Tensor:
-    """One layer's tensor, Megatron's layout -> ours."""
+def _relayout(rule: Rule, x: torch.Tensor, c, *, to_ours: bool) -> torch.Tensor:
+    """One layer's tensor, Megatron's layout -> ours (``to_ours``) or back."""
     if rule.kind == QKV:
-        x = qkv_from_megatron(x, c.num_attention_heads, c.num_query_groups, c.kv_channels)
-    elif rule.kind == EXPERT:
-        x = x.transpose(-1, -2)
-    return x.contiguous()
-
-
-def _outward(rule: Rule, x: torch.Tensor, c) -> torch.Tensor:
-    """One layer's tensor, our layout -> Megatron's (the inverse of :func:`_inward`)."""
-    if rule.kind == QKV:
-        x = qkv_to_megatron(x, c.num_attention_heads, c.num_query_groups, c.kv_channels)
+        regroup = qkv_from_megatron if to_ours else qkv_to_megatron
+        x = regroup(x, c.num_attention_heads, c.num_query_groups, c.kv_channels)
     elif rule.kind == EXPERT:
         x = x.transpose(-1, -2)
     return x.contiguous()
@@ -261,7 +253,7 @@ def to_megalite(tensors: dict[str, torch.Tensor], chunks: dict[str, list], model
             k, suffix, inner = depth
             if inner and suffix in BY_MEGATRON:
                 rule = BY_MEGATRON[suffix]
-                out[MTP_LAYER.format(k) + rule.ours] = _inward(rule, t, c)
+                out[MTP_LAYER.format(k) + rule.ours] = _relayout(rule, t, c, to_ours=True)
             elif not inner and suffix in MTP_OWN:
                 out[key] = t
             continue
@@ -273,7 +265,7 @@ def to_megalite(tensors: dict[str, torch.Tensor], chunks: dict[str, list], model
         held = [(layer, t)] if layer is not None else \
             [(i, t[i]) for i in layers_held(chunks[key])]
         for i, x in held:
-            out[OURS_LAYER.format(i) + rule.ours] = _inward(rule, x, c)
+            out[OURS_LAYER.format(i) + rule.ours] = _relayout(rule, x, c, to_ours=True)
     return {k: v.to(torch.float32) for k, v in out.items()}
 
 
@@ -281,7 +273,7 @@ def _layer_out(layer: dict[str, torch.Tensor], c, impl: str) -> dict[str, torch.
     """One layer's tensors (by our suffix) -> by the suffix ``impl``'s spec saves."""
     moe = "mlp.router.weight" in layer
     return {export_suffix(ours, mla=c.multi_latent_attention, moe=moe, impl=impl):
-            _outward(BY_OURS[ours], x, c) for ours, x in layer.items()}
+            _relayout(BY_OURS[ours], x, c, to_ours=False) for ours, x in layer.items()}
 
 
 def to_megatron(full: dict[str, torch.Tensor], model_cfg, padded_vocab: int,
