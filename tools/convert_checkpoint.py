@@ -308,7 +308,8 @@ def megatron_to_megalite(args) -> None:
 
     with progress(2, "convert", "step") as bar:
         bar.set_postfix_str("reading the Megatron checkpoint")
-        imported = read_megatron(args.load_dir, args.ckpt_step)
+        imported = read_megatron(args.load_dir, args.ckpt_step,
+                                 load_optim=not args.no_load_optim)
         bar.update(1)
         cfg = imported.cfg
         cfg.parallel = ParallelConfig(
@@ -320,7 +321,7 @@ def megatron_to_megalite(args) -> None:
             raise ConfigError(f"the target layout does not fit the model: {exc}") from None
         bar.set_postfix_str("saving the checkpoint")
         try:
-            path = save_full_model(cfg, imported.state, args.save_dir)
+            path = save_full_model(cfg, imported.state, args.save_dir, imported.optimizer)
         except (KeyError, ValueError) as exc:
             raise ConversionError(f"cannot convert {imported.source.directory}: "
                                   f"{str(exc).strip(chr(34))}") from None
@@ -329,9 +330,22 @@ def megatron_to_megalite(args) -> None:
         print(f"note: {note}")
     src = imported.source
     step = "release" if src.iteration is None else f"iteration {src.iteration}"
+    flags = training_flags(cfg) + tokenizer_flags(cfg)
+    if imported.optimizer is not None:
+        o = imported.optimizer
+        print(f"wrote {path} (Megatron {src.format} {step}, "
+              f"{sum(t.numel() for t in imported.state.values()):,} parameters, the "
+              f"{cfg.optim.optimizer} state of step {o.step}, {o.consumed_samples:,} samples "
+              "consumed)")
+        print("resume it with the Megatron-LM run's own flags (megalite takes them) and "
+              f"--load {args.save_dir} --no-load-rng, without --finetune: the optimizer "
+              "state, the lr schedule's position and the data position (sample "
+              f"{o.consumed_samples}) carry on; its architecture flags:\n  "
+              "pretrain/pretrain_gpt.py " + " ".join(flags)
+              + f" --load {args.save_dir} --no-load-rng --save <dir> ...")
+        return
     print(f"wrote {path} (Megatron {src.format} {step}, "
           f"{sum(t.numel() for t in imported.state.values()):,} parameters)")
-    flags = training_flags(cfg) + tokenizer_flags(cfg)
     print("continue training with:\n  pretrain/pretrain_gpt.py " + " ".join(flags)
           + f" --load {args.save_dir} --finetune --save <dir> ...")
 
@@ -505,6 +519,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iteration", type=int, dest="ckpt_step", help=argparse.SUPPRESS)
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--no-load-optim", action="store_true",
+                   help="Megatron -> megalite: the weights alone (iteration 0, continue "
+                   "with --finetune), not the optimizer state Megatron saved.")
     p.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
                    help="megalite -> Megatron: the layer spec the Megatron run builds "
                    "(Megatron-LM's flag), whose names the norms are written under "

@@ -72,13 +72,47 @@ def load_full_model(root: str, iteration: int | None = None):
     return cfg, model
 
 
-def save_full_model(cfg: MegaliteConfig, state: dict[str, torch.Tensor], root: str) -> str:
+def _pad_rows(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``shape`` (a vocabulary padded further here than
+    in the source, as the full state dict drops padding rows)."""
+    if t.shape == shape or t.shape[1:] != shape[1:] or t.shape[0] > shape[0]:
+        return t
+    return torch.cat([t, t.new_zeros(shape[0] - t.shape[0], *t.shape[1:])])
+
+
+def save_full_model(cfg: MegaliteConfig, state: dict[str, torch.Tensor], root: str,
+                    optimizer_state=None) -> str:
     """Write the full state dict ``state`` (names as ``GPTModel.full_state_dict()``) of
-    the model ``cfg.model`` as a weights-only checkpoint of iteration 0 under ``root``."""
+    the model ``cfg.model`` as a weights-only checkpoint of iteration 0 under ``root``;
+    with ``optimizer_state`` (a :class:`~megalite.checkpoint.megatron.optimizer.
+    MegatronOptimizerState`: full per-parameter state in the same names, the step count,
+    the iteration, consumed samples) a checkpoint of that iteration that resumes training:
+    the optimizer of ``cfg.optim`` holding that state and the lr schedule's position."""
     from megalite.models.gpt import GPTModel
 
     ps = single_process_state()
     model = GPTModel(cfg.model, ps, seed=cfg.train.seed)
     model.load_full_state_dict(state)
-    return save_checkpoint(root, 0, model, None, None, ps, cfg.to_dict(), 0,
-                           save_optim=False, save_rng=False)
+    if optimizer_state is None:
+        return save_checkpoint(root, 0, model, None, None, ps, cfg.to_dict(), 0,
+                               save_optim=False, save_rng=False)
+    from megalite.optim.build import build_grads_and_optimizer
+    from megalite.optim.lr_schedule import LRScheduler
+
+    s, t = optimizer_state, cfg.train
+    _, optimizer = build_grads_and_optimizer(model, cfg, ps)
+    missing = sorted(set(optimizer.names) - set(s.params))
+    if missing:
+        raise KeyError(f"no optimizer state for {', '.join(missing[:3])}")
+    shapes = dict(model.named_parameters())
+    optimizer.load_state_dict_per_param({"step": s.step, "params": {
+        name: {k: _pad_rows(t, shapes[name].shape) for k, t in s.params[name].items()}
+        for name in optimizer.names}})
+    samples = t.train_samples is not None or t.rampup_batch_size is not None
+    scheduler = LRScheduler.from_config(cfg.optim, t.train_iters, train_samples=t.train_samples,
+                                        global_batch_size=t.global_batch_size if samples
+                                        else None)
+    scheduler.num_steps = (s.scheduler_samples if samples and s.scheduler_samples is not None
+                           else s.iteration)
+    return save_checkpoint(root, s.iteration, model, optimizer, scheduler, ps, cfg.to_dict(),
+                           s.consumed_samples, save_rng=False)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite.checkpoint.files import CheckpointError
-from megalite.checkpoint.megatron import arguments, mapping
+from megalite.checkpoint.megatron import arguments, mapping, optimizer
+from megalite.checkpoint.megatron.optimizer import MegatronOptimizerState
 from megalite.checkpoint.megatron.files import (
     MegatronCheckpoint,
     find_checkpoint,
@@ -34,18 +35,30 @@ SUPPORTED = ("Megatron-Core torch_dist and legacy per-rank checkpoints of GPT mo
 @dataclass
 class MegatronImport:
     """A Megatron checkpoint read whole: megalite's config, the full state dict (fp32,
-    names as ``GPTModel.full_state_dict()``), the source iteration and remarks."""
+    names as ``GPTModel.full_state_dict()``), the source iteration and remarks, and, where
+    it was saved in a per-parameter format, the optimizer state (:mod:`.optimizer`)."""
 
     cfg: object
     state: dict[str, torch.Tensor]
     source: MegatronCheckpoint
     notes: list[str] = field(default_factory=list)
+    optimizer: MegatronOptimizerState | None = None
 
 
-def read_megatron(root: str, step: int | None = None) -> MegatronImport:
-    """Read iteration ``step`` (default the latest) of the Megatron checkpoint ``root``;
-    ``CheckpointError`` in one line for what megalite cannot import."""
-    from megalite.config import ConfigError, DataConfig, MegaliteConfig, ModelConfig
+def read_megatron(root: str, step: int | None = None, load_optim: bool = True
+                  ) -> MegatronImport:
+    """Read iteration ``step`` (default the latest) of the Megatron checkpoint ``root``,
+    with its optimizer state unless ``load_optim`` is False (or it holds none, or one in a
+    format megalite cannot read: a note says so); ``CheckpointError`` in one line for
+    what megalite cannot import."""
+    from megalite.config import (
+        ConfigError,
+        DataConfig,
+        MegaliteConfig,
+        ModelConfig,
+        OptimConfig,
+        TrainConfig,
+    )
 
     ckpt = find_checkpoint(root, step)
     if ckpt.format == "legacy":
@@ -69,7 +82,9 @@ def read_megatron(root: str, step: int | None = None) -> MegatronImport:
                               f"megalite imports {SUPPORTED}")
     try:
         model = ModelConfig(**arguments.model_kwargs(args))
-        cfg = MegaliteConfig(model=model, data=DataConfig(**arguments.data_kwargs(args)))
+        cfg = MegaliteConfig(model=model, data=DataConfig(**arguments.data_kwargs(args)),
+                             optim=OptimConfig(**arguments.optim_kwargs(args)),
+                             train=TrainConfig(**arguments.train_kwargs(args)))
         cfg.validate(1)
     except (ConfigError, ValueError, TypeError) as exc:
         raise CheckpointError(f"cannot import {ckpt.directory}: its args give no valid "
@@ -81,13 +96,26 @@ def read_megatron(root: str, step: int | None = None) -> MegatronImport:
     notes = []
     if getattr(args, "tokenizer_type", None) != arguments.NULL_TOKENIZER:
         notes += _tokenizer_vocab(cfg, padded)
+    optim_keys = optimizer.optimizer_keys(keys)
     keys = [k for k in keys if mapping.is_model_key(k)]
     if ckpt.format != "legacy":
         tensors = read_tensors(ckpt, keys)
     state = mapping.to_megalite({k: tensors[k] for k in keys}, chunks, model)
-    if common.get("optimizer_saved") or any(k.startswith("optimizer.") for k in chunks):
-        notes.append("the optimizer state is not imported: continue with --finetune")
-    return MegatronImport(cfg, state, ckpt, notes)
+    saved = common.get("optimizer_saved", "optimizer" in common) or bool(optim_keys)
+    why = ("legacy rank files keep it by parameter index" if ckpt.format == "legacy"
+           else optimizer.unreadable(common, optim_keys))
+    state_of_optimizer = None
+    if saved and load_optim and why is None:
+        state_of_optimizer = optimizer.read_optimizer_state(
+            common, read_tensors(ckpt, optim_keys), chunks, model)
+        if set(state_of_optimizer.params) != {k for k in state if "expert_bias" not in k}:
+            raise CheckpointError(f"{ckpt.directory}: the optimizer state's parameters are "
+                                  "not the model's")
+    elif saved:
+        notes.append("the optimizer state is not imported "
+                     f"({'--no-load-optim' if why is None else why}): continue with "
+                     "--finetune")
+    return MegatronImport(cfg, state, ckpt, notes, state_of_optimizer)
 
 
 def _tokenizer_vocab(cfg, padded: int | None) -> list[str]:

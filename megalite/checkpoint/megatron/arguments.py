@@ -127,10 +127,33 @@ def model_kwargs(args: Namespace) -> dict:
         kw["mtp_num_layers"] = args.mtp_num_layers
         if _get(args, "mtp_loss_scaling_factor") is not None:
             kw["mtp_loss_scaling_factor"] = args.mtp_loss_scaling_factor
+    kw["bf16"], kw["fp16"] = bool(_get(args, "bf16", False)), bool(_get(args, "fp16", False))
     if _get(args, "transformer_impl") in ("transformer_engine", "local"):
         kw["transformer_impl"] = args.transformer_impl   # an export writes its names
     kw["vocab_size"] = vocab_size_of(args)
     return kw
+
+
+# the optimizer and schedule flags (the same names on both sides) a resumed run continues
+OPTIM_SAME = ("optimizer", "lr", "min_lr", "lr_decay_style", "lr_decay_iters",
+              "lr_decay_samples", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction",
+              "lr_warmup_init", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+              "sgd_momentum", "clip_grad")
+TRAIN_SAME = ("micro_batch_size", "global_batch_size", "train_iters", "train_samples", "seed")
+
+
+def optim_kwargs(args: Namespace) -> dict:
+    """``OptimConfig`` settings of the Megatron run (what its optimizer state was made
+    with; Megatron's ``adam`` is AdamW, as megalite's)."""
+    kw = {n: getattr(args, n) for n in OPTIM_SAME if _get(args, n) is not None}
+    if kw.get("optimizer") not in ("adam", "sgd"):   # another's state is not imported
+        kw.pop("optimizer", None)
+    return kw
+
+
+def train_kwargs(args: Namespace) -> dict:
+    """``TrainConfig`` settings of the Megatron run (batch sizes, length, seed)."""
+    return {n: getattr(args, n) for n in TRAIN_SAME if _get(args, n) is not None}
 
 
 def data_kwargs(args: Namespace) -> dict:

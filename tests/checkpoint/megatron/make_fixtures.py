@@ -21,6 +21,9 @@ Python >= 3.12; 0.19.2 runs on 3.11 with the ``typing.override`` shim below)::
     /work/mcore-venv/bin/python tests/checkpoint/megatron/make_fixtures.py [NAME ...]
 
 Each fixture is one ``torchrun`` of this file in worker mode (tp x pp x ep gloo ranks).
+The ``*_trained`` fixtures (:data:`TRAINED`) are trained a few steps by Megatron-Core's
+DDP, optimizer and scheduler first (:func:`train_worker`; CPU shims in
+:func:`_training_shims`) and saved with their optimizer state.
 
 It also checks an export: after ``convert_checkpoint.py --source megatron`` of fixture
 NAME and ``--source megalite --target megatron`` of the result into DIR,
@@ -142,6 +145,29 @@ FIXTURES = {
                                    "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "0.0",
                                    "--moe-token-dispatcher-type", "allgather"], 2, 1),
 }
+# Trained fixtures, name -> (model and optimizer flags, data-parallel size): Megatron-Core's
+# DDP, optimizer and scheduler (Megatron-LM's get_optimizer_param_scheduler) train
+# TRAIN_STEPS steps on seeded random batches and save with the optimizer state; one more
+# step's batch, loss, learning rate and the weights after it go to next_step.pt, which an
+# import must reproduce when it resumes
+TRAIN_STEPS = 2
+TRAIN = ["--train-iters", "10", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style",
+         "cosine", "--lr-warmup-iters", "1", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+         "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--clip-grad", "1.0",
+         "--micro-batch-size", "2"]
+# (a vocabulary of 112 = 111 + end of document: no padding rows, whose logits Megatron's
+# softmax would include and megalite's, which drops them, would not)
+TRAIN = [*TRAIN, "--num-layers", "2", "--vocab-size", "111"]
+TRAINED = {
+    "llama_adam_trained": ([*LLAMA, *TRAIN], 1),
+    # the distributed optimizer's per-parameter format (Megatron-LM's default, dp_reshardable,
+    # keeps flat buffers that only Megatron's own bucket layout can read)
+    "llama_distopt_dp2_trained": ([*LLAMA, *TRAIN, "--use-distributed-optimizer",
+                                   "--dist-ckpt-optim-fully-reshardable"], 2),
+    # bf16 weights with fp32 main copies (optimizer.state.param)
+    "llama_distopt_bf16_trained": ([*LLAMA, *TRAIN, "--bf16", "--use-distributed-optimizer",
+                                    "--dist-ckpt-optim-fully-reshardable"], 1),
+}
 # fixtures whose layers Megatron builds with the decoder block spec (qk norm, multi-latent
 # attention, a --moe-layer-freq list); the others keep the one-layer local spec
 BLOCK_SPEC = ("qwen3", "mla_", "moe_bias_", "deepseek_")
@@ -154,8 +180,11 @@ def _ep(flags: list[str]) -> int:
 
 # -- driver ------------------------------------------------------------------------------------
 def _torchrun(name: str, *worker_args: str) -> None:
-    flags, tp, pp = FIXTURES[name]
-    world = tp * pp * _ep(flags)   # the experts' ranks are data-parallel ones
+    if name in TRAINED:
+        world = TRAINED[name][1]
+    else:
+        flags, tp, pp = FIXTURES[name]
+        world = tp * pp * _ep(flags)   # the experts' ranks are data-parallel ones
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
            "--master-port", str(29500 + zlib.crc32(name.encode()) % 1000),
            os.path.abspath(__file__), *worker_args]
@@ -181,11 +210,11 @@ def check_export(name: str, directory: str) -> int:
 
 
 def main(names: list[str]) -> int:
-    for name in names or list(FIXTURES):
+    for name in names or [*FIXTURES, *TRAINED]:
         dest = os.path.join(OUT, name)
         shutil.rmtree(dest, ignore_errors=True)
         os.makedirs(dest)
-        _torchrun(name, "--worker", name, dest)
+        _torchrun(name, "--train" if name in TRAINED else "--worker", name, dest)
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dest) for f in fs)
         print(f"wrote {dest} ({size / 1024:.0f} KiB)")
     return 0
@@ -233,6 +262,155 @@ def _shims():
         init(self, config, *args, **kwargs)
 
     DotProductAttention.__init__ = local_attention
+
+
+def _training_shims():
+    """What Megatron-Core's DDP and optimizers ask of CUDA, on CPU: devices named ``cuda``
+    become the CPU, tensor types report themselves as CUDA ones (the optimizers check),
+    streams do nothing, and gloo's missing reduce-scatter is an all-reduce and a slice."""
+    import contextlib
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    def on_cpu(f):
+        @functools.wraps(f)
+        def g(*a, **k):
+            if "cuda" in str(k.get("device", "")):
+                k["device"] = "cpu"
+            return f(*a, **k)
+        return g
+
+    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like",
+                 "empty_like", "ones_like"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    to, kind = torch.Tensor.to, torch.Tensor.type
+
+    def to_cpu(self, *a, **k):
+        a = tuple("cpu" if isinstance(x, (str, torch.device)) and "cuda" in str(x) else x
+                  for x in a)
+        if "cuda" in str(k.get("device", "")):
+            k["device"] = "cpu"
+        return to(self, *a, **k)
+
+    def cuda_type(self, *a, **k):
+        out = kind(self, *a, **k)
+        if not a and not k and isinstance(out, str) and ".cuda." not in out:
+            return out.replace("torch.", "torch.cuda.", 1)
+        return out
+
+    class Stream:
+        def wait_event(self, *a):
+            pass
+
+        def wait_stream(self, *a):
+            pass
+
+        def synchronize(self):
+            pass
+
+    torch.Tensor.to, torch.Tensor.type = to_cpu, cuda_type
+    torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: Stream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+    def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        total = input.clone()
+        dist.all_reduce(total, op=op, group=group)
+        output.copy_(total.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+        return contextlib.nullcontext() if async_op else None
+
+    dist.reduce_scatter_tensor = dist._reduce_scatter_base = reduce_scatter
+
+
+def train_worker(name: str, dest: str) -> None:
+    """Train fixture ``name`` (one rank of its data-parallel group; :data:`TRAINED`), save
+    it with the optimizer state into ``dest`` and record the next step in
+    ``dest/next_step.pt``: ``{"tokens": [dp, b, s], "lr", "loss" (the mean over dp),
+    "params": {module name: the weight after the step}}``."""
+    _shims()
+    _training_shims()
+    import torch
+    import torch.distributed as dist
+
+    flags, dp = TRAINED[name]
+    common = [f for f in COMMON if f not in ("--no-save-optim", "--no-save-rng")]
+    sys.argv = [sys.argv[0], *common, *flags, "--no-save-rng", "--global-batch-size",
+                str(2 * dp), "--save", dest, "--load", dest]
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.training.arguments import (
+        core_transformer_config_from_args,
+        parse_args,
+        validate_args,
+    )
+    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.global_vars import set_global_variables
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    args = parse_args()
+    validate_args(args)
+    set_global_variables(args, build_tokenizer=True)
+    dist.init_process_group("gloo")
+    mpu.initialize_model_parallel(1, 1)
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    model = _build(args, name)
+    _perturb(model, 0)
+    if args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(core_transformer_config_from_args(args), model)
+    ddp = DistributedDataParallel(
+        core_transformer_config_from_args(args),
+        DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
+                                      grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
+        bf16=args.bf16, params_dtype=args.params_dtype), [ddp])
+    scheduler = get_optimizer_param_scheduler(optimizer)
+    rank, s = dist.get_rank(), args.seq_length
+    positions = torch.arange(s).expand(2, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+
+    def step(i):
+        """Iteration ``i``'s step on this rank's micro-batch: (tokens, lr, dp-mean loss)."""
+        tokens = torch.randint(0, 100, (2, s), generator=torch.Generator().manual_seed(
+            1000 * i + rank))
+        lr = optimizer.param_groups[0]["lr"]
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp(tokens, positions, mask, labels=torch.roll(tokens, -1, 1)).float().mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        assert optimizer.step()[0]
+        scheduler.step(increment=args.global_batch_size)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        return tokens, lr, mean.item() / dp
+
+    for i in range(1, TRAIN_STEPS + 1):
+        step(i)
+    args.consumed_train_samples = TRAIN_STEPS * args.global_batch_size
+    save_checkpoint(TRAIN_STEPS, [ddp], optimizer, scheduler, 0)
+    dist.barrier()
+    tokens, lr, loss = step(TRAIN_STEPS + 1)
+    everyone = [torch.empty_like(tokens) for _ in range(dp)]
+    dist.all_gather(everyone, tokens)
+    if rank == 0:
+        params = {k.removeprefix("module."): v.detach().clone()
+                  for k, v in model.state_dict().items() if "_extra_state" not in k}
+        torch.save({"tokens": torch.stack(everyone), "lr": lr, "loss": loss,
+                    "params": params}, os.path.join(dest, "next_step.pt"))
+        with open(os.path.join(dest, "fixture.json"), "w") as f:
+            json.dump({"made_by": "megatron-core " + _version(), "tp": 1, "pp": 1, "dp": dp,
+                       "flags": [*common, *flags], "steps": TRAIN_STEPS,
+                       "padded_vocab_size": args.padded_vocab_size}, f, indent=1)
+    dist.destroy_process_group()
 
 
 def _perturb(model, tp_rank: int) -> None:
@@ -407,7 +585,9 @@ def _version() -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("--worker", "--check-export"):
+    if len(sys.argv) > 1 and sys.argv[1] == "--train":
+        train_worker(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) > 1 and sys.argv[1] in ("--worker", "--check-export"):
         if "RANK" in os.environ:
             worker(sys.argv[2], sys.argv[3], check=sys.argv[1] == "--check-export")
         else:

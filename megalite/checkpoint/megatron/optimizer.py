@@ -1,0 +1,123 @@
+"""Megatron-LM's optimizer state (``torch_dist``) -> megalite's per-parameter form, so that
+an imported run resumes where Megatron stopped instead of restarting the optimizer.
+
+Megatron-Core saves Adam's (and SGD's) state per parameter, under the parameter's sharded
+key with a prefix, in the formats read here::
+
+    optimizer.state.exp_avg.<key>     optimizer.state.exp_avg_sq.<key>   (Adam)
+    optimizer.state.momentum_buffer.<key>                                 (SGD)
+    optimizer.state.fp32_param.<key>  or  optimizer.state.param.<key>     the fp32 main
+                                      weights of a bf16 / fp16 model (plain / distributed)
+
+* the plain optimizer (no ``--use-distributed-optimizer``): the step count is the common
+  state's ``optimizer['state']['common_step']``;
+* the distributed optimizer saved ``fully_reshardable``
+  (``--dist-ckpt-optim-fully-reshardable``) or ``fully_sharded_model_space`` (the default
+  of older Megatron-Core versions): the step count is in each parameter group.
+
+Each state maps to megalite's names as the weights do (:func:`.mapping.to_megalite`: the
+stacked layers split, q/k/v regrouped, experts transposed, vocabulary padding dropped).
+The distributed optimizer's other formats (``dp_reshardable``, Megatron-LM's default,
+and the deprecated bucket-space ones) keep flat per-bucket buffers whose layout only
+Megatron's own bucketing knows: refused, with how to re-save the checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megalite.checkpoint.files import CheckpointError
+from megalite.checkpoint.megatron import mapping
+
+PREFIX = "optimizer.state."
+# Megatron's state name -> megalite's (optimizer_state's per-parameter form)
+STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
+          "momentum_buffer": "momentum_buffer", "fp32_param": "master", "param": "master"}
+PER_PARAMETER = (None, "fully_reshardable", "fully_sharded_model_space")
+ALGORITHMS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+@dataclass
+class MegatronOptimizerState:
+    """Megatron's optimizer state in megalite's names: ``params`` ``{parameter name: {state
+    name: full fp32 tensor}}``, the optimizer's step count, and where training stood
+    (``iteration``, ``consumed_samples``, the scheduler's ``num_steps`` in samples)."""
+
+    step: int
+    params: dict[str, dict[str, torch.Tensor]]
+    iteration: int
+    consumed_samples: int
+    scheduler_samples: int | None
+
+
+def optimizer_keys(keys) -> list[str]:
+    """The per-parameter optimizer state keys among a checkpoint's tensor keys."""
+    return [k for k in keys if k.startswith(PREFIX) and k[len(PREFIX):].split(".", 1)[0]
+            in STATES]
+
+
+def sharding_type(common: dict) -> str | None:
+    """How the distributed optimizer saved its state (None: the plain optimizer's)."""
+    meta = common.get("content_metadata") or {}
+    saved = common.get("optimizer")
+    if isinstance(saved, dict) and "param_state_sharding_type" in saved:
+        return saved["param_state_sharding_type"]
+    return meta.get("distrib_optim_sharding_type")
+
+
+def unreadable(common: dict, keys) -> str | None:
+    """Why the optimizer state of a checkpoint with ``common`` and optimizer tensor
+    ``keys`` cannot be imported (None: it can, or there is none)."""
+    if not common.get("optimizer_saved", "optimizer" in common):
+        return None
+    args = common.get("args")
+    kind = sharding_type(common)
+    if kind not in PER_PARAMETER:
+        return (f"its distributed optimizer state is saved as {kind!r}, flat buffers in "
+                "Megatron's bucket layout; load it in Megatron-LM and save it again with "
+                "--dist-ckpt-optim-fully-reshardable (per-parameter state)")
+    algorithm = getattr(args, "optimizer", "adam")
+    if algorithm not in ALGORITHMS:
+        return f"its optimizer is --optimizer {algorithm}; megalite resumes Adam and SGD state"
+    names = {k[len(PREFIX):].split(".", 1)[0] for k in optimizer_keys(keys)}
+    missing = [n for n in ALGORITHMS[algorithm] if n not in names]
+    if missing:
+        return f"its {algorithm} state lacks {', '.join(missing)}"
+    return None
+
+
+def _step(common: dict) -> int:
+    saved = common["optimizer"]
+    inner = saved.get("optimizer", saved) if isinstance(saved, dict) else {}
+    common_step = (inner.get("state") or {}).get("common_step")
+    if common_step is not None:
+        return int(common_step)
+    steps = {int(g["step"]) for g in inner.get("param_groups", []) if "step" in g}
+    if len(steps) != 1:
+        raise CheckpointError(f"the optimizer state records step counts {sorted(steps)}, not "
+                              "one")
+    return steps.pop()
+
+
+def read_optimizer_state(common: dict, tensors: dict[str, torch.Tensor],
+                         chunks: dict[str, list], model_cfg) -> MegatronOptimizerState:
+    """Megatron's optimizer state (``tensors``: the :func:`optimizer_keys` entries, full;
+    ``chunks`` as for the weights) for ``model_cfg``, in megalite's names. Call
+    :func:`unreadable` first."""
+    by_state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        name, model_key = key[len(PREFIX):].split(".", 1)
+        by_state.setdefault(name, {})[model_key] = t
+    params: dict[str, dict[str, torch.Tensor]] = {}
+    for name, saved in by_state.items():
+        model_chunks = {k: chunks[PREFIX + name + "." + k] for k in saved}
+        for param, t in mapping.to_megalite(saved, model_chunks, model_cfg).items():
+            params.setdefault(param, {})[STATES[name]] = t
+    args = common.get("args")
+    scheduler = common.get("opt_param_scheduler") or {}
+    return MegatronOptimizerState(
+        step=_step(common), params=params, iteration=int(common.get("iteration", 0)),
+        consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
+        scheduler_samples=scheduler.get("num_steps"))
