@@ -1,10 +1,11 @@
 """A Megatron-LM run resumed in megalite: checkpoints Megatron-Core trained for two steps
 and saved with its optimizer state (``tests/checkpoint/megatron/fixtures/*_trained``,
 written by ``make_fixtures.py`` with Megatron-Core's DDP, optimizer and Megatron-LM's lr
-scheduler: Adam without and with the distributed optimizer at dp 2, and bf16 weights with
-fp32 main copies) import with Adam's moments, step count, fp32 masters, the lr schedule's
-position and the consumed samples, and megalite's next step on the batch Megatron's next
-step took (``next_step.pt``) gives Megatron's loss, learning rate and weights."""
+scheduler: Adam without and with the distributed optimizer at dp 2, SGD with momentum,
+and bf16 weights with fp32 main copies) import with the moments, step count, fp32
+masters, the lr schedule's position and the consumed samples, and megalite's next step
+on the batch Megatron's next step took (``next_step.pt``) gives Megatron's loss, learning
+rate and weights."""
 
 from __future__ import annotations
 
@@ -67,23 +68,25 @@ def _next_step(root: str, name: str):
 
 def test_trained_fixtures_hold_megatrons_optimizer_state():
     assert TRAINED == ["llama_adam_trained", "llama_distopt_bf16_trained",
-                       "llama_distopt_dp2_trained"]
+                       "llama_distopt_dp2_trained", "llama_sgd_trained"]
     for name in TRAINED:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
         assert ckpt.iteration == STEPS
         names = {k.split(".")[2] for k in tensor_shapes(ckpt) if k.startswith("optimizer.")}
-        assert names >= {"exp_avg", "exp_avg_sq"}
+        assert names >= ({"momentum_buffer"} if "sgd" in name else {"exp_avg", "exp_avg_sq"})
         assert ("param" in names) == ("distopt" in name)   # the distributed optimizer's
 
 
-@pytest.mark.parametrize("name", ["llama_adam_trained", "llama_distopt_dp2_trained"])
+@pytest.mark.parametrize("name", ["llama_adam_trained", "llama_distopt_dp2_trained",
+                                  "llama_sgd_trained"])
 def test_resumed_step_equals_megatrons_next_step(imported, name):
     root = imported[name]
     meta = read_metadata(iteration_dir(root, STEPS))
-    assert meta["iteration"] == STEPS and meta["optimizer_state"] == ["exp_avg", "exp_avg_sq"]
+    assert meta["iteration"] == STEPS and meta["optimizer_state"] == (
+        ["momentum_buffer"] if "sgd" in name else ["exp_avg", "exp_avg_sq"])
     result, weights, want, megatron, state = _next_step(root, name)
     dp = want["tokens"].shape[0]
-    assert state == (STEPS, STEPS * 2 * dp, STEPS)   # iteration, samples (mbs 2), Adam's step
+    assert state == (STEPS, STEPS * 2 * dp, STEPS)   # iteration, samples (mbs 2), steps
     assert result.lr == pytest.approx(want["lr"], rel=1e-12) and result.lr < 1e-3  # decaying
     assert result.lm_loss == pytest.approx(want["loss"], abs=2e-6)
     assert weights.keys() == megatron.keys()

@@ -89,12 +89,15 @@ def unreadable(common: dict, keys) -> str | None:
 
 
 def _step(common: dict) -> int:
+    """The optimizer's step count (SGD keeps none: the iteration's)."""
     saved = common["optimizer"]
     inner = saved.get("optimizer", saved) if isinstance(saved, dict) else {}
     common_step = (inner.get("state") or {}).get("common_step")
     if common_step is not None:
         return int(common_step)
     steps = {int(g["step"]) for g in inner.get("param_groups", []) if "step" in g}
+    if not steps:
+        return int(common.get("iteration", 0))
     if len(steps) != 1:
         raise CheckpointError(f"the optimizer state records step counts {sorted(steps)}, not "
                               "one")

@@ -164,6 +164,7 @@ TRAINED = {
     # keeps flat buffers that only Megatron's own bucket layout can read)
     "llama_distopt_dp2_trained": ([*LLAMA, *TRAIN, "--use-distributed-optimizer",
                                    "--dist-ckpt-optim-fully-reshardable"], 2),
+    "llama_sgd_trained": ([*LLAMA, *TRAIN, "--optimizer", "sgd", "--sgd-momentum", "0.9"], 1),
     # bf16 weights with fp32 main copies (optimizer.state.param)
     "llama_distopt_bf16_trained": ([*LLAMA, *TRAIN, "--bf16", "--use-distributed-optimizer",
                                     "--dist-ckpt-optim-fully-reshardable"], 1),
@@ -368,7 +369,8 @@ def train_worker(name: str, dest: str) -> None:
         DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
                                       grad_reduce_in_fp32=True), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        optimizer=args.optimizer, sgd_momentum=args.sgd_momentum, lr=args.lr,
+        min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
         bf16=args.bf16, params_dtype=args.params_dtype), [ddp])
