@@ -165,6 +165,8 @@ TRAINED = {
     "llama_distopt_dp2_trained": ([*LLAMA, *TRAIN, "--use-distributed-optimizer",
                                    "--dist-ckpt-optim-fully-reshardable"], 2),
     "llama_sgd_trained": ([*LLAMA, *TRAIN, "--optimizer", "sgd", "--sgd-momentum", "0.9"], 1),
+    # experts: Megatron chains a dense and an expert optimizer
+    "mixtral_trained": ([*MIXTRAL, *TRAIN, "--num-layers", "1"], 1),
     # bf16 weights with fp32 main copies (optimizer.state.param)
     "llama_distopt_bf16_trained": ([*LLAMA, *TRAIN, "--bf16", "--use-distributed-optimizer",
                                     "--dist-ckpt-optim-fully-reshardable"], 1),
