@@ -140,6 +140,32 @@ class ModelConfig:
         no_effect="megalite's SwiGLU is one autograd function eagerly and one inductor kernel "
                   "under torch.compile, the plain formula's values either way; there is no "
                   "separate kernel to turn off")
+    bias_gelu_fusion: bool = arg(
+        True, "the fused bias + GeLU kernel.", flag="--no-bias-gelu-fusion",
+        action="store_false",
+        no_effect="megalite's GeLU is the plain formula eagerly and one inductor kernel "
+                  "under torch.compile; there is no separate kernel to turn off")
+    bias_dropout_fusion: bool = arg(
+        True, "the fused bias + dropout + add kernel.", flag="--no-bias-dropout-fusion",
+        action="store_false",
+        no_effect="megalite adds the bias, dropout and residual with plain ops (fused by "
+                  "inductor under torch.compile); there is no separate kernel to turn off")
+    persist_layer_norm: bool = arg(
+        True, "apex's persistent LayerNorm kernel.", flag="--no-persist-layer-norm",
+        action="store_false",
+        no_effect="megalite's norms are torch's (or its own RMSNorm); there is no apex "
+                  "kernel to turn off")
+    gradient_accumulation_fusion: bool = arg(
+        True, "the fused kernel that adds a weight gradient into its fp32 main_grad.",
+        flag="--no-gradient-accumulation-fusion", action="store_false",
+        no_effect="megalite adds each weight gradient into its main_grad buffer with "
+                  "plain PyTorch ops; there is no apex / Transformer Engine kernel to "
+                  "turn off")
+    use_cpu_initialization: bool = arg(
+        False, "Initialize the weights on the CPU.",
+        no_effect="megalite always draws each parameter's full tensor on the CPU from "
+                  "(seed, name) and keeps this rank's shard, so the weights do not depend "
+                  "on the layout; that is what the flag asks for")
     transformer_impl: str | None = arg(
         None, "Megatron's choice of layer implementation (Transformer Engine's or "
         "Megatron-Core's local one).", choices=("transformer_engine", "local"),

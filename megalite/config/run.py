@@ -143,6 +143,11 @@ class CheckpointConfig:
         no_effect="megalite reads one format, its own, and recognises a Megatron-LM "
                   "checkpoint (torch_dist or per-rank) given to --load: it stops naming the "
                   "tools/convert_checkpoint.py command that converts it")
+    dist_ckpt_optim_fully_reshardable: bool = arg(
+        False, "Megatron's switch to save the distributed optimizer's state per "
+        "parameter, so that it reshards on load.",
+        no_effect="megalite saves the optimizer state per parameter always, and reshards it "
+                  "on load at any layout and sharding strategy")
     dist_ckpt_strictness: str | None = arg(
         None, "What Megatron does with keys that the checkpoint and the model do not share.",
         choices=("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",

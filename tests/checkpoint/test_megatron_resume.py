@@ -52,9 +52,9 @@ def _next_step(root: str, name: str):
     cfg.data.mock_data = True
     cfg.validate(1)
     want = torch.load(os.path.join(FIXTURES, name, "next_step.pt"))
-    batches = [{"tokens": t, "labels": torch.roll(t, -1, 1),
-                "loss_mask": torch.ones(t.shape), "position_ids":
-                torch.arange(t.shape[1]).expand(t.shape)} for t in want["tokens"]]
+    batches = [{"tokens": t, "labels": labels, "loss_mask": torch.ones(t.shape),
+                "position_ids": torch.arange(t.shape[1]).expand(t.shape)}
+               for t, labels in zip(want["tokens"], want["labels"])]
     ps = ParallelState.build(cfg.parallel)
     c = build_components(cfg, ps, datasets_provider=DATASETS, peak_probe_seconds=0.01)
     try:
@@ -183,31 +183,37 @@ def test_flat_distributed_optimizer_buffers_import_the_weights_with_a_note(tmp_p
     assert read_metadata(iteration_dir(save, 0))["optimizer_state"] is None
 
 
-def test_pretrain_resumes_an_import_at_megatrons_iteration(tmp_path, capsys):
-    """The flags the converter prints, the run's own optimizer flags and ``--load DIR
-    --no-load-rng``: training goes on at iteration 3 with the consumed samples carried."""
-    import shlex
+def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys):
+    """The whole move: the Megatron run's own flags verbatim (``fixture.json``), its data
+    (the same corpus, seed and split), ``--load`` of the import and ``--no-load-rng``:
+    megalite's iteration 3 is Megatron's, the same samples (from the consumed-sample
+    count), learning rate and loss."""
+    import json
     import subprocess
 
+    from tests.checkpoint.megatron.make_fixtures import small_vocab_corpus
     from tests.training.common import ENTRYPOINT, PYTHON, read_jsonl, subprocess_env
 
+    name = "llama_distopt_dp2_trained"
     save = str(tmp_path / "imported")
     assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
-                   os.path.join(FIXTURES, "llama_distopt_dp2_trained"), "--save-dir",
-                   save) == 0
+                   os.path.join(FIXTURES, name), "--save-dir", save) == 0
     printed = capsys.readouterr().out
     assert "--no-load-rng, without --finetune" in printed and "(sample 8)" in printed
-    flags = shlex.split(printed.split("pretrain/pretrain_gpt.py ", 1)[1].split(" --load ")[0])
+    with open(os.path.join(FIXTURES, name, "fixture.json")) as f:
+        flags = json.load(f)["flags"]
+    corpus = small_vocab_corpus(str(tmp_path / "corpus"))
     proc = subprocess.run(
-        [PYTHON, ENTRYPOINT, *flags, "--load", save, "--no-load-rng", "--save",
-         str(tmp_path / "ck"), "--mock-data", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3", "--min-lr",
-         "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--eval-iters", "0",
-         "--log-interval", "1", "--metrics-jsonl", str(tmp_path / "m.jsonl")],
+        [PYTHON, ENTRYPOINT, *flags, "--global-batch-size", "4", "--data-path", corpus,
+         "--load", save, "--no-load-rng", "--save", str(tmp_path / "ck"), "--exit-interval",
+         "3", "--eval-iters", "0", "--log-interval", "1", "--metrics-jsonl",
+         str(tmp_path / "m.jsonl")],
         env=subprocess_env(), capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"loaded {save}/iter_0000002 (iteration 2, 8 samples consumed)" in proc.stdout
-    rows = read_jsonl(str(tmp_path / "m.jsonl"))
-    assert [r["iteration"] for r in rows] == [3, 4]
     assert "consumed samples:           12" in proc.stdout
-    assert os.path.exists(tmp_path / "ck" / "iter_0000004")
+    (row,) = read_jsonl(str(tmp_path / "m.jsonl"))
+    want = torch.load(os.path.join(FIXTURES, name, "next_step.pt"))
+    assert row["iteration"] == 3 and row["lr"] == pytest.approx(want["lr"], rel=1e-9)
+    assert row["lm_loss"] == pytest.approx(want["loss"], abs=2e-6)
+    assert os.path.exists(tmp_path / "ck" / "iter_0000003")

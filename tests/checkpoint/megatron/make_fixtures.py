@@ -157,7 +157,25 @@ TRAIN = ["--train-iters", "10", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-
          "--micro-batch-size", "2"]
 # (a vocabulary of 112 = 111 + end of document: no padding rows, whose logits Megatron's
 # softmax would include and megalite's, which drops them, would not)
-TRAIN = [*TRAIN, "--num-layers", "2", "--vocab-size", "111"]
+TRAIN = [*TRAIN, "--num-layers", "2", "--vocab-size", "111", "--split", "100,0,0"]
+CORPUS_VOCAB = 111
+
+
+def small_vocab_corpus(prefix: str) -> str:
+    """The bundled corpus's documents with every id taken modulo :data:`CORPUS_VOCAB`,
+    written at ``prefix`` (``.bin`` / ``.idx``): data the trained fixtures' small
+    vocabulary can embed, which Megatron-Core's datasets and megalite's both read."""
+    import numpy as np
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+    sys.path.insert(0, repo)
+    from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+
+    src = IndexedDataset(os.path.join(repo, "data", "kjv_text_document"))
+    with IndexedDatasetWriter(prefix, dtype=np.uint16) as w:
+        for i in range(len(src)):
+            w.add_document(np.asarray(src.get(i)) % CORPUS_VOCAB)
+    return prefix
 TRAINED = {
     "llama_adam_trained": ([*LLAMA, *TRAIN], 1),
     # the distributed optimizer's per-parameter format (Megatron-LM's default, dp_reshardable,
@@ -213,11 +231,16 @@ def check_export(name: str, directory: str) -> int:
 
 
 def main(names: list[str]) -> int:
+    corpus = None
     for name in names or [*FIXTURES, *TRAINED]:
         dest = os.path.join(OUT, name)
         shutil.rmtree(dest, ignore_errors=True)
         os.makedirs(dest)
-        _torchrun(name, "--train" if name in TRAINED else "--worker", name, dest)
+        if name in TRAINED:
+            corpus = corpus or small_vocab_corpus(os.path.join(tempfile.mkdtemp(), "corpus"))
+            _torchrun(name, "--train", name, dest, corpus)
+        else:
+            _torchrun(name, "--worker", name, dest)
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dest) for f in fs)
         print(f"wrote {dest} ({size / 1024:.0f} KiB)")
     return 0
@@ -326,20 +349,25 @@ def _training_shims():
     dist.reduce_scatter_tensor = dist._reduce_scatter_base = reduce_scatter
 
 
-def train_worker(name: str, dest: str) -> None:
-    """Train fixture ``name`` (one rank of its data-parallel group; :data:`TRAINED`), save
-    it with the optimizer state into ``dest`` and record the next step in
-    ``dest/next_step.pt``: ``{"tokens": [dp, b, s], "lr", "loss" (the mean over dp),
-    "params": {module name: the weight after the step}}``."""
+def train_worker(name: str, dest: str, corpus: str) -> None:
+    """Train fixture ``name`` (one rank of its data-parallel group; :data:`TRAINED`) on
+    ``corpus`` (:func:`small_vocab_corpus`) through Megatron-Core's GPT dataset, global
+    batch ``k`` being samples ``[k GBS, (k + 1) GBS)`` and each rank's micro-batch its
+    slice, as Megatron-LM's pretraining sampler cuts it; save it with the optimizer state
+    into ``dest`` and record the next step in ``dest/next_step.pt``: ``{"tokens": [dp, b,
+    s], "lr", "loss" (the mean over dp), "params": {module name: the weight after the
+    step}}`` (``labels`` beside ``tokens``)."""
     _shims()
     _training_shims()
+    import types
+
     import torch
     import torch.distributed as dist
 
     flags, dp = TRAINED[name]
     common = [f for f in COMMON if f not in ("--no-save-optim", "--no-save-rng")]
     sys.argv = [sys.argv[0], *common, *flags, "--no-save-rng", "--global-batch-size",
-                str(2 * dp), "--save", dest, "--load", dest]
+                str(2 * dp), "--data-path", corpus, "--save", dest, "--load", dest]
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -377,38 +405,58 @@ def train_worker(name: str, dest: str) -> None:
         clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
         bf16=args.bf16, params_dtype=args.params_dtype), [ddp])
     scheduler = get_optimizer_param_scheduler(optimizer)
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    tokenizer = types.SimpleNamespace(eod=CORPUS_VOCAB, pad=CORPUS_VOCAB,
+                                      vocab_size=CORPUS_VOCAB + 1, unique_identifiers={})
+    gbs = args.global_batch_size
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [args.train_iters * gbs, 0, 0], lambda: True, GPTDatasetConfig(
+            random_seed=args.seed, sequence_length=args.seq_length,
+            blend=get_blend_from_list(args.data_path), split=args.split,
+            path_to_cache=corpus + "_cache", tokenizer=tokenizer,
+            reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+            mid_level_dataset_surplus=0.005, create_attention_mask=False)).build()
     rank, s = dist.get_rank(), args.seq_length
-    positions = torch.arange(s).expand(2, s)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
 
     def step(i):
         """Iteration ``i``'s step on this rank's micro-batch: (tokens, lr, dp-mean loss)."""
-        tokens = torch.randint(0, 100, (2, s), generator=torch.Generator().manual_seed(
-            1000 * i + rank))
+        first = (i - 1) * gbs + rank * args.micro_batch_size
+        rows = [train[j] for j in range(first, first + args.micro_batch_size)]
+        tokens, labels, loss_mask, positions = (
+            torch.stack([r[k] for r in rows])
+            for k in ("tokens", "labels", "loss_mask", "position_ids"))
         lr = optimizer.param_groups[0]["lr"]
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        loss = ddp(tokens, positions, mask, labels=torch.roll(tokens, -1, 1)).float().mean()
+        losses = ddp(tokens, positions, mask, labels=labels).float()
+        loss = (losses * loss_mask).sum() / loss_mask.sum()
         loss.backward()
         ddp.finish_grad_sync()
         assert optimizer.step()[0]
         scheduler.step(increment=args.global_batch_size)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        return tokens, lr, mean.item() / dp
+        return torch.stack([tokens, labels]), lr, mean.item() / dp
 
     for i in range(1, TRAIN_STEPS + 1):
         step(i)
     args.consumed_train_samples = TRAIN_STEPS * args.global_batch_size
     save_checkpoint(TRAIN_STEPS, [ddp], optimizer, scheduler, 0)
     dist.barrier()
-    tokens, lr, loss = step(TRAIN_STEPS + 1)
-    everyone = [torch.empty_like(tokens) for _ in range(dp)]
-    dist.all_gather(everyone, tokens)
+    batch, lr, loss = step(TRAIN_STEPS + 1)
+    everyone = [torch.empty_like(batch) for _ in range(dp)]
+    dist.all_gather(everyone, batch)
     if rank == 0:
+        batches = torch.stack(everyone)   # [dp, 2 (tokens, labels), b, s]
         params = {k.removeprefix("module."): v.detach().clone()
                   for k, v in model.state_dict().items() if "_extra_state" not in k}
-        torch.save({"tokens": torch.stack(everyone), "lr": lr, "loss": loss,
+        torch.save({"tokens": batches[:, 0], "labels": batches[:, 1], "lr": lr, "loss": loss,
                     "params": params}, os.path.join(dest, "next_step.pt"))
         with open(os.path.join(dest, "fixture.json"), "w") as f:
             json.dump({"made_by": "megatron-core " + _version(), "tp": 1, "pp": 1, "dp": dp,
@@ -590,7 +638,7 @@ def _version() -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--train":
-        train_worker(sys.argv[2], sys.argv[3])
+        train_worker(sys.argv[2], sys.argv[3], sys.argv[4])
     elif len(sys.argv) > 1 and sys.argv[1] in ("--worker", "--check-export"):
         if "RANK" in os.environ:
             worker(sys.argv[2], sys.argv[3], check=sys.argv[1] == "--check-export")
