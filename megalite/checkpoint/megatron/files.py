@@ -209,6 +209,12 @@ def read_common(ckpt: MegatronCheckpoint) -> dict:
         entries = [(i, s) for i, s in md.storage_data.items()
                    if i.fqn.startswith(COMMON_KEY)]
         if not entries:
+            if any(k == "args" or k.startswith("model.") for k in md.state_dict_metadata):
+                raise CheckpointError(
+                    f"{ckpt.directory} is a Megatron-LM torch_dcp or fsdp_dtensor checkpoint "
+                    "(Megatron-FSDP's formats); megalite reads torch_dist and legacy ones: "
+                    f"convert it in Megatron-LM with --load {os.path.dirname(ckpt.directory)} "
+                    "--ckpt-convert-format torch_dist --ckpt-convert-save <dir>")
             raise CheckpointError(f"{ckpt.directory} holds neither {COMMON_PT} nor a "
                                   f"{COMMON_KEY} entry: no Megatron args to build the model")
         index, info = entries[0]
