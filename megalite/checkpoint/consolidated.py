@@ -106,7 +106,7 @@ def save_full_model(cfg: MegaliteConfig, state: dict[str, torch.Tensor], root: s
         raise KeyError(f"no optimizer state for {', '.join(missing[:3])}")
     shapes = dict(model.named_parameters())
     optimizer.load_state_dict_per_param({"step": s.step, "params": {
-        name: {k: _pad_rows(t, shapes[name].shape) for k, t in s.params[name].items()}
+        name: {k: _pad_rows(x, shapes[name].shape) for k, x in s.params[name].items()}
         for name in optimizer.names}})
     samples = t.train_samples is not None or t.rampup_batch_size is not None
     scheduler = LRScheduler.from_config(cfg.optim, t.train_iters, train_samples=t.train_samples,

@@ -108,9 +108,11 @@ def read_megatron(root: str, step: int | None = None, load_optim: bool = True
     if saved and load_optim and why is None:
         state_of_optimizer = optimizer.read_optimizer_state(
             common, read_tensors(ckpt, optim_keys), chunks, model)
-        if set(state_of_optimizer.params) != {k for k in state if "expert_bias" not in k}:
+        trained = {k for k in state if not k.endswith("expert_bias")}   # buffers: none
+        if set(state_of_optimizer.params) != trained:
+            odd = sorted(set(state_of_optimizer.params) ^ trained)
             raise CheckpointError(f"{ckpt.directory}: the optimizer state's parameters are "
-                                  "not the model's")
+                                  f"not the model's (e.g. {', '.join(odd[:3])})")
     elif saved:
         notes.append("the optimizer state is not imported "
                      f"({'--no-load-optim' if why is None else why}): continue with "
