@@ -333,6 +333,8 @@ def megatron_to_megalite(args) -> None:
     flags = training_flags(cfg) + tokenizer_flags(cfg)
     if imported.optimizer is not None:
         o = imported.optimizer
+        if cfg.train.per_microbatch_loss:   # Megatron's default objective, not megalite's
+            flags.append("--per-microbatch-loss")
         print(f"wrote {path} (Megatron {src.format} {step}, "
               f"{sum(t.numel() for t in imported.state.values()):,} parameters, the "
               f"{cfg.optim.optimizer} state of step {o.step}, {o.consumed_samples:,} samples "
@@ -340,7 +342,10 @@ def megatron_to_megalite(args) -> None:
         print("resume it with the Megatron-LM run's own flags (megalite takes them) and "
               f"--load {args.save_dir} --no-load-rng, without --finetune: the optimizer "
               "state, the lr schedule's position and the data position (sample "
-              f"{o.consumed_samples}) carry on; its architecture flags:\n  "
+              f"{o.consumed_samples}) carry on"
+              + ("; add --per-microbatch-loss, the loss normalisation of a Megatron run "
+                 "without --calculate-per-token-loss" if cfg.train.per_microbatch_loss
+                 else "") + "; its architecture flags:\n  "
               "pretrain/pretrain_gpt.py " + " ".join(flags)
               + f" --load {args.save_dir} --no-load-rng --save <dir> ...")
         return

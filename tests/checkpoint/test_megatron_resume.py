@@ -200,8 +200,9 @@ def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys):
                    os.path.join(FIXTURES, name), "--save-dir", save) == 0
     printed = capsys.readouterr().out
     assert "--no-load-rng, without --finetune" in printed and "(sample 8)" in printed
+    assert "add --per-microbatch-loss" in printed   # Megatron's default normalisation
     with open(os.path.join(FIXTURES, name, "fixture.json")) as f:
-        flags = json.load(f)["flags"]
+        flags = json.load(f)["flags"] + ["--per-microbatch-loss"]
     corpus = small_vocab_corpus(str(tmp_path / "corpus"))
     proc = subprocess.run(
         [PYTHON, ENTRYPOINT, *flags, "--global-batch-size", "4", "--data-path", corpus,

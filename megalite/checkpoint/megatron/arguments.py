@@ -152,8 +152,12 @@ def optim_kwargs(args: Namespace) -> dict:
 
 
 def train_kwargs(args: Namespace) -> dict:
-    """``TrainConfig`` settings of the Megatron run (batch sizes, length, seed)."""
-    return {n: getattr(args, n) for n in TRAIN_SAME if _get(args, n) is not None}
+    """``TrainConfig`` settings of the Megatron run (batch sizes, length, seed, and its
+    loss normalisation: Megatron's default, the mean of per-micro-batch means, is
+    megalite's ``--per-microbatch-loss``)."""
+    kw = {n: getattr(args, n) for n in TRAIN_SAME if _get(args, n) is not None}
+    kw["per_microbatch_loss"] = not _get(args, "calculate_per_token_loss", False)
+    return kw
 
 
 def data_kwargs(args: Namespace) -> dict:
