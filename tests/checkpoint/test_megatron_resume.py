@@ -2,11 +2,12 @@
 and saved with its optimizer state (``tests/checkpoint/megatron/fixtures/*_trained``,
 written by ``make_fixtures.py`` with Megatron-Core's DDP, optimizer and Megatron-LM's lr
 scheduler: Adam without and with the distributed optimizer at dp 2, SGD with momentum,
-a Mixtral (Megatron chains a dense and an expert optimizer), and bf16 weights with fp32
-main copies) import with the moments, step count, fp32
-masters, the lr schedule's position and the consumed samples, and megalite's next step
-on the batch Megatron's next step took (``next_step.pt``) gives Megatron's loss, learning
-rate and weights."""
+a Mixtral (Megatron chains a dense and an expert optimizer), a DeepSeek-V3 shape
+(multi-latent attention, group-limited sigmoid routing whose expert bias moves, shared
+experts, a prediction depth in the objective), and bf16 weights with fp32 main copies)
+import with the moments, step count, fp32 masters, the lr schedule's position and the
+consumed samples, and megalite's next step on the batch Megatron's next step took
+(``next_step.pt``) gives Megatron's loss, learning rate and weights."""
 
 from __future__ import annotations
 
@@ -85,8 +86,9 @@ def _stack_local_experts(params: dict) -> dict:
 
 
 def test_trained_fixtures_hold_megatrons_optimizer_state():
-    assert TRAINED == ["llama_adam_trained", "llama_distopt_bf16_trained",
-                       "llama_distopt_dp2_trained", "llama_sgd_trained", "mixtral_trained"]
+    assert TRAINED == ["deepseek_v3_mtp_trained", "llama_adam_trained",
+                       "llama_distopt_bf16_trained", "llama_distopt_dp2_trained",
+                       "llama_sgd_trained", "mixtral_trained"]
     for name in TRAINED:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
         assert ckpt.iteration == STEPS
@@ -96,7 +98,8 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
 
 
 @pytest.mark.parametrize("name", ["llama_adam_trained", "llama_distopt_dp2_trained",
-                                  "llama_sgd_trained", "mixtral_trained"])
+                                  "llama_sgd_trained", "mixtral_trained",
+                                  "deepseek_v3_mtp_trained"])
 def test_resumed_step_equals_megatrons_next_step(imported, name):
     root = imported[name]
     meta = read_metadata(iteration_dir(root, STEPS))
@@ -107,8 +110,12 @@ def test_resumed_step_equals_megatrons_next_step(imported, name):
     assert state == (STEPS, STEPS * 2 * dp, STEPS)   # iteration, samples (mbs 2), steps
     assert result.lr == pytest.approx(want["lr"], rel=1e-12) and result.lr < 1e-3  # decaying
     assert result.lm_loss == pytest.approx(want["loss"], abs=2e-6)
-    assert weights.keys() - {k for k in weights if k.endswith("expert_bias")} \
-        == megatron.keys()
+    if "mtp" in name:   # the depth's loss joined the step, and the expert biases moved
+        assert "mtp_1_loss" in result.moe_losses
+        moved = [k for k in megatron if k.endswith("expert_bias")]
+        assert len(moved) == 2 and all(megatron[k].abs().max() > 0 for k in moved)
+    assert {k for k in weights if not k.endswith("expert_bias")} <= megatron.keys() \
+        <= weights.keys()   # Megatron's expert biases are buffers of its state dict
     worst = max((weights[k] - megatron[k]).abs().max().item() for k in megatron)
     assert worst <= 1e-6, worst
 

@@ -185,6 +185,13 @@ TRAINED = {
     "llama_sgd_trained": ([*LLAMA, *TRAIN, "--optimizer", "sgd", "--sgd-momentum", "0.9"], 1),
     # experts: Megatron chains a dense and an expert optimizer
     "mixtral_trained": ([*MIXTRAL, *TRAIN, "--num-layers", "1"], 1),
+    # DeepSeek-V3's step: multi-latent attention, a dense layer then routed and shared
+    # experts with group-limited sigmoid routing whose expert bias moves every step, and a
+    # prediction depth whose loss joins the objective
+    "deepseek_v3_mtp_trained": ([*DEEPSEEK_V3, *TRAIN, "--moe-layer-freq", "[0]+[1]",
+                                 "--num-experts", "4", "--mtp-num-layers", "1",
+                                 "--mtp-loss-scaling-factor", "0.3",
+                                 "--moe-router-bias-update-rate", "0.01"], 1),
     # bf16 weights with fp32 main copies (optimizer.state.param)
     "llama_distopt_bf16_trained": ([*LLAMA, *TRAIN, "--bf16", "--use-distributed-optimizer",
                                     "--dist-ckpt-optim-fully-reshardable"], 1),
@@ -371,6 +378,7 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.training.arguments import (
         core_transformer_config_from_args,
@@ -434,10 +442,10 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
         lr = optimizer.param_groups[0]["lr"]
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = ddp(tokens, positions, mask, labels=labels).float()
+        losses = ddp(tokens, positions, mask, labels=labels, loss_mask=loss_mask).float()
         loss = (losses * loss_mask).sum() / loss_mask.sum()
         loss.backward()
-        ddp.finish_grad_sync()
+        finalize_model_grads([ddp])   # the grads' reductions and the expert bias update
         assert optimizer.step()[0]
         scheduler.step(increment=args.global_batch_size)
         mean = loss.detach().clone()
