@@ -190,7 +190,8 @@ def test_flat_distributed_optimizer_buffers_import_the_weights_with_a_note(tmp_p
     assert read_metadata(iteration_dir(save, 0))["optimizer_state"] is None
 
 
-def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys):
+@pytest.mark.parametrize("name", ["llama_distopt_dp2_trained", "deepseek_v3_mtp_trained"])
+def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys, name):
     """The whole move: the Megatron run's own flags verbatim (``fixture.json``), its data
     (the same corpus, seed and split), ``--load`` of the import and ``--no-load-rng``:
     megalite's iteration 3 is Megatron's, the same samples (from the consumed-sample
@@ -201,25 +202,28 @@ def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys):
     from tests.checkpoint.megatron.make_fixtures import small_vocab_corpus
     from tests.training.common import ENTRYPOINT, PYTHON, read_jsonl, subprocess_env
 
-    name = "llama_distopt_dp2_trained"
     save = str(tmp_path / "imported")
     assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
                    os.path.join(FIXTURES, name), "--save-dir", save) == 0
-    printed = capsys.readouterr().out
-    assert "--no-load-rng, without --finetune" in printed and "(sample 8)" in printed
-    assert "add --per-microbatch-loss" in printed   # Megatron's default normalisation
     with open(os.path.join(FIXTURES, name, "fixture.json")) as f:
-        flags = json.load(f)["flags"] + ["--per-microbatch-loss"]
+        made = json.load(f)
+    gbs = 2 * made["dp"]
+    printed = capsys.readouterr().out
+    assert "--no-load-rng, without --finetune" in printed
+    assert f"(sample {STEPS * gbs})" in printed
+    assert "add --per-microbatch-loss" in printed   # Megatron's default normalisation
+    flags = made["flags"] + ["--per-microbatch-loss"]
     corpus = small_vocab_corpus(str(tmp_path / "corpus"))
     proc = subprocess.run(
-        [PYTHON, ENTRYPOINT, *flags, "--global-batch-size", "4", "--data-path", corpus,
+        [PYTHON, ENTRYPOINT, *flags, "--global-batch-size", str(gbs), "--data-path", corpus,
          "--load", save, "--no-load-rng", "--save", str(tmp_path / "ck"), "--exit-interval",
          "3", "--eval-iters", "0", "--log-interval", "1", "--metrics-jsonl",
          str(tmp_path / "m.jsonl")],
         env=subprocess_env(), capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"loaded {save}/iter_0000002 (iteration 2, 8 samples consumed)" in proc.stdout
-    assert "consumed samples:           12" in proc.stdout
+    assert (f"loaded {save}/iter_0000002 (iteration 2, {STEPS * gbs} samples consumed)"
+            in proc.stdout)
+    assert f"consumed samples: {3 * gbs:12d}" in proc.stdout
     (row,) = read_jsonl(str(tmp_path / "m.jsonl"))
     want = torch.load(os.path.join(FIXTURES, name, "next_step.pt"))
     assert row["iteration"] == 3 and row["lr"] == pytest.approx(want["lr"], rel=1e-9)
