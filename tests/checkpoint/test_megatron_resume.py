@@ -190,17 +190,27 @@ def test_flat_distributed_optimizer_buffers_import_the_weights_with_a_note(tmp_p
     assert read_metadata(iteration_dir(save, 0))["optimizer_state"] is None
 
 
-@pytest.mark.parametrize("name", ["llama_distopt_dp2_trained", "deepseek_v3_mtp_trained"])
-def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys, name):
+@pytest.mark.parametrize("name,layout", [
+    ("llama_distopt_dp2_trained", []), ("deepseek_v3_mtp_trained", []),
+    ("llama_distopt_dp2_trained", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+], ids=["llama", "deepseek-v3-mtp", "llama-at-tp2-sp"])
+def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys, name, layout):
     """The whole move: the Megatron run's own flags verbatim (``fixture.json``), its data
     (the same corpus, seed and split), ``--load`` of the import and ``--no-load-rng``:
     megalite's iteration 3 is Megatron's, the same samples (from the consumed-sample
-    count), learning rate and loss."""
+    count), learning rate and loss, in one process or at another layout (two ranks,
+    tp 2 + sp, where Megatron ran at dp 2)."""
     import json
     import subprocess
 
     from tests.checkpoint.megatron.make_fixtures import small_vocab_corpus
-    from tests.training.common import ENTRYPOINT, PYTHON, read_jsonl, subprocess_env
+    from tests.training.common import (
+        ENTRYPOINT,
+        PYTHON,
+        read_jsonl,
+        start_two_ranks,
+        subprocess_env,
+    )
 
     save = str(tmp_path / "imported")
     assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
@@ -214,16 +224,23 @@ def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys, nam
     assert "add --per-microbatch-loss" in printed   # Megatron's default normalisation
     flags = made["flags"] + ["--per-microbatch-loss"]
     corpus = small_vocab_corpus(str(tmp_path / "corpus"))
-    proc = subprocess.run(
-        [PYTHON, ENTRYPOINT, *flags, "--global-batch-size", str(gbs), "--data-path", corpus,
-         "--load", save, "--no-load-rng", "--save", str(tmp_path / "ck"), "--exit-interval",
-         "3", "--eval-iters", "0", "--log-interval", "1", "--metrics-jsonl",
-         str(tmp_path / "m.jsonl")],
-        env=subprocess_env(), capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = [*flags, *layout, "--global-batch-size", str(gbs), "--data-path", corpus,
+            "--load", save, "--no-load-rng", "--save", str(tmp_path / "ck"),
+            "--exit-interval", "3", "--eval-iters", "0", "--log-interval", "1",
+            "--metrics-jsonl", str(tmp_path / "m.jsonl")]
+    if layout:
+        ranks = start_two_ranks(argv)
+        outs = [r.communicate(timeout=300) for r in ranks]
+        assert all(r.returncode == 0 for r in ranks), [e[-3000:] for _, e in outs]
+        stdout = "".join(o for o, _ in outs)
+    else:
+        proc = subprocess.run([PYTHON, ENTRYPOINT, *argv], env=subprocess_env(),
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        stdout = proc.stdout
     assert (f"loaded {save}/iter_0000002 (iteration 2, {STEPS * gbs} samples consumed)"
-            in proc.stdout)
-    assert f"consumed samples: {3 * gbs:12d}" in proc.stdout
+            in stdout)
+    assert f"consumed samples: {3 * gbs:12d}" in stdout
     (row,) = read_jsonl(str(tmp_path / "m.jsonl"))
     want = torch.load(os.path.join(FIXTURES, name, "next_step.pt"))
     assert row["iteration"] == 3 and row["lr"] == pytest.approx(want["lr"], rel=1e-9)
