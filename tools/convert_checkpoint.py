@@ -10,7 +10,8 @@
     # megalite -> one full state dict for inspection (torch.save, or --format safetensors)
     python tools/convert_checkpoint.py --source megalite --target megalite-consolidated \\
         --load-dir runs/ckpt --save-dir full/
-    # Megatron-LM torch_dist or legacy mp_rank_* (latest or --ckpt-step N, any tp/pp) -> megalite
+    # Megatron-LM torch_dist or legacy mp_rank_* (latest or --ckpt-step N, any tp/pp) -> megalite;
+    # with the optimizer state Megatron saved per parameter, a checkpoint that resumes
     python tools/convert_checkpoint.py --source megatron --target megalite \\
         --load-dir megatron-ckpt --save-dir llama-megalite
 

@@ -39,16 +39,20 @@ def convert(*argv) -> int:
     return load_tool("convert_checkpoint").main(list(argv))
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def convert_fixtures(names, tmp_path_factory) -> dict[str, str]:
     """{fixture name: the megalite checkpoint converted from it}."""
     out = {}
-    for name in NAMES:
+    for name in names:
         save = str(tmp_path_factory.mktemp(name))
         assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
                        os.path.join(FIXTURES, name), "--save-dir", save) == 0
         out[name] = save
     return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return convert_fixtures(NAMES, tmp_path_factory)
 
 
 def _reference(name):

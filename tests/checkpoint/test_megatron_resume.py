@@ -27,7 +27,12 @@ from megalite.checkpoint.megatron.files import read_tensors, tensor_shapes
 from megalite.parallel.state import ParallelState
 from megalite.training.build import build_components
 from megalite.training.loop import train_step
-from tests.checkpoint.test_megatron_import import FIXTURES, TRAINED, convert
+from tests.checkpoint.test_megatron_import import (
+    FIXTURES,
+    TRAINED,
+    convert,
+    convert_fixtures,
+)
 from tests.optim.common import DATASETS
 
 STEPS = 2   # Megatron's steps before the save (make_fixtures.TRAIN_STEPS)
@@ -35,14 +40,8 @@ STEPS = 2   # Megatron's steps before the save (make_fixtures.TRAIN_STEPS)
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    """{fixture: (the converter's output directory, what it printed)}."""
-    out = {}
-    for name in TRAINED:
-        save = str(tmp_path_factory.mktemp(name))
-        assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
-                       os.path.join(FIXTURES, name), "--save-dir", save) == 0
-        out[name] = save
-    return out
+    """{fixture: the checkpoint its import wrote}."""
+    return convert_fixtures(TRAINED, tmp_path_factory)
 
 
 def _next_step(root: str, name: str):
