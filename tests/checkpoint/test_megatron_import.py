@@ -240,15 +240,19 @@ def test_megatron_source_errors_are_one_line(tmp_path, capsys):
 def test_megatron_fsdp_formats_name_the_conversion(tmp_path, capsys):
     """A torch_dcp / fsdp_dtensor checkpoint (Megatron-FSDP: DCP entries ``model.<module
     name>`` and ``args``, no common state) is named, with Megatron-LM's own conversion."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
     root = tmp_path / "fsdp"
     directory = root / "iter_0000010"
     directory.mkdir(parents=True)
     (root / "latest_checkpointed_iteration.txt").write_text("10")
-    dcp.save({"model.decoder.layers.0.mlp.linear_fc1.weight": torch.zeros(4, 2),
-              "iteration": 10}, storage_writer=dcp.FileSystemWriter(str(directory)),
-             no_dist=True)
+    with warnings.catch_warnings():   # "assuming ... a single process": it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model.decoder.layers.0.mlp.linear_fc1.weight": torch.zeros(4, 2),
+                  "iteration": 10}, storage_writer=dcp.FileSystemWriter(str(directory)),
+                 no_dist=True)
     line = _one_line_error(capsys, *_from_megatron(root, tmp_path / "o"))
     assert "is a Megatron-LM torch_dcp or fsdp_dtensor checkpoint" in line
     assert f"--load {root} --ckpt-convert-format torch_dist --ckpt-convert-save" in line
