@@ -106,7 +106,8 @@ def find_checkpoint(root: str, step: int | None = None) -> MegatronCheckpoint:
             hint = ("holds iterations " + ", ".join(held) + f" but no {TRACKER}; choose one "
                     "with --ckpt-step" if held else self_description(root))
             raise CheckpointError(f"{root} is not a Megatron-LM checkpoint: it {hint}")
-        text = open(tracker).read().strip()
+        with open(tracker) as f:
+            text = f.read().strip()
         if text != "release" and not text.isdigit():
             raise CheckpointError(f"{tracker} holds {text!r}, not an iteration")
         step = None if text == "release" else int(text)
