@@ -12,14 +12,15 @@ key with a prefix, in the formats read here::
 * the plain optimizer (no ``--use-distributed-optimizer``): the step count is the common
   state's ``optimizer['state']['common_step']``;
 * the distributed optimizer saved ``fully_reshardable``
-  (``--dist-ckpt-optim-fully-reshardable``) or ``fully_sharded_model_space`` (the default
-  of older Megatron-Core versions): the step count is in each parameter group.
+  (``--dist-ckpt-optim-fully-reshardable``): the step count is in each parameter group.
 
 Each state maps to megalite's names as the weights do (:func:`.mapping.to_megalite`: the
 stacked layers split, q/k/v regrouped, experts transposed, vocabulary padding dropped).
 The distributed optimizer's other formats (``dp_reshardable``, Megatron-LM's default,
 and the deprecated bucket-space ones) keep flat per-bucket buffers whose layout only
-Megatron's own bucketing knows: refused, with how to re-save the checkpoint.
+Megatron's own bucketing knows, and ``fully_sharded_model_space`` (older versions'
+default) stores flattened slices; they are not read here, and the note says how to
+re-save the checkpoint.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ PREFIX = "optimizer.state."
 # Megatron's state name -> megalite's (optimizer_state's per-parameter form)
 STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
           "momentum_buffer": "momentum_buffer", "fp32_param": "master", "param": "master"}
-PER_PARAMETER = (None, "fully_reshardable", "fully_sharded_model_space")
+PER_PARAMETER = (None, "fully_reshardable")
 ALGORITHMS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
@@ -75,9 +76,9 @@ def unreadable(common: dict, keys) -> str | None:
     args = common.get("args")
     kind = sharding_type(common)
     if kind not in PER_PARAMETER:
-        return (f"its distributed optimizer state is saved as {kind!r}, flat buffers in "
-                "Megatron's bucket layout; load it in Megatron-LM and save it again with "
-                "--dist-ckpt-optim-fully-reshardable (per-parameter state)")
+        return (f"its distributed optimizer state is saved as {kind!r}, not per parameter; "
+                "load it in Megatron-LM and save it again with "
+                "--dist-ckpt-optim-fully-reshardable")
     algorithm = getattr(args, "optimizer", "adam")
     if algorithm not in ALGORITHMS:
         return f"its optimizer is --optimizer {algorithm}; megalite resumes Adam and SGD state"
