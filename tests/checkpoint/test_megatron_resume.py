@@ -35,7 +35,7 @@ from tests.checkpoint.test_megatron_import import (
 )
 from tests.optim.common import DATASETS
 
-STEPS = 2   # Megatron's steps before the save (make_fixtures.TRAIN_STEPS)
+STEPS = 2   # Megatron's steps before the save (trained.TRAIN_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys, nam
     import json
     import subprocess
 
-    from tests.checkpoint.megatron.make_fixtures import small_vocab_corpus
+    from tests.checkpoint.megatron.trained import small_vocab_corpus
     from tests.training.common import (
         ENTRYPOINT,
         PYTHON,

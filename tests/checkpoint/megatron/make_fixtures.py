@@ -21,9 +21,8 @@ Python >= 3.12; 0.19.2 runs on 3.11 with the ``typing.override`` shim below)::
     /work/mcore-venv/bin/python tests/checkpoint/megatron/make_fixtures.py [NAME ...]
 
 Each fixture is one ``torchrun`` of this file in worker mode (tp x pp x ep gloo ranks).
-The ``*_trained`` fixtures (:data:`TRAINED`) are trained a few steps by Megatron-Core's
-DDP, optimizer and scheduler first (:func:`train_worker`; CPU shims in
-:func:`_training_shims`) and saved with their optimizer state.
+The ``*_trained`` fixtures (``trained.py`` beside this file) are trained a few steps by
+Megatron-Core's DDP, optimizer and scheduler first and saved with their optimizer state.
 
 It also checks an export: after ``convert_checkpoint.py --source megatron`` of fixture
 NAME and ``--source megalite --target megatron`` of the result into DIR,
@@ -145,57 +144,6 @@ FIXTURES = {
                                    "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "0.0",
                                    "--moe-token-dispatcher-type", "allgather"], 2, 1),
 }
-# Trained fixtures, name -> (model and optimizer flags, data-parallel size): Megatron-Core's
-# DDP, optimizer and scheduler (Megatron-LM's get_optimizer_param_scheduler) train
-# TRAIN_STEPS steps on seeded random batches and save with the optimizer state; one more
-# step's batch, loss, learning rate and the weights after it go to next_step.pt, which an
-# import must reproduce when it resumes
-TRAIN_STEPS = 2
-TRAIN = ["--train-iters", "10", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style",
-         "cosine", "--lr-warmup-iters", "1", "--weight-decay", "0.1", "--adam-beta1", "0.9",
-         "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--clip-grad", "1.0",
-         "--micro-batch-size", "2"]
-# (a vocabulary of 112 = 111 + end of document: no padding rows, whose logits Megatron's
-# softmax would include and megalite's, which drops them, would not)
-TRAIN = [*TRAIN, "--num-layers", "2", "--vocab-size", "111", "--split", "100,0,0"]
-CORPUS_VOCAB = 111
-
-
-def small_vocab_corpus(prefix: str) -> str:
-    """The bundled corpus's documents with every id taken modulo :data:`CORPUS_VOCAB`,
-    written at ``prefix`` (``.bin`` / ``.idx``): data the trained fixtures' small
-    vocabulary can embed, which Megatron-Core's datasets and megalite's both read."""
-    import numpy as np
-
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-    sys.path.insert(0, repo)
-    from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
-
-    src = IndexedDataset(os.path.join(repo, "data", "kjv_text_document"))
-    with IndexedDatasetWriter(prefix, dtype=np.uint16) as w:
-        for i in range(len(src)):
-            w.add_document(np.asarray(src.get(i)) % CORPUS_VOCAB)
-    return prefix
-TRAINED = {
-    "llama_adam_trained": ([*LLAMA, *TRAIN], 1),
-    # the distributed optimizer's per-parameter format (Megatron-LM's default, dp_reshardable,
-    # keeps flat buffers that only Megatron's own bucket layout can read)
-    "llama_distopt_dp2_trained": ([*LLAMA, *TRAIN, "--use-distributed-optimizer",
-                                   "--dist-ckpt-optim-fully-reshardable"], 2),
-    "llama_sgd_trained": ([*LLAMA, *TRAIN, "--optimizer", "sgd", "--sgd-momentum", "0.9"], 1),
-    # experts: Megatron chains a dense and an expert optimizer
-    "mixtral_trained": ([*MIXTRAL, *TRAIN, "--num-layers", "1"], 1),
-    # DeepSeek-V3's step: multi-latent attention, a dense layer then routed and shared
-    # experts with group-limited sigmoid routing whose expert bias moves every step, and a
-    # prediction depth whose loss joins the objective
-    "deepseek_v3_mtp_trained": ([*DEEPSEEK_V3, *TRAIN, "--moe-layer-freq", "[0]+[1]",
-                                 "--num-experts", "4", "--mtp-num-layers", "1",
-                                 "--mtp-loss-scaling-factor", "0.3",
-                                 "--moe-router-bias-update-rate", "0.01"], 1),
-    # bf16 weights with fp32 main copies (optimizer.state.param)
-    "llama_distopt_bf16_trained": ([*LLAMA, *TRAIN, "--bf16", "--use-distributed-optimizer",
-                                    "--dist-ckpt-optim-fully-reshardable"], 1),
-}
 # fixtures whose layers Megatron builds with the decoder block spec (qk norm, multi-latent
 # attention, a --moe-layer-freq list); the others keep the one-layer local spec
 BLOCK_SPEC = ("qwen3", "mla_", "moe_bias_", "deepseek_")
@@ -207,9 +155,20 @@ def _ep(flags: list[str]) -> int:
 
 
 # -- driver ------------------------------------------------------------------------------------
+def _trained():
+    """The trained fixtures' module, ``trained.py`` beside this file (imported as part of
+    the tests package, or from this directory when this file runs as a script)."""
+    try:
+        from tests.checkpoint.megatron import trained
+    except ImportError:
+        import trained
+    return trained
+
+
 def _torchrun(name: str, *worker_args: str) -> None:
-    if name in TRAINED:
-        world = TRAINED[name][1]
+    trained = _trained()
+    if name in trained.TRAINED:
+        world = trained.TRAINED[name][1]
     else:
         flags, tp, pp = FIXTURES[name]
         world = tp * pp * _ep(flags)   # the experts' ranks are data-parallel ones
@@ -238,13 +197,14 @@ def check_export(name: str, directory: str) -> int:
 
 
 def main(names: list[str]) -> int:
-    corpus = None
-    for name in names or [*FIXTURES, *TRAINED]:
+    trained, corpus = _trained(), None
+    for name in names or [*FIXTURES, *trained.TRAINED]:
         dest = os.path.join(OUT, name)
         shutil.rmtree(dest, ignore_errors=True)
         os.makedirs(dest)
-        if name in TRAINED:
-            corpus = corpus or small_vocab_corpus(os.path.join(tempfile.mkdtemp(), "corpus"))
+        if name in trained.TRAINED:
+            corpus = corpus or trained.small_vocab_corpus(
+                os.path.join(tempfile.mkdtemp(), "corpus"))
             _torchrun(name, "--train", name, dest, corpus)
         else:
             _torchrun(name, "--worker", name, dest)
@@ -295,182 +255,6 @@ def _shims():
         init(self, config, *args, **kwargs)
 
     DotProductAttention.__init__ = local_attention
-
-
-def _training_shims():
-    """What Megatron-Core's DDP and optimizers ask of CUDA, on CPU: devices named ``cuda``
-    become the CPU, tensor types report themselves as CUDA ones (the optimizers check),
-    streams do nothing, and gloo's missing reduce-scatter is an all-reduce and a slice."""
-    import contextlib
-    import functools
-
-    import torch
-    import torch.distributed as dist
-
-    def on_cpu(f):
-        @functools.wraps(f)
-        def g(*a, **k):
-            if "cuda" in str(k.get("device", "")):
-                k["device"] = "cpu"
-            return f(*a, **k)
-        return g
-
-    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like",
-                 "empty_like", "ones_like"):
-        setattr(torch, name, on_cpu(getattr(torch, name)))
-    to, kind = torch.Tensor.to, torch.Tensor.type
-
-    def to_cpu(self, *a, **k):
-        a = tuple("cpu" if isinstance(x, (str, torch.device)) and "cuda" in str(x) else x
-                  for x in a)
-        if "cuda" in str(k.get("device", "")):
-            k["device"] = "cpu"
-        return to(self, *a, **k)
-
-    def cuda_type(self, *a, **k):
-        out = kind(self, *a, **k)
-        if not a and not k and isinstance(out, str) and ".cuda." not in out:
-            return out.replace("torch.", "torch.cuda.", 1)
-        return out
-
-    class Stream:
-        def wait_event(self, *a):
-            pass
-
-        def wait_stream(self, *a):
-            pass
-
-        def synchronize(self):
-            pass
-
-    torch.Tensor.to, torch.Tensor.type = to_cpu, cuda_type
-    torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: Stream()
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-
-    def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        total = input.clone()
-        dist.all_reduce(total, op=op, group=group)
-        output.copy_(total.chunk(dist.get_world_size(group))[dist.get_rank(group)])
-        return contextlib.nullcontext() if async_op else None
-
-    dist.reduce_scatter_tensor = dist._reduce_scatter_base = reduce_scatter
-
-
-def train_worker(name: str, dest: str, corpus: str) -> None:
-    """Train fixture ``name`` (one rank of its data-parallel group; :data:`TRAINED`) on
-    ``corpus`` (:func:`small_vocab_corpus`) through Megatron-Core's GPT dataset, global
-    batch ``k`` being samples ``[k GBS, (k + 1) GBS)`` and each rank's micro-batch its
-    slice, as Megatron-LM's pretraining sampler cuts it; save it with the optimizer state
-    into ``dest`` and record the next step in ``dest/next_step.pt``: ``{"tokens": [dp, b,
-    s], "lr", "loss" (the mean over dp), "params": {module name: the weight after the
-    step}}`` (``labels`` beside ``tokens``)."""
-    _shims()
-    _training_shims()
-    import types
-
-    import torch
-    import torch.distributed as dist
-
-    flags, dp = TRAINED[name]
-    common = [f for f in COMMON if f not in ("--no-save-optim", "--no-save-rng")]
-    sys.argv = [sys.argv[0], *common, *flags, "--no-save-rng", "--global-batch-size",
-                str(2 * dp), "--data-path", corpus, "--save", dest, "--load", dest]
-    from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.training.arguments import (
-        core_transformer_config_from_args,
-        parse_args,
-        validate_args,
-    )
-    from megatron.training.checkpointing import save_checkpoint
-    from megatron.training.global_vars import set_global_variables
-    from megatron.training.training import get_optimizer_param_scheduler
-
-    args = parse_args()
-    validate_args(args)
-    set_global_variables(args, build_tokenizer=True)
-    dist.init_process_group("gloo")
-    mpu.initialize_model_parallel(1, 1)
-    torch.manual_seed(args.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    model = _build(args, name)
-    _perturb(model, 0)
-    if args.bf16:
-        from megatron.core.transformer.module import Float16Module
-
-        model = Float16Module(core_transformer_config_from_args(args), model)
-    ddp = DistributedDataParallel(
-        core_transformer_config_from_args(args),
-        DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
-                                      grad_reduce_in_fp32=True), model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer=args.optimizer, sgd_momentum=args.sgd_momentum, lr=args.lr,
-        min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-        bf16=args.bf16, params_dtype=args.params_dtype), [ddp])
-    scheduler = get_optimizer_param_scheduler(optimizer)
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    tokenizer = types.SimpleNamespace(eod=CORPUS_VOCAB, pad=CORPUS_VOCAB,
-                                      vocab_size=CORPUS_VOCAB + 1, unique_identifiers={})
-    gbs = args.global_batch_size
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [args.train_iters * gbs, 0, 0], lambda: True, GPTDatasetConfig(
-            random_seed=args.seed, sequence_length=args.seq_length,
-            blend=get_blend_from_list(args.data_path), split=args.split,
-            path_to_cache=corpus + "_cache", tokenizer=tokenizer,
-            reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-            mid_level_dataset_surplus=0.005, create_attention_mask=False)).build()
-    rank, s = dist.get_rank(), args.seq_length
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
-
-    def step(i):
-        """Iteration ``i``'s step on this rank's micro-batch: (tokens, lr, dp-mean loss)."""
-        first = (i - 1) * gbs + rank * args.micro_batch_size
-        rows = [train[j] for j in range(first, first + args.micro_batch_size)]
-        tokens, labels, loss_mask, positions = (
-            torch.stack([r[k] for r in rows])
-            for k in ("tokens", "labels", "loss_mask", "position_ids"))
-        lr = optimizer.param_groups[0]["lr"]
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = ddp(tokens, positions, mask, labels=labels, loss_mask=loss_mask).float()
-        loss = (losses * loss_mask).sum() / loss_mask.sum()
-        loss.backward()
-        finalize_model_grads([ddp])   # the grads' reductions and the expert bias update
-        assert optimizer.step()[0]
-        scheduler.step(increment=args.global_batch_size)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        return torch.stack([tokens, labels]), lr, mean.item() / dp
-
-    for i in range(1, TRAIN_STEPS + 1):
-        step(i)
-    args.consumed_train_samples = TRAIN_STEPS * args.global_batch_size
-    save_checkpoint(TRAIN_STEPS, [ddp], optimizer, scheduler, 0)
-    dist.barrier()
-    batch, lr, loss = step(TRAIN_STEPS + 1)
-    everyone = [torch.empty_like(batch) for _ in range(dp)]
-    dist.all_gather(everyone, batch)
-    if rank == 0:
-        batches = torch.stack(everyone)   # [dp, 2 (tokens, labels), b, s]
-        params = {k.removeprefix("module."): v.detach().clone()
-                  for k, v in model.state_dict().items() if "_extra_state" not in k}
-        torch.save({"tokens": batches[:, 0], "labels": batches[:, 1], "lr": lr, "loss": loss,
-                    "params": params}, os.path.join(dest, "next_step.pt"))
-        with open(os.path.join(dest, "fixture.json"), "w") as f:
-            json.dump({"made_by": "megatron-core " + _version(), "tp": 1, "pp": 1, "dp": dp,
-                       "flags": [*common, *flags], "steps": TRAIN_STEPS,
-                       "padded_vocab_size": args.padded_vocab_size}, f, indent=1)
-    dist.destroy_process_group()
 
 
 def _perturb(model, tp_rank: int) -> None:
@@ -646,7 +430,7 @@ def _version() -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--train":
-        train_worker(sys.argv[2], sys.argv[3], sys.argv[4])
+        _trained().train_worker(sys.argv[2], sys.argv[3], sys.argv[4])
     elif len(sys.argv) > 1 and sys.argv[1] in ("--worker", "--check-export"):
         if "RANK" in os.environ:
             worker(sys.argv[2], sys.argv[3], check=sys.argv[1] == "--check-export")

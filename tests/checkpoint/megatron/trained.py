@@ -1,0 +1,266 @@
+"""The ``*_trained`` Megatron-Core fixtures: runs that Megatron-Core's DDP, optimizer,
+Megatron-LM's lr scheduler and ``finalize_model_grads`` train for :data:`TRAIN_STEPS`
+steps on Megatron-Core's own GPT dataset over :func:`small_vocab_corpus`, saved with the
+optimizer state, and the next step recorded in ``next_step.pt``, which an import must
+reproduce when it resumes (``tests/checkpoint/test_megatron_resume.py``). Written by
+``make_fixtures.py NAME`` (its driver and model helpers), run in the Megatron-Core venv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+try:   # as part of the tests package, or beside make_fixtures.py run as a script
+    from tests.checkpoint.megatron.make_fixtures import (
+        COMMON,
+        DEEPSEEK_V3,
+        HERE,
+        LLAMA,
+        MIXTRAL,
+        _build,
+        _perturb,
+        _shims,
+        _version,
+    )
+except ImportError:
+    from make_fixtures import (  # type: ignore[no-redef]
+        COMMON,
+        DEEPSEEK_V3,
+        HERE,
+        LLAMA,
+        MIXTRAL,
+        _build,
+        _perturb,
+        _shims,
+        _version,
+    )
+
+# Trained fixtures, name -> (model and optimizer flags, data-parallel size): Megatron-Core's
+# DDP, optimizer and scheduler (Megatron-LM's get_optimizer_param_scheduler) train
+# TRAIN_STEPS steps on seeded random batches and save with the optimizer state; one more
+# step's batch, loss, learning rate and the weights after it go to next_step.pt, which an
+# import must reproduce when it resumes
+TRAIN_STEPS = 2
+TRAIN = ["--train-iters", "10", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style",
+         "cosine", "--lr-warmup-iters", "1", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+         "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--clip-grad", "1.0",
+         "--micro-batch-size", "2"]
+# (a vocabulary of 112 = 111 + end of document: no padding rows, whose logits Megatron's
+# softmax would include and megalite's, which drops them, would not)
+TRAIN = [*TRAIN, "--num-layers", "2", "--vocab-size", "111", "--split", "100,0,0"]
+CORPUS_VOCAB = 111
+
+
+def small_vocab_corpus(prefix: str) -> str:
+    """The bundled corpus's documents with every id taken modulo :data:`CORPUS_VOCAB`,
+    written at ``prefix`` (``.bin`` / ``.idx``): data the trained fixtures' small
+    vocabulary can embed, which Megatron-Core's datasets and megalite's both read."""
+    import numpy as np
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+    sys.path.insert(0, repo)
+    from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+
+    src = IndexedDataset(os.path.join(repo, "data", "kjv_text_document"))
+    with IndexedDatasetWriter(prefix, dtype=np.uint16) as w:
+        for i in range(len(src)):
+            w.add_document(np.asarray(src.get(i)) % CORPUS_VOCAB)
+    return prefix
+TRAINED = {
+    "llama_adam_trained": ([*LLAMA, *TRAIN], 1),
+    # the distributed optimizer's per-parameter format (Megatron-LM's default, dp_reshardable,
+    # keeps flat buffers that only Megatron's own bucket layout can read)
+    "llama_distopt_dp2_trained": ([*LLAMA, *TRAIN, "--use-distributed-optimizer",
+                                   "--dist-ckpt-optim-fully-reshardable"], 2),
+    "llama_sgd_trained": ([*LLAMA, *TRAIN, "--optimizer", "sgd", "--sgd-momentum", "0.9"], 1),
+    # experts: Megatron chains a dense and an expert optimizer
+    "mixtral_trained": ([*MIXTRAL, *TRAIN, "--num-layers", "1"], 1),
+    # DeepSeek-V3's step: multi-latent attention, a dense layer then routed and shared
+    # experts with group-limited sigmoid routing whose expert bias moves every step, and a
+    # prediction depth whose loss joins the objective
+    "deepseek_v3_mtp_trained": ([*DEEPSEEK_V3, *TRAIN, "--moe-layer-freq", "[0]+[1]",
+                                 "--num-experts", "4", "--mtp-num-layers", "1",
+                                 "--mtp-loss-scaling-factor", "0.3",
+                                 "--moe-router-bias-update-rate", "0.01"], 1),
+    # bf16 weights with fp32 main copies (optimizer.state.param)
+    "llama_distopt_bf16_trained": ([*LLAMA, *TRAIN, "--bf16", "--use-distributed-optimizer",
+                                    "--dist-ckpt-optim-fully-reshardable"], 1),
+}
+
+
+def _training_shims():
+    """What Megatron-Core's DDP and optimizers ask of CUDA, on CPU: devices named ``cuda``
+    become the CPU, tensor types report themselves as CUDA ones (the optimizers check),
+    streams do nothing, and gloo's missing reduce-scatter is an all-reduce and a slice."""
+    import contextlib
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    def on_cpu(f):
+        @functools.wraps(f)
+        def g(*a, **k):
+            if "cuda" in str(k.get("device", "")):
+                k["device"] = "cpu"
+            return f(*a, **k)
+        return g
+
+    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like",
+                 "empty_like", "ones_like"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    to, kind = torch.Tensor.to, torch.Tensor.type
+
+    def to_cpu(self, *a, **k):
+        a = tuple("cpu" if isinstance(x, (str, torch.device)) and "cuda" in str(x) else x
+                  for x in a)
+        if "cuda" in str(k.get("device", "")):
+            k["device"] = "cpu"
+        return to(self, *a, **k)
+
+    def cuda_type(self, *a, **k):
+        out = kind(self, *a, **k)
+        if not a and not k and isinstance(out, str) and ".cuda." not in out:
+            return out.replace("torch.", "torch.cuda.", 1)
+        return out
+
+    class Stream:
+        def wait_event(self, *a):
+            pass
+
+        def wait_stream(self, *a):
+            pass
+
+        def synchronize(self):
+            pass
+
+    torch.Tensor.to, torch.Tensor.type = to_cpu, cuda_type
+    torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: Stream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+    def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        total = input.clone()
+        dist.all_reduce(total, op=op, group=group)
+        output.copy_(total.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+        return contextlib.nullcontext() if async_op else None
+
+    dist.reduce_scatter_tensor = dist._reduce_scatter_base = reduce_scatter
+
+
+def train_worker(name: str, dest: str, corpus: str) -> None:
+    """Train fixture ``name`` (one rank of its data-parallel group; :data:`TRAINED`) on
+    ``corpus`` (:func:`small_vocab_corpus`) through Megatron-Core's GPT dataset, global
+    batch ``k`` being samples ``[k GBS, (k + 1) GBS)`` and each rank's micro-batch its
+    slice, as Megatron-LM's pretraining sampler cuts it; save it with the optimizer state
+    into ``dest`` and record the next step in ``dest/next_step.pt``: ``{"tokens": [dp, b,
+    s], "lr", "loss" (the mean over dp), "params": {module name: the weight after the
+    step}}`` (``labels`` beside ``tokens``)."""
+    _shims()
+    _training_shims()
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    flags, dp = TRAINED[name]
+    common = [f for f in COMMON if f not in ("--no-save-optim", "--no-save-rng")]
+    sys.argv = [sys.argv[0], *common, *flags, "--no-save-rng", "--global-batch-size",
+                str(2 * dp), "--data-path", corpus, "--save", dest, "--load", dest]
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.training.arguments import (
+        core_transformer_config_from_args,
+        parse_args,
+        validate_args,
+    )
+    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.global_vars import set_global_variables
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    args = parse_args()
+    validate_args(args)
+    set_global_variables(args, build_tokenizer=True)
+    dist.init_process_group("gloo")
+    mpu.initialize_model_parallel(1, 1)
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    model = _build(args, name)
+    _perturb(model, 0)
+    if args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(core_transformer_config_from_args(args), model)
+    ddp = DistributedDataParallel(
+        core_transformer_config_from_args(args),
+        DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
+                                      grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer=args.optimizer, sgd_momentum=args.sgd_momentum, lr=args.lr,
+        min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
+        bf16=args.bf16, params_dtype=args.params_dtype), [ddp])
+    scheduler = get_optimizer_param_scheduler(optimizer)
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    tokenizer = types.SimpleNamespace(eod=CORPUS_VOCAB, pad=CORPUS_VOCAB,
+                                      vocab_size=CORPUS_VOCAB + 1, unique_identifiers={})
+    gbs = args.global_batch_size
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [args.train_iters * gbs, 0, 0], lambda: True, GPTDatasetConfig(
+            random_seed=args.seed, sequence_length=args.seq_length,
+            blend=get_blend_from_list(args.data_path), split=args.split,
+            path_to_cache=corpus + "_cache", tokenizer=tokenizer,
+            reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+            mid_level_dataset_surplus=0.005, create_attention_mask=False)).build()
+    rank, s = dist.get_rank(), args.seq_length
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+
+    def step(i):
+        """Iteration ``i``'s step on this rank's micro-batch: (tokens, lr, dp-mean loss)."""
+        first = (i - 1) * gbs + rank * args.micro_batch_size
+        rows = [train[j] for j in range(first, first + args.micro_batch_size)]
+        tokens, labels, loss_mask, positions = (
+            torch.stack([r[k] for r in rows])
+            for k in ("tokens", "labels", "loss_mask", "position_ids"))
+        lr = optimizer.param_groups[0]["lr"]
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = ddp(tokens, positions, mask, labels=labels, loss_mask=loss_mask).float()
+        loss = (losses * loss_mask).sum() / loss_mask.sum()
+        loss.backward()
+        finalize_model_grads([ddp])   # the grads' reductions and the expert bias update
+        assert optimizer.step()[0]
+        scheduler.step(increment=args.global_batch_size)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        return torch.stack([tokens, labels]), lr, mean.item() / dp
+
+    for i in range(1, TRAIN_STEPS + 1):
+        step(i)
+    args.consumed_train_samples = TRAIN_STEPS * args.global_batch_size
+    save_checkpoint(TRAIN_STEPS, [ddp], optimizer, scheduler, 0)
+    dist.barrier()
+    batch, lr, loss = step(TRAIN_STEPS + 1)
+    everyone = [torch.empty_like(batch) for _ in range(dp)]
+    dist.all_gather(everyone, batch)
+    if rank == 0:
+        batches = torch.stack(everyone)   # [dp, 2 (tokens, labels), b, s]
+        params = {k.removeprefix("module."): v.detach().clone()
+                  for k, v in model.state_dict().items() if "_extra_state" not in k}
+        torch.save({"tokens": batches[:, 0], "labels": batches[:, 1], "lr": lr, "loss": loss,
+                    "params": params}, os.path.join(dest, "next_step.pt"))
+        with open(os.path.join(dest, "fixture.json"), "w") as f:
+            json.dump({"made_by": "megatron-core " + _version(), "tp": 1, "pp": 1, "dp": dp,
+                       "flags": [*common, *flags], "steps": TRAIN_STEPS,
+                       "padded_vocab_size": args.padded_vocab_size}, f, indent=1)
+    dist.destroy_process_group()
