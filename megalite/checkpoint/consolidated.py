@@ -96,10 +96,11 @@ def save_full_model(cfg: MegaliteConfig, state: dict[str, torch.Tensor], root: s
     if optimizer_state is None:
         return save_checkpoint(root, 0, model, None, None, ps, cfg.to_dict(), 0,
                                save_optim=False, save_rng=False)
+    from megalite.config.layout import resolve_layout
     from megalite.optim.build import build_grads_and_optimizer
     from megalite.optim.lr_schedule import LRScheduler
 
-    s, t = optimizer_state, cfg.train
+    s = optimizer_state
     _, optimizer = build_grads_and_optimizer(model, cfg, ps)
     missing = sorted(set(optimizer.names) - set(s.params))
     if missing:
@@ -108,11 +109,8 @@ def save_full_model(cfg: MegaliteConfig, state: dict[str, torch.Tensor], root: s
     optimizer.load_state_dict_per_param({"step": s.step, "params": {
         name: {k: _pad_rows(x, shapes[name].shape) for k, x in s.params[name].items()}
         for name in optimizer.names}})
-    samples = t.train_samples is not None or t.rampup_batch_size is not None
-    scheduler = LRScheduler.from_config(cfg.optim, t.train_iters, train_samples=t.train_samples,
-                                        global_batch_size=t.global_batch_size if samples
-                                        else None)
-    scheduler.num_steps = (s.scheduler_samples if samples and s.scheduler_samples is not None
-                           else s.iteration)
+    scheduler = LRScheduler.for_run(cfg, resolve_layout(cfg, 1).batch_schedule)
+    scheduler.num_steps = (s.scheduler_samples if scheduler.unit == "samples"
+                           and s.scheduler_samples is not None else s.iteration)
     return save_checkpoint(root, s.iteration, model, optimizer, scheduler, ps, cfg.to_dict(),
                            s.consumed_samples, save_rng=False)

@@ -100,6 +100,17 @@ class LRScheduler:
                    wsd_decay_steps=ocfg.lr_wsd_decay_iters, **common)
 
     @classmethod
+    def for_run(cls, cfg, schedule) -> LRScheduler:
+        """The schedule of the run ``cfg`` (a MegaliteConfig) whose global batches follow
+        ``schedule`` (the resolved layout's BatchSchedule): it counts samples under
+        ``--train-samples`` or a batch size that changes, iterations otherwise."""
+        t = cfg.train
+        samples_based = t.train_samples is not None or schedule.variable
+        return cls.from_config(cfg.optim, t.train_iters, train_samples=t.train_samples,
+                               global_batch_size=t.global_batch_size if samples_based
+                               else None)
+
+    @classmethod
     def _in_samples(cls, ocfg: OptimConfig, train_iters: int | None,
                     train_samples: int | None, gbs: int, common: dict) -> LRScheduler:
         def samples(n_samples: int | None, n_iters: int | None) -> int | None:

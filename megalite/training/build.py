@@ -172,10 +172,7 @@ def _build(cfg: MegaliteConfig, ps: ParallelState, model_provider: Callable | No
     timers = Timers(cfg.logging.timing_log_level, ps.device)
     # DistributedOptimizer under --use-distributed-optimizer; buckets/overlap from cfg.parallel
     grads, optimizer = build_grads_and_optimizer(model, cfg, ps, timers)
-    samples_based = t.train_samples is not None or schedule.variable
-    scheduler = LRScheduler.from_config(
-        cfg.optim, t.train_iters, train_samples=t.train_samples,
-        global_batch_size=t.global_batch_size if samples_based else None)
+    scheduler = LRScheduler.for_run(cfg, schedule)
     rng_tracker = _rng_tracker(model)
     log_rank = ps.world_size - 1
     preflight(cfg, model, ps, log_rank)  # outputs writable, disk space: before any work

@@ -284,8 +284,9 @@ def to_megatron(full: dict[str, torch.Tensor], model_cfg, padded_vocab: int,
     ``padded_vocab``). Raises ``ValueError`` for a tensor no rule writes
     (:func:`unmapped`)."""
     c = model_cfg
-    if unmapped(full):
-        raise ValueError(f"no Megatron-Core name for {', '.join(unmapped(full)[:3])}")
+    nameless = unmapped(full)
+    if nameless:
+        raise ValueError(f"no Megatron-Core name for {', '.join(nameless[:3])}")
     out = {}
     for key in GLOBALS:
         if key in full:

@@ -53,10 +53,14 @@ class MegatronOptimizerState:
     scheduler_samples: int | None
 
 
+def _parts(key: str) -> list[str]:
+    """``optimizer.state.<state>.<model key>`` -> ``[state, model key]``."""
+    return key[len(PREFIX):].split(".", 1)
+
+
 def optimizer_keys(keys) -> list[str]:
     """The per-parameter optimizer state keys among a checkpoint's tensor keys."""
-    return [k for k in keys if k.startswith(PREFIX) and k[len(PREFIX):].split(".", 1)[0]
-            in STATES]
+    return [k for k in keys if k.startswith(PREFIX) and _parts(k)[0] in STATES]
 
 
 def sharding_type(common: dict) -> str | None:
@@ -82,7 +86,7 @@ def unreadable(common: dict, keys) -> str | None:
     algorithm = getattr(args, "optimizer", "adam")
     if algorithm not in ALGORITHMS:
         return f"its optimizer is --optimizer {algorithm}; megalite resumes Adam and SGD state"
-    names = {k[len(PREFIX):].split(".", 1)[0] for k in optimizer_keys(keys)}
+    names = {_parts(k)[0] for k in keys}
     missing = [n for n in ALGORITHMS[algorithm] if n not in names]
     if missing:
         return f"its {algorithm} state lacks {', '.join(missing)}"
@@ -112,7 +116,7 @@ def read_optimizer_state(common: dict, tensors: dict[str, torch.Tensor],
     :func:`unreadable` first."""
     by_state: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
-        name, model_key = key[len(PREFIX):].split(".", 1)
+        name, model_key = _parts(key)
         by_state.setdefault(name, {})[model_key] = t
     params: dict[str, dict[str, torch.Tensor]] = {}
     for name, saved in by_state.items():

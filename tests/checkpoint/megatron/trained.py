@@ -13,33 +13,14 @@ import os
 import sys
 
 try:   # as part of the tests package, or beside make_fixtures.py run as a script
-    from tests.checkpoint.megatron.make_fixtures import (
-        COMMON,
-        DEEPSEEK_V3,
-        HERE,
-        LLAMA,
-        MIXTRAL,
-        _build,
-        _perturb,
-        _shims,
-        _version,
-    )
+    from tests.checkpoint.megatron import make_fixtures as fx
 except ImportError:
-    from make_fixtures import (  # type: ignore[no-redef]
-        COMMON,
-        DEEPSEEK_V3,
-        HERE,
-        LLAMA,
-        MIXTRAL,
-        _build,
-        _perturb,
-        _shims,
-        _version,
-    )
+    import make_fixtures as fx  # type: ignore[no-redef]
 
 # Trained fixtures, name -> (model and optimizer flags, data-parallel size): Megatron-Core's
 # DDP, optimizer and scheduler (Megatron-LM's get_optimizer_param_scheduler) train
-# TRAIN_STEPS steps on seeded random batches and save with the optimizer state; one more
+# TRAIN_STEPS steps on Megatron-Core's GPT dataset over small_vocab_corpus() and save with
+# the optimizer state; one more
 # step's batch, loss, learning rate and the weights after it go to next_step.pt, which an
 # import must reproduce when it resumes
 TRAIN_STEPS = 2
@@ -59,7 +40,7 @@ def small_vocab_corpus(prefix: str) -> str:
     vocabulary can embed, which Megatron-Core's datasets and megalite's both read."""
     import numpy as np
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(fx.HERE)))
     sys.path.insert(0, repo)
     from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 
@@ -69,23 +50,23 @@ def small_vocab_corpus(prefix: str) -> str:
             w.add_document(np.asarray(src.get(i)) % CORPUS_VOCAB)
     return prefix
 TRAINED = {
-    "llama_adam_trained": ([*LLAMA, *TRAIN], 1),
+    "llama_adam_trained": ([*fx.LLAMA, *TRAIN], 1),
     # the distributed optimizer's per-parameter format (Megatron-LM's default, dp_reshardable,
     # keeps flat buffers that only Megatron's own bucket layout can read)
-    "llama_distopt_dp2_trained": ([*LLAMA, *TRAIN, "--use-distributed-optimizer",
+    "llama_distopt_dp2_trained": ([*fx.LLAMA, *TRAIN, "--use-distributed-optimizer",
                                    "--dist-ckpt-optim-fully-reshardable"], 2),
-    "llama_sgd_trained": ([*LLAMA, *TRAIN, "--optimizer", "sgd", "--sgd-momentum", "0.9"], 1),
+    "llama_sgd_trained": ([*fx.LLAMA, *TRAIN, "--optimizer", "sgd", "--sgd-momentum", "0.9"], 1),
     # experts: Megatron chains a dense and an expert optimizer
-    "mixtral_trained": ([*MIXTRAL, *TRAIN, "--num-layers", "1"], 1),
+    "mixtral_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1"], 1),
     # DeepSeek-V3's step: multi-latent attention, a dense layer then routed and shared
     # experts with group-limited sigmoid routing whose expert bias moves every step, and a
     # prediction depth whose loss joins the objective
-    "deepseek_v3_mtp_trained": ([*DEEPSEEK_V3, *TRAIN, "--moe-layer-freq", "[0]+[1]",
+    "deepseek_v3_mtp_trained": ([*fx.DEEPSEEK_V3, *TRAIN, "--moe-layer-freq", "[0]+[1]",
                                  "--num-experts", "4", "--mtp-num-layers", "1",
                                  "--mtp-loss-scaling-factor", "0.3",
                                  "--moe-router-bias-update-rate", "0.01"], 1),
     # bf16 weights with fp32 main copies (optimizer.state.param)
-    "llama_distopt_bf16_trained": ([*LLAMA, *TRAIN, "--bf16", "--use-distributed-optimizer",
+    "llama_distopt_bf16_trained": ([*fx.LLAMA, *TRAIN, "--bf16", "--use-distributed-optimizer",
                                     "--dist-ckpt-optim-fully-reshardable"], 1),
 }
 
@@ -157,7 +138,7 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
     into ``dest`` and record the next step in ``dest/next_step.pt``: ``{"tokens": [dp, b,
     s], "lr", "loss" (the mean over dp), "params": {module name: the weight after the
     step}}`` (``labels`` beside ``tokens``)."""
-    _shims()
+    fx._shims()
     _training_shims()
     import types
 
@@ -165,7 +146,7 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
     import torch.distributed as dist
 
     flags, dp = TRAINED[name]
-    common = [f for f in COMMON if f not in ("--no-save-optim", "--no-save-rng")]
+    common = [f for f in fx.COMMON if f not in ("--no-save-optim", "--no-save-rng")]
     sys.argv = [sys.argv[0], *common, *flags, "--no-save-rng", "--global-batch-size",
                 str(2 * dp), "--data-path", corpus, "--save", dest, "--load", dest]
     from megatron.core import parallel_state as mpu
@@ -189,8 +170,8 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
     mpu.initialize_model_parallel(1, 1)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    model = _build(args, name)
-    _perturb(model, 0)
+    model = fx._build(args, name)
+    fx._perturb(model, 0)
     if args.bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -260,7 +241,7 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
         torch.save({"tokens": batches[:, 0], "labels": batches[:, 1], "lr": lr, "loss": loss,
                     "params": params}, os.path.join(dest, "next_step.pt"))
         with open(os.path.join(dest, "fixture.json"), "w") as f:
-            json.dump({"made_by": "megatron-core " + _version(), "tp": 1, "pp": 1, "dp": dp,
+            json.dump({"made_by": "megatron-core " + fx._version(), "tp": 1, "pp": 1, "dp": dp,
                        "flags": [*common, *flags], "steps": TRAIN_STEPS,
                        "padded_vocab_size": args.padded_vocab_size}, f, indent=1)
     dist.destroy_process_group()
