@@ -21,7 +21,7 @@ import torch
 
 from megalite.checkpoint.consolidated import checkpoint_config
 from megalite.checkpoint.files import iteration_dir, read_metadata
-from megalite.checkpoint.megatron import mapping, read_megatron
+from megalite.checkpoint.megatron import buckets, mapping, read_megatron
 from megalite.checkpoint.megatron.files import _Opaque, find_checkpoint, read_common
 from megalite.checkpoint.megatron.files import read_tensors, tensor_shapes
 from megalite.parallel.state import ParallelState
@@ -64,9 +64,14 @@ def _next_step(root: str, name: str):
     finally:
         c.close()
         ps.destroy()
-    params = _stack_local_experts(want["params"])
-    chunks = {k: [((0,) * v.dim(), tuple(v.shape))] for k, v in params.items()}
-    return result, weights, want, mapping.to_megalite(params, chunks, cfg.model), state
+    if "params" in want:
+        params = _stack_local_experts(want["params"])
+        chunks = {k: [((0,) * v.dim(), tuple(v.shape))] for k, v in params.items()}
+        after = mapping.to_megalite(params, chunks, cfg.model)
+    else:   # a tensor-parallel run: its weights after the step, saved as a checkpoint
+        after = read_megatron(os.path.join(FIXTURES, name, "after_next_step"),
+                              load_optim=False).state
+    return result, weights, want, after, state
 
 
 def _stack_local_experts(params: dict) -> dict:
@@ -86,18 +91,30 @@ def _stack_local_experts(params: dict) -> dict:
 
 def test_trained_fixtures_hold_megatrons_optimizer_state():
     assert TRAINED == ["deepseek_v3_mtp_trained", "llama_adam_trained",
-                       "llama_distopt_bf16_trained", "llama_distopt_dp2_trained",
-                       "llama_sgd_trained", "mixtral_trained"]
+                       "llama_distopt_bf16_trained", "llama_distopt_buckets_trained",
+                       "llama_distopt_dp2_trained", "llama_distopt_tp2_buckets_trained",
+                       "llama_sgd_trained", "mixtral_distopt_ep2_buckets_trained",
+                       "mixtral_trained"]
     for name in TRAINED:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
         assert ckpt.iteration == STEPS
-        names = {k.split(".")[2] for k in tensor_shapes(ckpt) if k.startswith("optimizer.")}
+        keys = list(tensor_shapes(ckpt))
+        flat = buckets.bucket_keys(keys)
+        assert bool(flat) == ("buckets" in name)   # Megatron-LM's default: dp_reshardable
+        names = {k.split(".")[2] for k in keys if k.startswith("optimizer.state.")}
+        names |= buckets.bucket_states(keys)
         assert names >= ({"momentum_buffer"} if "sgd" in name else {"exp_avg", "exp_avg_sq"})
         assert ("param" in names) == ("distopt" in name)   # the distributed optimizer's
+    # several buckets per rank, and parameters padded to 64 elements within them
+    sizes = {k: v[0].numel() for k, v in tensor_shapes(find_checkpoint(
+        os.path.join(FIXTURES, "llama_distopt_buckets_trained"))).items() if k.endswith("param")}
+    assert len(sizes) == 5 and any(n % 64 for n in sizes.values()) is False
 
 
 @pytest.mark.parametrize("name", ["llama_adam_trained", "llama_distopt_dp2_trained",
-                                  "llama_sgd_trained", "mixtral_trained",
+                                  "llama_distopt_buckets_trained",
+                                  "llama_distopt_tp2_buckets_trained", "llama_sgd_trained",
+                                  "mixtral_trained", "mixtral_distopt_ep2_buckets_trained",
                                   "deepseek_v3_mtp_trained"])
 def test_resumed_step_equals_megatrons_next_step(imported, name):
     root = imported[name]
@@ -169,30 +186,73 @@ def test_no_load_optim_imports_the_weights_alone(tmp_path, capsys):
     assert meta["iteration"] == 0 and meta["optimizer_state"] is None
 
 
-def test_flat_distributed_optimizer_buffers_import_the_weights_with_a_note(tmp_path, capsys):
-    """Megatron-LM's default distributed-optimizer format (dp_reshardable: flat buffers in
-    its bucket layout) is not read: the weights import, and a note says how to re-save."""
+def test_unread_distributed_optimizer_format_imports_the_weights_with_a_note(tmp_path, capsys):
+    """A distributed-optimizer format megalite does not read (fully_sharded_model_space:
+    flattened slices) imports the weights, and a note says how to re-save."""
     root = tmp_path / "flat"
     shutil.copytree(os.path.join(FIXTURES, "llama_distopt_dp2_trained"), root)
     ckpt = find_checkpoint(str(root))
     common = read_common(ckpt)
     common["args"] = argparse.Namespace(**{k: v for k, v in vars(common["args"]).items()
                                            if not isinstance(v, _Opaque)})
-    common["content_metadata"]["distrib_optim_sharding_type"] = "dp_reshardable"
-    common["optimizer"]["param_state_sharding_type"] = "dp_reshardable"
+    common["content_metadata"]["distrib_optim_sharding_type"] = "fully_sharded_model_space"
+    common["optimizer"]["param_state_sharding_type"] = "fully_sharded_model_space"
     torch.save(common, os.path.join(ckpt.directory, "common.pt"))
     save = str(tmp_path / "out")
     assert convert("--source", "megatron", "--target", "megalite", "--load-dir", str(root),
                    "--save-dir", save) == 0
     out = capsys.readouterr().out
-    assert "saved as 'dp_reshardable'" in out and "--dist-ckpt-optim-fully-reshardable" in out
+    assert "saved as 'fully_sharded_model_space'" in out
+    assert "--dist-ckpt-optim-fully-reshardable" in out
     assert read_metadata(iteration_dir(save, 0))["optimizer_state"] is None
+
+
+def _bucket_inputs(name: str):
+    """(flat bucket tensors, trained weights, chunks) of fixture ``name``."""
+    ckpt = find_checkpoint(os.path.join(FIXTURES, name))
+    shapes = tensor_shapes(ckpt)
+    weights = [k for k in shapes if mapping.is_model_key(k)]
+    return (read_tensors(ckpt, buckets.bucket_keys(shapes)), read_tensors(ckpt, weights),
+            {k: v[1] for k, v in shapes.items()})
+
+
+def test_bucket_state_places_every_weight_piece_once():
+    """The tp 2 fixture's four ranks' buckets: each weight's saved pieces (fc1's gate and
+    up halves apart) found once, at positions padded to 64 elements, the fp32 main
+    weights equal to the saved weights."""
+    flat, weights, chunks = _bucket_inputs("llama_distopt_tp2_buckets_trained")
+    assert len({k.split(".")[2] for k in flat}) == 2   # dp_group_idx: one per tp rank
+    states = buckets.read_bucket_state(flat, weights, chunks, "fixture")
+    assert set(states) == {"param", "exp_avg", "exp_avg_sq"}
+    assert set(states["param"]) == set(weights)
+    for key, w in weights.items():
+        assert torch.equal(states["param"][key], w.float()), key
+        assert states["exp_avg_sq"][key].min() >= 0 and states["exp_avg"][key].abs().max() > 0
+
+
+def test_bucket_state_that_matches_no_weight_is_refused():
+    """Bucket buffers that are not the weights' (one main weight changed, or a bucket
+    missing) give one error naming --no-load-optim and the re-save flag."""
+    from megalite.checkpoint.files import CheckpointError
+
+    flat, weights, chunks = _bucket_inputs("llama_distopt_buckets_trained")
+    changed = dict(flat)
+    key = next(k for k in flat if k.endswith("bucket_idx_1.param"))
+    changed[key] = flat[key].clone()
+    changed[key][2100] += 1.0   # in its second weight (2048 elements each)
+    with pytest.raises(CheckpointError, match=r"bucket_idx_1\).*element 2048 match no saved "
+                                              r"weight.*--no-load-optim.*fully-reshardable"):
+        buckets.read_bucket_state(changed, weights, chunks, "fixture")
+    fewer = {k: v for k, v in flat.items() if ".bucket_idx_1." not in k}
+    with pytest.raises(CheckpointError, match="buckets hold no state for decoder.layers"):
+        buckets.read_bucket_state(fewer, weights, chunks, "fixture")
 
 
 @pytest.mark.parametrize("name,layout", [
     ("llama_distopt_dp2_trained", []), ("deepseek_v3_mtp_trained", []),
     ("llama_distopt_dp2_trained", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-], ids=["llama", "deepseek-v3-mtp", "llama-at-tp2-sp"])
+    ("llama_distopt_tp2_buckets_trained", ["--sequence-parallel"]),
+], ids=["llama", "deepseek-v3-mtp", "llama-at-tp2-sp", "llama-tp2-buckets-at-tp2-sp"])
 def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys, name, layout):
     """The whole move: the Megatron run's own flags verbatim (``fixture.json``), its data
     (the same corpus, seed and split), ``--load`` of the import and ``--no-load-rng``:

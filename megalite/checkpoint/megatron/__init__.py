@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite.checkpoint.files import CheckpointError
-from megalite.checkpoint.megatron import arguments, mapping, optimizer
+from megalite.checkpoint.megatron import arguments, buckets, mapping, optimizer
 from megalite.checkpoint.megatron.optimizer import MegatronOptimizerState
 from megalite.checkpoint.megatron.files import (
     MegatronCheckpoint,
     find_checkpoint,
     read_common,
+    read_objects,
     read_tensors,
     tensor_shapes,
 )
@@ -106,8 +107,11 @@ def read_megatron(root: str, step: int | None = None, load_optim: bool = True
            else optimizer.unreadable(common, optim_keys))
     state_of_optimizer = None
     if saved and load_optim and why is None:
+        groups = [g for saved_groups in read_objects(ckpt, buckets.GROUPS)
+                  for part in saved_groups for g in part.get("param_groups", [])]
         state_of_optimizer = optimizer.read_optimizer_state(
-            common, read_tensors(ckpt, optim_keys), chunks, model)
+            common, read_tensors(ckpt, optim_keys), chunks, model, tensors, groups,
+            ckpt.directory)
         trained = {k for k in state if not k.endswith("expert_bias")}   # buffers: none
         if set(state_of_optimizer.params) != trained:
             odd = sorted(set(state_of_optimizer.params) ^ trained)

@@ -218,15 +218,29 @@ def read_common(ckpt: MegatronCheckpoint) -> dict:
                     "--ckpt-convert-format torch_dist --ckpt-convert-save <dir>")
             raise CheckpointError(f"{ckpt.directory} holds neither {COMMON_PT} nor a "
                                   f"{COMMON_KEY} entry: no Megatron args to build the model")
-        index, info = entries[0]
-        with open(os.path.join(ckpt.directory, info.relative_path), "rb") as f:
-            f.seek(info.offset)
-            state = load_pickled(f.read(info.length))
+        state = _object(ckpt.directory, entries[0][1])
         if isinstance(state, list):  # one per saving rank; they are equal
             state = state[0]
     if not isinstance(state, dict) or "args" not in state:
         raise CheckpointError(f"{ckpt.directory}: the common state holds no Megatron args")
     return state
+
+
+def _object(directory: str, info) -> object:
+    """The pickled object a DCP storage entry ``info`` points at."""
+    with open(os.path.join(directory, info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        return load_pickled(f.read(info.length))
+
+
+def read_objects(ckpt: MegatronCheckpoint, pattern) -> list:
+    """The saved objects (Megatron's ``ShardedObject``s, one entry per saving shard) whose
+    keys, before the ``/shard_..`` part, match the compiled regular expression
+    ``pattern``."""
+    md = dcp_metadata(ckpt.directory)
+    return [_object(ckpt.directory, info) for index, info in sorted(
+                md.storage_data.items(), key=lambda e: e[0].fqn)
+            if pattern.match(index.fqn.split("/")[0])]
 
 
 def tensor_shapes(ckpt: MegatronCheckpoint) -> dict[str, tuple[torch.Size, list]]:

@@ -12,15 +12,15 @@ key with a prefix, in the formats read here::
 * the plain optimizer (no ``--use-distributed-optimizer``): the step count is the common
   state's ``optimizer['state']['common_step']``;
 * the distributed optimizer saved ``fully_reshardable``
-  (``--dist-ckpt-optim-fully-reshardable``): the step count is in each parameter group.
+  (``--dist-ckpt-optim-fully-reshardable``): the step count is in each parameter group;
+* the distributed optimizer saved ``dp_reshardable`` (Megatron-LM's default): flat
+  per-bucket buffers, turned into this per-parameter form by :mod:`.buckets`.
 
 Each state maps to megalite's names as the weights do (:func:`.mapping.to_megalite`: the
 stacked layers split, q/k/v regrouped, experts transposed, vocabulary padding dropped).
-The distributed optimizer's other formats (``dp_reshardable``, Megatron-LM's default,
-and the deprecated bucket-space ones) keep flat per-bucket buffers whose layout only
-Megatron's own bucketing knows, and ``fully_sharded_model_space`` (older versions'
-default) stores flattened slices; they are not read here, and the note says how to
-re-save the checkpoint.
+The distributed optimizer's other formats (the deprecated ``dp_zero_gather_scatter``,
+and ``fully_sharded_model_space``, older versions' default, which stores flattened
+slices) are not read here, and the note says how to re-save the checkpoint.
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from megalite.checkpoint.files import CheckpointError
-from megalite.checkpoint.megatron import mapping
+from megalite.checkpoint.megatron import buckets, mapping
 
 PREFIX = "optimizer.state."
 # Megatron's state name -> megalite's (optimizer_state's per-parameter form)
 STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
           "momentum_buffer": "momentum_buffer", "fp32_param": "master", "param": "master"}
-PER_PARAMETER = (None, "fully_reshardable")
+READABLE = (None, "fully_reshardable", "dp_reshardable")
 ALGORITHMS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
@@ -59,8 +59,10 @@ def _parts(key: str) -> list[str]:
 
 
 def optimizer_keys(keys) -> list[str]:
-    """The per-parameter optimizer state keys among a checkpoint's tensor keys."""
-    return [k for k in keys if k.startswith(PREFIX) and _parts(k)[0] in STATES]
+    """The optimizer state keys among a checkpoint's tensor keys: per parameter, or
+    per bucket (:func:`.buckets.bucket_keys`)."""
+    return ([k for k in keys if k.startswith(PREFIX) and _parts(k)[0] in STATES]
+            + buckets.bucket_keys(keys))
 
 
 def sharding_type(common: dict) -> str | None:
@@ -79,22 +81,25 @@ def unreadable(common: dict, keys) -> str | None:
         return None
     args = common.get("args")
     kind = sharding_type(common)
-    if kind not in PER_PARAMETER:
-        return (f"its distributed optimizer state is saved as {kind!r}, not per parameter; "
+    if kind not in READABLE:
+        return (f"its distributed optimizer state is saved as {kind!r}; "
                 "load it in Megatron-LM and save it again with "
                 "--dist-ckpt-optim-fully-reshardable")
     algorithm = getattr(args, "optimizer", "adam")
     if algorithm not in ALGORITHMS:
         return f"its optimizer is --optimizer {algorithm}; megalite resumes Adam and SGD state"
-    names = {_parts(k)[0] for k in keys}
+    names = {_parts(k)[0] for k in keys if k.startswith(PREFIX)} | buckets.bucket_states(keys)
     missing = [n for n in ALGORITHMS[algorithm] if n not in names]
     if missing:
         return f"its {algorithm} state lacks {', '.join(missing)}"
     return None
 
 
-def _step(common: dict) -> int:
-    """The optimizer's step count (SGD keeps none: the iteration's)."""
+def _step(common: dict, groups: list[dict]) -> int:
+    """The optimizer's step count (SGD keeps none: the iteration's); ``groups``: the
+    bucket format's saved parameter groups."""
+    if buckets.step_count(groups) is not None:
+        return buckets.step_count(groups)
     saved = common["optimizer"]
     inner = saved.get("optimizer", saved) if isinstance(saved, dict) else {}
     common_step = (inner.get("state") or {}).get("common_step")
@@ -110,22 +115,29 @@ def _step(common: dict) -> int:
 
 
 def read_optimizer_state(common: dict, tensors: dict[str, torch.Tensor],
-                         chunks: dict[str, list], model_cfg) -> MegatronOptimizerState:
+                         chunks: dict[str, list], model_cfg, weights: dict[str, torch.Tensor],
+                         groups: list[dict], where: str) -> MegatronOptimizerState:
     """Megatron's optimizer state (``tensors``: the :func:`optimizer_keys` entries, full;
-    ``chunks`` as for the weights) for ``model_cfg``, in megalite's names. Call
-    :func:`unreadable` first."""
+    ``chunks`` as for the weights; ``weights``: the saved model weights by Megatron key,
+    which locate the bucket format's parameters; ``groups``: that format's saved
+    ``param_groups``) for ``model_cfg``, in megalite's names. Call :func:`unreadable`
+    first."""
     by_state: dict[str, dict[str, torch.Tensor]] = {}
+    flat = {k: t for k, t in tensors.items() if buckets.KEY.match(k)}
+    if flat:
+        trained = {k: w for k, w in weights.items() if not k.endswith("expert_bias")}
+        by_state = buckets.read_bucket_state(flat, trained, chunks, where)
     for key, t in tensors.items():
-        name, model_key = _parts(key)
-        by_state.setdefault(name, {})[model_key] = t
+        if key not in flat:
+            name, model_key = _parts(key)
+            by_state.setdefault(name, {})[model_key] = t
     params: dict[str, dict[str, torch.Tensor]] = {}
     for name, saved in by_state.items():
-        model_chunks = {k: chunks[PREFIX + name + "." + k] for k in saved}
-        for param, t in mapping.to_megalite(saved, model_chunks, model_cfg).items():
+        for param, t in mapping.to_megalite(saved, chunks, model_cfg).items():
             params.setdefault(param, {})[STATES[name]] = t
     args = common.get("args")
     scheduler = common.get("opt_param_scheduler") or {}
     return MegatronOptimizerState(
-        step=_step(common), params=params, iteration=int(common.get("iteration", 0)),
+        step=_step(common, groups), params=params, iteration=int(common.get("iteration", 0)),
         consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
         scheduler_samples=scheduler.get("num_steps"))

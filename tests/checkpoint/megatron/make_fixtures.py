@@ -149,9 +149,13 @@ FIXTURES = {
 BLOCK_SPEC = ("qwen3", "mla_", "moe_bias_", "deepseek_")
 
 
-def _ep(flags: list[str]) -> int:
-    key = "--expert-model-parallel-size"
+def _flag(flags: list[str], key: str) -> int:
+    """An integer flag's value in ``flags`` (1 when absent)."""
     return int(flags[flags.index(key) + 1]) if key in flags else 1
+
+
+def _ep(flags: list[str]) -> int:
+    return _flag(flags, "--expert-model-parallel-size")
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -168,7 +172,8 @@ def _trained():
 def _torchrun(name: str, *worker_args: str) -> None:
     trained = _trained()
     if name in trained.TRAINED:
-        world = trained.TRAINED[name][1]
+        flags, dp = trained.TRAINED[name]
+        world = dp * _flag(flags, "--tensor-model-parallel-size")
     else:
         flags, tp, pp = FIXTURES[name]
         world = tp * pp * _ep(flags)   # the experts' ranks are data-parallel ones

@@ -55,6 +55,23 @@ TRAINED = {
     # keeps flat buffers that only Megatron's own bucket layout can read)
     "llama_distopt_dp2_trained": ([*fx.LLAMA, *TRAIN, "--use-distributed-optimizer",
                                    "--dist-ckpt-optim-fully-reshardable"], 2),
+    # Megatron-LM's default format of the distributed optimizer (dp_reshardable: the flat
+    # per-bucket buffers), in several buckets whose parameters are padded to 64 elements
+    "llama_distopt_buckets_trained": ([*fx.LLAMA, *TRAIN, "--use-distributed-optimizer",
+                                       "--overlap-grad-reduce", "--ddp-bucket-size", "4000"],
+                                      2),
+    # the same at tp 2 x dp 2: each rank's buckets hold its tensor-parallel pieces, fc1's
+    # gate and up halves apart; the weights after the next step are a checkpoint beside
+    # (112 rows divide by 8 x tp: no padding rows)
+    "llama_distopt_tp2_buckets_trained": ([*fx.LLAMA, *TRAIN, "--use-distributed-optimizer",
+                                           "--overlap-grad-reduce", "--ddp-bucket-size",
+                                           "3000", "--tensor-model-parallel-size", "2",
+                                           "--make-vocab-size-divisible-by", "8"], 2),
+    # experts at ep 2: Megatron chains a dense and an expert distributed optimizer, whose
+    # buckets are saved under chained_<i>. prefixes
+    "mixtral_distopt_ep2_buckets_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1",
+                                     "--use-distributed-optimizer",
+                                     "--expert-model-parallel-size", "2"], 2),
     "llama_sgd_trained": ([*fx.LLAMA, *TRAIN, "--optimizer", "sgd", "--sgd-momentum", "0.9"], 1),
     # experts: Megatron chains a dense and an expert optimizer
     "mixtral_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1"], 1),
@@ -121,11 +138,15 @@ def _training_shims():
     torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: Stream()
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
+    class Done:
+        def wait(self):
+            pass
+
     def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         total = input.clone()
         dist.all_reduce(total, op=op, group=group)
         output.copy_(total.chunk(dist.get_world_size(group))[dist.get_rank(group)])
-        return contextlib.nullcontext() if async_op else None
+        return Done() if async_op else None
 
     dist.reduce_scatter_tensor = dist._reduce_scatter_base = reduce_scatter
 
@@ -137,7 +158,8 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
     slice, as Megatron-LM's pretraining sampler cuts it; save it with the optimizer state
     into ``dest`` and record the next step in ``dest/next_step.pt``: ``{"tokens": [dp, b,
     s], "lr", "loss" (the mean over dp), "params": {module name: the weight after the
-    step}}`` (``labels`` beside ``tokens``)."""
+    step}}`` (``labels`` beside ``tokens``; at tp or ep > 1 ``params`` is absent and the weights
+    after the step are the checkpoint ``dest/after_next_step``)."""
     fx._shims()
     _training_shims()
     import types
@@ -167,11 +189,12 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
     validate_args(args)
     set_global_variables(args, build_tokenizer=True)
     dist.init_process_group("gloo")
-    mpu.initialize_model_parallel(1, 1)
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    mpu.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     model = fx._build(args, name)
-    fx._perturb(model, 0)
+    fx._perturb(model, mpu.get_tensor_model_parallel_rank())
     if args.bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -179,7 +202,9 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
     ddp = DistributedDataParallel(
         core_transformer_config_from_args(args),
         DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
-                                      grad_reduce_in_fp32=True), model)
+                                      grad_reduce_in_fp32=True,
+                                      overlap_grad_reduce=args.overlap_grad_reduce,
+                                      bucket_size=args.ddp_bucket_size), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer=args.optimizer, sgd_momentum=args.sgd_momentum, lr=args.lr,
         min_lr=args.min_lr, weight_decay=args.weight_decay,
@@ -203,7 +228,7 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
             path_to_cache=corpus + "_cache", tokenizer=tokenizer,
             reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
             mid_level_dataset_surplus=0.005, create_attention_mask=False)).build()
-    rank, s = dist.get_rank(), args.seq_length
+    rank, s, dp_group = mpu.get_data_parallel_rank(), args.seq_length, mpu.get_data_parallel_group()
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
 
     def step(i):
@@ -223,7 +248,7 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
         assert optimizer.step()[0]
         scheduler.step(increment=args.global_batch_size)
         mean = loss.detach().clone()
-        dist.all_reduce(mean)
+        dist.all_reduce(mean, group=dp_group)
         return torch.stack([tokens, labels]), lr, mean.item() / dp
 
     for i in range(1, TRAIN_STEPS + 1):
@@ -232,16 +257,22 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
     save_checkpoint(TRAIN_STEPS, [ddp], optimizer, scheduler, 0)
     dist.barrier()
     batch, lr, loss = step(TRAIN_STEPS + 1)
+    if tp * ep > 1:   # the weights after the step, whole only in a checkpoint: weights alone
+        args.save = os.path.join(dest, "after_next_step")
+        save_checkpoint(TRAIN_STEPS + 1, [ddp], None, None, 0)
     everyone = [torch.empty_like(batch) for _ in range(dp)]
-    dist.all_gather(everyone, batch)
-    if rank == 0:
+    dist.all_gather(everyone, batch, group=dp_group)
+    if dist.get_rank() == 0:
         batches = torch.stack(everyone)   # [dp, 2 (tokens, labels), b, s]
-        params = {k.removeprefix("module."): v.detach().clone()
-                  for k, v in model.state_dict().items() if "_extra_state" not in k}
-        torch.save({"tokens": batches[:, 0], "labels": batches[:, 1], "lr": lr, "loss": loss,
-                    "params": params}, os.path.join(dest, "next_step.pt"))
+        record = {"tokens": batches[:, 0], "labels": batches[:, 1], "lr": lr, "loss": loss}
+        if tp * ep == 1:   # (tensor- or expert-parallel runs: the checkpoint after_next_step/)
+            record["params"] = {k.removeprefix("module."): v.detach().clone()
+                                for k, v in model.state_dict().items()
+                                if "_extra_state" not in k}
+        torch.save(record, os.path.join(dest, "next_step.pt"))
         with open(os.path.join(dest, "fixture.json"), "w") as f:
-            json.dump({"made_by": "megatron-core " + fx._version(), "tp": 1, "pp": 1, "dp": dp,
+            json.dump({"made_by": "megatron-core " + fx._version(), "tp": tp, "pp": 1, "ep": ep,
+                       "dp": dp,
                        "flags": [*common, *flags], "steps": TRAIN_STEPS,
                        "padded_vocab_size": args.padded_vocab_size}, f, indent=1)
     dist.destroy_process_group()
