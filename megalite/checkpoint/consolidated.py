@@ -23,7 +23,7 @@ from megalite.checkpoint.files import (
 )
 from megalite.checkpoint.load import LoadOptions, load_checkpoint
 from megalite.checkpoint.save import save_checkpoint
-from megalite.config import MegaliteConfig, ParallelConfig
+from megalite.config import ConfigError, MegaliteConfig, ParallelConfig
 from megalite.parallel.state import ParallelState
 
 
@@ -56,7 +56,10 @@ def checkpoint_config(root: str, iteration: int | None = None) -> tuple[Megalite
                 "it holds no published iteration")
         raise CheckpointError(f"{root} has no iteration {iteration}; {what}")
     meta = read_metadata(iteration_dir(root, iteration))
-    return MegaliteConfig.from_dict(meta["config"]), iteration
+    try:
+        return MegaliteConfig.from_dict(meta["config"]), iteration
+    except ConfigError as exc:
+        raise CheckpointError(f"{iteration_dir(root, iteration)}: {exc}") from None
 
 
 def load_full_model(root: str, iteration: int | None = None):

@@ -237,4 +237,12 @@ class MegaliteConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> MegaliteConfig:
+        """The config :meth:`to_dict` wrote; ``ConfigError`` naming every section or
+        field this megalite does not have (a config written by another version)."""
+        unknown = [name for name in d if name not in SECTIONS]
+        for name, section in SECTIONS.items():
+            fields = {f.name for f in dataclasses.fields(section)}
+            unknown += [f"{name}.{k}" for k in d.get(name, {}) if k not in fields]
+        require(not unknown, f"the saved config has settings this megalite does not know: "
+                             f"{', '.join(unknown)} (written by another megalite version?)")
         return cls(**{name: SECTIONS[name](**d.get(name, {})) for name in SECTIONS})

@@ -100,6 +100,15 @@ def test_round_trip_dict():
     assert again == cfg
 
 
+def test_a_config_from_another_version_names_what_it_lacks():
+    saved = make(1).to_dict()
+    saved["model"]["rotary_wobble"] = 2
+    saved["telemetry"] = {}
+    with pytest.raises(ConfigError, match=r"does not know: telemetry, model.rotary_wobble "
+                                          r"\(written by another megalite version\?\)"):
+        MegaliteConfig.from_dict(saved)
+
+
 def test_interleaved_needs_microbatches_multiple_of_pp():
     with pytest.raises(ConfigError, match=r"number of micro-batches \(6 = global_batch_size "
                                           r"6 / \(micro_batch_size 1 x data parallel 1\)\) "

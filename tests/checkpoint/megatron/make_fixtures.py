@@ -31,7 +31,12 @@ NAME and ``--source megalite --target megatron`` of the result into DIR,
 
 loads DIR with Megatron-LM's ``load_checkpoint`` (``--finetune``) into NAME's model at
 NAME's tp x pp and prints the largest logit difference from the fixture's (exit 1 above
-1e-5).
+1e-5). For a trained fixture exported with its optimizer state,
+
+    /work/mcore-venv/bin/python tests/checkpoint/megatron/make_fixtures.py --check-resume NAME DIR
+
+resumes NAME's run from DIR in Megatron-LM and compares its next step with the one
+Megatron took from its own checkpoint (``next_step.pt``).
 """
 
 from __future__ import annotations
@@ -433,9 +438,29 @@ def _version() -> str:
     return version("megatron-core")
 
 
+def check_resume(name: str, directory: str) -> int:
+    """Resume the trained fixture ``name``'s run in Megatron-LM from ``directory`` (an
+    export of iteration 2 with the optimizer state: ``convert_checkpoint.py --target
+    megatron`` of the fixture's import) and compare its next step with the fixture's
+    ``next_step.pt``; prints the comparison and exits 1 when the loss differs by more
+    than 2e-6 or a weight by more than 1e-6."""
+    trained = _trained()
+    corpus = trained.small_vocab_corpus(os.path.join(tempfile.mkdtemp(), "corpus"))
+    _torchrun(name, "--train", name, os.path.join(OUT, name), corpus,
+              os.path.abspath(directory))
+    with open(os.path.join(directory, "resumed.json")) as f:
+        got = json.load(f)
+    print(f"{name}: Megatron-LM resumed {directory}: {got}")
+    ok = (abs(got["loss"] - got["want_loss"]) <= 2e-6 and got["lr"] == got["want_lr"]
+          and got["max_weight_difference"] <= 1e-6)
+    return 0 if ok else 1
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--train":
-        _trained().train_worker(sys.argv[2], sys.argv[3], sys.argv[4])
+        _trained().train_worker(*sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--check-resume":
+        sys.exit(check_resume(sys.argv[2], sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] in ("--worker", "--check-export"):
         if "RANK" in os.environ:
             worker(sys.argv[2], sys.argv[3], check=sys.argv[1] == "--check-export")

@@ -151,7 +151,7 @@ def _training_shims():
     dist.reduce_scatter_tensor = dist._reduce_scatter_base = reduce_scatter
 
 
-def train_worker(name: str, dest: str, corpus: str) -> None:
+def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -> None:
     """Train fixture ``name`` (one rank of its data-parallel group; :data:`TRAINED`) on
     ``corpus`` (:func:`small_vocab_corpus`) through Megatron-Core's GPT dataset, global
     batch ``k`` being samples ``[k GBS, (k + 1) GBS)`` and each rank's micro-batch its
@@ -159,7 +159,13 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
     into ``dest`` and record the next step in ``dest/next_step.pt``: ``{"tokens": [dp, b,
     s], "lr", "loss" (the mean over dp), "params": {module name: the weight after the
     step}}`` (``labels`` beside ``tokens``; at tp or ep > 1 ``params`` is absent and the weights
-    after the step are the checkpoint ``dest/after_next_step``)."""
+    after the step are the checkpoint ``dest/after_next_step``).
+
+    With ``resume`` (a checkpoint of iteration :data:`TRAIN_STEPS` that megalite exported
+    with its optimizer state), load it with Megatron-LM's ``load_checkpoint`` instead of
+    training, take the next step and write how it compares with ``dest/next_step.pt``
+    (``resume/resumed.json``: the iteration, consumed samples, lr, loss, both losses and
+    the largest weight difference)."""
     fx._shims()
     _training_shims()
     import types
@@ -170,7 +176,7 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
     flags, dp = TRAINED[name]
     common = [f for f in fx.COMMON if f not in ("--no-save-optim", "--no-save-rng")]
     sys.argv = [sys.argv[0], *common, *flags, "--no-save-rng", "--global-batch-size",
-                str(2 * dp), "--data-path", corpus, "--save", dest, "--load", dest]
+                str(2 * dp), "--data-path", corpus, "--save", dest, "--load", resume or dest]
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -251,6 +257,10 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
         dist.all_reduce(mean, group=dp_group)
         return torch.stack([tokens, labels]), lr, mean.item() / dp
 
+    if resume is not None:
+        _resumed_step(args, ddp, optimizer, scheduler, step, dest, resume)
+        dist.destroy_process_group()
+        return
     for i in range(1, TRAIN_STEPS + 1):
         step(i)
     args.consumed_train_samples = TRAIN_STEPS * args.global_batch_size
@@ -276,3 +286,51 @@ def train_worker(name: str, dest: str, corpus: str) -> None:
                        "flags": [*common, *flags], "steps": TRAIN_STEPS,
                        "padded_vocab_size": args.padded_vocab_size}, f, indent=1)
     dist.destroy_process_group()
+
+
+def _resumed_step(args, ddp, optimizer, scheduler, step, dest: str, resume: str) -> None:
+    """Megatron-LM's resume of ``resume`` and its next step, against ``next_step.pt``."""
+    import torch
+    import torch.distributed as dist
+    from megatron.training.checkpointing import load_checkpoint
+
+    # Megatron-Core's torch-optimizer path (no Apex, no Transformer Engine: CPU) cannot
+    # load distributed-optimizer state into a fresh torch Adam: preparing the load reads
+    # every parameter's step count, which a fresh Adam lacks, and the copy then expects a
+    # loaded tensor for the step too. Give the fresh state step 0, and copy around it
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inners = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    for inner in inners:
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p] and isinstance(inner, torch.optim.Adam):
+                    inner.state[p].update(exp_avg=torch.zeros_like(p), step=torch.tensor(0.0),
+                                          exp_avg_sq=torch.zeros_like(p))
+    setter = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        step = state.pop("step", None)
+        setter(self, model_param, tensors)
+        if step is not None:
+            state["step"] = step
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    iteration, _ = load_checkpoint([ddp], optimizer, scheduler)
+    for inner in inners:   # that path gives all parameters one step tensor, which torch's
+        for state in inner.state.values():   # Adam would then advance once per parameter
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+    _, lr, loss = step(iteration + 1)
+    want = torch.load(os.path.join(dest, "next_step.pt"))
+    if dist.get_rank() == 0:
+        got = {k.removeprefix("module."): v for k, v in ddp.module.state_dict().items()
+               if "_extra_state" not in k}
+        worst = max((got[k].float() - w.float()).abs().max().item()
+                    for k, w in want["params"].items())
+        with open(os.path.join(resume, "resumed.json"), "w") as f:
+            json.dump({"iteration": iteration, "consumed_samples": args.consumed_train_samples,
+                       "lr": lr, "want_lr": want["lr"], "loss": loss,
+                       "want_loss": want["loss"], "max_weight_difference": worst}, f, indent=1)
