@@ -41,11 +41,9 @@ files (megalite.data.tokenizer_export), with the bos/eos ids config.json gets.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
-import shlex
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
@@ -53,19 +51,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 import torch
 
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, ParallelConfig
-from megalite.errors import EXIT_CHECKPOINT, KnownError, exit_code_of
+from megalite.errors import exit_code_of
 from megalite.models.families import FamilySpec, family_for_hf, family_of
 from megalite.models.families.spec import trained_token_ids
+from tools.conversion import ConversionError, progress, training_flags
+from tools.convert_megatron import megalite_to_megatron, megatron_to_megalite
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SAFE_INDEX = "model.safetensors.index.json"
-
-
-class ConversionError(KnownError, ValueError):
-    """A source that cannot be converted (not a checkpoint of the named kind, tensors
-    without a counterpart): one line, exit code 4 like every checkpoint error."""
-
-    exit_code = EXIT_CHECKPOINT
 
 
 # -- Hugging Face files ----------------------------------------------------------------------
@@ -85,17 +78,6 @@ def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
     for name in progress(files, "read safetensors", "file"):
         state.update(load_file(os.path.join(directory, name)))
     return state
-
-
-def progress(items, desc: str, unit: str):
-    """``items`` counted on stderr (megalite.progress: a bar on a terminal, a line every
-    10% or 30 s in a log, nothing in the first 2 s); the steps of a conversion when
-    ``items`` is an int."""
-    from megalite.progress import Progress
-
-    if isinstance(items, int):
-        return Progress(items, desc, unit)
-    return Progress(desc=desc, unit=unit, iterable=items)
 
 
 def parse_size(text: str) -> int:
@@ -144,54 +126,6 @@ def unused_hf_tensors(spec: FamilySpec, hf_state: dict[str, torch.Tensor],
     written = set(in_memory) | set(spec.to_hub_names(in_memory, model_cfg))
     return sorted(k for k in set(hf_state) - written
                   if not k.endswith(spec.ignored_hf_suffixes))
-
-
-# -- flags -------------------------------------------------------------------------------------
-ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "kv_channels", "group_query_attention", "num_query_groups", "seq_length",
-                "max_position_embeddings", "position_embedding_type", "rotary_base",
-                "normalization", "norm_epsilon", "swiglu", "add_bias_linear", "add_qkv_bias",
-                "untie_embeddings_and_output_weights", "apply_layernorm_1p",
-                "add_position_embedding", "num_experts", "moe_router_topk",
-                "moe_ffn_hidden_size")
-MOE_ONLY = ("moe_router_topk", "moe_ffn_hidden_size")
-# printed where they differ from the flag's default (DeepSeek-V3's attention and routing)
-UNLESS_DEFAULT = ("multi_latent_attention", "qk_layernorm", "q_lora_rank", "kv_lora_rank",
-                  "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor",
-                  "mscale", "mscale_all_dim", "original_max_position_embeddings",
-                  "moe_layer_freq", "moe_shared_expert_intermediate_size",
-                  "moe_router_score_function", "moe_router_topk_scaling_factor",
-                  "moe_router_num_groups", "moe_router_group_topk", "mtp_num_layers",
-                  "mtp_loss_scaling_factor",
-                  "moe_router_enable_expert_bias", "moe_router_dtype",
-                  "moe_router_load_balancing_type", "moe_router_pre_softmax")
-
-
-def training_flags(cfg: MegaliteConfig) -> list[str]:
-    """``pretrain_gpt.py`` flags that rebuild this architecture, plus the target tensor /
-    pipeline parallel sizes (the vocabulary comes from the tokenizer)."""
-    from megalite.arguments import flag_of
-
-    fields = {f.name: f for f in dataclasses.fields(cfg.model)}
-    argv = []
-    for name in ARCHITECTURE + UNLESS_DEFAULT:
-        value, f = getattr(cfg.model, name), fields[name]
-        if name in UNLESS_DEFAULT and value == f.default:
-            continue
-        if name == "num_query_groups" and not cfg.model.group_query_attention:
-            continue
-        if name == "rotary_base" and cfg.model.position_embedding_type != "rope":
-            continue
-        if name in MOE_ONLY and cfg.model.num_experts is None:
-            continue
-        if isinstance(value, bool):
-            if value != (f.metadata.get("action") == "store_false"):
-                argv.append(flag_of(f))   # store_true when True, store_false when False
-        elif value is not None:
-            argv += [flag_of(f), shlex.quote(str(value))]  # "[0]*3+[1]*5" is a glob
-    p = cfg.parallel
-    return argv + ["--tensor-model-parallel-size", str(p.tensor_model_parallel_size),
-                   "--pipeline-model-parallel-size", str(p.pipeline_model_parallel_size)]
 
 
 # -- conversions -------------------------------------------------------------------------------
@@ -301,103 +235,6 @@ def read_hf_config(directory: str):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConversionError(f"{directory}/config.json is not a usable Hugging Face config: "
                               f"{first}") from None
-
-
-def megatron_to_megalite(args) -> None:
-    from megalite.checkpoint.consolidated import save_full_model
-    from megalite.checkpoint.megatron import read_megatron
-
-    with progress(2, "convert", "step") as bar:
-        bar.set_postfix_str("reading the Megatron checkpoint")
-        imported = read_megatron(args.load_dir, args.ckpt_step,
-                                 load_optim=not args.no_load_optim)
-        bar.update(1)
-        cfg = imported.cfg
-        cfg.parallel = ParallelConfig(
-            tensor_model_parallel_size=args.target_tensor_parallel_size,
-            pipeline_model_parallel_size=args.target_pipeline_parallel_size)
-        try:
-            cfg.validate(args.target_tensor_parallel_size * args.target_pipeline_parallel_size)
-        except ConfigError as exc:
-            raise ConfigError(f"the target layout does not fit the model: {exc}") from None
-        bar.set_postfix_str("saving the checkpoint")
-        try:
-            path = save_full_model(cfg, imported.state, args.save_dir, imported.optimizer)
-        except (KeyError, ValueError) as exc:
-            raise ConversionError(f"cannot convert {imported.source.directory}: "
-                                  f"{str(exc).strip(chr(34))}") from None
-        bar.update(1)
-    for note in imported.notes:
-        print(f"note: {note}")
-    src = imported.source
-    step = "release" if src.iteration is None else f"iteration {src.iteration}"
-    flags = training_flags(cfg) + tokenizer_flags(cfg)
-    if imported.optimizer is not None:
-        o = imported.optimizer
-        if cfg.train.per_microbatch_loss:   # Megatron's default objective, not megalite's
-            flags.append("--per-microbatch-loss")
-        print(f"wrote {path} (Megatron {src.format} {step}, "
-              f"{sum(t.numel() for t in imported.state.values()):,} parameters, the "
-              f"{cfg.optim.optimizer} state of step {o.step}, {o.consumed_samples:,} samples "
-              "consumed)")
-        print("resume it with the Megatron-LM run's own flags (megalite takes them) and "
-              f"--load {args.save_dir} --no-load-rng, without --finetune: the optimizer "
-              "state, the lr schedule's position and the data position (sample "
-              f"{o.consumed_samples}) carry on"
-              + ("; add --per-microbatch-loss, the loss normalisation of a Megatron run "
-                 "without --calculate-per-token-loss" if cfg.train.per_microbatch_loss
-                 else "") + "; its architecture flags:\n  "
-              "pretrain/pretrain_gpt.py " + " ".join(flags)
-              + f" --load {args.save_dir} --no-load-rng --save <dir> ...")
-        return
-    print(f"wrote {path} (Megatron {src.format} {step}, "
-          f"{sum(t.numel() for t in imported.state.values()):,} parameters)")
-    print("continue training with:\n  pretrain/pretrain_gpt.py " + " ".join(flags)
-          + f" --load {args.save_dir} --finetune --save <dir> ...")
-
-
-def tokenizer_flags(cfg: MegaliteConfig) -> list[str]:
-    """The tokenizer flags the source recorded (NullTokenizer: its --vocab-size)."""
-    d, argv = cfg.data, []
-    if d.tokenizer_type:
-        argv += ["--tokenizer-type", d.tokenizer_type]
-    if d.tokenizer_type == "NullTokenizer":
-        argv += ["--vocab-size", str(cfg.model.vocab_size - 1)]
-    for name in ("tokenizer_model", "vocab_file", "merge_file"):
-        if getattr(d, name):
-            argv += ["--" + name.replace("_", "-"), getattr(d, name)]
-    return argv
-
-
-def megalite_to_megatron(args) -> None:
-    from megalite.checkpoint.consolidated import checkpoint_config, load_full_model
-    from megalite.checkpoint.megatron import SUPPORTED, arguments, mapping
-    from megalite.checkpoint.megatron.writer import write_megatron
-
-    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    with progress(2, "convert", "step") as bar:
-        bar.set_postfix_str("loading the checkpoint")
-        _, iteration = checkpoint_config(args.load_dir, args.ckpt_step)
-        cfg, model = load_full_model(args.load_dir, iteration)
-        bar.update(1)
-        problems = (arguments.unsupported(arguments.megatron_args(cfg, tp, pp))
-                    + arguments.unexportable(cfg.model))
-        full = model.full_state_dict()
-        unmapped = mapping.unmapped(full)
-        if unmapped:
-            problems.append(f"{len(unmapped)} tensors with no Megatron-Core counterpart, "
-                            f"e.g. {', '.join(unmapped[:3])}")
-        if problems:
-            raise ConversionError(f"cannot convert {args.load_dir} to Megatron: "
-                                  f"{'; '.join(problems)}; megalite writes {SUPPORTED}")
-        bar.set_postfix_str("writing torch_dist")
-        impl = args.transformer_impl or cfg.model.transformer_impl or mapping.TE
-        directory = write_megatron(cfg, full, args.save_dir, iteration, tp, pp, impl)
-        bar.update(1)
-    print(f"wrote {directory} (Megatron-Core torch_dist, iteration {iteration}, vocabulary "
-          f"padded to {cfg.model.padded_vocab_size(tp)}, names of --transformer-impl "
-          f"{impl}); load it in Megatron-LM with --ckpt-format torch_dist --load "
-          f"{args.save_dir} --finetune and the model's flags")
 
 
 def megalite_to_hf(args) -> None:
@@ -525,9 +362,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iteration", type=int, dest="ckpt_step", help=argparse.SUPPRESS)
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-expert-model-parallel-size", type=int, default=1,
+                   help="megalite -> Megatron, MoE: the Megatron run's "
+                   "--expert-model-parallel-size; above 1 its experts have an optimizer of "
+                   "their own, whose state is written apart.")
     p.add_argument("--no-load-optim", action="store_true",
-                   help="Megatron -> megalite: the weights alone (iteration 0, continue "
-                   "with --finetune), not the optimizer state Megatron saved.")
+                   help="Megatron <-> megalite: the weights alone (continue with "
+                   "--finetune), not the optimizer state the source saved.")
+    p.add_argument("--target-optimizer-format", choices=("distributed", "plain"),
+                   help="megalite -> Megatron: write the optimizer state for a Megatron-LM "
+                   "run with (distributed: the fully_reshardable format) or without "
+                   "--use-distributed-optimizer (default: as the megalite run sharded its "
+                   "optimizer).")
     p.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
                    help="megalite -> Megatron: the layer spec the Megatron run builds "
                    "(Megatron-LM's flag), whose names the norms are written under "

@@ -117,3 +117,46 @@ def save_full_model(cfg: MegaliteConfig, state: dict[str, torch.Tensor], root: s
                            and s.scheduler_samples is not None else s.iteration)
     return save_checkpoint(root, s.iteration, model, optimizer, scheduler, ps, cfg.to_dict(),
                            s.consumed_samples, save_rng=False)
+
+
+def load_full_training_state(root: str, iteration: int | None = None):
+    """Where the run of ``root``'s checkpoint (iteration ``iteration``, default the latest)
+    stood, read whole in one process: ``(config, weights, optimizer state, scheduler)``
+    with ``weights`` the full fp32 state dict (names as ``GPTModel.full_state_dict()``),
+    ``optimizer state`` ``{"step", "iteration", "consumed_samples", "params": {name:
+    {state name: full fp32 tensor}}}`` (the per-parameter form of
+    :mod:`megalite.optim.optimizer_state`: ``exp_avg`` / ``exp_avg_sq``, ``momentum_buffer``,
+    ``master`` for a bf16 / fp16 model's fp32 weights; vocabulary padding rows dropped)
+    and the lr ``scheduler`` at its saved position; the last two None where the
+    checkpoint holds no optimizer state."""
+    import dataclasses
+
+    from megalite.config.layout import resolve_layout
+    from megalite.models.gpt import GPTModel
+    from megalite.optim.build import build_grads_and_optimizer
+    from megalite.optim.lr_schedule import LRScheduler
+
+    cfg, iteration = checkpoint_config(root, iteration)
+    meta = read_metadata(iteration_dir(root, iteration))
+    _, model = load_full_model(root, iteration)
+    weights = model.full_state_dict()
+    if not meta.get("optimizer_state"):
+        return cfg, weights, None, None
+    # one process: the saved layout's sizes dropped, its optimizer sharding kept
+    one = dataclasses.replace(cfg, parallel=ParallelConfig(
+        data_parallel_sharding_strategy=cfg.parallel.data_parallel_sharding_strategy))
+    one = MegaliteConfig.from_dict(one.to_dict())
+    one.train.global_batch_size = cfg.train.global_batch_size
+    ps = single_process_state()
+    model = GPTModel(one.model, ps, seed=one.train.seed)
+    _, optimizer = build_grads_and_optimizer(model, one, ps)
+    scheduler = LRScheduler.for_run(one, resolve_layout(one, 1).batch_schedule)
+    loaded = load_checkpoint(root, model, optimizer, scheduler, ps,
+                             LoadOptions(load_rng=False, iteration=iteration))
+    per = optimizer.state_dict_per_param()
+    params = {name: {k: t.float()[:weights[name].shape[0]] if t.dim() else t.float()
+                     for k, t in entry.items()}
+              for name, entry in per["params"].items()}
+    state = {"step": int(per["step"]), "iteration": loaded.iteration,
+             "consumed_samples": loaded.consumed_samples, "params": params}
+    return cfg, weights, state, scheduler

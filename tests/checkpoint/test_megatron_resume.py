@@ -305,3 +305,91 @@ def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys, nam
     assert row["iteration"] == 3 and row["lr"] == pytest.approx(want["lr"], rel=1e-9)
     assert row["lm_loss"] == pytest.approx(want["loss"], abs=2e-6)
     assert os.path.exists(tmp_path / "ck" / "iter_0000003")
+
+
+# -- and back: megalite's optimizer state written for Megatron-LM to resume ---------------------
+def _same(a, b) -> bool:
+    """Equal nested dicts / lists / tensors (dict order aside)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("name", ["llama_adam_trained", "llama_distopt_dp2_trained",
+                                  "llama_distopt_bf16_trained", "llama_sgd_trained",
+                                  "mixtral_trained", "deepseek_v3_mtp_trained"])
+def test_export_writes_the_optimizer_state_megatron_saved(imported, tmp_path, capsys, name):
+    """Megatron -> megalite -> Megatron: the export holds what Megatron-Core saved, bit for
+    bit: every per-parameter state tensor (moments, momentum, fp32 main weights), the
+    optimizer's parameter groups and step, the lr scheduler's state, the content metadata
+    naming the format, the iteration and consumed samples. (Megatron-LM resuming from such
+    exports takes its own next step exactly: ``make_fixtures.py --check-resume``.)"""
+    save = str(tmp_path / "megatron")
+    assert convert("--source", "megalite", "--target", "megatron", "--load-dir",
+                   imported[name], "--save-dir", save, "--transformer-impl", "local") == 0
+    out = capsys.readouterr().out
+    distributed = "distopt" in name
+    assert f"the {STEPS}-step optimizer state for " + (
+        "--use-distributed-optimizer" if distributed else "the plain optimizer") in out
+    assert "without --finetune, with" + ("" if distributed else "out") + \
+        " --use-distributed-optimizer" in out
+    theirs, ours = (find_checkpoint(p) for p in (os.path.join(FIXTURES, name), save))
+    assert ours.iteration == theirs.iteration == STEPS
+    a, b = read_common(theirs), read_common(ours)
+    for key in ("optimizer", "opt_param_scheduler", "content_metadata", "iteration"):
+        assert _same(a[key], b[key]), key
+    assert b["args"].consumed_train_samples == a["args"].consumed_train_samples
+    keys = [k for k in tensor_shapes(theirs) if k.startswith("optimizer.")]
+    assert sorted(keys) == sorted(k for k in tensor_shapes(ours) if k.startswith("optimizer."))
+    saved, written = read_tensors(theirs, keys), read_tensors(ours, keys)
+    assert all(torch.equal(saved[k], written[k]) for k in keys)
+
+
+def test_export_for_expert_parallel_megatron_runs_chains_two_optimizers(imported, tmp_path):
+    """For a Megatron run at --expert-model-parallel-size 2, the dense and the expert
+    optimizer each get their saved state (Megatron's chained layout: entries 0 and 1, the
+    expert groups marked); the default-format import of such a run round-trips to it."""
+    name = "mixtral_distopt_ep2_buckets_trained"
+    save = str(tmp_path / "megatron")
+    assert convert("--source", "megalite", "--target", "megatron", "--load-dir",
+                   imported[name], "--save-dir", save, "--transformer-impl", "local",
+                   "--target-expert-model-parallel-size", "2") == 0
+    common = read_common(find_checkpoint(save))
+    chained = common["optimizer"]
+    assert sorted(chained) == [0, 1] and common["args"].expert_model_parallel_size == 2
+    for index, experts in ((0, False), (1, True)):
+        groups = chained[index]["optimizer"]["param_groups"]
+        assert {g["is_expert_parallel"] for g in groups} == {experts}
+        assert {g["step"] for g in groups} == {float(STEPS)}
+    # the state equals the one read from Megatron's flat buckets
+    ckpt = find_checkpoint(save)
+    keys = [k for k in tensor_shapes(ckpt) if k.startswith("optimizer.state.")]
+    written = read_megatron(save).optimizer.params
+    source = read_megatron(os.path.join(FIXTURES, name)).optimizer.params
+    assert {k.split(".")[2] for k in keys} == {"param", "exp_avg", "exp_avg_sq"}
+    assert written.keys() == source.keys()
+    assert all(torch.equal(written[p][s], source[p][s]) for p in source for s in source[p])
+
+
+def test_export_without_optimizer_state_says_why(imported, tmp_path, capsys):
+    """--no-load-optim, or an optimizer Megatron's format is not written for (SGD under the
+    distributed optimizer), gives a weights-only export and a --finetune hint."""
+    save = str(tmp_path / "weights")
+    assert convert("--source", "megalite", "--target", "megatron", "--load-dir",
+                   imported["llama_adam_trained"], "--save-dir", save, "--no-load-optim") == 0
+    out = capsys.readouterr().out
+    assert ", weights only)" in out and "--finetune" in out
+    common = read_common(find_checkpoint(save))
+    assert "optimizer" not in common and common["args"].no_save_optim
+    assert not [k for k in tensor_shapes(find_checkpoint(save)) if k.startswith("optimizer.")]
+    save = str(tmp_path / "sgd")
+    assert convert("--source", "megalite", "--target", "megatron", "--load-dir",
+                   imported["llama_sgd_trained"], "--save-dir", save,
+                   "--target-optimizer-format", "distributed") == 0
+    out = capsys.readouterr().out
+    assert "note: the optimizer state is not written (Megatron-LM's distributed optimizer " \
+        "keeps no SGD state here" in out and "--finetune" in out

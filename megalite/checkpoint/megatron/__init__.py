@@ -58,6 +58,7 @@ def read_megatron(root: str, step: int | None = None, load_optim: bool = True
         MegaliteConfig,
         ModelConfig,
         OptimConfig,
+        ParallelConfig,
         TrainConfig,
     )
 
@@ -85,7 +86,8 @@ def read_megatron(root: str, step: int | None = None, load_optim: bool = True
         model = ModelConfig(**arguments.model_kwargs(args))
         cfg = MegaliteConfig(model=model, data=DataConfig(**arguments.data_kwargs(args)),
                              optim=OptimConfig(**arguments.optim_kwargs(args)),
-                             train=TrainConfig(**arguments.train_kwargs(args)))
+                             train=TrainConfig(**arguments.train_kwargs(args)),
+                             parallel=ParallelConfig(**arguments.parallel_kwargs(args)))
         cfg.validate(1)
     except (ConfigError, ValueError, TypeError) as exc:
         raise CheckpointError(f"cannot import {ckpt.directory}: its args give no valid "

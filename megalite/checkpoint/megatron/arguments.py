@@ -160,6 +160,13 @@ def train_kwargs(args: Namespace) -> dict:
     return kw
 
 
+def parallel_kwargs(args: Namespace) -> dict:
+    """``ParallelConfig`` settings of the Megatron run that its checkpoint depends on:
+    whether it sharded its optimizer (the format an export back writes); its sizes are
+    not kept, the megalite checkpoint being layout-free."""
+    return {"use_distributed_optimizer": bool(_get(args, "use_distributed_optimizer", False))}
+
+
 def data_kwargs(args: Namespace) -> dict:
     """``DataConfig`` tokenizer settings recorded in ``args``."""
     return {n: getattr(args, n) for n in TOKENIZER if _get(args, n) is not None}

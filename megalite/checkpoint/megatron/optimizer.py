@@ -141,3 +141,134 @@ def read_optimizer_state(common: dict, tensors: dict[str, torch.Tensor],
         step=_step(common, groups), params=params, iteration=int(common.get("iteration", 0)),
         consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
         scheduler_samples=scheduler.get("num_steps"))
+
+
+# -- megalite -> Megatron ----------------------------------------------------------------------
+# the torch optimizer's own settings in each of Megatron's saved parameter groups
+TORCH_GROUP = {
+    "adam": lambda o: {"betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps,
+                       "amsgrad": False, "maximize": False, "foreach": None,
+                       "capturable": False, "differentiable": False, "fused": None,
+                       "decoupled_weight_decay": True},
+    "sgd": lambda o: {"momentum": o.sgd_momentum, "dampening": 0, "nesterov": False,
+                      "maximize": False, "foreach": None, "differentiable": False,
+                      "fused": None},
+}
+
+
+@dataclass
+class MegatronOptimizerOut:
+    """megalite's optimizer state as a Megatron-Core checkpoint holds it: the ``tensors``
+    (``optimizer.state.<state>.<sharded key>``, full) and what joins the common state
+    (``common``: ``optimizer``, ``opt_param_scheduler``; ``metadata``: the content
+    metadata naming the format; ``args``: the run's position)."""
+
+    tensors: dict[str, torch.Tensor]
+    common: dict
+    metadata: dict
+    args: dict
+
+
+def not_exportable(cfg, distributed: bool) -> str | None:
+    """Why the optimizer state of a run with ``cfg`` is not written for a Megatron-LM run
+    with (``distributed``) or without the distributed optimizer (None: it is)."""
+    o = cfg.optim
+    if o.optimizer not in TORCH_GROUP:
+        return (f"its optimizer is --optimizer {o.optimizer}; megalite writes Megatron-LM's "
+                "Adam and SGD state")
+    if o.optimizer == "sgd" and distributed:
+        return ("Megatron-LM's distributed optimizer keeps no SGD state here; export with "
+                "--target-optimizer-format plain")
+    if o.decoupled_lr is not None:
+        return "--decoupled-lr gives Megatron parameter groups megalite does not write"
+    return None
+
+
+def _megatron_schedule(cfg, scheduler) -> dict:
+    """The state of Megatron-LM's ``OptimizerParamScheduler`` for the run ``cfg`` at
+    ``scheduler``'s position: what Megatron computes from the same flags (its lengths in
+    samples), so that its load finds them equal."""
+    o, t = cfg.optim, cfg.train
+    gbs = t.global_batch_size
+    if t.train_iters:
+        decay = (o.lr_decay_iters or t.train_iters) * gbs
+        incr = t.train_iters * gbs
+        warmup = o.lr_warmup_iters * gbs
+    else:
+        decay = o.lr_decay_samples or t.train_samples
+        incr = t.train_samples
+        warmup = o.lr_warmup_samples
+    if o.lr_warmup_fraction is not None:
+        warmup = o.lr_warmup_fraction * decay
+    steps = scheduler.num_steps * (1 if scheduler.unit == "samples" else gbs)
+    return {"max_lr": o.lr, "lr_warmup_steps": warmup, "num_steps": steps,
+            "lr_decay_style": o.lr_decay_style, "lr_decay_steps": decay, "min_lr": o.min_lr,
+            "start_wd": o.weight_decay, "end_wd": o.weight_decay, "wd_incr_style": "constant",
+            "wd_incr_steps": incr}
+
+
+def _saved_optimizer(cfg, scheduler, step: int, distributed: bool, experts: bool,
+                     wd_mults) -> dict:
+    """One Megatron optimizer's common state: its parameter groups (weight-decayed
+    weights, then the norms and biases Megatron does not decay: ``wd_mult`` 1 and 0; the
+    expert optimizer's marked ``is_expert_parallel``), which Megatron pairs with its own
+    by those marks, and the step count."""
+    o = cfg.optim
+    groups = [{"is_expert_parallel": experts, "default_config": True, "wd_mult": wd_mult,
+               "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": o.lr, "min_lr": o.min_lr,
+               "lr": scheduler.lr_at(scheduler.num_steps),
+               "weight_decay": o.weight_decay * wd_mult, **TORCH_GROUP[o.optimizer](o)}
+              for wd_mult in wd_mults]
+    if distributed:
+        return {"optimizer": {"param_groups": [{**g, "step": float(step)} for g in groups]},
+                "param_state_sharding_type": "fully_reshardable"}
+    saved = {"param_groups": groups}
+    if o.optimizer == "adam":
+        saved["state"] = {"common_step": torch.tensor(float(step))}
+    return saved
+
+
+def to_megatron_optimizer(cfg, weights: dict[str, torch.Tensor], state: dict, scheduler,
+                          padded_vocab: int, impl: str, distributed: bool,
+                          expert_parallel: bool = False) -> MegatronOptimizerOut:
+    """megalite's optimizer ``state`` (:func:`~megalite.checkpoint.consolidated.
+    load_full_training_state`'s, full names) of the run ``cfg`` whose fp32 ``weights``
+    they belong to -> what a Megatron-Core checkpoint holds for a run with
+    (``distributed``: ``fully_reshardable``) or without the distributed optimizer, keys as
+    :func:`.mapping.to_megatron` names the weights; ``expert_parallel``: a Megatron run
+    whose experts are expert-parallel (ep > 1), which chains a dense and an expert
+    optimizer, each with its own saved state. Call :func:`not_exportable` first."""
+    by_state: dict[str, dict[str, torch.Tensor]] = {}
+    for name, entry in state["params"].items():
+        for k, t in entry.items():
+            by_state.setdefault(k, {})[name] = t
+    main = "param" if distributed else "fp32_param"
+    if distributed and "master" not in by_state:   # an fp32 model: its weights are its main
+        by_state["master"] = {n: weights[n] for n in state["params"]}
+    m = cfg.model
+    tensors = {}
+    for k, full in by_state.items():
+        if k == "master" and not (distributed or m.bf16 or m.fp16):
+            continue
+        target = main if k == "master" else k
+        for key, t in mapping.to_megatron(full, m, padded_vocab, impl).items():
+            tensors[f"{PREFIX}{target}.{key}"] = t.float().contiguous()
+    metadata = ({"distrib_optim_sharding_type": "fully_reshardable",
+                 "distrib_optim_fully_reshardable_mem_efficient": False} if distributed
+                else {})
+    if expert_parallel and m.num_experts:
+        # the expert optimizer's groups: its weights', and its biases' where it has them
+        saved = {0: _saved_optimizer(cfg, scheduler, state["step"], distributed, False,
+                                     (1.0, 0.0)),
+                 1: _saved_optimizer(cfg, scheduler, state["step"], distributed, True,
+                                     (1.0, 0.0) if m.add_bias_linear else (1.0,))}
+    else:
+        saved = _saved_optimizer(cfg, scheduler, state["step"], distributed, False,
+                                 (1.0, 0.0))
+    o = cfg.optim
+    return MegatronOptimizerOut(
+        tensors=tensors,
+        common={"optimizer": saved, "opt_param_scheduler": _megatron_schedule(cfg, scheduler)},
+        metadata=metadata,
+        args={"consumed_train_samples": state["consumed_samples"], "no_save_optim": False,
+              "use_distributed_optimizer": distributed, "optimizer": o.optimizer})

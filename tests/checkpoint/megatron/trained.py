@@ -307,6 +307,11 @@ def _resumed_step(args, ddp, optimizer, scheduler, step, dest: str, resume: str)
                 if not inner.state[p] and isinstance(inner, torch.optim.Adam):
                     inner.state[p].update(exp_avg=torch.zeros_like(p), step=torch.tensor(0.0),
                                           exp_avg_sq=torch.zeros_like(p))
+    # and its SGD has no init_state_fn, which its fp32 optimizer calls to prepare every
+    # load (so Megatron-Core 0.19.2 resumes no fp32 SGD run from torch_dist, its own or ours)
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(o.optimizer, torch.optim.SGD) and o.init_state_fn is None:
+            o.init_state_fn = _sgd_state
     setter = DistributedOptimizer._set_main_param_and_optimizer_states
 
     def set_states(self, model_param, tensors):
@@ -325,12 +330,22 @@ def _resumed_step(args, ddp, optimizer, scheduler, step, dest: str, resume: str)
                 state["step"] = state["step"].clone()
     _, lr, loss = step(iteration + 1)
     want = torch.load(os.path.join(dest, "next_step.pt"))
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:   # (weights: where rank 0 holds them whole)
         got = {k.removeprefix("module."): v for k, v in ddp.module.state_dict().items()
                if "_extra_state" not in k}
-        worst = max((got[k].float() - w.float()).abs().max().item()
-                    for k, w in want["params"].items())
+        worst = max(((got[k].float() - w.float()).abs().max().item()
+                     for k, w in want.get("params", {}).items()), default=None)
         with open(os.path.join(resume, "resumed.json"), "w") as f:
             json.dump({"iteration": iteration, "consumed_samples": args.consumed_train_samples,
                        "lr": lr, "want_lr": want["lr"], "loss": loss,
                        "want_loss": want["loss"], "max_weight_difference": worst}, f, indent=1)
+
+
+def _sgd_state(opt, config=None) -> None:
+    """Empty momentum buffers for a torch SGD, for a checkpoint load to fill."""
+    import torch
+
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not opt.state[p]:
+                opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
