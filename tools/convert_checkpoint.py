@@ -11,9 +11,13 @@
     python tools/convert_checkpoint.py --source megalite --target megalite-consolidated \\
         --load-dir runs/ckpt --save-dir full/
     # Megatron-LM torch_dist or legacy mp_rank_* (latest or --ckpt-step N, any tp/pp) -> megalite;
-    # with the optimizer state Megatron saved per parameter, a checkpoint that resumes
+    # with the optimizer state Megatron saved (per parameter or in the distributed
+    # optimizer's buckets), a checkpoint that resumes
     python tools/convert_checkpoint.py --source megatron --target megalite \\
         --load-dir megatron-ckpt --save-dir llama-megalite
+    # megalite -> Megatron-Core torch_dist, with the optimizer state Megatron-LM resumes from
+    python tools/convert_checkpoint.py --source megalite --target megatron \\
+        --load-dir runs/ckpt --save-dir megatron-ckpt --target-optimizer-format distributed
 
 Families: GPT-2, Llama (GQA, tied or untied embeddings; megalite rotates in HF's
 rotate-half layout, so q/k need no permutation), Mixtral (experts stacked ``[E, ...]``;
@@ -24,7 +28,8 @@ multi-token-prediction layers as ``--mtp-num-layers`` depths) and DeepSeek-V2 / 
 (the same layers with softmax routing, ``--moe-router-pre-softmax``): one spec each in
 megalite.models.families, which the converter asks for names, configs and architectures.
 Megatron-LM checkpoints map through megalite.checkpoint.megatron (Megatron-Core's sharded
-keys, its per-group q/k/v interleave, the config from the saved ``args``).
+keys, its per-group q/k/v interleave, the config from the saved ``args``, the optimizer
+state both ways), in ``convert_megatron.py`` beside this file.
 
 A megalite checkpoint is layout-free (it reshards on load), so the converter writes one
 weights-only checkpoint (iteration 0) and records the config; the target tensor /
