@@ -90,7 +90,7 @@ def _stack_local_experts(params: dict) -> dict:
 
 
 def test_trained_fixtures_hold_megatrons_optimizer_state():
-    assert TRAINED == ["deepseek_v3_mtp_trained", "llama_adam_trained",
+    assert TRAINED == ["deepseek_v3_mtp_trained", "llama_adam_trained", "llama_bf16_trained",
                        "llama_distopt_bf16_trained", "llama_distopt_buckets_trained",
                        "llama_distopt_dp2_trained", "llama_distopt_tp2_buckets_trained",
                        "llama_sgd_trained", "mixtral_distopt_ep2_buckets_trained",
@@ -136,20 +136,23 @@ def test_resumed_step_equals_megatrons_next_step(imported, name):
     assert worst <= 1e-6, worst
 
 
-def test_bf16_run_resumes_with_its_fp32_main_weights(imported):
-    """The masters are Megatron's fp32 main copies (not the bf16 weights widened), and the
-    resumed bf16 step lands within one bf16 rounding of Megatron's."""
-    name = "llama_distopt_bf16_trained"
+@pytest.mark.parametrize("name,main", [("llama_bf16_trained", "fp32_param"),
+                                       ("llama_distopt_bf16_trained", "param")])
+def test_bf16_run_resumes_with_its_fp32_main_weights(imported, name, main):
+    """The masters are Megatron's fp32 main copies (not the bf16 weights widened; the
+    plain optimizer's ``fp32_param``, the distributed one's ``param``), and the resumed
+    bf16 step lands within one bf16 rounding of Megatron's."""
     root = imported[name]
     ckpt = find_checkpoint(os.path.join(FIXTURES, name))
     shapes = tensor_shapes(ckpt)
-    keys = [k for k in shapes if k.startswith("optimizer.state.param.")]
+    prefix = f"optimizer.state.{main}."
+    keys = [k for k in shapes if k.startswith(prefix)]
     saved = read_tensors(ckpt, keys)
-    chunks = {k[len("optimizer.state.param."):]: shapes[k][1] for k in keys}
+    chunks = {k[len(prefix):]: shapes[k][1] for k in keys}
     cfg, _ = checkpoint_config(root)
-    assert cfg.model.bf16
-    masters = mapping.to_megalite({k[len("optimizer.state.param."):]: v
-                                   for k, v in saved.items()}, chunks, cfg.model)
+    assert cfg.model.bf16 and keys
+    masters = mapping.to_megalite({k[len(prefix):]: v for k, v in saved.items()}, chunks,
+                                  cfg.model)
     from megalite.checkpoint.consolidated import load_full_model
 
     _, model = load_full_model(root)
@@ -320,7 +323,8 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("name", ["llama_adam_trained", "llama_distopt_dp2_trained",
-                                  "llama_distopt_bf16_trained", "llama_sgd_trained",
+                                  "llama_bf16_trained", "llama_distopt_bf16_trained",
+                                  "llama_sgd_trained",
                                   "mixtral_trained", "deepseek_v3_mtp_trained"])
 def test_export_writes_the_optimizer_state_megatron_saved(imported, tmp_path, capsys, name):
     """Megatron -> megalite -> Megatron: the export holds what Megatron-Core saved, bit for
@@ -391,5 +395,5 @@ def test_export_without_optimizer_state_says_why(imported, tmp_path, capsys):
                    imported["llama_sgd_trained"], "--save-dir", save,
                    "--target-optimizer-format", "distributed") == 0
     out = capsys.readouterr().out
-    assert "note: the optimizer state is not written (Megatron-LM's distributed optimizer " \
-        "keeps no SGD state here" in out and "--finetune" in out
+    assert "note: the optimizer state is not written (Megatron-Core's distributed " \
+        "optimizer takes Adam, not SGD" in out and "--finetune" in out

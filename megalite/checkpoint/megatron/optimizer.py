@@ -177,7 +177,7 @@ def not_exportable(cfg, distributed: bool) -> str | None:
         return (f"its optimizer is --optimizer {o.optimizer}; megalite writes Megatron-LM's "
                 "Adam and SGD state")
     if o.optimizer == "sgd" and distributed:
-        return ("Megatron-LM's distributed optimizer keeps no SGD state here; export with "
+        return ("Megatron-Core's distributed optimizer takes Adam, not SGD; export with "
                 "--target-optimizer-format plain")
     if o.decoupled_lr is not None:
         return "--decoupled-lr gives Megatron parameter groups megalite does not write"
@@ -225,7 +225,8 @@ def _saved_optimizer(cfg, scheduler, step: int, distributed: bool, experts: bool
     saved = {"param_groups": groups}
     if o.optimizer == "adam":
         saved["state"] = {"common_step": torch.tensor(float(step))}
-    return saved
+    # a bf16 / fp16 model's optimizer keeps the torch optimizer's state one level down
+    return {"optimizer": saved} if cfg.model.bf16 or cfg.model.fp16 else saved
 
 
 def to_megatron_optimizer(cfg, weights: dict[str, torch.Tensor], state: dict, scheduler,

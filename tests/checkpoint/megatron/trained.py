@@ -82,7 +82,9 @@ TRAINED = {
                                  "--num-experts", "4", "--mtp-num-layers", "1",
                                  "--mtp-loss-scaling-factor", "0.3",
                                  "--moe-router-bias-update-rate", "0.01"], 1),
-    # bf16 weights with fp32 main copies (optimizer.state.param)
+    # bf16 weights with fp32 main copies: the plain optimizer's (optimizer.state.fp32_param)
+    "llama_bf16_trained": ([*fx.LLAMA, *TRAIN, "--bf16"], 1),
+    # and the distributed optimizer's (optimizer.state.param)
     "llama_distopt_bf16_trained": ([*fx.LLAMA, *TRAIN, "--bf16", "--use-distributed-optimizer",
                                     "--dist-ckpt-optim-fully-reshardable"], 1),
 }
