@@ -76,12 +76,12 @@ def megalite_to_megatron(args) -> None:
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     with progress(2, "convert", "step") as bar:
         bar.set_postfix_str("loading the checkpoint")
-        _, iteration = checkpoint_config(args.load_dir, args.ckpt_step)
+        cfg, iteration = checkpoint_config(args.load_dir, args.ckpt_step)
         if args.no_load_optim:
-            cfg, model = load_full_model(args.load_dir, iteration)
-            full, state, scheduler = model.full_state_dict(), None, None
+            full = load_full_model(args.load_dir, iteration)[1].full_state_dict()
+            state = scheduler = None
         else:
-            cfg, full, state, scheduler = load_full_training_state(args.load_dir, iteration)
+            _, full, state, scheduler = load_full_training_state(args.load_dir, iteration)
         bar.update(1)
         problems = (arguments.unsupported(arguments.megatron_args(cfg, tp, pp))
                     + arguments.unexportable(cfg.model))

@@ -99,19 +99,40 @@ DEEPSEEK = {**LLAMA, "num_layers": 3, "group_query_attention": False, "num_query
             "moe_router_load_balancing_type": "none", "mtp_num_layers": 1}
 
 
-@pytest.mark.parametrize("model,impl", [(LLAMA, "local"), (DEEPSEEK, "transformer_engine")],
-                         ids=["llama", "deepseek-mtp"])
-def test_trained_megalite_checkpoint_round_trips_through_megatron(tmp_path, model, impl):
+@pytest.mark.parametrize("model,impl,parallel", [
+    (LLAMA, "local", {}), (DEEPSEEK, "transformer_engine", {}),
+    ({**LLAMA, "bf16": True}, "local", {"data_parallel_sharding_strategy": "optim_grads_params"}),
+], ids=["llama", "deepseek-mtp", "llama-bf16-zero3"])
+def test_trained_megalite_checkpoint_round_trips_through_megatron(tmp_path, model, impl,
+                                                                   parallel):
     """A megalite run's checkpoint -> Megatron torch_dist (either layer spec's names) ->
-    megalite: the same weights (expert biases and the prediction depth's included) and the
-    same model flags."""
+    megalite: the same weights (expert biases and the prediction depth's included), the
+    same model flags, and the same optimizer state (moments, fp32 main weights of a bf16
+    run, step, iteration, consumed samples, the schedule's position), in the plain
+    optimizer's format or, for a run that sharded its optimizer, the distributed one's."""
+    from megalite.checkpoint.consolidated import load_full_training_state
+
     save, mt = str(tmp_path / "run"), str(tmp_path / "megatron")
     iters = 3 if model is DEEPSEEK else 2
-    run_training(tiny_config(model=model, train={"train_iters": iters},
+    run_training(tiny_config(model=model, parallel=parallel, train={"train_iters": iters},
                              checkpoint={"save": save}))
     assert convert("--source", "megalite", "--target", "megatron", "--load-dir", save,
                    "--save-dir", mt, "--target-pipeline-parallel-size", "2",
                    "--transformer-impl", impl) == 0
+    common = read_common(find_checkpoint(mt))
+    assert ("distrib_optim_sharding_type" in common["content_metadata"]) == bool(parallel)
+    cfg, _, state, scheduler = load_full_training_state(save)
+    back = read_megatron(mt)
+    assert back.optimizer.params.keys() == state["params"].keys()
+    for name, entry in state["params"].items():
+        got = back.optimizer.params[name]
+        assert got.keys() >= entry.keys(), name
+        for k, t in entry.items():
+            assert torch.equal(got[k], t), (name, k)
+    o = back.optimizer
+    gbs = cfg.train.global_batch_size
+    assert (o.step, o.iteration, o.consumed_samples) == (iters, iters, iters * gbs)
+    assert o.scheduler_samples == scheduler.num_steps * gbs == iters * gbs
     assert read_common(find_checkpoint(mt))["args"].transformer_impl == impl
     assert find_checkpoint(mt).iteration == iters
     back = read_megatron(mt)

@@ -193,7 +193,7 @@ def megatron_args(cfg, tp: int = 1, pp: int = 1, impl: str = "transformer_engine
               mtp_num_layers=m.mtp_num_layers or None,
               mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
               mtp_use_repeated_layer=False, transformer_impl=impl,
-              use_legacy_models=False, bf16=False, fp16=False,
+              use_legacy_models=False, bf16=m.bf16, fp16=m.fp16,
               data_parallel_random_init=False,
               num_experts=m.num_experts)
     if m.multi_latent_attention:
