@@ -35,10 +35,9 @@ import torch
 
 from megalite.checkpoint.files import CheckpointError
 from megalite.checkpoint.megatron.files import LEGACY_FILE, MegatronCheckpoint, load_pickled
-from megalite.checkpoint.megatron.mapping import LAYERS, MTP_LAYER, mtp_key
+from megalite.checkpoint.megatron.mapping import LAYERS, MTP_LAYER, PER_LAYER, mtp_key
 
 RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
-LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 EXPERT_KEY = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|"
                         r"(linear_fc[12])\.weight(\d+))$")
 MLA_COLUMN = tuple(f"self_attention.{proj}.{p}" for proj in (
@@ -141,7 +140,7 @@ def read_legacy(ckpt: MegatronCheckpoint) -> tuple[dict, dict, dict]:
     for v in range(num_chunks):
         for p in range(pps):
             local = {int(m[1]) for k in _chunks(states[(0, p, 0)])[v]
-                     if (m := LAYER_KEY.match(k))}
+                     if (m := PER_LAYER.match(k))}
             offsets[(p, v)] = start
             start += len(local)
     num_layers = start
@@ -177,7 +176,7 @@ def _split(key: str, offset: int) -> tuple[str, str]:
     prediction depth's ``mtp.layers.<k>.mtp_model_layer.<s>`` (older files:
     ``transformer_layer``) -> (``mtp.layers.<k>.transformer_layer.``, ``s``) and its
     own ``mtp.layers.<k>.<s>`` -> (``mtp.layers.<k>.``, ``s``); other keys -> ("", key)."""
-    m = LAYER_KEY.match(key)
+    m = PER_LAYER.match(key)
     if m:
         return f"decoder.layers.{offset + int(m[1])}.", m[2]
     depth = mtp_key(key)
@@ -192,7 +191,7 @@ def _stack_layers(merged: dict[str, torch.Tensor], num_layers: int) -> tuple[dic
     the tensor) with chunks naming the layers that hold it; other keys as they are."""
     tensors, chunks, by_suffix = {}, {}, {}
     for key, t in merged.items():
-        m = LAYER_KEY.match(key)
+        m = PER_LAYER.match(key)
         if m is None:
             tensors[key] = t
             chunks[key] = [((0,) * t.dim(), tuple(t.shape))]
