@@ -145,8 +145,7 @@ def load_full_training_state(root: str, iteration: int | None = None):
     # one process: the saved layout's sizes dropped, its optimizer sharding kept
     one = dataclasses.replace(cfg, parallel=ParallelConfig(
         data_parallel_sharding_strategy=cfg.parallel.data_parallel_sharding_strategy))
-    one = MegaliteConfig.from_dict(one.to_dict())
-    one.train.global_batch_size = cfg.train.global_batch_size
+    one = MegaliteConfig.from_dict(one.to_dict())   # (a copy: cfg is returned as saved)
     ps = single_process_state()
     model = GPTModel(one.model, ps, seed=one.train.seed)
     _, optimizer = build_grads_and_optimizer(model, one, ps)
