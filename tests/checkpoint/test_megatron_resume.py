@@ -92,7 +92,8 @@ def _stack_local_experts(params: dict) -> dict:
 def test_trained_fixtures_hold_megatrons_optimizer_state():
     assert TRAINED == ["deepseek_v3_mtp_trained", "llama_adam_trained", "llama_bf16_trained",
                        "llama_distopt_bf16_trained", "llama_distopt_buckets_trained",
-                       "llama_distopt_dp2_trained", "llama_distopt_tp2_buckets_trained",
+                       "llama_distopt_dp2_trained", "llama_distopt_pp2_buckets_trained",
+                       "llama_distopt_tp2_buckets_trained",
                        "llama_sgd_trained", "mixtral_distopt_ep2_buckets_trained",
                        "mixtral_trained"]
     for name in TRAINED:
@@ -113,7 +114,8 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
 
 @pytest.mark.parametrize("name", ["llama_adam_trained", "llama_distopt_dp2_trained",
                                   "llama_distopt_buckets_trained",
-                                  "llama_distopt_tp2_buckets_trained", "llama_sgd_trained",
+                                  "llama_distopt_tp2_buckets_trained",
+                                  "llama_distopt_pp2_buckets_trained", "llama_sgd_trained",
                                   "mixtral_trained", "mixtral_distopt_ep2_buckets_trained",
                                   "deepseek_v3_mtp_trained"])
 def test_resumed_step_equals_megatrons_next_step(imported, name):

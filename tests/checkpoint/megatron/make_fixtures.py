@@ -178,7 +178,8 @@ def _torchrun(name: str, *worker_args: str) -> None:
     trained = _trained()
     if name in trained.TRAINED:
         flags, dp = trained.TRAINED[name]
-        world = dp * _flag(flags, "--tensor-model-parallel-size")
+        world = dp * _flag(flags, "--tensor-model-parallel-size") * _flag(
+            flags, "--pipeline-model-parallel-size")
     else:
         flags, tp, pp = FIXTURES[name]
         world = tp * pp * _ep(flags)   # the experts' ranks are data-parallel ones

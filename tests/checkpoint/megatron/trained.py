@@ -72,6 +72,11 @@ TRAINED = {
     "mixtral_distopt_ep2_buckets_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1",
                                      "--use-distributed-optimizer",
                                      "--expert-model-parallel-size", "2"], 2),
+    # the same at pp 2 x dp 2: each stage's buckets hold its layers (and the embedding or
+    # the output layer)
+    "llama_distopt_pp2_buckets_trained": ([*fx.LLAMA, *TRAIN, "--use-distributed-optimizer",
+                                           "--overlap-grad-reduce", "--ddp-bucket-size",
+                                           "3000", "--pipeline-model-parallel-size", "2"], 2),
     "llama_sgd_trained": ([*fx.LLAMA, *TRAIN, "--optimizer", "sgd", "--sgd-momentum", "0.9"], 1),
     # experts: Megatron chains a dense and an expert optimizer
     "mixtral_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1"], 1),
@@ -160,7 +165,7 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
     slice, as Megatron-LM's pretraining sampler cuts it; save it with the optimizer state
     into ``dest`` and record the next step in ``dest/next_step.pt``: ``{"tokens": [dp, b,
     s], "lr", "loss" (the mean over dp), "params": {module name: the weight after the
-    step}}`` (``labels`` beside ``tokens``; at tp or ep > 1 ``params`` is absent and the weights
+    step}}`` (``labels`` beside ``tokens``; at tp, pp or ep > 1 ``params`` is absent and the weights
     after the step are the checkpoint ``dest/after_next_step``).
 
     With ``resume`` (a checkpoint of iteration :data:`TRAIN_STEPS` that megalite exported
@@ -198,7 +203,8 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
     set_global_variables(args, build_tokenizer=True)
     dist.init_process_group("gloo")
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
-    mpu.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+    pp = args.pipeline_model_parallel_size
+    mpu.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     model = fx._build(args, name)
@@ -249,14 +255,20 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
         lr = optimizer.param_groups[0]["lr"]
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = ddp(tokens, positions, mask, labels=labels, loss_mask=loss_mask).float()
-        loss = (losses * loss_mask).sum() / loss_mask.sum()
-        loss.backward()
+        if pp == 1:
+            losses = ddp(tokens, positions, mask, labels=labels, loss_mask=loss_mask).float()
+            loss = (losses * loss_mask).sum() / loss_mask.sum()
+            loss.backward()
+            loss = loss.detach()
+        else:   # Megatron's 1F1B schedule over the stages, one micro-batch
+            loss = _pipelined_step(ddp, tokens, positions, mask, labels, loss_mask, args)
         finalize_model_grads([ddp])   # the grads' reductions and the expert bias update
         assert optimizer.step()[0]
         scheduler.step(increment=args.global_batch_size)
-        mean = loss.detach().clone()
+        mean = loss.clone()
         dist.all_reduce(mean, group=dp_group)
+        if pp > 1:   # the last stage's loss, to every stage
+            dist.all_reduce(mean, group=mpu.get_pipeline_model_parallel_group())
         return torch.stack([tokens, labels]), lr, mean.item() / dp
 
     if resume is not None:
@@ -269,7 +281,7 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
     save_checkpoint(TRAIN_STEPS, [ddp], optimizer, scheduler, 0)
     dist.barrier()
     batch, lr, loss = step(TRAIN_STEPS + 1)
-    if tp * ep > 1:   # the weights after the step, whole only in a checkpoint: weights alone
+    if tp * ep * pp > 1:   # the weights after the step, whole only in a checkpoint: weights alone
         args.save = os.path.join(dest, "after_next_step")
         save_checkpoint(TRAIN_STEPS + 1, [ddp], None, None, 0)
     everyone = [torch.empty_like(batch) for _ in range(dp)]
@@ -277,13 +289,13 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
     if dist.get_rank() == 0:
         batches = torch.stack(everyone)   # [dp, 2 (tokens, labels), b, s]
         record = {"tokens": batches[:, 0], "labels": batches[:, 1], "lr": lr, "loss": loss}
-        if tp * ep == 1:   # (tensor- or expert-parallel runs: the checkpoint after_next_step/)
+        if tp * ep * pp == 1:   # (model-parallel runs: the checkpoint after_next_step/)
             record["params"] = {k.removeprefix("module."): v.detach().clone()
                                 for k, v in model.state_dict().items()
                                 if "_extra_state" not in k}
         torch.save(record, os.path.join(dest, "next_step.pt"))
         with open(os.path.join(dest, "fixture.json"), "w") as f:
-            json.dump({"made_by": "megatron-core " + fx._version(), "tp": tp, "pp": 1, "ep": ep,
+            json.dump({"made_by": "megatron-core " + fx._version(), "tp": tp, "pp": pp, "ep": ep,
                        "dp": dp,
                        "flags": [*common, *flags], "steps": TRAIN_STEPS,
                        "padded_vocab_size": args.padded_vocab_size}, f, indent=1)
@@ -351,3 +363,28 @@ def _sgd_state(opt, config=None) -> None:
         for p in group["params"]:
             if not opt.state[p]:
                 opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+
+def _pipelined_step(ddp, tokens, positions, mask, labels, loss_mask, args):
+    """Forward and backward of one micro-batch through Megatron-Core's pipeline schedule:
+    the loss on the last stage (zero on the others), detached."""
+    import torch
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        output = model(tokens, positions, mask, labels=labels, loss_mask=loss_mask)
+
+        def loss_func(losses):
+            loss = (losses.float() * loss_mask).sum() / loss_mask.sum()
+            return loss, {"loss": loss.detach()}
+
+        return output, loss_func
+
+    reduced = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([None]), model=[ddp],
+        num_microbatches=1, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        forward_only=False)
+    if mpu.is_pipeline_last_stage():
+        return reduced[0]["loss"].float()
+    return torch.zeros(())
