@@ -116,8 +116,9 @@ def _first(flat: torch.Tensor, off: int, like: torch.Tensor):
 
 
 def _candidates(flat: torch.Tensor, off: int, by_first: dict) -> list[int]:
+    """The pieces whose first value, in their dtype, is the element at ``off``."""
     out = []
-    for dtype in {d for d, _ in by_first}:
+    for dtype in by_first["dtypes"]:
         out += by_first.get((dtype, flat[off].to(dtype).item()), [])
     return out
 
@@ -128,9 +129,10 @@ def read_bucket_state(tensors: dict[str, torch.Tensor], weights: dict[str, torch
     (:func:`bucket_keys`, read whole) for the saved ``weights`` (full, the model's dtype,
     the trained ones: no buffers) whose saved ``chunks`` are each rank's pieces."""
     pieces = _pieces(weights, chunks)
-    by_first: dict[tuple, list[int]] = {}
+    by_first: dict = {}   # (dtype, first value) -> pieces; "dtypes": those dtypes
     for i, (_, _, _, values) in enumerate(pieces):
         by_first.setdefault((values.dtype, values[0].item()), []).append(i)
+    by_first["dtypes"] = sorted({values.dtype for *_, values in pieces}, key=str)
     buckets: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = KEY.match(key)
@@ -147,9 +149,10 @@ def read_bucket_state(tensors: dict[str, torch.Tensor], weights: dict[str, torch
             key, offsets, sizes, values = pieces[i]
             index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
             for state, flat in states.items():
-                full = out.setdefault(state, {}).setdefault(
-                    key, torch.zeros(weights[key].shape, dtype=torch.float32))
-                full[index] = flat[start:start + values.numel()].reshape(sizes)
+                by_key = out.setdefault(state, {})
+                if key not in by_key:
+                    by_key[key] = torch.zeros(weights[key].shape, dtype=torch.float32)
+                by_key[key][index] = flat[start:start + values.numel()].reshape(sizes)
     missing = sorted({pieces[i][0] for i in range(len(pieces)) if i not in found})
     if missing:
         raise CheckpointError(f"{where}: the distributed optimizer's buckets hold no state "
