@@ -235,6 +235,42 @@ def test_bucket_state_places_every_weight_piece_once():
         assert states["exp_avg_sq"][key].min() >= 0 and states["exp_avg"][key].abs().max() > 0
 
 
+def test_bucket_state_of_many_unaligned_weights_is_placed_exactly():
+    """A synthetic bucket layout as Megatron builds it: 96 pieces of sizes that are not
+    multiples of 64 (each parameter then padded to 64 elements, the gaps NaN), the
+    registration order reversed, buckets of about 20,000 elements: every state lands on
+    its own weight."""
+    g = torch.Generator().manual_seed(0)
+    weights = {f"decoder.layers.t{k}.weight": torch.randn(12, 500 + 37 * k, generator=g)
+               for k in range(8)}
+    chunks = {k: [((layer, 0), (1, w.shape[1])) for layer in range(12)]
+              for k, w in weights.items()}
+    order = [(k, layer) for layer in range(12) for k in sorted(weights)][::-1]
+    flat, parts, size, index = {}, [], 0, 0
+    prefix = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, " \
+        "torch.float32).bucket_idx_"
+
+    def close():
+        t = torch.cat(parts)
+        flat[f"{prefix}{index}.param"], flat[f"{prefix}{index}.exp_avg"] = t, 2 * t
+
+    for key, layer in order:
+        if size % buckets.ALIGN:
+            parts.append(torch.full((-size % buckets.ALIGN,), float("nan")))
+            size += parts[-1].numel()
+        parts.append(weights[key][layer])
+        size += parts[-1].numel()
+        if size >= 20_000:
+            close()
+            parts, size, index = [], 0, index + 1
+    close()
+    assert index == 3   # four buckets
+    states = buckets.read_bucket_state(flat, weights, chunks, "synthetic")
+    for key, w in weights.items():
+        assert torch.equal(states["param"][key], w) and torch.equal(states["exp_avg"][key],
+                                                                     2 * w), key
+
+
 def test_bucket_state_that_matches_no_weight_is_refused():
     """Bucket buffers that are not the weights' (one main weight changed, or a bucket
     missing) give one error naming --no-load-optim and the re-save flag."""
