@@ -70,8 +70,8 @@ TRAINED = {
     # experts at ep 2: Megatron chains a dense and an expert distributed optimizer, whose
     # buckets are saved under chained_<i>. prefixes
     "mixtral_distopt_ep2_buckets_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1",
-                                     "--use-distributed-optimizer",
-                                     "--expert-model-parallel-size", "2"], 2),
+                                             "--use-distributed-optimizer",
+                                             "--expert-model-parallel-size", "2"], 2),
     # the same at pp 2 x dp 2: each stage's buckets hold its layers (and the embedding or
     # the output layer)
     "llama_distopt_pp2_buckets_trained": ([*fx.LLAMA, *TRAIN, "--use-distributed-optimizer",
@@ -165,8 +165,8 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
     slice, as Megatron-LM's pretraining sampler cuts it; save it with the optimizer state
     into ``dest`` and record the next step in ``dest/next_step.pt``: ``{"tokens": [dp, b,
     s], "lr", "loss" (the mean over dp), "params": {module name: the weight after the
-    step}}`` (``labels`` beside ``tokens``; at tp, pp or ep > 1 ``params`` is absent and the weights
-    after the step are the checkpoint ``dest/after_next_step``).
+    step}}`` (``labels`` beside ``tokens``; at tp, pp or ep > 1 ``params`` is absent and
+    the weights after the step are the checkpoint ``dest/after_next_step``).
 
     With ``resume`` (a checkpoint of iteration :data:`TRAIN_STEPS` that megalite exported
     with its optimizer state), load it with Megatron-LM's ``load_checkpoint`` instead of
