@@ -203,7 +203,8 @@ def read_metadata_bytes(iter_dir: str) -> bytes:
 
 
 _CONVERT_HINT = ("convert it first: tools/convert_checkpoint.py --source megatron --target "
-                 "megalite --load-dir MEGATRON_DIR --save-dir NEW_DIR")
+                 "megalite --load-dir MEGATRON_DIR --save-dir NEW_DIR (it carries the "
+                 "optimizer state and prints the flags that resume the run)")
 
 
 def parse_metadata(iter_dir: str, raw: bytes) -> dict:

@@ -3,11 +3,13 @@
 :func:`read_megatron` reads one iteration of a Megatron-Core ``torch_dist`` checkpoint
 (:mod:`.files`) or of a legacy per-rank one (:mod:`.legacy`), saved at any tp / pp / ep,
 in this process (no torch.distributed): the model configuration from the saved ``args``
-(:mod:`.arguments`) and every weight as one full (tp = pp = 1) tensor in megalite's
-names (:mod:`.mapping`). The converter (``tools/convert_checkpoint.py --source megatron``)
-writes the result as a megalite checkpoint with
-:func:`megalite.checkpoint.consolidated.save_full_model`; :mod:`.writer` writes the other
-way (``--target megatron``).
+(:mod:`.arguments`), every weight as one full (tp = pp = 1) tensor in megalite's names
+(:mod:`.mapping`), and the optimizer state where Megatron saved it per parameter or in the
+distributed optimizer's buckets (:mod:`.optimizer`, :mod:`.buckets`). The converter
+(``tools/convert_checkpoint.py --source megatron``) writes the result as a megalite
+checkpoint with :func:`megalite.checkpoint.consolidated.save_full_model`; :mod:`.writer`
+writes the other way (``--target megatron``), with the optimizer state
+(:func:`.optimizer.to_megatron_optimizer`) that Megatron-LM resumes from.
 """
 
 from __future__ import annotations
