@@ -137,11 +137,8 @@ def load_full_training_state(root: str, iteration: int | None = None):
     from megalite.optim.lr_schedule import LRScheduler
 
     cfg, iteration = checkpoint_config(root, iteration)
-    meta = read_metadata(iteration_dir(root, iteration))
-    _, model = load_full_model(root, iteration)
-    weights = model.full_state_dict()
-    if not meta.get("optimizer_state"):
-        return cfg, weights, None, None
+    if not read_metadata(iteration_dir(root, iteration)).get("optimizer_state"):
+        return cfg, load_full_model(root, iteration)[1].full_state_dict(), None, None
     # one process: the saved layout's sizes dropped, its optimizer sharding kept
     one = dataclasses.replace(cfg, parallel=ParallelConfig(
         data_parallel_sharding_strategy=cfg.parallel.data_parallel_sharding_strategy))
@@ -153,6 +150,8 @@ def load_full_training_state(root: str, iteration: int | None = None):
     loaded = load_checkpoint(root, model, optimizer, scheduler, ps,
                              LoadOptions(load_rng=False, iteration=iteration))
     per = optimizer.state_dict_per_param()
+    # (the weights as load_full_model gives them: fp32, whatever the run's precision)
+    weights = {k: t.float() for k, t in model.full_state_dict().items()}
     params = {name: {k: t.float()[:weights[name].shape[0]] if t.dim() else t.float()
                      for k, t in entry.items()}
               for name, entry in per["params"].items()}

@@ -55,7 +55,8 @@ def bucket_states(keys) -> set[str]:
 
 
 def _pieces(weights: dict[str, torch.Tensor], chunks: dict[str, list]):
-    """Every saved chunk of every weight: ``(key, offsets, sizes, flat values)``."""
+    """Every saved chunk of every weight: ``(key, index into the weight, sizes, flat
+    values)``."""
     out = []
     for key in sorted(weights):
         w = weights[key]
@@ -63,7 +64,7 @@ def _pieces(weights: dict[str, torch.Tensor], chunks: dict[str, list]):
             if math.prod(sizes) == 0:
                 continue
             index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
-            out.append((key, tuple(offsets), tuple(sizes), w[index].reshape(-1)))
+            out.append((key, index, tuple(sizes), w[index].reshape(-1)))
     return out
 
 
@@ -146,8 +147,7 @@ def read_bucket_state(tensors: dict[str, torch.Tensor], weights: dict[str, torch
                                       f"{where} ({bucket})"):
             if not first:   # a second copy of a tied weight: the first one's state stands
                 continue
-            key, offsets, sizes, values = pieces[i]
-            index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+            key, index, sizes, values = pieces[i]
             for state, flat in states.items():
                 by_key = out.setdefault(state, {})
                 if key not in by_key:

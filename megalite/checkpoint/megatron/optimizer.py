@@ -98,8 +98,9 @@ def unreadable(common: dict, keys) -> str | None:
 def _step(common: dict, groups: list[dict]) -> int:
     """The optimizer's step count (SGD keeps none: the iteration's); ``groups``: the
     bucket format's saved parameter groups."""
-    if buckets.step_count(groups) is not None:
-        return buckets.step_count(groups)
+    counted = buckets.step_count(groups)
+    if counted is not None:
+        return counted
     saved = common["optimizer"]
     inner = saved.get("optimizer", saved) if isinstance(saved, dict) else {}
     common_step = (inner.get("state") or {}).get("common_step")
@@ -243,14 +244,14 @@ def to_megatron_optimizer(cfg, weights: dict[str, torch.Tensor], state: dict, sc
     for name, entry in state["params"].items():
         for k, t in entry.items():
             by_state.setdefault(k, {})[name] = t
+    # "master": a bf16 / fp16 run's fp32 weights; the distributed format holds an fp32
+    # run's too, which are its weights
     main = "param" if distributed else "fp32_param"
-    if distributed and "master" not in by_state:   # an fp32 model: its weights are its main
+    if distributed and "master" not in by_state:
         by_state["master"] = {n: weights[n] for n in state["params"]}
     m = cfg.model
     tensors = {}
     for k, full in by_state.items():
-        if k == "master" and not (distributed or m.bf16 or m.fp16):
-            continue
         target = main if k == "master" else k
         for key, t in mapping.to_megatron(full, m, padded_vocab, impl).items():
             tensors[f"{PREFIX}{target}.{key}"] = t.float().contiguous()
