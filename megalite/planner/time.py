@@ -96,12 +96,8 @@ from megalite.config.shapes import (
 )
 from megalite.planner import muon, qk_clip
 from megalite.planner.cluster import Cluster
-from megalite.planner.memory import (
-    fp8_linear_weights,
-    fp8_weight_elements,
-    layer_activation_elements,
-    stage_param_counts,
-)
+from megalite.planner.fp8_memory import fp8_linear_weights, fp8_weight_elements
+from megalite.planner.memory import layer_activation_elements, stage_param_counts
 from megalite.planner.schedule import bubble_fraction, paired_backward_share
 
 

@@ -9,14 +9,13 @@ sequence parallelism."""
 from __future__ import annotations
 
 from megalite.config import ModelConfig, ParallelConfig
-from megalite.planner.memory import (
+from megalite.planner.fp8_memory import (
     cpu_fp8_gemm_bytes,
-    estimate_memory,
     fp8_expert_weight_copies,
     fp8_step_copies,
     fp8_weight_copies,
-    layer_activation_elements,
 )
+from megalite.planner.memory import estimate_memory, layer_activation_elements
 
 TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
             ffn_hidden_size=128, hidden_dropout=0.0)

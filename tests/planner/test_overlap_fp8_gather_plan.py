@@ -14,7 +14,8 @@ import pytest
 from megalite.arguments import parse_args
 from megalite.config.layout import resolve_layout
 from megalite.planner.cluster import preset
-from megalite.planner.memory import fp8_linear_weights, stage_param_counts
+from megalite.planner.fp8_memory import fp8_linear_weights
+from megalite.planner.memory import stage_param_counts
 from megalite.planner.schedule import paired_backward_share
 from megalite.planner.time import estimate_time
 from tests.planner.test_fp8_plan import FP8
