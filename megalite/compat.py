@@ -38,6 +38,11 @@ DIFFERENCES = {
         "name, which Megatron-LM cannot --load; tools/convert_checkpoint.py converts "
         "Megatron-Core torch_dist checkpoints in (--source megatron) and out "
         "(--target megatron)"),
+    ("--optimizer", ("lion",)): (
+        "Lion for the linear weights and AdamW for the rest, as Megatron-LM splits them, "
+        "but with --lion-beta1/2 as Lion's betas: Megatron-Core 0.19.2's --optimizer lion "
+        "takes --adam-beta1/2 (its --lion-beta1/2 reach only --muon-scalar-optimizer "
+        "lion); set --lion-beta1/2 to the Adam betas to train as it does"),
 }
 
 

@@ -16,12 +16,16 @@ optim           tests/optim/test_equivalence.py: dp x tp x pp x distributed opti
 muon            tests/optim/test_muon_layouts.py: --optimizer muon at tp x sp x pp x vpp x
                 dp x sharding strategy x ep x offload, x --muon-tp-mode (duplicated,
                 distributed), against the one-process Muon run
+lion            tests/optim/test_lion_layouts.py: --optimizer lion (and Muon with
+                --muon-scalar-optimizer lion) at tp x sp x pp x vpp x dp x sharding
+                strategy x ep x offload, against the one-process run
 pipeline        tests/pipeline/test_pipeline_training.py: pp x vpp x tp x sp x dp
 training        tests/training/test_resume_and_layouts.py: tp x sp x dp, loss and metrics
 cp              tests/context_parallel/test_training_equivalence.py: cp x comm type x tp x
                 sp x pp x vpp x dp x distributed optimizer x ep, loss, grad norm, params
 resume          exact resumption at one layout (training, pipeline suites)
-reshard         tests/checkpoint/test_reshard.py (AdamW) and test_muon_reshard.py (Muon):
+reshard         tests/checkpoint/test_reshard.py (AdamW), test_muon_reshard.py (Muon) and
+                test_lion_reshard.py (Lion):
                 save at one layout, resume at others
 activation-     tests/model/test_activation_offload.py: --cpu-offloading against the same
 offload         layout without it, bitwise (rows tagged ``slow`` outside the default run)
@@ -396,6 +400,20 @@ _MUON = [
         strategy="optim_grads"),
 ]
 
+# -- lion: --optimizer lion (element-wise, one state tensor) and Muon with the Lion scalar
+# optimizer, on the Muon model, against one process --------------------------------------
+LION = {"optimizer": "lion", "lr": 1e-3}
+MUON_LION = {**MUON, "muon_scalar_optimizer": "lion"}
+_LION = [
+    row("lion", 2, model=MUON_MODEL, optim=LION, tp=2, sp=True),
+    row("lion", 4, model={**MUON_MODEL, "num_layers": 4}, optim=LION, pp=2, vpp=2,
+        distopt=True, overlap_grad=True, overlap_param=True),
+    row("lion", 4, model=MUON_MODEL, optim=LION, strategy="optim_grads_params"),
+    row("lion", 4, model=MUON_MOE, optim={**LION, **OFFLOAD}, ep=2, strategy="optim"),
+    row("lion", 4, "muon", model=MUON_MODEL, optim=MUON_LION, tp=2, sp=True,
+        strategy="optim"),
+]
+
 # -- pipeline: an 8-layer GPT, micro-batch 1, global batch 8 ------------------------------
 _PIPE_MODEL, _PIPE_TRAIN = {"num_layers": 8}, {"micro_batch_size": 1, "global_batch_size": 8}
 _PIPELINE = [row("pipeline", world, model=_PIPE_MODEL, train=_PIPE_TRAIN, **sizes)
@@ -462,6 +480,13 @@ _RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
             row("reshard", 1, "muon", model=MUON_MOE, optim=MUON),
             row("reshard", 4, "muon", model=MUON_MOE, optim=MUON, pp=2, ep=2,
                 strategy="optim_grads_params"),
+            # Lion (one exp_avg per parameter): saved under ZeRO-3 at dp 2, resumed there
+            # (bitwise), in one process and at tp 2 + sp (tests/checkpoint/
+            # test_lion_reshard.py)
+            row("reshard", 2, "lion", model=MUON_MODEL, optim=LION,
+                strategy="optim_grads_params", tags=("save",)),
+            row("reshard", 1, "lion", model=MUON_MODEL, optim=LION),
+            row("reshard", 2, "lion", model=MUON_MODEL, optim=LION, tp=2, sp=True),
             # multi-latent attention: saved at tp 2 + sp (up projections split, down
             # projections whole), resumed in one process
             row("reshard", 2, "mla", model=MLA, tags=("save",), tp=2, sp=True),
@@ -634,12 +659,12 @@ _QK_CLIP = [
     row("qk-clip", 2, "bf16", model={**QK_CLIP_MODEL, "bf16": True}, distopt=True),
 ]
 
-SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "muon", "pipeline",
-          "training", "resume", "reshard", "cp", "activation-offload", "fp8", "grad-stats",
-          "qk-clip")
+SUITES = ("model", "mixtral", "moe-layer", "moe-training", "optim", "muon", "lion",
+          "pipeline", "training", "resume", "reshard", "cp", "activation-offload", "fp8",
+          "grad-stats", "qk-clip")
 LAYOUTS: tuple[Layout, ...] = (*_MODEL, *_MIXTRAL, *_MOE_LAYER, *_MOE_TRAINING, *_DEEPSEEK,
-                               *_OPTIM, *_MUON, *_PIPELINE, *_TRAINING, *_RESUME, *_RESHARD,
-                               *_CP, *_ACT_OFFLOAD, *_FP8, *_GRAD_STATS, *_QK_CLIP)
+                               *_OPTIM, *_MUON, *_LION, *_PIPELINE, *_TRAINING, *_RESUME,
+                               *_RESHARD, *_CP, *_ACT_OFFLOAD, *_FP8, *_GRAD_STATS, *_QK_CLIP)
 
 
 def layouts(tag: str | None = None, world: int | None = None,

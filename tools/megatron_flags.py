@@ -120,8 +120,8 @@ DEEPSEEK_V3_MOE = """
 --overlap-moe-expert-parallel-comm --delay-wgrad-compute
 """
 
-# Megatron-LM's Muon options (not in an example script): the values of a Moonlight-style run,
-# the scalar optimizer megalite does not offer, and QK-clip (MuonClip)
+# Megatron-LM's Muon and Lion options (not in an example script): the values of a
+# Moonlight-style run, both scalar optimizers, QK-clip (MuonClip), and --optimizer lion
 MUON = """
 --optimizer muon --muon-momentum 0.95 --muon-nesterov --muon-num-ns-steps 5
 --muon-coefficient-type quintic --muon-coefficient-type polar_express
@@ -129,7 +129,7 @@ MUON = """
 --muon-tp-mode blockwise --muon-tp-mode duplicated --muon-tp-mode distributed
 --muon-scalar-optimizer adam --muon-scalar-optimizer lion --muon-fp32-matmul-prec medium
 --use-distributed-optimizer --qk-clip --qk-clip-threshold 100 --qk-clip-alpha 0.5
---log-max-attention-logit
+--log-max-attention-logit --optimizer lion --lion-beta1 0.95 --lion-beta2 0.98
 """
 
 # examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh (its defaults TP=1, EP=8, MBS=4,
@@ -197,8 +197,8 @@ SCRIPTS = {
                         DEEPSEEK_V3_MOE),
     "Qwen3-30B-A3B": ("examples/post_training/modelopt/conf/qwen/Qwen3-30B-A3B.sh",
                       QWEN3_30B_A3B),
-    "Muon": ("megatron/training/arguments.py (--optimizer muon, --muon-*, --qk-clip*)",
-             MUON),
+    "Muon, Lion": ("megatron/training/arguments.py (--optimizer muon, --optimizer lion, "
+                   "--muon-*, --lion-*, --qk-clip*)", MUON),
 }
 
 

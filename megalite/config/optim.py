@@ -29,7 +29,8 @@ MUON_TP_MODES = ("duplicated", "distributed", "blockwise")
 @dataclass
 class OptimConfig:
     optimizer: str = arg("adam", "Optimizer (adam is AdamW; muon orthogonalises the weight "
-                         "matrices' momentum, AdamW for the rest).", choices=_optimizers)
+                         "matrices' momentum, --muon-scalar-optimizer for the rest; lion "
+                         "steps by the sign of a momentum).", choices=_optimizers)
     lr: float = arg(1e-4, "Peak learning rate.")
     min_lr: float = arg(0.0, "Minimum learning rate.")
     lr_decay_style: str = arg("linear", "Learning-rate decay.",
@@ -56,6 +57,10 @@ class OptimConfig:
     adam_beta2: float = arg(0.999, "Adam beta2.")
     adam_eps: float = arg(1e-8, "Adam epsilon.")
     sgd_momentum: float = arg(0.9, "SGD momentum.")
+    lion_beta1: float = arg(0.95, "Lion's beta1: the weight of the momentum in the sign "
+                            "of the update.")
+    lion_beta2: float = arg(0.98, "Lion's beta2: the decay of its momentum (an EMA of the "
+                            "gradients).")
     muon_momentum: float = arg(0.95, "Muon's momentum (an EMA of the gradients).")
     muon_nesterov: bool = arg(False, "Nesterov-style momentum in Muon.",
                               aliases=("--muon-use-nesterov",))
@@ -76,7 +81,7 @@ class OptimConfig:
                             "(each shard apart: depends on tp).", choices=MUON_TP_MODES)
     muon_scalar_optimizer: str = arg("adam", "Optimizer of the parameters Muon does not "
                                      "orthogonalise (embeddings, output layer, norms, "
-                                     "biases, router).", choices=("adam",))
+                                     "biases, router).", choices=("adam", "lion"))
     muon_fp32_matmul_prec: str = arg(
         "medium", "Matmul precision of Muon's Newton-Schulz iteration on GPUs: high runs "
         "it in TF32, medium (and low) on bf16 copies, as Megatron-LM does; the CPU runs it "
@@ -129,8 +134,12 @@ class OptimConfig:
         require(self.weight_decay >= 0, "weight_decay must be >= 0")
         require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
                  "adam betas must be in [0, 1)")
+        require(0 <= self.lion_beta1 < 1 and 0 <= self.lion_beta2 < 1,
+                f"--lion-beta1 and --lion-beta2 must be in [0, 1), got {self.lion_beta1} "
+                f"and {self.lion_beta2}")
         require(self.clip_grad >= 0, "clip_grad must be >= 0 (0 disables clipping)")
         self._check_muon()
+        self._check_lion()
         require(0.0 <= self.optimizer_offload_fraction <= 1.0,
                 "optimizer_offload_fraction must be in [0, 1], got "
                 f"{self.optimizer_offload_fraction}")
@@ -149,6 +158,16 @@ class OptimConfig:
         positive(self, "loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis",
                   "lr_decay_iters", "lr_wsd_decay_iters", "lr_decay_samples",
                   "lr_wsd_decay_samples")
+
+    def _check_lion(self) -> None:
+        uses_lion = self.optimizer == "lion" or (self.optimizer == "muon"
+                                                 and self.muon_scalar_optimizer == "lion")
+        changed = [f"--{name.replace('_', '-')}" for name in ("lion_beta1", "lion_beta2")
+                   if getattr(self, name) != OptimConfig.__dataclass_fields__[name].default]
+        require(uses_lion or not changed,
+                f"{changed[0] if changed else ''} has no effect with --optimizer "
+                f"{self.optimizer}; use --optimizer lion (or --optimizer muon "
+                "--muon-scalar-optimizer lion), or drop the Lion flags")
 
     def _check_muon(self) -> None:
         from megalite.optim.newton_schulz import steps_problem

@@ -468,8 +468,9 @@ def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
     optimizer bytes ``--optimizer-cpu-offload`` keeps in host memory (a fraction ``F`` of
     the shard's elements: fp32 master, gradient copy and Adam's two moments, 16 bytes
     each). Under Muon its matrices keep one fp32 state tensor (the momentum) and the other
-    parameters the scalar optimizer's (:func:`megalite.planner.muon.stage_elements`),
-    spread over a sharded optimizer's ranks in proportion."""
+    parameters the scalar optimizer's (:func:`megalite.planner.muon.stage_elements`);
+    under Lion the linear weights (the matrices and the routers) one and the rest AdamW's
+    two; spread over a sharded optimizer's ranks in proportion."""
     m, p, o = cfg.model, cfg.parallel, cfg.optim
     lay = resolve_layout(cfg, world_size)
     half = m.bf16 or m.fp16
@@ -479,13 +480,16 @@ def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
     out = dict.fromkeys(("params", "grads", "optimizer", "host"), 0.0)
     dense, expert = stage_param_counts(m, p, pp_rank)
     algorithm = algorithm_of(o)
-    matrices = muon.stage_elements(cfg, lay, pp_rank) if algorithm.orthogonal else (0, 0)
-    for n, group, ortho in ((dense, lay.dp * lay.cp, matrices[0]),
-                            (expert, lay.edp, matrices[1])):
-        # (elements, fp32 state tensors of each): the matrices' rule and the rest's
-        parts = ([(ortho, algorithm.state_floats(o, "muon")),
-                  (n - ortho, algorithm.state_floats(o, o.muon_scalar_optimizer))]
-                 if algorithm.orthogonal else [(n, algorithm.state_floats(o))])
+    rules = algorithm.rules(o)
+    # the main rule's elements: Muon's matrices, or Lion's linear weights (routers too)
+    matrices = (muon.stage_elements(cfg, lay, pp_rank, router=not algorithm.orthogonal)
+                if len(rules) > 1 else (0, 0))
+    for n, group, main in ((dense, lay.dp * lay.cp, matrices[0]),
+                           (expert, lay.edp, matrices[1])):
+        # (elements, fp32 state tensors of each): the main rule's and the rest's
+        parts = ([(main, algorithm.state_floats(o, rules[0])),
+                  (n - main, algorithm.state_floats(o, rules[1]))]
+                 if len(rules) > 1 else [(n, algorithm.state_floats(o))])
         for count, floats in parts:
             optim_bytes = 4 * floats + (4 if half else 0)
             host_bytes = 4 * floats + 8   # + master (fp32 runs too) and grad

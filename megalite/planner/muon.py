@@ -90,23 +90,28 @@ def _mlp(m, ffn: int, experts: int = 0) -> list[MatrixShape]:
     return [MatrixShape(1, fc1, h, "rows"), MatrixShape(1, h, ffn, "cols")]
 
 
-def layer_matrices(m, layer: int, split_qkv: bool = True, ep: int = 1) -> list[MatrixShape]:
+def layer_matrices(m, layer: int, split_qkv: bool = True, ep: int = 1,
+                   router: bool = False) -> list[MatrixShape]:
     """The Muon matrices of global decoder layer ``layer`` (an MoE layer's ``E / ep``
-    local experts)."""
+    local experts); with ``router`` also an MoE layer's router ``[E, h]`` (whole on every
+    rank), which Lion steps and Muon does not."""
     out = _attention(m, split_qkv)
     if not is_moe_layer(m, layer):
         return out + _mlp(m, m.ffn_hidden_size)
+    if router:
+        out.append(MatrixShape(1, m.num_experts, m.hidden_size, None))
     out += _mlp(m, m.moe_ffn_hidden_size, m.num_experts // ep)
     if m.moe_shared_expert_intermediate_size:
         out += _mlp(m, m.moe_shared_expert_intermediate_size)
     return out
 
 
-def mtp_matrices(m, split_qkv: bool = True, ep: int = 1) -> list[MatrixShape]:
+def mtp_matrices(m, split_qkv: bool = True, ep: int = 1,
+                 router: bool = False) -> list[MatrixShape]:
     """Each multi-token prediction depth's ``eh_proj`` ``[h, 2h]`` and its layer (the kind
     of the last decoder layer), for every depth."""
     depth = [MatrixShape(1, m.hidden_size, 2 * m.hidden_size, "rows"),
-             *layer_matrices(m, m.num_layers - 1, split_qkv, ep)]
+             *layer_matrices(m, m.num_layers - 1, split_qkv, ep, router)]
     return depth * mtp_depths(m)
 
 
@@ -125,14 +130,14 @@ def _rank_flops(mat: MatrixShape, steps: int, mode: str, tp: int) -> tuple[float
     return mat.count * steps * (4.0 * kept * kept * cut / tp + 2.0 * kept ** 3), 1
 
 
-def _stage_matrices(cfg, lay, stage: int) -> list[MatrixShape]:
+def _stage_matrices(cfg, lay, stage: int, router: bool = False) -> list[MatrixShape]:
     """The Muon matrices pipeline rank ``stage`` holds (its layers; the prediction depths on
-    the output stage)."""
+    the output stage), with ``router`` the routers too."""
     m, p, split_qkv = cfg.model, cfg.parallel, cfg.optim.muon_split_qkv
     out = [mat for layer in stage_layers(m, p, stage)
-           for mat in layer_matrices(m, layer, split_qkv, lay.ep)]
+           for mat in layer_matrices(m, layer, split_qkv, lay.ep, router)]
     if stage == output_stage(p):
-        out += mtp_matrices(m, split_qkv, lay.ep)
+        out += mtp_matrices(m, split_qkv, lay.ep, router)
     return out
 
 
@@ -144,11 +149,12 @@ def _groups(cfg, lay, expert: bool) -> tuple[int, int]:
     return (lay.etp if expert else lay.tp), owners
 
 
-def stage_elements(cfg, lay, stage: int) -> tuple[int, int]:
+def stage_elements(cfg, lay, stage: int, router: bool = False) -> tuple[int, int]:
     """(dense, expert) elements of the Muon matrices one rank of pipeline rank ``stage``
-    holds: its tp (experts: etp) shard of each split matrix, the others whole."""
+    holds: its tp (experts: etp) shard of each split matrix, the others whole; with
+    ``router`` the routers' too (the linear weights ``--optimizer lion`` steps)."""
     out = [0, 0]
-    for mat in _stage_matrices(cfg, lay, stage):
+    for mat in _stage_matrices(cfg, lay, stage, router):
         out[1 if mat.expert else 0] += mat.local_elements(_groups(cfg, lay, mat.expert)[0])
     return out[0], out[1]
 

@@ -1,5 +1,6 @@
 """tools/benchmark.py optimizer on a tiny model: a row per optimizer, whose state bytes per
-parameter are the algorithms' (AdamW 8, SGD 4, Muon 4 on the matrices and 8 elsewhere) and
+parameter are the algorithms' (AdamW 8, SGD 4, Muon and Lion 4 on the matrices and 8
+elsewhere) and
 whose Newton-Schulz FLOPs are counted for Muon only; and the communication of one step at
 dp 2, tp 2 and dp 2 x tp 2 (AdamW and Muon, with and without the distributed optimizer),
 counted per collective, against theory: the gradient all-reduce / reduce-scatter and the
@@ -21,12 +22,14 @@ def test_rows(capsys, pooled_ranks):
     comm = rows.pop("comm")
     steps = comm.pop("step_s")
     assert set(steps) == set(comm) and all(sec > 0 for sec in steps.values())
-    assert list(rows) == ["adam", "sgd", "muon"]
+    assert list(rows) == ["adam", "sgd", "muon", "lion"]
     assert rows["adam"]["bytes"] == pytest.approx(8, rel=0.01)
     assert rows["sgd"]["bytes"] == pytest.approx(4, rel=0.01)
     frac = rows["muon"]["matrices"]
     assert 0.3 < frac < 1
     assert rows["muon"]["bytes"] == pytest.approx(4 * frac + 8 * (1 - frac), rel=0.01)
+    # Lion: one state tensor for the linear weights (here Muon's matrices), AdamW's two else
+    assert rows["lion"]["bytes"] == pytest.approx(4 * frac + 8 * (1 - frac), rel=0.01)
     assert rows["muon"]["ns_flops"] > 0 == rows["adam"]["ns_flops"]
     assert all(r["step"] > 0 for r in rows.values())
     out = capsys.readouterr().out

@@ -30,7 +30,7 @@ def test_check_fails_on_a_stale_table_and_write_fixes_it(tmp_path, capsys):
     text = readme.read_text()
     assert text.startswith("# x\n") and text.endswith(f"{tool.END}\nafter\n")
     # columns: Llama-3 8B, Mixtral 8x7B, GPT-3 175B, DeepSeek-V3, DeepSeek-V3 MoE,
-    # Qwen3-30B-A3B, Muon
+    # Qwen3-30B-A3B, Muon and Lion
     assert "| `--no-mmap-bin-files` | ✓ |  |  | ✓ |  |  |  | accepted, no effect here: " in text
     assert "| `--tokenizer-type Llama2Tokenizer` |  | ✓ |  |  |  |  |  | implemented |" in text
     assert "| `--moe-router-enable-expert-bias` |  |  |  | ✓ | ✓ |  |  | implemented |" in text
@@ -39,7 +39,8 @@ def test_check_fails_on_a_stale_table_and_write_fixes_it(tmp_path, capsys):
     assert "| `--moe-layer-recompute` |  |  |  |  |  | ✓ |  | implemented |" in text
     assert "| `--no-rope-fusion` |  |  |  |  |  | ✓ |  | accepted, no effect here: " in text
     assert "| `--muon-tp-mode distributed` |  |  |  |  |  |  | ✓ | implemented |" in text
-    assert "| `--muon-scalar-optimizer lion` |  |  |  |  |  |  | ✓ | refused: " in text
+    assert "| `--muon-scalar-optimizer lion` |  |  |  |  |  |  | ✓ | implemented |" in text
+    assert "| `--optimizer lion` |  |  |  |  |  |  | ✓ | implemented differently: " in text
 
 
 def test_rows_come_from_the_parser():

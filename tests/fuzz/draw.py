@@ -3,7 +3,7 @@
 A draw picks a tiny model (GPT-2 or Llama style, 2-8 layers, hidden 32/64, 4 heads, GQA
 with 1 or 2 groups or none, vocabulary 50/60 padded per tp, tied or untied embeddings,
 recompute none/selective/full-uniform/full-block, dense or MoE with 4 experts top-2 and
-either dispatcher, fp32 or bf16), AdamW, SGD or Muon with gradient clipping on or off, and a
+either dispatcher, fp32 or bf16), AdamW, SGD, Muon or Lion with gradient clipping on or off, and a
 layout of 1 to 8 ranks (tp 1/2/4 with or without sequence parallelism, pp 1/2/4 with
 virtual stages or an uneven first/last stage, dp 1-4, ep and etp, the distributed
 optimizer, overlapped grad reduction and param gather, small buckets, and context
@@ -57,6 +57,10 @@ acceptance: every other dimension of a seed stays what it was. Where shared expe
 drawn, half the accepted draws then run them inside the dispatch all-to-all
 (``--moe-shared-expert-overlap``, kept where validation accepts it: alltoall, no
 all-to-all overlap) from ``"shared-overlap-<seed>"``, likewise after acceptance.
+Lion comes last, after acceptance, from ``"lion-<seed>"``: ``--optimizer lion`` for a
+fifth of the fp32 AdamW draws without fp8 or linear biases (Lion turns the key bias's
+gradient, zero but for rounding, into steps of ``lr``), ``--muon-scalar-optimizer lion``
+for half of such Muon draws.
 QK-clip (``--qk-clip``) comes for a quarter of the seeds from ``"qkclip-<seed>"``, drawn
 last: a threshold the tiny models' logits pass at once (0.02, 0.04) or never (100), alpha
 0.3 / 0.5 / 0.7; where QK norm without multi-latent attention was drawn (which QK-clip
@@ -460,6 +464,30 @@ def _shared_overlap(hrng: random.Random, layout: Layout) -> Layout:
     return drawn if rejection(drawn) is None else layout
 
 
+def _lion(lrng: random.Random, layout: Layout) -> Layout:
+    """``--optimizer lion`` for a fifth of the accepted AdamW draws, and
+    ``--muon-scalar-optimizer lion`` for half the Muon draws; fp32 models without fp8 or
+    linear biases only. Lion moves every element by ``lr`` times a sign: bf16 or fp8
+    rounding flips the sign of small elements between layouts (2 ``lr`` apart, past those
+    tolerances over three steps), and the attention's key bias, whose gradient is 0 but
+    for rounding (a constant added to every logit of a row leaves the softmax as it was),
+    takes a step of ``lr`` whose sign is that rounding's. From its own generator, after
+    acceptance."""
+    x = lrng.random()
+    optimizer = layout.optim.get("optimizer", "adam")
+    if layout.model.get("bf16") or layout.model.get("fp8_format") \
+            or layout.model.get("add_bias_linear", True):
+        return layout
+    if optimizer == "adam" and x < 0.2:
+        optim, mark = {**layout.optim, "optimizer": "lion"}, "-lion"
+    elif optimizer == "muon" and x < 0.5:
+        optim, mark = {**layout.optim, "muon_scalar_optimizer": "lion"}, "-lion"
+    else:
+        return layout
+    drawn = dataclasses.replace(layout, name=layout.name + mark, optim=optim)
+    return drawn if rejection(drawn) is None else layout
+
+
 def draw_layout(seed: int) -> Layout:
     """The layout of ``seed``: the first draw of ``random.Random(seed)`` that fits 1 to 8
     ranks and that megalite accepts."""
@@ -471,13 +499,14 @@ def draw_layout(seed: int) -> Layout:
     qrng, trng = random.Random(f"qkclip-{seed}"), random.Random(f"mtp-{seed}")
     grng = random.Random(f"fp8-param-gather-{seed}")
     prng, hrng = random.Random(f"a2a-overlap-{seed}"), random.Random(f"shared-overlap-{seed}")
+    lrng = random.Random(f"lion-{seed}")
     for _ in range(MAX_ATTEMPTS):
         layout = _draw_once(rng, seed, crng, srng, arng, rrng, orng, zrng, vrng, frng, mrng,
                             qrng, trng, grng)
         if layout is None:
             continue
         if rejection(layout) is None:
-            return _shared_overlap(hrng, _a2a_overlap(prng, layout))
+            return _lion(lrng, _shared_overlap(hrng, _a2a_overlap(prng, layout)))
         if "fp8_format" in layout.model and rejection(_without_fp8(layout)) is None:
-            return _shared_overlap(hrng, _a2a_overlap(prng, _without_fp8(layout)))
+            return _lion(lrng, _shared_overlap(hrng, _a2a_overlap(prng, _without_fp8(layout))))
     raise RuntimeError(f"no valid layout in {MAX_ATTEMPTS} draws of seed {seed}")

@@ -150,7 +150,7 @@ def test_exchange_bytes():
     assert muon.step_bytes(*_cfg(*tp2, "--muon-tp-mode", "blockwise", world=2)) == (0.0, 0.0)
 
 
-def _measure_muon_state(rank, world):
+def _measure_muon_state(rank, world, optimizer="muon"):
     import torch
     from types import SimpleNamespace
 
@@ -159,7 +159,7 @@ def _measure_muon_state(rank, world):
     torch.set_num_threads(1)
     bench = SimpleNamespace(num_layers=2, hidden_size=64, vocab_size=256,
                             tensor_model_parallel_size=1, grad_reduce_in_bf16=False,
-                            optimizer_offload_fraction=None, optimizer="muon")
+                            optimizer_offload_fraction=None, optimizer=optimizer)
     rows = []
     for run in _runs(bench):
         name, strategy, _, mem = measure(bench, world, run)[:4]
@@ -168,15 +168,17 @@ def _measure_muon_state(rank, world):
     return rows
 
 
+@pytest.mark.parametrize("optimizer", ["muon", "lion"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_muon_state_bytes_equal_the_measured_rank_memory(world):
-    """bf16 GPT, every sharding strategy: the fp32 masters, the matrices' momentum and the
-    scalar parameters' two Adam moments (21% of the elements here) as the ranks hold them;
-    within Adam's step counters on one rank, the mean of the two ranks' shards at dp 2
-    (each rank's split of matrices and the rest follows the bucket layout: 3% apart)."""
+def test_muon_state_bytes_equal_the_measured_rank_memory(world, optimizer):
+    """bf16 GPT, every sharding strategy: the fp32 masters, the matrices' momentum (Lion:
+    its exp_avg) and the other parameters' two Adam moments (21% of the elements here) as
+    the ranks hold them; within Adam's step counters on one rank, the mean of the two
+    ranks' shards at dp 2 (each rank's split of matrices and the rest follows the bucket
+    layout: 3% apart)."""
     from tests.distributed.harness import run_distributed
 
-    per_rank = run_distributed(world, _measure_muon_state)
+    per_rank = run_distributed(world, _measure_muon_state, optimizer)
     for rows in zip(*per_rank):
         assert len({name for name, *_ in rows}) == 1
         measured = sum(optim for _, optim, _ in rows) / world

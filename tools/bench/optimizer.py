@@ -1,4 +1,4 @@
-"""Optimizer step time and bytes: AdamW, SGD and Muon on one process.
+"""Optimizer step time and bytes: AdamW, SGD, Muon and Lion on one process.
 
 ``python tools/benchmark.py optimizer [--num-layers 4] [--hidden-size 512]
 [--ffn-hidden-size 1408] [--vocab-size 8192] [--muon-num-ns-steps 5] [--repeat 5]``
@@ -7,8 +7,9 @@ One process builds a Llama-style GPT (GQA with 4 query groups, SwiGLU, RMSNorm, 
 once per ``--optimizer``, gives every parameter a random gradient and times
 :meth:`MixedPrecisionOptimizer.step` (median of ``--repeat`` after one warm-up step).
 Bytes: the optimizer's state as :func:`megalite.optim.memory.rank_memory` measures it, per
-parameter (AdamW 8: two fp32 moments; SGD 4; Muon 4 for the matrices' momentum and 8 for
-the rest, which the row's ``matrices`` fraction weighs). For Muon also the Newton-Schulz
+parameter (AdamW 8: two fp32 moments; SGD 4; Muon 4 for the matrices' momentum and Lion 4
+for their exp_avg, each 8 for the rest (AdamW), which the row's ``matrices`` fraction
+weighs). For Muon also the Newton-Schulz
 FLOPs of one step (:func:`megalite.optim.newton_schulz.ns_flops` of every matrix, Q, K, V
 apart) and the rate they ran at; the reference is AdamW's step in the same run.
 
@@ -338,7 +339,7 @@ def main(argv=None) -> dict:
                     help="DPxTP layouts of the communication table (none: skip it)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    rows = {name: _measure(args, name) for name in ("adam", "sgd", "muon")}
+    rows = {name: _measure(args, name) for name in ("adam", "sgd", "muon", "lion")}
     ref = rows["adam"]["step"]
     print(f"{'optimizer':<10}{'step ms':>10}{'vs adam':>9}{'bytes/param':>13}"
           f"{'matrices':>10}{'NS GFLOP':>10}{'NS GFLOP/s':>12}")

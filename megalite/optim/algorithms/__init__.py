@@ -6,13 +6,14 @@ the values ``--optimizer`` accepts are read from :data:`ALGORITHMS`."""
 
 from __future__ import annotations
 
-from megalite.optim.algorithms import adam, muon, sgd
+from megalite.optim.algorithms import adam, lion, muon, sgd
 from megalite.optim.algorithms.base import Algorithm
 
 ALGORITHMS: dict[str, Algorithm] = {
     "adam": adam.ALGORITHM,
     "sgd": sgd.ALGORITHM,
     "muon": muon.ALGORITHM,
+    "lion": lion.ALGORITHM,
 }
 
 

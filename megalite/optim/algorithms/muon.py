@@ -1,10 +1,11 @@
 """``--optimizer muon``: momentum orthogonalised by Newton-Schulz for the weight matrices,
-AdamW (``--muon-scalar-optimizer adam``) for everything else.
+``--muon-scalar-optimizer`` (AdamW, or Lion) for everything else.
 
 Which parameters are matrices (:func:`is_matrix`): the 2-D weights of the linear layers
 and the ``[E, ...]`` stacks of expert weights (orthogonalised one expert at a time); not
 the word or position embeddings, the output layer, the router, norms or biases, which
-follow the scalar optimizer (AdamW with --adam-beta1/2, --adam-eps).
+follow the scalar optimizer (AdamW with --adam-beta1/2, --adam-eps; or Lion with
+--lion-beta1/2).
 
 One step of a matrix ``W`` with gradient ``G`` (Megatron-LM's Muon, through NVIDIA's
 Emerging-Optimizers; ``beta`` = --muon-momentum)::
@@ -27,11 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from megalite.optim.algorithms.adam import ADAM_KEYS, build_adamw, init_adam_groups
+from megalite.optim.algorithms import adam, lion
 from megalite.optim.algorithms.base import Algorithm
 from megalite.parallel.params import param_meta
 
 MUON_KEYS = ("momentum_buffer",)
+# --muon-scalar-optimizer: the algorithm of the parameters Muon does not orthogonalise
+SCALAR: dict[str, Algorithm] = {"adam": adam.ALGORITHM, "lion": lion.ALGORITHM}
 NOT_MATRICES = ("embedding", "output_layer", "router")
 
 
@@ -43,8 +46,9 @@ def is_matrix(name: str, param: torch.Tensor) -> bool:
 
 
 class MuonOptimizer(torch.optim.Optimizer):
-    """Muon over the groups marked ``rule: "muon"``, AdamW (a torch AdamW sharing these
-    group dicts and this state) over those marked ``rule: "adam"``.
+    """Muon over the groups marked ``rule: "muon"``, the scalar optimizer (a torch
+    optimizer of :data:`SCALAR` sharing these group dicts and this state) over those
+    marked with ``--muon-scalar-optimizer``'s rule (``adam`` or ``lion``).
 
     ``orthogonalize(pairs)``: ``pairs`` ``[(tensor, U)]`` for every Muon tensor of this
     optimizer, returns the orthogonalised and scaled ``O`` of each (same shapes); set by the
@@ -58,18 +62,19 @@ class MuonOptimizer(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.ocfg = ocfg
         self.orthogonalize = None
-        self._link_adam()
+        self._link_scalar()
 
-    def _link_adam(self) -> None:
-        adam_groups = [g for g in self.param_groups if g.get("rule") == "adam"]
-        self.adam = build_adamw(adam_groups, self.ocfg) if adam_groups else None
-        if self.adam is not None:
-            self.adam.param_groups = adam_groups   # the same dicts: the lr schedule's
-            self.adam.state = self.state
+    def _link_scalar(self) -> None:
+        rule = self.ocfg.muon_scalar_optimizer
+        groups = [g for g in self.param_groups if g.get("rule") == rule]
+        self.scalar = SCALAR[rule].build(groups, self.ocfg) if groups else None
+        if self.scalar is not None:
+            self.scalar.param_groups = groups   # the same dicts: the lr schedule's
+            self.scalar.state = self.state
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        self._link_adam()
+        self._link_scalar()
 
     def muon_tensors(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups if g.get("rule") == "muon" for p in g["params"]]
@@ -96,7 +101,7 @@ class MuonOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def apply(self, outputs: dict[int, torch.Tensor]) -> None:
         """``W <- W (1 - lr wd) - lr O`` for the Muon tensors (``outputs``: id(tensor) ->
-        ``O``), then the AdamW step of the others."""
+        ``O``), then the scalar optimizer's step of the others."""
         for group in self.param_groups:
             if group.get("rule") != "muon":
                 continue
@@ -107,8 +112,8 @@ class MuonOptimizer(torch.optim.Optimizer):
                 if wd:
                     p.mul_(1 - lr * wd)
                 p.add_(outputs[id(p)].to(p.dtype), alpha=-lr)
-        if self.adam is not None:
-            self.adam.step()
+        if self.scalar is not None:
+            self.scalar.step()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -131,21 +136,21 @@ class Muon(Algorithm):
         return ("muon", ocfg.muon_scalar_optimizer)
 
     def state_keys(self, ocfg, rule=None):
-        return MUON_KEYS if rule == "muon" else ADAM_KEYS
+        return MUON_KEYS if rule == "muon" else SCALAR[rule].state_keys(ocfg, rule)
 
     def build(self, groups, ocfg):
         return MuonOptimizer(groups, ocfg)
 
     def init_state(self, optimizer, ocfg):
-        init_adam_groups(optimizer, [g for g in optimizer.param_groups
-                                     if g.get("rule") == "adam"])
+        if optimizer.scalar is not None:
+            SCALAR[ocfg.muon_scalar_optimizer].init_state(optimizer.scalar, ocfg)
         for p in optimizer.muon_tensors():
             if not optimizer.state.get(p):
                 optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p)}
 
     def state_floats(self, ocfg, rule=None):
         """The matrices' momentum (``rule`` None or ``muon``), or the scalar optimizer's
-        state (``rule`` ``adam``)."""
+        state (``rule`` ``adam`` or ``lion``)."""
         return len(self.state_keys(ocfg, rule or "muon"))
 
     def check(self, ocfg, named_params):

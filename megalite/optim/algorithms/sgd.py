@@ -19,7 +19,7 @@ class SGD(Algorithm):
         return torch.optim.SGD(groups, lr=ocfg.lr, momentum=ocfg.sgd_momentum,
                                weight_decay=ocfg.weight_decay, **foreach_or_fused(groups))
 
-    def state_floats(self, ocfg):
+    def state_floats(self, ocfg, rule=None):
         return 1    # the memory estimates count the buffer whatever the momentum
 
 
