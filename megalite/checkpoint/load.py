@@ -412,6 +412,12 @@ def _load_iteration(load: _Load, iteration: int, identity: str) -> LoadedCheckpo
                                              "params": per_param})
         if common.get("loss_scaler") is not None:
             optimizer.scaler.load_state_dict(common["loss_scaler"])
+        betas = _lion_betas_changed(meta, optimizer.ocfg)
+        if betas and ps.rank == 0:
+            print(f" checkpoint {iter_dir}: its Lion ran with betas {betas[0]}; this run's "
+                  f"--lion-beta1/2 give {betas[1]} (a Megatron-LM run's --optimizer lion "
+                  "takes its --adam-beta1/2 as Lion's betas: pass those as --lion-beta1/2 to "
+                  "continue as it trained)", flush=True)
     if want_rng and same_layout:
         restore_rng_state(state[rng_key(ps.rank)], load.rng_tracker, ps.device)
     elif want_rng:
@@ -429,3 +435,18 @@ def _load_iteration(load: _Load, iteration: int, identity: str) -> LoadedCheckpo
                             layout_changed=not same_layout,
                             rng_restored=want_rng and same_layout)
 
+
+def _lion_betas_changed(meta: dict, ocfg) -> tuple[tuple, tuple] | None:
+    """(the checkpoint's Lion betas, this run's) where both runs step with Lion and the
+    betas differ; None otherwise."""
+    saved = (meta.get("config") or {}).get("optim") or {}
+
+    def lion(o) -> bool:
+        return o.get("optimizer") == "lion" or (o.get("optimizer") == "muon" and o.get(
+            "muon_scalar_optimizer") == "lion")
+    now = {"optimizer": ocfg.optimizer, "muon_scalar_optimizer": ocfg.muon_scalar_optimizer}
+    if not (lion(saved) and lion(now)):
+        return None
+    old = (saved.get("lion_beta1", 0.95), saved.get("lion_beta2", 0.98))
+    new = (ocfg.lion_beta1, ocfg.lion_beta2)
+    return (old, new) if tuple(old) != new else None

@@ -35,6 +35,7 @@ from megalite.optim.clip_grads import (
     global_grad_norm,
 )
 from megalite.optim.algorithms import algorithm_of
+from megalite.optim.algorithms.base import is_embedding_or_output
 from megalite.optim.optimizer_state import (
     check_per_param,
     init_state,
@@ -61,16 +62,6 @@ def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
     """Norm weights and biases (any 1-D parameter, or a name ending in ``bias``) get no
     weight decay."""
     return param.dim() > 1 and not name.endswith("bias")
-
-
-EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-def is_embedding_or_output(name: str) -> bool:
-    """The parameters ``--decoupled-lr`` applies to (Megatron's rule): the input word
-    embedding and the output layer's weight (also a later stage's copy of a tied
-    embedding), not position embeddings or anything else."""
-    return name.endswith(EMBEDDING_OR_OUTPUT)
 
 
 def param_groups(named_params: list, weight_decay: float,

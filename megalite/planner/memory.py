@@ -469,8 +469,8 @@ def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
     the shard's elements: fp32 master, gradient copy and Adam's two moments, 16 bytes
     each). Under Muon its matrices keep one fp32 state tensor (the momentum) and the other
     parameters the scalar optimizer's (:func:`megalite.planner.muon.stage_elements`);
-    under Lion the linear weights (the matrices and the routers) one and the rest AdamW's
-    two; spread over a sharded optimizer's ranks in proportion."""
+    under Lion the linear weights (the matrices, routers, learned position embeddings) one
+    and the rest AdamW's two; spread over a sharded optimizer's ranks in proportion."""
     m, p, o = cfg.model, cfg.parallel, cfg.optim
     lay = resolve_layout(cfg, world_size)
     half = m.bf16 or m.fp16
@@ -481,8 +481,8 @@ def state_bytes(cfg, world_size: int, pp_rank: int = 0) -> dict:
     dense, expert = stage_param_counts(m, p, pp_rank)
     algorithm = algorithm_of(o)
     rules = algorithm.rules(o)
-    # the main rule's elements: Muon's matrices, or Lion's linear weights (routers too)
-    matrices = (muon.stage_elements(cfg, lay, pp_rank, router=not algorithm.orthogonal)
+    # the main rule's elements: Muon's matrices, or Lion's linear weights
+    matrices = (muon.stage_elements(cfg, lay, pp_rank, lion=not algorithm.orthogonal)
                 if len(rules) > 1 else (0, 0))
     for n, group, main in ((dense, lay.dp * lay.cp, matrices[0]),
                            (expert, lay.edp, matrices[1])):

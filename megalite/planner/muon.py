@@ -149,13 +149,17 @@ def _groups(cfg, lay, expert: bool) -> tuple[int, int]:
     return (lay.etp if expert else lay.tp), owners
 
 
-def stage_elements(cfg, lay, stage: int, router: bool = False) -> tuple[int, int]:
+def stage_elements(cfg, lay, stage: int, lion: bool = False) -> tuple[int, int]:
     """(dense, expert) elements of the Muon matrices one rank of pipeline rank ``stage``
     holds: its tp (experts: etp) shard of each split matrix, the others whole; with
-    ``router`` the routers' too (the linear weights ``--optimizer lion`` steps)."""
+    ``lion`` those of every weight ``--optimizer lion`` steps with Lion (the routers and
+    learned position embeddings too)."""
     out = [0, 0]
-    for mat in _stage_matrices(cfg, lay, stage, router):
+    for mat in _stage_matrices(cfg, lay, stage, router=lion):
         out[1 if mat.expert else 0] += mat.local_elements(_groups(cfg, lay, mat.expert)[0])
+    m = cfg.model
+    if lion and stage == 0 and m.learned_positions:
+        out[0] += m.max_position_embeddings * m.hidden_size
     return out[0], out[1]
 
 

@@ -93,19 +93,22 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
     assert TRAINED == ["deepseek_v3_mtp_trained", "llama_adam_trained", "llama_bf16_trained",
                        "llama_distopt_bf16_trained", "llama_distopt_buckets_trained",
                        "llama_distopt_dp2_trained", "llama_distopt_pp2_buckets_trained",
-                       "llama_distopt_tp2_buckets_trained",
-                       "llama_sgd_trained", "mixtral_distopt_ep2_buckets_trained",
-                       "mixtral_trained"]
+                       "llama_distopt_tp2_buckets_trained", "llama_lion_distopt_dp2_trained",
+                       "llama_lion_trained", "llama_sgd_trained",
+                       "mixtral_distopt_ep2_buckets_trained", "mixtral_trained"]
     for name in TRAINED:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
         assert ckpt.iteration == STEPS
         keys = list(tensor_shapes(ckpt))
         flat = buckets.bucket_keys(keys)
         assert bool(flat) == ("buckets" in name)   # Megatron-LM's default: dp_reshardable
-        names = {k.split(".")[2] for k in keys if k.startswith("optimizer.state.")}
+        names = {k.split("optimizer.state.")[1].split(".")[0] for k in keys
+                 if "optimizer.state." in k}   # (a chained optimizer's prefix before it)
         names |= buckets.bucket_states(keys)
         assert names >= ({"momentum_buffer"} if "sgd" in name else {"exp_avg", "exp_avg_sq"})
-        assert ("param" in names) == ("distopt" in name)   # the distributed optimizer's
+        # the distributed optimizer's main weights (Megatron-Core 0.19.2 keeps a Lion run's
+        # optimizers plain, --use-distributed-optimizer or not)
+        assert ("param" in names) == ("distopt" in name and "lion" not in name)
     # several buckets per rank, and parameters padded to 64 elements within them
     sizes = {k: v[0].numel() for k, v in tensor_shapes(find_checkpoint(
         os.path.join(FIXTURES, "llama_distopt_buckets_trained"))).items() if k.endswith("param")}
@@ -117,7 +120,8 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
                                   "llama_distopt_tp2_buckets_trained",
                                   "llama_distopt_pp2_buckets_trained", "llama_sgd_trained",
                                   "mixtral_trained", "mixtral_distopt_ep2_buckets_trained",
-                                  "deepseek_v3_mtp_trained"])
+                                  "deepseek_v3_mtp_trained", "llama_lion_trained",
+                                  "llama_lion_distopt_dp2_trained"])
 def test_resumed_step_equals_megatrons_next_step(imported, name):
     root = imported[name]
     meta = read_metadata(iteration_dir(root, STEPS))
@@ -293,7 +297,9 @@ def test_bucket_state_that_matches_no_weight_is_refused():
     ("llama_distopt_dp2_trained", []), ("deepseek_v3_mtp_trained", []),
     ("llama_distopt_dp2_trained", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("llama_distopt_tp2_buckets_trained", ["--sequence-parallel"]),
-], ids=["llama", "deepseek-v3-mtp", "llama-at-tp2-sp", "llama-tp2-buckets-at-tp2-sp"])
+    ("llama_lion_trained", []),
+], ids=["llama", "deepseek-v3-mtp", "llama-at-tp2-sp", "llama-tp2-buckets-at-tp2-sp",
+        "llama-lion"])
 def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys, name, layout):
     """The whole move: the Megatron run's own flags verbatim (``fixture.json``), its data
     (the same corpus, seed and split), ``--load`` of the import and ``--no-load-rng``:
@@ -341,6 +347,9 @@ def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys, nam
     assert (f"loaded {save}/iter_0000002 (iteration 2, {STEPS * gbs} samples consumed)"
             in stdout)
     assert f"consumed samples: {3 * gbs:12d}" in stdout
+    # Megatron's Lion took the Adam betas; the verbatim flags' --lion-beta2 0.99 is named
+    assert ("its Lion ran with betas (0.9, 0.95); this run's --lion-beta1/2 give (0.9, 0.99)"
+            in stdout) == ("lion" in name)
     (row,) = read_jsonl(str(tmp_path / "m.jsonl"))
     want = torch.load(os.path.join(FIXTURES, name, "next_step.pt"))
     assert row["iteration"] == 3 and row["lr"] == pytest.approx(want["lr"], rel=1e-9)
@@ -362,7 +371,7 @@ def _same(a, b) -> bool:
 
 @pytest.mark.parametrize("name", ["llama_adam_trained", "llama_distopt_dp2_trained",
                                   "llama_bf16_trained", "llama_distopt_bf16_trained",
-                                  "llama_sgd_trained",
+                                  "llama_sgd_trained", "llama_lion_trained",
                                   "mixtral_trained", "deepseek_v3_mtp_trained"])
 def test_export_writes_the_optimizer_state_megatron_saved(imported, tmp_path, capsys, name):
     """Megatron -> megalite -> Megatron: the export holds what Megatron-Core saved, bit for
@@ -377,8 +386,8 @@ def test_export_writes_the_optimizer_state_megatron_saved(imported, tmp_path, ca
     distributed = "distopt" in name
     assert f"the {STEPS}-step optimizer state for " + (
         "--use-distributed-optimizer" if distributed else "the plain optimizer") in out
-    assert "without --finetune, with" + ("" if distributed else "out") + \
-        " --use-distributed-optimizer" in out
+    assert "without --finetune, with" + (" or without" if "lion" in name else "" if distributed
+                                         else "out") + " --use-distributed-optimizer" in out
     theirs, ours = (find_checkpoint(p) for p in (os.path.join(FIXTURES, name), save))
     assert ours.iteration == theirs.iteration == STEPS
     a, b = read_common(theirs), read_common(ours)
@@ -389,6 +398,32 @@ def test_export_writes_the_optimizer_state_megatron_saved(imported, tmp_path, ca
     assert sorted(keys) == sorted(k for k in tensor_shapes(ours) if k.startswith("optimizer."))
     saved, written = read_tensors(theirs, keys), read_tensors(ours, keys)
     assert all(torch.equal(saved[k], written[k]) for k in keys)
+
+
+def test_lion_runs_carry_the_betas_their_lion_took(imported, tmp_path, capsys):
+    """Megatron-Core 0.19.2's --optimizer lion steps its Lion with --adam-beta1/2 (0.9,
+    0.95 here) although the run gave --lion-beta2 0.99: the import takes the betas of the
+    saved Lion groups. Lion's linear weights hold exp_avg alone, the AdamW ones both
+    moments. The --use-distributed-optimizer run (Megatron keeps its optimizers plain,
+    the keys prefixed by chained optimizer) exports to the same state, unprefixed."""
+    cfg, _ = checkpoint_config(imported["llama_lion_trained"])
+    assert cfg.optim.optimizer == "lion"
+    assert (cfg.optim.lion_beta1, cfg.optim.lion_beta2) == (0.9, 0.95)
+    state = read_megatron(os.path.join(FIXTURES, "llama_lion_trained")).optimizer.params
+    assert set(state["decoder.layers.0.self_attention.linear_qkv.weight"]) == {"exp_avg"}
+    assert set(state["embedding.word_embeddings.weight"]) == {"exp_avg", "exp_avg_sq"}
+    name = "llama_lion_distopt_dp2_trained"
+    save = str(tmp_path / "megatron")
+    assert convert("--source", "megalite", "--target", "megatron", "--load-dir",
+                   imported[name], "--save-dir", save, "--transformer-impl", "local") == 0
+    assert "with or without --use-distributed-optimizer" in capsys.readouterr().out
+    theirs, ours = (find_checkpoint(p) for p in (os.path.join(FIXTURES, name), save))
+    keys = {k: re.sub(r"^chained_\d+\.", "", k) for k in tensor_shapes(theirs)
+            if "optimizer.state." in k}
+    assert all(k.startswith("chained_") for k in keys)
+    saved, written = read_tensors(theirs, list(keys)), read_tensors(ours, list(keys.values()))
+    assert all(torch.equal(saved[k], written[plain]) for k, plain in keys.items())
+    assert _same(read_common(theirs)["optimizer"], read_common(ours)["optimizer"])
 
 
 def test_export_for_expert_parallel_megatron_runs_chains_two_optimizers(imported, tmp_path):

@@ -45,7 +45,8 @@ def _step(model, opt, grads):
     assert opt.step().updated
 
 
-@pytest.mark.parametrize("model", [GQA, {**GQA, "num_experts": 2}], ids=["dense", "moe"])
+@pytest.mark.parametrize("model", [GQA, {**GQA, "num_experts": 2}, {}],
+                         ids=["dense", "moe", "gpt2"])
 def test_lion_update_matches_the_reference(model):
     """Three steps: Lion for the linear layers' weights (the router's and the expert
     stacks' included), torch's AdamW for the embedding, output layer and norms, as
@@ -56,8 +57,10 @@ def test_lion_update_matches_the_reference(model):
     model, opt = _build(ocfg, model)
     named = dict(model.named_parameters())
     lion = {n for n, p in named.items() if p.dim() > 1
-            and not any(w in n for w in ("embedding", "output_layer"))}
+            and n not in ("embedding.word_embeddings.weight", "output_layer.weight")}
     assert any("router" in n for n in lion) == ("decoder.layers.0.mlp.router.weight" in named)
+    assert any("position_embeddings" in n for n in lion) == any(
+        "position_embeddings" in n for n in named)
     assert {g["rule"] for g in opt.param_groups} == {"lion", "adam"}
     initial = {n: p.detach().clone() for n, p in named.items()}
     want = dict(initial)

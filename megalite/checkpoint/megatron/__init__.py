@@ -87,7 +87,8 @@ def read_megatron(root: str, step: int | None = None, load_optim: bool = True
     try:
         model = ModelConfig(**arguments.model_kwargs(args))
         cfg = MegaliteConfig(model=model, data=DataConfig(**arguments.data_kwargs(args)),
-                             optim=OptimConfig(**arguments.optim_kwargs(args)),
+                             optim=OptimConfig(**arguments.optim_kwargs(
+                                 args, optimizer.lion_betas(common))),
                              train=TrainConfig(**arguments.train_kwargs(args)),
                              parallel=ParallelConfig(**arguments.parallel_kwargs(args)))
         cfg.validate(1)

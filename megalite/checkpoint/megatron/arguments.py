@@ -142,12 +142,17 @@ OPTIM_SAME = ("optimizer", "lr", "min_lr", "lr_decay_style", "lr_decay_iters",
 TRAIN_SAME = ("micro_batch_size", "global_batch_size", "train_iters", "train_samples", "seed")
 
 
-def optim_kwargs(args: Namespace) -> dict:
+def optim_kwargs(args: Namespace, lion_betas: tuple[float, float] | None = None) -> dict:
     """``OptimConfig`` settings of the Megatron run (what its optimizer state was made
-    with; Megatron's ``adam`` is AdamW, as megalite's)."""
+    with; Megatron's ``adam`` is AdamW, as megalite's). A Lion run's betas are
+    ``lion_betas``, those its saved Lion groups hold, where given (Megatron-Core 0.19.2's
+    --optimizer lion steps with --adam-beta1/2), else its --lion-beta1/2."""
     kw = {n: getattr(args, n) for n in OPTIM_SAME if _get(args, n) is not None}
-    if kw.get("optimizer") not in ("adam", "sgd"):   # another's state is not imported
-        kw.pop("optimizer", None)
+    if kw.get("optimizer") not in ("adam", "sgd", "lion"):   # another's state is not
+        kw.pop("optimizer", None)                              # imported
+    if kw.get("optimizer") == "lion":
+        betas = lion_betas or (_get(args, "lion_beta1", 0.95), _get(args, "lion_beta2", 0.98))
+        kw["lion_beta1"], kw["lion_beta2"] = (float(b) for b in betas)
     return kw
 
 

@@ -1,11 +1,13 @@
 """Megatron-LM's optimizer state (``torch_dist``) -> megalite's per-parameter form, so that
 an imported run resumes where Megatron stopped instead of restarting the optimizer.
 
-Megatron-Core saves Adam's (and SGD's) state per parameter, under the parameter's sharded
-key with a prefix, in the formats read here::
+Megatron-Core saves Adam's (and SGD's, Lion's) state per parameter, under the parameter's
+sharded key with a prefix, in the formats read here::
 
     optimizer.state.exp_avg.<key>     optimizer.state.exp_avg_sq.<key>   (Adam)
     optimizer.state.momentum_buffer.<key>                                 (SGD)
+    optimizer.state.exp_avg.<key>                  (Lion: the linear weights; a chained
+                                                    Adam keeps the others' two moments)
     optimizer.state.fp32_param.<key>  or  optimizer.state.param.<key>     the fp32 main
                                       weights of a bf16 / fp16 model (plain / distributed)
 
@@ -25,6 +27,7 @@ slices) are not read here, and the note says how to re-save the checkpoint.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +36,15 @@ from megalite.checkpoint.files import CheckpointError
 from megalite.checkpoint.megatron import buckets, mapping
 
 PREFIX = "optimizer.state."
+# [chained_<i>.]optimizer.state.<state>.<model key> (the chained optimizers' prefix where
+# Megatron adds it: a --use-distributed-optimizer run saved dp_reshardable)
+STATE_KEY = re.compile(r"(?:chained_\d+\.)?optimizer\.state\.([^.]+)\.(.+)")
 # Megatron's state name -> megalite's (optimizer_state's per-parameter form)
 STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
           "momentum_buffer": "momentum_buffer", "fp32_param": "master", "param": "master"}
 READABLE = (None, "fully_reshardable", "dp_reshardable")
-ALGORITHMS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+ALGORITHMS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",),
+              "lion": ("exp_avg",)}
 
 
 @dataclass
@@ -53,16 +60,46 @@ class MegatronOptimizerState:
     scheduler_samples: int | None
 
 
-def _parts(key: str) -> list[str]:
-    """``optimizer.state.<state>.<model key>`` -> ``[state, model key]``."""
-    return key[len(PREFIX):].split(".", 1)
+def _parts(key: str) -> tuple[str, str] | None:
+    """``[chained_<i>.]optimizer.state.<state>.<model key>`` -> ``(state, model key)``
+    (None: not a per-parameter state key)."""
+    match = STATE_KEY.fullmatch(key)
+    return (match.group(1), match.group(2)) if match else None
 
 
 def optimizer_keys(keys) -> list[str]:
     """The optimizer state keys among a checkpoint's tensor keys: per parameter, or
     per bucket (:func:`.buckets.bucket_keys`)."""
-    return ([k for k in keys if k.startswith(PREFIX) and _parts(k)[0] in STATES]
+    return ([k for k in keys if (_parts(k) or ("",))[0] in STATES]
             + buckets.bucket_keys(keys))
+
+
+def saved_groups(common: dict) -> list[dict]:
+    """Every parameter group of the common state's optimizer, whatever its nesting (a
+    chained optimizer's ``{i: ...}``, a bf16 / fp16 or distributed optimizer's
+    ``{"optimizer": ...}``)."""
+    def walk(saved) -> list[dict]:
+        if not isinstance(saved, dict):
+            return []
+        if "param_groups" in saved:
+            return list(saved["param_groups"])
+        if "optimizer" in saved:
+            return walk(saved["optimizer"])
+        return [g for key in sorted(k for k in saved if isinstance(k, int))
+                for g in walk(saved[key])]
+    return walk(common.get("optimizer"))
+
+
+def lion_betas(common: dict) -> tuple[float, float] | None:
+    """The betas a Megatron run's Lion stepped with, from its saved parameter groups (a
+    Lion group: betas and no ``eps``; None: no Lion group saved). Megatron-Core 0.19.2's
+    ``--optimizer lion`` takes them from --adam-beta1/2, not --lion-beta1/2."""
+    betas = {tuple(g["betas"]) for g in saved_groups(common)
+             if "betas" in g and "eps" not in g}
+    if len(betas) > 1:
+        raise CheckpointError(f"the saved Lion parameter groups hold several betas "
+                              f"{sorted(betas)}; megalite's Lion takes one pair")
+    return betas.pop() if betas else None
 
 
 def sharding_type(common: dict) -> str | None:
@@ -87,8 +124,9 @@ def unreadable(common: dict, keys) -> str | None:
                 "--dist-ckpt-optim-fully-reshardable")
     algorithm = getattr(args, "optimizer", "adam")
     if algorithm not in ALGORITHMS:
-        return f"its optimizer is --optimizer {algorithm}; megalite resumes Adam and SGD state"
-    names = {_parts(k)[0] for k in keys if k.startswith(PREFIX)} | buckets.bucket_states(keys)
+        return (f"its optimizer is --optimizer {algorithm}; megalite resumes Adam, SGD and "
+                "Lion state")
+    names = {_parts(k)[0] for k in keys if _parts(k)} | buckets.bucket_states(keys)
     missing = [n for n in ALGORITHMS[algorithm] if n not in names]
     if missing:
         return f"its {algorithm} state lacks {', '.join(missing)}"
@@ -102,11 +140,14 @@ def _step(common: dict, groups: list[dict]) -> int:
     if counted is not None:
         return counted
     saved = common["optimizer"]
-    inner = saved.get("optimizer", saved) if isinstance(saved, dict) else {}
-    common_step = (inner.get("state") or {}).get("common_step")
-    if common_step is not None:
-        return int(common_step)
-    steps = {int(g["step"]) for g in inner.get("param_groups", []) if "step" in g}
+    parts = ([saved[k] for k in sorted(k for k in saved if isinstance(k, int))]
+             if isinstance(saved, dict) and 0 in saved else [saved])   # chained: each
+    for part in parts:
+        inner = part.get("optimizer", part) if isinstance(part, dict) else {}
+        common_step = (inner.get("state") or {}).get("common_step")
+        if common_step is not None:   # (Lion's part has none: its Adam's)
+            return int(common_step)
+    steps = {int(g["step"]) for g in saved_groups(common) if "step" in g}
     if not steps:
         return int(common.get("iteration", 0))
     if len(steps) != 1:
@@ -130,7 +171,7 @@ def read_optimizer_state(common: dict, tensors: dict[str, torch.Tensor],
         by_state = buckets.read_bucket_state(flat, trained, chunks, where)
     for key, t in tensors.items():
         if key not in flat:
-            name, model_key = _parts(key)
+            name, model_key = _parts(key)   # (a chained optimizer's prefix dropped)
             by_state.setdefault(name, {})[model_key] = t
     params: dict[str, dict[str, torch.Tensor]] = {}
     for name, saved in by_state.items():
@@ -154,6 +195,7 @@ TORCH_GROUP = {
     "sgd": lambda o: {"momentum": o.sgd_momentum, "dampening": 0, "nesterov": False,
                       "maximize": False, "foreach": None, "differentiable": False,
                       "fused": None},
+    "lion": lambda o: {"betas": (o.lion_beta1, o.lion_beta2)},
 }
 
 
@@ -176,7 +218,10 @@ def not_exportable(cfg, distributed: bool) -> str | None:
     o = cfg.optim
     if o.optimizer not in TORCH_GROUP:
         return (f"its optimizer is --optimizer {o.optimizer}; megalite writes Megatron-LM's "
-                "Adam and SGD state")
+                "Adam, SGD and Lion state")
+    if o.optimizer == "lion" and cfg.model.num_experts:
+        return ("Megatron-LM chains a Lion and an Adam optimizer for the dense and the "
+                "expert parameters apart; megalite writes Lion state for dense models")
     if o.optimizer == "sgd" and distributed:
         return ("Megatron-Core's distributed optimizer takes Adam, not SGD; export with "
                 "--target-optimizer-format plain")
@@ -209,22 +254,25 @@ def _megatron_schedule(cfg, scheduler) -> dict:
 
 
 def _saved_optimizer(cfg, scheduler, step: int, distributed: bool, experts: bool,
-                     wd_mults) -> dict:
+                     wd_mults, algorithm: str | None = None) -> dict:
     """One Megatron optimizer's common state: its parameter groups (weight-decayed
     weights, then the norms and biases Megatron does not decay: ``wd_mult`` 1 and 0; the
     expert optimizer's marked ``is_expert_parallel``), which Megatron pairs with its own
-    by those marks, and the step count."""
+    by those marks, and the step count. ``algorithm``: the torch optimizer's, default the
+    run's (the Adam that Megatron chains after a Lion marks its groups so)."""
     o = cfg.optim
+    algorithm = algorithm or o.optimizer
+    mark = {"optimizer": algorithm} if algorithm != o.optimizer else {}
     groups = [{"is_expert_parallel": experts, "default_config": True, "wd_mult": wd_mult,
                "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": o.lr, "min_lr": o.min_lr,
-               "lr": scheduler.lr_at(scheduler.num_steps),
-               "weight_decay": o.weight_decay * wd_mult, **TORCH_GROUP[o.optimizer](o)}
+               **mark, "lr": scheduler.lr_at(scheduler.num_steps),
+               "weight_decay": o.weight_decay * wd_mult, **TORCH_GROUP[algorithm](o)}
               for wd_mult in wd_mults]
     if distributed:
         return {"optimizer": {"param_groups": [{**g, "step": float(step)} for g in groups]},
                 "param_state_sharding_type": "fully_reshardable"}
     saved = {"param_groups": groups}
-    if o.optimizer == "adam":
+    if algorithm == "adam":
         saved["state"] = {"common_step": torch.tensor(float(step))}
     # a bf16 / fp16 model's optimizer keeps the torch optimizer's state one level down
     return {"optimizer": saved} if cfg.model.bf16 or cfg.model.fp16 else saved
@@ -239,7 +287,13 @@ def to_megatron_optimizer(cfg, weights: dict[str, torch.Tensor], state: dict, sc
     (``distributed``: ``fully_reshardable``) or without the distributed optimizer, keys as
     :func:`.mapping.to_megatron` names the weights; ``expert_parallel``: a Megatron run
     whose experts are expert-parallel (ep > 1), which chains a dense and an expert
-    optimizer, each with its own saved state. Call :func:`not_exportable` first."""
+    optimizer, each with its own saved state. Call :func:`not_exportable` first.
+
+    Lion is written as Megatron-Core 0.19.2 keeps it, with or without
+    ``--use-distributed-optimizer``: a plain Lion over the linear weights chained before a
+    plain Adam over the rest."""
+    lion = cfg.optim.optimizer == "lion"
+    requested, distributed = distributed, distributed and not lion
     by_state: dict[str, dict[str, torch.Tensor]] = {}
     for name, entry in state["params"].items():
         for k, t in entry.items():
@@ -264,6 +318,10 @@ def to_megatron_optimizer(cfg, weights: dict[str, torch.Tensor], state: dict, sc
                                      (1.0, 0.0)),
                  1: _saved_optimizer(cfg, scheduler, state["step"], distributed, True,
                                      (1.0, 0.0) if m.add_bias_linear else (1.0,))}
+    elif lion:   # Lion's weights are all decayed; Adam's embedding and output layer are
+        saved = {0: _saved_optimizer(cfg, scheduler, state["step"], False, False, (1.0,)),
+                 1: _saved_optimizer(cfg, scheduler, state["step"], False, False,
+                                     (1.0, 0.0), "adam")}
     else:
         saved = _saved_optimizer(cfg, scheduler, state["step"], distributed, False,
                                  (1.0, 0.0))
@@ -273,4 +331,4 @@ def to_megatron_optimizer(cfg, weights: dict[str, torch.Tensor], state: dict, sc
         common={"optimizer": saved, "opt_param_scheduler": _megatron_schedule(cfg, scheduler)},
         metadata=metadata,
         args={"consumed_train_samples": state["consumed_samples"], "no_save_optim": False,
-              "use_distributed_optimizer": distributed, "optimizer": o.optimizer})
+              "use_distributed_optimizer": requested, "optimizer": o.optimizer})

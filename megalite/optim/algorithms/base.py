@@ -57,6 +57,17 @@ class Algorithm:
         """Raise ValueError naming a parameter this algorithm cannot update."""
 
 
+EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def is_embedding_or_output(name: str) -> bool:
+    """Megatron-LM's ``is_embedding_or_output_parameter``: the input word embedding and the
+    output layer's weight (also a later stage's or the prediction depths' copy of a tied
+    embedding), not position embeddings or anything else. ``--decoupled-lr`` applies to
+    them; ``--optimizer lion`` steps them with AdamW."""
+    return name.endswith(EMBEDDING_OR_OUTPUT)
+
+
 def foreach_or_fused(groups: list[dict]) -> dict:
     """The fused CUDA kernels when every tensor is on a GPU, else the multi-tensor
     (``foreach``) implementation instead of a loop over tensors. Both compute the

@@ -1,14 +1,15 @@
 """``--optimizer lion``: Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms",
 arXiv:2302.06675) for the linear layers' weights, AdamW for the rest, as Megatron-LM's
 ``--optimizer lion`` splits them (its emerging-optimizer path: 2-D weights other than the
-embeddings and the output layer take the emerging optimizer, the rest AdamW with
+word embedding and the output layer take the emerging optimizer, the rest AdamW with
 --adam-beta1/2, --adam-eps).
 
 Which parameters are Lion's (:func:`is_linear_weight`): every 2-D weight (an ``[E, a, b]``
-expert stack: its experts' weights) that is not an embedding or the output layer; the
-router's weight included, as in Megatron-LM. Norms, biases, the embeddings and the output
-layer follow AdamW. With ``--optimizer muon --muon-scalar-optimizer lion`` Lion instead
-takes the parameters Muon does not orthogonalise.
+expert stack: its experts' weights) other than the word embedding and the output layer;
+the router's weight and learned position embeddings included, as in Megatron-LM. Norms,
+biases, the word embedding and the output layer follow AdamW. With ``--optimizer muon
+--muon-scalar-optimizer lion`` Lion instead takes the parameters Muon does not
+orthogonalise.
 
 One Lion step of a tensor ``W`` with gradient ``G`` (``b1``, ``b2``: ``--lion-beta1``,
 ``--lion-beta2``)::
@@ -17,7 +18,7 @@ One Lion step of a tensor ``W`` with gradient ``G`` (``b1``, ``b2``: ``--lion-be
     W <- W - lr sign(b1 M + (1 - b1) G)
     M <- b2 M + (1 - b2) G                               (state "exp_avg", fp32)
 
-One state tensor per parameter (half of Adam's) and no step count; element-wise, so exact
+One state tensor per Lion parameter (half of Adam's) and no step count; element-wise, so exact
 on any piece of a tensor (the distributed optimizer's shards, ZeRO-3's).
 
 Megatron-Core 0.19.2's ``--optimizer lion`` builds its Lion with ``--adam-beta1/2`` as the
@@ -38,18 +39,19 @@ from __future__ import annotations
 import torch
 
 from megalite.optim.algorithms.adam import ADAM_KEYS, build_adamw, init_adam_groups
-from megalite.optim.algorithms.base import Algorithm
+from megalite.optim.algorithms.base import Algorithm, is_embedding_or_output
 from megalite.parallel.params import param_meta
 
 LION_KEYS = ("exp_avg",)
-NOT_LINEAR = ("embedding", "output_layer")
 
 
 def is_linear_weight(name: str, param: torch.Tensor) -> bool:
     """Whether ``--optimizer lion`` steps ``param`` with Lion: a 2-D weight (an ``[E, a,
-    b]`` expert stack) that is not an embedding or the output layer."""
+    b]`` expert stack) other than the word embedding and the output layer (Megatron-LM's
+    rule: its emerging optimizers take every 2-D parameter not marked
+    ``is_embedding_or_output_parameter``, learned position embeddings included)."""
     want = 3 if param_meta(param).expert else 2
-    return param.dim() == want and not any(word in name for word in NOT_LINEAR)
+    return param.dim() == want and not is_embedding_or_output(name)
 
 
 class LionOptimizer(torch.optim.Optimizer):

@@ -18,6 +18,9 @@ Python >= 3.12; 0.19.2 runs on 3.11 with the ``typing.override`` shim below)::
     /work/mcore-venv/bin/pip install megatron-core==0.19.2 --no-deps --ignore-requires-python
     /work/mcore-venv/bin/pip install einops psutil numpy packaging
     /work/mcore-venv/bin/pip install triton --no-deps
+    /work/mcore-venv/bin/pip install emerging-optimizers==0.3.0 --no-deps \
+        --ignore-requires-python                              # --optimizer lion's Lion
+    /work/mcore-venv/bin/pip install absl-py
     /work/mcore-venv/bin/python tests/checkpoint/megatron/make_fixtures.py [NAME ...]
 
 Each fixture is one ``torchrun`` of this file in worker mode (tp x pp x ep gloo ranks).

@@ -49,6 +49,7 @@ def small_vocab_corpus(prefix: str) -> str:
         for i in range(len(src)):
             w.add_document(np.asarray(src.get(i)) % CORPUS_VOCAB)
     return prefix
+LION = ["--optimizer", "lion", "--lion-beta1", "0.9", "--lion-beta2", "0.99"]
 TRAINED = {
     "llama_adam_trained": ([*fx.LLAMA, *TRAIN], 1),
     # the distributed optimizer's per-parameter format (Megatron-LM's default, dp_reshardable,
@@ -78,6 +79,13 @@ TRAINED = {
                                            "--overlap-grad-reduce", "--ddp-bucket-size",
                                            "3000", "--pipeline-model-parallel-size", "2"], 2),
     "llama_sgd_trained": ([*fx.LLAMA, *TRAIN, "--optimizer", "sgd", "--sgd-momentum", "0.9"], 1),
+    # Lion (NVIDIA Emerging-Optimizers' Lion, which Megatron-Core 0.19.2 builds for
+    # --optimizer lion with --adam-beta1/2 as its betas): Lion's exp_avg for the linear
+    # weights, a chained Adam for the rest. Its emerging-optimizer path keeps both plain
+    # with --use-distributed-optimizer too (per-parameter state, chained_<i>. prefixes)
+    "llama_lion_trained": ([*fx.LLAMA, *TRAIN, *LION], 1),
+    "llama_lion_distopt_dp2_trained": ([*fx.LLAMA, *TRAIN, *LION,
+                                        "--use-distributed-optimizer"], 2),
     # experts: Megatron chains a dense and an expert optimizer
     "mixtral_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1"], 1),
     # DeepSeek-V3's step: multi-latent attention, a dense layer then routed and shared
@@ -223,6 +231,7 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
         optimizer=args.optimizer, sgd_momentum=args.sgd_momentum, lr=args.lr,
         min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        lion_beta1=args.lion_beta1, lion_beta2=args.lion_beta2,
         clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
         bf16=args.bf16, params_dtype=args.params_dtype), [ddp])
     scheduler = get_optimizer_param_scheduler(optimizer)
