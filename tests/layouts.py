@@ -24,8 +24,8 @@ training        tests/training/test_resume_and_layouts.py: tp x sp x dp, loss an
 cp              tests/context_parallel/test_training_equivalence.py: cp x comm type x tp x
                 sp x pp x vpp x dp x distributed optimizer x ep, loss, grad norm, params
 resume          exact resumption at one layout (training, pipeline suites)
-reshard         tests/checkpoint/test_reshard.py (AdamW), test_muon_reshard.py (Muon) and
-                test_lion_reshard.py (Lion):
+reshard         tests/checkpoint/test_reshard.py (AdamW) and test_optimizer_reshard.py
+                (Muon, Lion):
                 save at one layout, resume at others
 activation-     tests/model/test_activation_offload.py: --cpu-offloading against the same
 offload         layout without it, bitwise (rows tagged ``slow`` outside the default run)
@@ -474,15 +474,15 @@ _RESHARD = [row("reshard", 8, tp=2, pp=2, distopt=True, tags=("save",)),
             row("reshard", 1), row("reshard", 8, tp=4, distopt=True),
             # Muon (momentum of the matrices, Adam's moments of the rest): save at tp2 + sp x
             # dp2 x ep2 (owner exchange), resume there (bitwise), at one process, and at pp2
-            # x dp2 x ep2 under ZeRO-3 (tests/checkpoint/test_muon_reshard.py)
+            # x dp2 x ep2 under ZeRO-3 (tests/checkpoint/test_optimizer_reshard.py)
             row("reshard", 4, "muon", model=MUON_MOE, optim=MUON, tp=2, sp=True, ep=2,
                 strategy="optim", tags=("save",)),
             row("reshard", 1, "muon", model=MUON_MOE, optim=MUON),
             row("reshard", 4, "muon", model=MUON_MOE, optim=MUON, pp=2, ep=2,
                 strategy="optim_grads_params"),
-            # Lion (one exp_avg per parameter): saved under ZeRO-3 at dp 2, resumed there
-            # (bitwise), in one process and at tp 2 + sp (tests/checkpoint/
-            # test_lion_reshard.py)
+            # Lion (exp_avg of the linear weights, AdamW's moments for the rest): saved
+            # under ZeRO-3 at dp 2, resumed there (bitwise), in one process and at tp 2 + sp
+            # (tests/checkpoint/test_optimizer_reshard.py)
             row("reshard", 2, "lion", model=MUON_MODEL, optim=LION,
                 strategy="optim_grads_params", tags=("save",)),
             row("reshard", 1, "lion", model=MUON_MODEL, optim=LION),

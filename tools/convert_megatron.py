@@ -108,17 +108,21 @@ def megalite_to_megatron(args) -> None:
         bar.update(1)
     print(f"wrote {directory} (Megatron-Core torch_dist, iteration {iteration}, vocabulary "
           f"padded to {cfg.model.padded_vocab_size(tp)}, names of --transformer-impl "
-          f"{impl}{_optimizer_written(state, out, distributed)})")
+          f"{impl}{_optimizer_written(state, out, distributed and cfg.optim.optimizer != 'lion')})")
     if why is not None:
         print(f"note: the optimizer state is not written ({why})")
     if out is None:
         print(f"load it in Megatron-LM with --ckpt-format torch_dist --load "
               f"{args.save_dir} --finetune and the model's flags")
         return
+    if cfg.optim.optimizer == "lion":   # Megatron-Core keeps a Lion run's optimizers plain
+        flag = (", with or without --use-distributed-optimizer (Megatron-Core keeps Lion's "
+                "optimizers plain either way)")
+    else:
+        flag = (", with --use-distributed-optimizer" if distributed
+                else ", without --use-distributed-optimizer")
     print(f"resume the run in Megatron-LM with its flags and --ckpt-format torch_dist --load "
-          f"{args.save_dir}, without --finetune"
-          + (", with --use-distributed-optimizer" if distributed
-             else ", without --use-distributed-optimizer")
+          f"{args.save_dir}, without --finetune" + flag
           + f": the optimizer state, the lr schedule's position and the data position "
           f"(sample {state['consumed_samples']}) carry on")
 

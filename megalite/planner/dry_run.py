@@ -66,8 +66,7 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
         if n_params != dense + expert:
             raise AssertionError(f"rank {rank} built {n_params:,} parameters, the planner "
                                  f"counts {dense + expert:,} from the config")
-        if cfg.optim.optimizer == "muon":
-            _check_muon_matrices(cfg, layout, model, ps.pp.rank, rank)
+        _check_rule_elements(cfg, layout, model, ps.pp.rank, rank)
         steps = layout_schedules(layout)
         pairs = (pairs_of(steps, layout.vpp, layout.v_shape)
                  if p.overlap_moe_expert_parallel_comm else None)   # as run_schedule plans
@@ -95,21 +94,27 @@ def dry_run(cfg, world_size: int, rank: int) -> str:
     ])
 
 
-def _check_muon_matrices(cfg, layout, model, pp_rank: int, rank: int) -> None:
-    """The elements of the matrices Muon orthogonalises on this rank (dense, expert) are
-    those the planner counts from the config (:func:`megalite.planner.muon.stage_elements`)."""
-    from megalite.optim.algorithms.muon import is_matrix
+def _check_rule_elements(cfg, layout, model, pp_rank: int, rank: int) -> None:
+    """Under an optimizer of two update rules, the elements of the parameters its main rule
+    steps on this rank (Muon's matrices, Lion's linear weights; dense, expert) are those
+    the planner counts from the config (:func:`megalite.planner.muon.stage_elements`)."""
+    from megalite.optim.algorithms import algorithm_of
     from megalite.parallel.params import param_meta
     from megalite.planner.muon import stage_elements
 
+    o = cfg.optim
+    algorithm = algorithm_of(o)
+    rules = algorithm.rules(o)
+    if len(rules) < 2:
+        return
     built = [0, 0]
     for name, p in model.named_parameters():
-        if is_matrix(name, p):
+        if algorithm.rule(o, name, p) == rules[0]:
             built[1 if param_meta(p).expert else 0] += p.numel()
-    counted = stage_elements(cfg, layout, pp_rank)
+    counted = stage_elements(cfg, layout, pp_rank, lion=not algorithm.orthogonal)
     if tuple(built) != counted:
-        raise AssertionError(f"rank {rank} built Muon matrices of {built[0]:,} dense and "
-                             f"{built[1]:,} expert elements, the planner counts "
+        raise AssertionError(f"rank {rank} built {rules[0]} parameters of {built[0]:,} dense "
+                             f"and {built[1]:,} expert elements, the planner counts "
                              f"{counted[0]:,} and {counted[1]:,} from the config")
 
 

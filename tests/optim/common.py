@@ -124,3 +124,30 @@ def assert_run_matches(losses: dict, params: dict, ref_losses: dict, ref_params:
     for name, tensor in params.items():
         torch.testing.assert_close(tensor, ref_params[name], rtol=0, atol=PARAM_TOL,
                                    msg=lambda m, n=name, w=what: f"{w} {n}: {m}")
+
+
+# what a layout row's single-process reference leaves out: offload needs a sharded
+# optimizer, and Muon's tp mode has nothing to split in one process
+REFERENCE_DROPS = ("optimizer_cpu_offload", "optimizer_offload_fraction", "muon_tp_mode")
+
+
+def reference_key(layout) -> str:
+    """The single-process run a layout row compares with: its model and optimizer
+    settings, without :data:`REFERENCE_DROPS`."""
+    optim = {k: v for k, v in layout.optim.items() if k not in REFERENCE_DROPS}
+    return repr((layout.model, sorted(optim.items())))
+
+
+def single_process_references(layouts) -> dict:
+    """:func:`reference_key` -> (losses, full parameters) of each row's reference, trained
+    once per key in this process (its loss must fall over the 3 iterations)."""
+    refs = {}
+    for layout in layouts:
+        key = reference_key(layout)
+        if key not in refs:
+            optim = {k: v for k, v in layout.optim.items() if k not in REFERENCE_DROPS}
+            result, params, _, _ = train_run(config(model=layout.model, optim=optim))
+            assert result.losses[3] < result.losses[1]
+            refs[key] = (result.losses, params)
+    return refs
+

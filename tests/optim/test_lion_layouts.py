@@ -13,18 +13,15 @@ the parameter tolerance (2e-5), so these rows also check that no sign flipped.
 import pytest
 
 from tests.layouts import layouts, run_by_world
-from tests.optim.common import assert_run_matches, config, train_run
+from tests.optim.common import (
+    assert_run_matches,
+    config,
+    reference_key,
+    single_process_references,
+    train_run,
+)
 
 LAYOUTS = layouts("lion")
-OFFLOAD_KEYS = ("optimizer_cpu_offload", "optimizer_offload_fraction")
-
-
-def _reference_optim(layout) -> dict:
-    return {k: v for k, v in layout.optim.items() if k not in OFFLOAD_KEYS}
-
-
-def _reference_key(layout) -> str:
-    return repr((layout.model, sorted(_reference_optim(layout).items())))
 
 
 def _body(rank, world_size, rows):
@@ -38,15 +35,7 @@ def _body(rank, world_size, rows):
 
 @pytest.fixture(scope="module")
 def reference():
-    refs = {}
-    for layout in LAYOUTS:
-        key = _reference_key(layout)
-        if key not in refs:
-            result, params, _, _ = train_run(config(model=layout.model,
-                                                    optim=_reference_optim(layout)))
-            assert result.losses[3] < result.losses[1]
-            refs[key] = (result.losses, params)
-    return refs
+    return single_process_references(LAYOUTS)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +45,7 @@ def trained():
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_lion_matches_single_process(layout, reference, trained):
-    ref_losses, ref_params = reference[_reference_key(layout)]
+    ref_losses, ref_params = reference[reference_key(layout)]
     names = set()
     for rank, (losses, params) in enumerate(trained(layout)):
         assert_run_matches(losses, params, ref_losses, ref_params, f"{layout.name} rank {rank}")

@@ -18,16 +18,16 @@ ranks, the elements owned times the group's size are all the Muon elements.
 import pytest
 
 from tests.layouts import MUON, MUON_MODEL, layouts, row, run_by_world
-from tests.optim.common import PARAM_TOL, assert_run_matches, config, train_run
+from tests.optim.common import (
+    PARAM_TOL,
+    assert_run_matches,
+    config,
+    reference_key,
+    single_process_references,
+    train_run,
+)
 
 LAYOUTS = layouts("muon")
-
-
-def _reference_key(layout) -> str:
-    optim = {k: v for k, v in layout.optim.items()
-             if k not in ("muon_tp_mode", "optimizer_cpu_offload",
-                          "optimizer_offload_fraction")}
-    return repr((layout.model, sorted(optim.items())))
 
 
 def _owned(c):
@@ -46,17 +46,7 @@ def _body(rank, world_size, rows):
 
 @pytest.fixture(scope="module")
 def reference():
-    refs = {}
-    for layout in LAYOUTS:
-        key = _reference_key(layout)
-        if key not in refs:
-            optim = {k: v for k, v in layout.optim.items()   # no tp, no offload here
-                     if k.startswith(("optimizer", "muon"))
-                     and not k.startswith("optimizer_") and k != "muon_tp_mode"}
-            result, params, _, _ = train_run(config(model=layout.model, optim=optim))
-            assert result.losses[3] < result.losses[1]
-            refs[key] = (result.losses, params)
-    return refs
+    return single_process_references(LAYOUTS)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +56,7 @@ def trained():
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_muon_matches_single_process(layout, reference, trained):
-    ref_losses, ref_params = reference[_reference_key(layout)]
+    ref_losses, ref_params = reference[reference_key(layout)]
     names = set()
     runs = trained(layout)
     for rank, (losses, params, _) in enumerate(runs):
@@ -90,6 +80,6 @@ def test_blockwise_depends_on_tp(reference):
     lay = row("muon", 2, "blockwise", model=MUON_MODEL,
               optim={**MUON, "muon_tp_mode": "blockwise"}, tp=2, sp=True)
     (losses, params, _), _ = run_by_world([lay], _body)(lay)
-    ref_losses, ref_params = reference[_reference_key(lay)]
+    ref_losses, ref_params = reference[reference_key(lay)]
     diff = max((params[n] - ref_params[n]).abs().max().item() for n in params)
     assert diff > 20 * PARAM_TOL, diff

@@ -128,19 +128,30 @@ MIXTRAL_MOE = ["--num-layers", "4", "--hidden-size", "4096", "--ffn-hidden-size"
                "--num-experts", "8", "--moe-router-topk", "2"]
 
 
-@pytest.mark.parametrize("model,layout,rank", [
+MIXTRAL_TP2_EP4 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                   "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1"]
+GPT_LEARNED = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
+               "--seq-length", "512", "--max-position-embeddings", "512", "--vocab-size",
+               "1000", "--tokenizer-type", "NullTokenizer", "--mock-data",
+               "--global-batch-size", "32", "--micro-batch-size", "1", "--train-iters", "1"]
+
+
+@pytest.mark.parametrize("model,layout,rank,optimizer", [
     (DEEPSEEK_V3_ATTENTION, ["--tensor-model-parallel-size", "8",
                              "--pipeline-model-parallel-size", "2", "--sequence-parallel",
-                             "--mtp-num-layers", "1"], 63),
-    (MIXTRAL_MOE, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                   "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
-                   "--muon-no-split-qkv"], 5),
-], ids=["deepseek-v3-attention-mtp", "mixtral-tp2-ep4"])
-def test_dry_run_muon_matrices_are_the_planners(model, layout, rank):
+                             "--mtp-num-layers", "1"], 63, "muon"),
+    (MIXTRAL_MOE, [*MIXTRAL_TP2_EP4, "--muon-no-split-qkv"], 5, "muon"),
+    (MIXTRAL_MOE, MIXTRAL_TP2_EP4, 5, "lion"),
+    (GPT_LEARNED, ["--tensor-model-parallel-size", "2"], 0, "lion"),
+], ids=["deepseek-v3-attention-mtp", "mixtral-tp2-ep4", "mixtral-tp2-ep4-lion",
+        "gpt-learned-positions-lion"])
+def test_dry_run_muon_matrices_are_the_planners(model, layout, rank, optimizer):
     """Under --optimizer muon the dry run checks the built rank's Muon matrices (their
     dense and expert elements: tp shards, replicated down projections, local experts over
-    etp, the prediction depth) against the planner's count from the config."""
+    etp, the prediction depth) against the planner's count from the config; under
+    --optimizer lion its linear weights (the routers and a learned position embedding
+    too)."""
     out = _dry("--world-size", "64", "--rank", str(rank), *model, *layout,
-               "--optimizer", "muon", "--use-distributed-optimizer")
+               "--optimizer", optimizer, "--use-distributed-optimizer")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "parameters on this rank" in out.stdout
