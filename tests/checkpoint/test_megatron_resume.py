@@ -93,8 +93,9 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
     assert TRAINED == ["deepseek_v3_mtp_trained", "llama_adam_trained", "llama_bf16_trained",
                        "llama_distopt_bf16_trained", "llama_distopt_buckets_trained",
                        "llama_distopt_dp2_trained", "llama_distopt_pp2_buckets_trained",
-                       "llama_distopt_tp2_buckets_trained", "llama_lion_distopt_dp2_trained",
-                       "llama_lion_trained", "llama_sgd_trained",
+                       "llama_distopt_tp2_buckets_trained", "llama_lion_bf16_trained",
+                       "llama_lion_distopt_dp2_trained", "llama_lion_trained",
+                       "llama_sgd_trained",
                        "mixtral_distopt_ep2_buckets_trained", "mixtral_trained"]
     for name in TRAINED:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
@@ -143,7 +144,8 @@ def test_resumed_step_equals_megatrons_next_step(imported, name):
 
 
 @pytest.mark.parametrize("name,main", [("llama_bf16_trained", "fp32_param"),
-                                       ("llama_distopt_bf16_trained", "param")])
+                                       ("llama_distopt_bf16_trained", "param"),
+                                       ("llama_lion_bf16_trained", "fp32_param")])
 def test_bf16_run_resumes_with_its_fp32_main_weights(imported, name, main):
     """The masters are Megatron's fp32 main copies (not the bf16 weights widened; the
     plain optimizer's ``fp32_param``, the distributed one's ``param``), and the resumed
@@ -173,14 +175,20 @@ def test_bf16_run_resumes_with_its_fp32_main_weights(imported, name, main):
     assert result.lr == pytest.approx(want["lr"], rel=1e-12)
     # bf16 products round otherwise here than in Megatron: the loss agrees to 1.6e-4
     # relative, the weights to 8e-4 relative, and each update points the same way (cosine
-    # 0.996 or more; a norm's update is below bf16's resolution in both)
+    # 0.996 or more; a norm's update is below bf16's resolution in both). Lion turns the
+    # gradient elements that rounding leaves near 0 into whole steps of lr either way: up
+    # to 0.54% of a weight's elements 2 lr apart (seen), 2.8e-3 relative, cosine 0.989
+    lion = "lion" in name
     assert result.lm_loss == pytest.approx(want["loss"], rel=1e-3)
     for key, w in megatron.items():
         ours, theirs = weights[key].float(), w.float()
-        assert (ours - theirs).norm() <= 1e-3 * theirs.norm(), key
+        assert (ours - theirs).norm() <= (5e-3 if lion else 1e-3) * theirs.norm(), key
+        if lion:
+            assert ((ours - theirs).abs() > 1e-3).float().mean() <= 0.01, key
         a, b = (ours - before[key]).flatten(), (theirs - before[key]).flatten()
         if b.norm() > 0:
-            assert torch.nn.functional.cosine_similarity(a, b, dim=0) >= 0.99, key
+            assert torch.nn.functional.cosine_similarity(a, b, dim=0) >= (
+                0.98 if lion else 0.99), key
 
 
 def test_no_load_optim_imports_the_weights_alone(tmp_path, capsys):
@@ -372,7 +380,8 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("name", ["llama_adam_trained", "llama_distopt_dp2_trained",
                                   "llama_bf16_trained", "llama_distopt_bf16_trained",
                                   "llama_sgd_trained", "llama_lion_trained",
-                                  "mixtral_trained", "deepseek_v3_mtp_trained"])
+                                  "llama_lion_bf16_trained", "mixtral_trained",
+                                  "deepseek_v3_mtp_trained"])
 def test_export_writes_the_optimizer_state_megatron_saved(imported, tmp_path, capsys, name):
     """Megatron -> megalite -> Megatron: the export holds what Megatron-Core saved, bit for
     bit: every per-parameter state tensor (moments, momentum, fp32 main weights), the

@@ -159,3 +159,22 @@ def test_lion_flags_need_lion():
                                           "--optimizer lion"):
         OptimConfig(optimizer="lion", muon_scalar_optimizer="lion")
     assert OptimConfig(optimizer="muon", muon_scalar_optimizer="lion", lion_beta1=0.9)
+
+
+def test_a_bf16_model_steps_its_fp32_masters_with_lion():
+    """bf16 weights: Lion and AdamW step the fp32 masters (Lion's step from the masters,
+    not the rounded weights) and the weights are the masters rounded to bf16."""
+    ocfg = OptimConfig(optimizer="lion", lr=1e-3, weight_decay=0.1, clip_grad=0.0)
+    model, opt = _build(ocfg, {**GQA, "bf16": True})
+    named = dict(model.named_parameters())
+    assert all(p.dtype == torch.bfloat16 for p in named.values())
+    masters = {n: m.detach().clone() for n, m in zip(opt.names, opt.masters)}
+    grads = _grads(named, 1, seed=4)[0]
+    _step(model, opt, grads)
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    want, _ = _lion_reference(masters[name], torch.zeros_like(masters[name]), grads[name],
+                              ocfg.lr, ocfg.weight_decay, ocfg.lion_beta1, ocfg.lion_beta2)
+    master = dict(zip(opt.names, opt.masters))[name]
+    assert master.dtype == torch.float32
+    torch.testing.assert_close(master, want, rtol=0, atol=1e-7)
+    assert torch.equal(named[name].detach(), master.to(torch.bfloat16))

@@ -86,6 +86,7 @@ TRAINED = {
     "llama_lion_trained": ([*fx.LLAMA, *TRAIN, *LION], 1),
     "llama_lion_distopt_dp2_trained": ([*fx.LLAMA, *TRAIN, *LION,
                                         "--use-distributed-optimizer"], 2),
+    "llama_lion_bf16_trained": ([*fx.LLAMA, *TRAIN, *LION, "--bf16"], 1),
     # experts: Megatron chains a dense and an expert optimizer
     "mixtral_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1"], 1),
     # DeepSeek-V3's step: multi-latent attention, a dense layer then routed and shared
