@@ -178,3 +178,27 @@ def test_a_bf16_model_steps_its_fp32_masters_with_lion():
     assert master.dtype == torch.float32
     torch.testing.assert_close(master, want, rtol=0, atol=1e-7)
     assert torch.equal(named[name].detach(), master.to(torch.bfloat16))
+
+
+def test_an_fp16_model_unscales_the_gradients_before_lion():
+    """fp16 with a static loss scale of 1024: Lion steps the fp32 masters with the
+    unscaled gradients (Megatron-LM refuses fp16 for its emerging optimizers; megalite's
+    Lion takes fp16 like its other optimizers)."""
+    ocfg = OptimConfig(optimizer="lion", lr=1e-3, weight_decay=0.1, clip_grad=0.0,
+                       loss_scale=1024.0)
+    cfg = tiny_config(1, model={**GQA, "fp16": True})
+    ps = ParallelState.build(cfg.parallel)
+    model = GPTModel(cfg.model, ps)
+    opt = MixedPrecisionOptimizer(model, ocfg, ps, build_loss_scaler(ocfg, True))
+    named = dict(model.named_parameters())
+    masters = {n: m.detach().clone() for n, m in zip(opt.names, opt.masters)}
+    grads = _grads(named, 1, seed=5)[0]
+    for n, p in named.items():
+        p.main_grad = grads[n] * 1024.0
+    assert opt.step().updated
+    name = "decoder.layers.1.self_attention.linear_qkv.weight"
+    want, _ = _lion_reference(masters[name], torch.zeros_like(masters[name]), grads[name],
+                              ocfg.lr, ocfg.weight_decay, ocfg.lion_beta1, ocfg.lion_beta2)
+    torch.testing.assert_close(dict(zip(opt.names, opt.masters))[name], want, rtol=0,
+                               atol=1e-7)
+    assert named[name].dtype == torch.float16
