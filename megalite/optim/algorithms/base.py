@@ -68,6 +68,18 @@ def is_embedding_or_output(name: str) -> bool:
     return name.endswith(EMBEDDING_OR_OUTPUT)
 
 
+def shared_optimizer(groups: list[dict], state, build) -> torch.optim.Optimizer | None:
+    """``build(groups)``, a torch optimizer over some of another optimizer's groups that
+    keeps those very group dicts (whose ``lr`` the schedule sets there) and that
+    optimizer's ``state``; None without groups. Muon's scalar optimizer and Lion's AdamW
+    part are such."""
+    if not groups:
+        return None
+    optimizer = build(groups)
+    optimizer.param_groups, optimizer.state = groups, state
+    return optimizer
+
+
 def foreach_or_fused(groups: list[dict]) -> dict:
     """The fused CUDA kernels when every tensor is on a GPU, else the multi-tensor
     (``foreach``) implementation instead of a loop over tensors. Both compute the

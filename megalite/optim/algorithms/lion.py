@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from megalite.optim.algorithms.adam import ADAM_KEYS, build_adamw, init_adam_groups
-from megalite.optim.algorithms.base import Algorithm, is_embedding_or_output
+from megalite.optim.algorithms.base import Algorithm, is_embedding_or_output, shared_optimizer
 from megalite.parallel.params import param_meta
 
 LION_KEYS = ("exp_avg",)
@@ -72,11 +72,8 @@ class LionOptimizer(torch.optim.Optimizer):
         self._link_adam()
 
     def _link_adam(self) -> None:
-        groups = [g for g in self.param_groups if g.get("rule") == "adam"]
-        self.adam = build_adamw(groups, self.ocfg) if groups else None
-        if self.adam is not None:
-            self.adam.param_groups = groups   # the same dicts: the lr schedule's
-            self.adam.state = self.state
+        self.adam = shared_optimizer([g for g in self.param_groups if g.get("rule") == "adam"],
+                                     self.state, lambda groups: build_adamw(groups, self.ocfg))
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)

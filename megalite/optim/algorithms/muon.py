@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from megalite.optim.algorithms import adam, lion
-from megalite.optim.algorithms.base import Algorithm
+from megalite.optim.algorithms.base import Algorithm, shared_optimizer
 from megalite.parallel.params import param_meta
 
 MUON_KEYS = ("momentum_buffer",)
@@ -66,11 +66,9 @@ class MuonOptimizer(torch.optim.Optimizer):
 
     def _link_scalar(self) -> None:
         rule = self.ocfg.muon_scalar_optimizer
-        groups = [g for g in self.param_groups if g.get("rule") == rule]
-        self.scalar = SCALAR[rule].build(groups, self.ocfg) if groups else None
-        if self.scalar is not None:
-            self.scalar.param_groups = groups   # the same dicts: the lr schedule's
-            self.scalar.state = self.state
+        self.scalar = shared_optimizer([g for g in self.param_groups if g.get("rule") == rule],
+                                       self.state,
+                                       lambda groups: SCALAR[rule].build(groups, self.ocfg))
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
