@@ -58,9 +58,9 @@ drawn, half the accepted draws then run them inside the dispatch all-to-all
 (``--moe-shared-expert-overlap``, kept where validation accepts it: alltoall, no
 all-to-all overlap) from ``"shared-overlap-<seed>"``, likewise after acceptance.
 Lion comes last, after acceptance, from ``"lion-<seed>"``: ``--optimizer lion`` for a
-fifth of the fp32 AdamW draws without fp8 or linear biases (Lion turns the key bias's
-gradient, zero but for rounding, into steps of ``lr``), ``--muon-scalar-optimizer lion``
-for half of such Muon draws.
+fifth of the fp32 AdamW draws without fp8, ``--muon-scalar-optimizer lion`` for half of
+such Muon draws without linear biases (Lion would turn the key bias's gradient, zero but
+for rounding, into steps of ``lr``).
 QK-clip (``--qk-clip``) comes for a quarter of the seeds from ``"qkclip-<seed>"``, drawn
 last: a threshold the tiny models' logits pass at once (0.02, 0.04) or never (100), alpha
 0.3 / 0.5 / 0.7; where QK norm without multi-latent attention was drawn (which QK-clip
@@ -466,21 +466,21 @@ def _shared_overlap(hrng: random.Random, layout: Layout) -> Layout:
 
 def _lion(lrng: random.Random, layout: Layout) -> Layout:
     """``--optimizer lion`` for a fifth of the accepted AdamW draws, and
-    ``--muon-scalar-optimizer lion`` for half the Muon draws; fp32 models without fp8 or
-    linear biases only. Lion moves every element by ``lr`` times a sign: bf16 or fp8
-    rounding flips the sign of small elements between layouts (2 ``lr`` apart, past those
-    tolerances over three steps), and the attention's key bias, whose gradient is 0 but
-    for rounding (a constant added to every logit of a row leaves the softmax as it was),
-    takes a step of ``lr`` whose sign is that rounding's. From its own generator, after
-    acceptance."""
+    ``--muon-scalar-optimizer lion`` for half the Muon draws of models without linear
+    biases; fp32 models without fp8 only. Lion moves every element by ``lr`` times a sign:
+    bf16 or fp8 rounding flips the sign of small elements between layouts (2 ``lr`` apart,
+    past those tolerances over three steps), and the attention's key bias, whose gradient
+    is 0 but for rounding (a constant added to every logit of a row leaves the softmax as
+    it was), would take a step of ``lr`` whose sign is that rounding's where it is Lion's
+    (Muon's scalar parameters; ``--optimizer lion`` gives biases to AdamW, whose epsilon
+    keeps such a gradient's step near 0). From its own generator, after acceptance."""
     x = lrng.random()
     optimizer = layout.optim.get("optimizer", "adam")
-    if layout.model.get("bf16") or layout.model.get("fp8_format") \
-            or layout.model.get("add_bias_linear", True):
+    if layout.model.get("bf16") or layout.model.get("fp8_format"):
         return layout
     if optimizer == "adam" and x < 0.2:
         optim, mark = {**layout.optim, "optimizer": "lion"}, "-lion"
-    elif optimizer == "muon" and x < 0.5:
+    elif optimizer == "muon" and x < 0.5 and not layout.model.get("add_bias_linear", True):
         optim, mark = {**layout.optim, "muon_scalar_optimizer": "lion"}, "-lion"
     else:
         return layout
