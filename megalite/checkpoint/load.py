@@ -439,13 +439,11 @@ def _load_iteration(load: _Load, iteration: int, identity: str) -> LoadedCheckpo
 def _lion_betas_changed(meta: dict, ocfg) -> tuple[tuple, tuple] | None:
     """(the checkpoint's Lion betas, this run's) where both runs step with Lion and the
     betas differ; None otherwise."""
-    saved = (meta.get("config") or {}).get("optim") or {}
+    from megalite.config.optim import uses_lion
 
-    def lion(o) -> bool:
-        return o.get("optimizer") == "lion" or (o.get("optimizer") == "muon" and o.get(
-            "muon_scalar_optimizer") == "lion")
-    now = {"optimizer": ocfg.optimizer, "muon_scalar_optimizer": ocfg.muon_scalar_optimizer}
-    if not (lion(saved) and lion(now)):
+    saved = (meta.get("config") or {}).get("optim") or {}
+    if not (uses_lion(saved.get("optimizer"), saved.get("muon_scalar_optimizer"))
+            and uses_lion(ocfg.optimizer, ocfg.muon_scalar_optimizer)):
         return None
     old = (saved.get("lion_beta1", 0.95), saved.get("lion_beta2", 0.98))
     new = (ocfg.lion_beta1, ocfg.lion_beta2)

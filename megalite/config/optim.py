@@ -26,6 +26,12 @@ def _coefficient_types() -> tuple[str, ...]:
 MUON_TP_MODES = ("duplicated", "distributed", "blockwise")
 
 
+def uses_lion(optimizer: str | None, muon_scalar_optimizer: str | None) -> bool:
+    """Whether a run with these --optimizer / --muon-scalar-optimizer values steps
+    parameters with Lion (and so reads --lion-beta1/2)."""
+    return optimizer == "lion" or (optimizer == "muon" and muon_scalar_optimizer == "lion")
+
+
 @dataclass
 class OptimConfig:
     optimizer: str = arg("adam", "Optimizer (adam is AdamW; muon orthogonalises the weight "
@@ -160,11 +166,9 @@ class OptimConfig:
                   "lr_wsd_decay_samples")
 
     def _check_lion(self) -> None:
-        uses_lion = self.optimizer == "lion" or (self.optimizer == "muon"
-                                                 and self.muon_scalar_optimizer == "lion")
         changed = [f"--{name.replace('_', '-')}" for name in ("lion_beta1", "lion_beta2")
                    if getattr(self, name) != OptimConfig.__dataclass_fields__[name].default]
-        require(uses_lion or not changed,
+        require(uses_lion(self.optimizer, self.muon_scalar_optimizer) or not changed,
                 f"{changed[0] if changed else ''} has no effect with --optimizer "
                 f"{self.optimizer}; use --optimizer lion (or --optimizer muon "
                 "--muon-scalar-optimizer lion), or drop the Lion flags")

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megalite.config.optim import uses_lion
 from tests.layouts import Layout, tiny
 
 ITERS = 3
@@ -115,8 +116,7 @@ LION_SIGN_FRACTION = 1e-4
 def tolerance(layout: Layout) -> Tolerance:
     fp8, moe = layout.model.get("fp8_format"), layout.model.get("num_experts")
     optim = tiny(layout).optim
-    if optim.optimizer == "lion" or (optim.optimizer == "muon"
-                                     and optim.muon_scalar_optimizer == "lion"):
+    if uses_lion(optim.optimizer, optim.muon_scalar_optimizer):
         return dataclasses.replace(FP32, sign_fraction=LION_SIGN_FRACTION,
                                    sign_step=2 * ITERS * optim.lr)
     if layout.model.get("bf16"):

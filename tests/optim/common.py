@@ -151,3 +151,15 @@ def single_process_references(layouts) -> dict:
             refs[key] = (result.losses, params)
     return refs
 
+
+def assert_ranks_match(layout, ranks: list[tuple[dict, dict]], references: dict) -> None:
+    """Every rank's (losses, full parameters) of ``layout`` against its single-process
+    reference (:func:`single_process_references`); together the ranks hold every
+    parameter."""
+    ref_losses, ref_params = references[reference_key(layout)]
+    names = set()
+    for rank, (losses, params) in enumerate(ranks):
+        assert_run_matches(losses, params, ref_losses, ref_params, f"{layout.name} rank {rank}")
+        names.update(params)
+    assert names == set(ref_params), layout.name
+

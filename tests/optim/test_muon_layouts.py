@@ -20,7 +20,7 @@ import pytest
 from tests.layouts import MUON, MUON_MODEL, layouts, row, run_by_world
 from tests.optim.common import (
     PARAM_TOL,
-    assert_run_matches,
+    assert_ranks_match,
     config,
     reference_key,
     single_process_references,
@@ -56,14 +56,8 @@ def trained():
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_muon_matches_single_process(layout, reference, trained):
-    ref_losses, ref_params = reference[reference_key(layout)]
-    names = set()
     runs = trained(layout)
-    for rank, (losses, params, _) in enumerate(runs):
-        what = f"{layout.name} rank {rank}"
-        assert_run_matches(losses, params, ref_losses, ref_params, what)
-        names.update(params)
-    assert names == set(ref_params), layout.name
+    assert_ranks_match(layout, [(losses, params) for losses, params, _ in runs], reference)
     owned = [o for _, _, o in runs]
     sharded = layout.get("distopt") or layout.get("strategy") != "no_shard"
     assert (owned[0] is not None) == bool(sharded), layout.name

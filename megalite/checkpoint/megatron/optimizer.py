@@ -74,27 +74,32 @@ def optimizer_keys(keys) -> list[str]:
             + buckets.bucket_keys(keys))
 
 
-def saved_groups(common: dict) -> list[dict]:
-    """Every parameter group of the common state's optimizer, whatever its nesting (a
-    chained optimizer's ``{i: ...}``, a bf16 / fp16 or distributed optimizer's
-    ``{"optimizer": ...}``)."""
+def _optimizers(common: dict) -> list[dict]:
+    """Each torch optimizer's saved state (``{"param_groups", ["state"]}``) in the common
+    state, whatever its nesting (a chained optimizer's ``{i: ...}``, a bf16 / fp16 or
+    distributed optimizer's ``{"optimizer": ...}``)."""
     def walk(saved) -> list[dict]:
         if not isinstance(saved, dict):
             return []
         if "param_groups" in saved:
-            return list(saved["param_groups"])
+            return [saved]
         if "optimizer" in saved:
             return walk(saved["optimizer"])
-        return [g for key in sorted(k for k in saved if isinstance(k, int))
-                for g in walk(saved[key])]
+        return [inner for key in sorted(k for k in saved if isinstance(k, int))
+                for inner in walk(saved[key])]
     return walk(common.get("optimizer"))
+
+
+def _saved_groups(common: dict) -> list[dict]:
+    """Every parameter group of the common state's optimizers."""
+    return [g for inner in _optimizers(common) for g in inner["param_groups"]]
 
 
 def lion_betas(common: dict) -> tuple[float, float] | None:
     """The betas a Megatron run's Lion stepped with, from its saved parameter groups (a
     Lion group: betas and no ``eps``; None: no Lion group saved). Megatron-Core 0.19.2's
     ``--optimizer lion`` takes them from --adam-beta1/2, not --lion-beta1/2."""
-    betas = {tuple(g["betas"]) for g in saved_groups(common)
+    betas = {tuple(g["betas"]) for g in _saved_groups(common)
              if "betas" in g and "eps" not in g}
     if len(betas) > 1:
         raise CheckpointError(f"the saved Lion parameter groups hold several betas "
@@ -139,21 +144,12 @@ def _step(common: dict, groups: list[dict]) -> int:
     counted = buckets.step_count(groups)
     if counted is not None:
         return counted
-    saved = common["optimizer"]
-    parts = ([saved[k] for k in sorted(k for k in saved if isinstance(k, int))]
-             if isinstance(saved, dict) and 0 in saved else [saved])   # chained: each
-    for part in parts:
-        inner = part.get("optimizer", part) if isinstance(part, dict) else {}
+    for inner in _optimizers(common):
         common_step = (inner.get("state") or {}).get("common_step")
-        if common_step is not None:   # (Lion's part has none: its Adam's)
+        if common_step is not None:   # (a chained Lion has none: its Adam's)
             return int(common_step)
-    steps = {int(g["step"]) for g in saved_groups(common) if "step" in g}
-    if not steps:
-        return int(common.get("iteration", 0))
-    if len(steps) != 1:
-        raise CheckpointError(f"the optimizer state records step counts {sorted(steps)}, not "
-                              "one")
-    return steps.pop()
+    counted = buckets.step_count(_saved_groups(common))
+    return int(common.get("iteration", 0)) if counted is None else counted
 
 
 def read_optimizer_state(common: dict, tensors: dict[str, torch.Tensor],

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from megalite.parallel.params import param_meta
+
 
 class Algorithm:
     """An optimizer algorithm; subclasses set ``name`` and implement the methods."""
@@ -55,6 +57,11 @@ class Algorithm:
 
     def check(self, ocfg, named_params: list) -> None:
         """Raise ValueError naming a parameter this algorithm cannot update."""
+
+
+def is_weight_matrix(param: torch.Tensor) -> bool:
+    """A 2-D weight, or an ``[E, a, b]`` stack of expert weights (one matrix per expert)."""
+    return param.dim() == (3 if param_meta(param).expert else 2)
 
 
 EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")

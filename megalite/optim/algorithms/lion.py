@@ -39,8 +39,12 @@ from __future__ import annotations
 import torch
 
 from megalite.optim.algorithms.adam import ADAM_KEYS, build_adamw, init_adam_groups
-from megalite.optim.algorithms.base import Algorithm, is_embedding_or_output, shared_optimizer
-from megalite.parallel.params import param_meta
+from megalite.optim.algorithms.base import (
+    Algorithm,
+    is_embedding_or_output,
+    is_weight_matrix,
+    shared_optimizer,
+)
 
 LION_KEYS = ("exp_avg",)
 
@@ -50,8 +54,7 @@ def is_linear_weight(name: str, param: torch.Tensor) -> bool:
     b]`` expert stack) other than the word embedding and the output layer (Megatron-LM's
     rule: its emerging optimizers take every 2-D parameter not marked
     ``is_embedding_or_output_parameter``, learned position embeddings included)."""
-    want = 3 if param_meta(param).expert else 2
-    return param.dim() == want and not is_embedding_or_output(name)
+    return is_weight_matrix(param) and not is_embedding_or_output(name)
 
 
 class LionOptimizer(torch.optim.Optimizer):

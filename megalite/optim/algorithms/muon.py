@@ -29,8 +29,7 @@ from __future__ import annotations
 import torch
 
 from megalite.optim.algorithms import adam, lion
-from megalite.optim.algorithms.base import Algorithm, shared_optimizer
-from megalite.parallel.params import param_meta
+from megalite.optim.algorithms.base import Algorithm, is_weight_matrix, shared_optimizer
 
 MUON_KEYS = ("momentum_buffer",)
 # --muon-scalar-optimizer: the algorithm of the parameters Muon does not orthogonalise
@@ -41,8 +40,7 @@ NOT_MATRICES = ("embedding", "output_layer", "router")
 def is_matrix(name: str, param: torch.Tensor) -> bool:
     """Whether Muon orthogonalises ``param``: a 2-D weight (a ``[E, a, b]`` expert stack)
     that is not an embedding, the output layer or the router."""
-    want = 3 if param_meta(param).expert else 2
-    return param.dim() == want and not any(word in name for word in NOT_MATRICES)
+    return is_weight_matrix(param) and not any(word in name for word in NOT_MATRICES)
 
 
 class MuonOptimizer(torch.optim.Optimizer):
