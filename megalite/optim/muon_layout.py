@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import torch
 
 from megalite.layers.sharding import shard, unshard
-from megalite.optim.newton_schulz import newton_schulz, ns_flops, scale_factor
+from megalite.optim.newton_schulz import (newton_schulz, ns_flops, orthogonalize_stack,
+                                            scale_factor)
 from megalite.parallel import collectives
 from megalite.parallel.params import param_meta
 
@@ -113,11 +114,16 @@ def matrices(named_params, ps, ocfg) -> list[Matrix]:
             for n, p in named_params]
 
 
-def _scaled(o: torch.Tensor, shape: tuple, expert: bool, ocfg) -> torch.Tensor:
-    """``o`` times the scale of a matrix of ``shape`` (``[out, in]``, experts ``[in,
-    out]``) and --muon-extra-scale-factor."""
+def _factor(shape: tuple, expert: bool, ocfg) -> float:
+    """The scale of a matrix of ``shape`` (``[out, in]``, experts ``[in, out]``) times
+    --muon-extra-scale-factor."""
     out, inp = (shape[-1], shape[-2]) if expert else (shape[-2], shape[-1])
-    return o * (scale_factor(out, inp, ocfg.muon_scale_mode) * ocfg.muon_extra_scale_factor)
+    return scale_factor(out, inp, ocfg.muon_scale_mode) * ocfg.muon_extra_scale_factor
+
+
+def _scaled(o: torch.Tensor, shape: tuple, expert: bool, ocfg) -> torch.Tensor:
+    """``o`` times the scale of a matrix of ``shape`` (:func:`_factor`)."""
+    return o * _factor(shape, expert, ocfg)
 
 
 # Bytes of stacked fp32 input one batched Newton-Schulz iteration takes at most
@@ -135,39 +141,41 @@ def orthogonalize_batched(jobs: list, ocfg) -> list[torch.Tensor]:
     iterated together.
 
     Each part is turned to ``[m, n]`` with ``m <= n`` (transposed when ``a > b``) and the
-    parts of one ``(m, n)`` are stacked, in the order of ``jobs``, into ``[B, m, n]`` fp32
-    batches of at most :data:`MUON_BATCH_BYTES` (an expert stack counts ``E`` matrices and
-    is never cut; one larger than the bound runs alone): one
-    :func:`~megalite.optim.newton_schulz.newton_schulz` per batch instead of one per part.
+    parts of one ``(m, n)`` are stacked, in the order of ``jobs``, into ``[B, m, n]``
+    batches of at most :data:`MUON_BATCH_BYTES` of fp32 input (an expert stack counts
+    ``E`` matrices and is never cut; one larger than the bound runs alone): one
+    :func:`~megalite.optim.newton_schulz.orthogonalize_stack` per batch instead of one per
+    part, which normalises the parts straight into a stack of the iteration's dtype (bf16
+    on a GPU), and each part's result is scaled into its place in a contiguous fp32
+    ``O`` of its job's shape (Q, K and V into one tensor, not concatenated).
     The grouping depends only on the shapes and their order, so ranks passing the same
     list run the same batches. On the CPU the result is bitwise that of one part at a
     time (:func:`~megalite.optim.newton_schulz.orthogonalize`); on a GPU the batched
     kernels may round differently. No collectives."""
     steps, kind = ocfg.muon_num_ns_steps, ocfg.muon_coefficient_type
     prec = ocfg.muon_fp32_matmul_prec
-    pieces = []             # (job, the part as held, its [k, m, n] orientation, transposed)
+    results = [torch.empty(full.shape, dtype=torch.float32, device=full.device)
+               for full, _, _ in jobs]
+    pieces = []             # (job, the part as held, its [k, m, n] view, transposed, target)
     groups: dict[tuple[int, int], list[int]] = {}
     for j, (full, _, parts) in enumerate(jobs):
-        for x in (full.split(list(parts), dim=0) if parts is not None else [full]):
+        cut = list(parts) if parts is not None else [full.shape[0]]
+        for x, target in zip(full.float().split(cut, dim=0), results[j].split(cut, dim=0)):
             turned = x.shape[-2] > x.shape[-1]
             y = x.mT if turned else x
             y = y.reshape(-1, *y.shape[-2:])
             groups.setdefault(tuple(y.shape[-2:]), []).append(len(pieces))
-            pieces.append((j, x, y, turned))
-    outs: list = [None] * len(pieces)
+            pieces.append((j, x, y, turned, target))
     for members in groups.values():
         for batch in _batches(members, [pieces[i][2].numel() * 4 for i in members]):
-            stack = torch.cat([pieces[i][2].float() for i in batch]) if len(batch) > 1 \
-                else pieces[batch[0]][2].float().contiguous()
-            o = newton_schulz(stack, steps, kind, precision=prec)
+            o = orthogonalize_stack([pieces[i][2] for i in batch], steps, kind, prec)
             for i, oi in zip(batch, o.split([pieces[i][2].shape[0] for i in batch])):
-                j, x, _, turned = pieces[i]    # scaled now: the batch's output is freed
+                j, x, _, turned, target = pieces[i]
                 oi = oi.reshape(x.mT.shape if turned else x.shape)
-                outs[i] = _scaled(oi.mT if turned else oi, x.shape, jobs[j][1].expert, ocfg)
-    results: list[list] = [[] for _ in jobs]
-    for (j, *_), o in zip(pieces, outs):
-        results[j].append(o)
-    return [torch.cat(r, dim=0) if len(r) > 1 else r[0] for r in results]
+                target.copy_(oi.mT if turned else oi)     # to fp32, in x's layout
+                target.mul_(_factor(x.shape, jobs[j][1].expert, ocfg))
+            del o
+    return results
 
 
 def _batches(members: list[int], sizes: list[int]) -> list[list[int]]:

@@ -123,21 +123,30 @@ def newton_schulz(x: torch.Tensor, steps: int, kind: str = "quintic",
         return iterate(x, steps, kind, group, iteration_dtype(x, precision))
 
 
-def iterate(x: torch.Tensor, steps: int, kind: str, group=None,
-            dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The iteration of :func:`newton_schulz` with its matmuls in ``dtype`` (fp32 or
-    bf16): the norm in fp32, then X cast to ``dtype``; each step's two products with a
-    scaled addend are single ``addmm`` / ``baddbmm`` calls, whose fp32 epilogue rounds a
-    bf16 result once. Returns fp32 ``[..., m, n]``."""
-    # the squared norm as row sums, then their sum: on the CPU one reduction over both
-    # dimensions splits its work (and its float rounding) by the size of the batch, these
-    # two do not, so a matrix's result is bitwise the same alone or stacked with others
-    shape = x.shape
-    x = x.reshape(-1, *shape[-2:]) if x.dim() > 3 else x
+def normalize(x: torch.Tensor, group=None, out: torch.Tensor | None = None,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x`` ``[..., m, n]`` (fp32, any strides) divided by each matrix's Frobenius norm,
+    written in ``dtype``, or into ``out`` (``[..., m, n]`` of the iteration's dtype: one
+    pass that reads fp32 and writes, say, bf16). The squared norm is summed in fp32 as row
+    sums, then their sum: on the CPU one reduction over both dimensions splits its work
+    (and its float rounding) by the size of the batch, these two do not, so a matrix
+    normalised alone or in a stack gives the same bits. ``group``: ``x`` holds this rank's
+    columns; the squared norms ``[..., 1, 1]`` are all-reduced (SUM) over it."""
     sq = x.square().sum(dim=-1, keepdim=True).sum(dim=-2, keepdim=True)
     if group is not None:
         collectives.all_reduce(sq, group)
-    x = (x / sq.sqrt().clamp_min(EPS)).to(dtype)
+    norm = sq.sqrt().clamp_min(EPS)
+    if out is not None:
+        return torch.div(x, norm, out=out)
+    return (x / norm).to(dtype)
+
+
+def polynomial_steps(x: torch.Tensor, steps: int, kind: str, group=None) -> torch.Tensor:
+    """The ``steps`` polynomial steps on normalised ``x`` ``[m, n]`` or ``[B, m, n]``, in
+    ``x``'s dtype: each step's two products with a scaled addend are single ``addmm`` /
+    ``baddbmm`` calls, whose fp32 epilogue rounds a bf16 result once. ``group``: as in
+    :func:`normalize`, the Gram matrices ``[..., m, m]`` all-reduced in fp32 (SUM)."""
+    dtype = x.dtype
     add_product = torch.addmm if x.dim() == 2 else torch.baddbmm
     for a, b, c in coefficients(kind, steps):
         gram = x @ x.mT
@@ -147,19 +156,51 @@ def iterate(x: torch.Tensor, steps: int, kind: str, group=None,
             gram = gram.to(dtype)
         poly = add_product(gram, gram, gram, beta=b, alpha=c)       # b A + c A A
         x = add_product(x, poly, x, beta=a)                         # a X + poly X
+    return x
+
+
+def iterate(x: torch.Tensor, steps: int, kind: str, group=None,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The iteration of :func:`newton_schulz` with its matmuls in ``dtype`` (fp32 or
+    bf16): :func:`normalize` into ``dtype``, then :func:`polynomial_steps`. Returns fp32
+    ``[..., m, n]``."""
+    shape = x.shape
+    x = x.reshape(-1, *shape[-2:]) if x.dim() > 3 else x
+    x = polynomial_steps(normalize(x, group, dtype=dtype), steps, kind, group)
     return x.float().reshape(shape)
+
+
+def orthogonalize_stack(views: list[torch.Tensor], steps: int, kind: str,
+                        precision: str | None = None) -> torch.Tensor:
+    """Whole matrices ``views`` (each ``[k_i, m, n]``, fp32, ``m <= n``, any strides: a
+    transposed view is read as it is) normalised straight into one ``[sum k_i, m, n]``
+    stack of the iteration's dtype (:func:`iteration_dtype`: bf16 for ``precision``
+    ``medium`` on a GPU) and iterated together. Returns the stack in that dtype (the
+    caller scales each part out of it). On the CPU a view's result is bitwise the same
+    alone or stacked with others. No collectives."""
+    first = views[0]
+    dtype = iteration_dtype(first, precision)
+    stack = torch.empty((sum(v.shape[0] for v in views), *first.shape[-2:]), dtype=dtype,
+                        device=first.device)
+    offset = 0
+    for v in views:
+        normalize(v, out=stack[offset:offset + v.shape[0]])
+        offset += v.shape[0]
+    with matmul_precision(first, precision):
+        return polynomial_steps(stack, steps, kind)
 
 
 def orthogonalize(x: torch.Tensor, steps: int, kind: str = "quintic",
                   precision: str | None = None) -> torch.Tensor:
-    """:func:`newton_schulz` of whole matrices ``[..., m, n]`` on one rank, on the side
-    with the smaller Gram matrix (transposed when ``m > n``: the iteration runs on a
-    contiguous ``[..., n, m]`` copy, the memory layout a stack of such matrices has, so
-    that the result does not depend on being batched,
-    :func:`megalite.optim.muon_layout.orthogonalize_batched`)."""
-    if x.shape[-2] > x.shape[-1]:
-        return newton_schulz(x.mT.contiguous(), steps, kind, precision=precision).mT
-    return newton_schulz(x, steps, kind, precision=precision)
+    """Whole matrices ``x`` ``[..., m, n]`` orthogonalised on one rank, on the side with
+    the smaller Gram matrix (the iteration reads ``x``'s transpose when ``m > n``) as
+    :func:`megalite.optim.muon_layout.orthogonalize_batched` does for a stack of such
+    matrices, so that the result does not depend on being batched; fp32 out."""
+    turned = x.shape[-2] > x.shape[-1]
+    y = x.mT if turned else x
+    o = orthogonalize_stack([y.reshape(-1, *y.shape[-2:])], steps, kind, precision)
+    o = o.float().reshape(y.shape)
+    return o.mT if turned else o
 
 
 def scale_factor(size_out: int, size_in: int, mode: str) -> float:

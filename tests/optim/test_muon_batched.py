@@ -4,8 +4,9 @@ on the CPU every result is bitwise the one-matrix-at-a-time result
 (:func:`orthogonalize_full` below), for a model's worth of shapes:
 a Llama-style GQA MoE model (Q, K, V apart with --muon-split-qkv, SwiGLU, expert stacks
 ``[E, in, out]``, the first layer dense) and a GPT-style one (``fc1 [4h, h]`` and ``fc2
-[h, 4h]`` meet after the transpose), under each scale mode; one ``newton_schulz`` call per
-shape group, more when :data:`MUON_BATCH_BYTES` cuts a group, a part above it alone."""
+[h, 4h]`` meet after the transpose), under each scale mode; one ``orthogonalize_stack``
+call per shape group, more when :data:`MUON_BATCH_BYTES` cuts a group, a part above it
+alone."""
 
 import pytest
 import torch
@@ -63,15 +64,15 @@ def _parts(pairs):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The stacks ``[B, m, n]`` each batched ``newton_schulz`` call received."""
+    """The stacks ``[B, m, n]`` each batched ``orthogonalize_stack`` call iterated."""
     seen = []
-    real = muon_layout.newton_schulz
+    real = muon_layout.orthogonalize_stack
 
-    def counting(x, *args, **kwargs):
-        seen.append(tuple(x.shape))
-        return real(x, *args, **kwargs)
+    def counting(views, *args, **kwargs):
+        seen.append((sum(v.shape[0] for v in views), *views[0].shape[-2:]))
+        return real(views, *args, **kwargs)
 
-    monkeypatch.setattr(muon_layout, "newton_schulz", counting)
+    monkeypatch.setattr(muon_layout, "orthogonalize_stack", counting)
     return seen
 
 

@@ -65,6 +65,15 @@ output GEMM by default; Megatron-LM has no flag for it, so neither has megalite.
 CPU kernel and the fp32 emulation have no such mode: CPU results do not change."""
 
 
+SCALED_MM = torch.ops.aten._scaled_mm.default
+"""The kernel, called as the aten operator ``(a, b, scale_a, scale_b, bias, scale_result,
+out_dtype, use_fast_accum)`` rather than through ``torch._scaled_mm``: ``--compile``
+traces an operator into the layer's graph under every torch version, whereas dynamo
+traces the ``torch._scaled_mm`` binding only where its trace rules allow it (torch
+2.11's dynamo skipped it, so on an H200 every fp8 linear broke the compiled layer's
+graph: 29 breaks in the 2-layer model of ``tests/gpu``; torch 2.13's traces it)."""
+
+
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device.type == "cpu":
         return True
@@ -83,11 +92,9 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tens
     ``fast_accum``: the CUDA kernel's fast accumulation (:data:`FPROP_FAST_ACCUM`);
     ignored elsewhere."""
     if _kernel_takes(a, b):
-        if a.device.type == "cuda":
-            y = torch._scaled_mm(a, b.t(), scale_a=da, scale_b=db, out_dtype=out_dtype,
-                                 use_fast_accum=fast_accum)
-        else:
-            y = torch._scaled_mm(a, b.t(), scale_a=da, scale_b=db, out_dtype=torch.float32)
+        cuda = a.device.type == "cuda"
+        y = SCALED_MM(a, b.t(), da, db, None, None, out_dtype if cuda else torch.float32,
+                      fast_accum and cuda)
     else:
         y = (a.float() * da) @ (b.float() * db).t()
     return y.to(out_dtype)

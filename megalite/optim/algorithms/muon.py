@@ -77,7 +77,9 @@ class MuonOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def updates(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Advance the momentum of every Muon tensor with a gradient; ``[(tensor, U)]``."""
+        """Advance the momentum of every Muon tensor with a gradient; ``[(tensor, U)]``.
+        Without --muon-nesterov ``U`` is the momentum buffer itself, which the
+        orthogonalisation only reads."""
         out = []
         for group in self.param_groups:
             if group.get("rule") != "muon":
@@ -91,7 +93,7 @@ class MuonOptimizer(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - beta)
-                out.append((p, p.grad.lerp(buf, beta) if group["nesterov"] else buf.clone()))
+                out.append((p, p.grad.lerp(buf, beta) if group["nesterov"] else buf))
         return out
 
     @torch.no_grad()
