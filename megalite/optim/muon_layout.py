@@ -9,8 +9,8 @@ and V part of a fused QKV weight with --muon-split-qkv -- times the scale of
 ``--muon-scale-mode`` for that matrix's ``[out, in]`` shape (dense weights are ``[out,
 in]``, expert stacks ``[E, in, out]``). The
 matrices a rank orthogonalises whole are iterated together (:func:`orthogonalize_batched`):
-the parts of equal shape (after the Q/K/V split and the transpose to ``m <= n``; an expert
-stack counts as ``E`` parts of its shape) are stacked into ``[B, m, n]`` batches of at
+the parts of equal shape (after the Q/K/V split; an expert stack counts as ``E`` parts
+of its shape) are stacked into ``[B, m, n]`` batches of at
 most :data:`MUON_BATCH_BYTES`, one Newton-Schulz iteration per batch rather than per
 matrix: fewer, larger kernels on a GPU, and on the CPU bitwise the one-at-a-time result.
 
@@ -129,7 +129,7 @@ def _scaled(o: torch.Tensor, shape: tuple, expert: bool, ocfg) -> torch.Tensor:
 # Bytes of stacked fp32 input one batched Newton-Schulz iteration takes at most
 # (:func:`orthogonalize_batched`). The iteration holds up to five tensors of its batch's
 # size at its peak (the input stack, X, a X, the product with X and their sum; the Gram
-# matrices are smaller, m <= n), so a batch costs about 1.25 GiB of transient memory at
+# matrices are the smaller side's), so a batch costs about 1.25 GiB of transient memory at
 # this bound; a single part larger than it runs alone, as it would unbatched.
 MUON_BATCH_BYTES = 256 * 2 ** 20
 
@@ -140,8 +140,7 @@ def orthogonalize_batched(jobs: list, ocfg) -> list[torch.Tensor]:
     b]``, cut into ``parts`` along dimension 0 when given), with the parts of equal shape
     iterated together.
 
-    Each part is turned to ``[m, n]`` with ``m <= n`` (transposed when ``a > b``) and the
-    parts of one ``(m, n)`` are stacked, in the order of ``jobs``, into ``[B, m, n]``
+    The parts of one ``(m, n)`` are stacked, in the order of ``jobs``, into ``[B, m, n]``
     batches of at most :data:`MUON_BATCH_BYTES` of fp32 input (an expert stack counts
     ``E`` matrices and is never cut; one larger than the bound runs alone): one
     :func:`~megalite.optim.newton_schulz.orthogonalize_stack` per batch instead of one per
@@ -156,24 +155,21 @@ def orthogonalize_batched(jobs: list, ocfg) -> list[torch.Tensor]:
     prec = ocfg.muon_fp32_matmul_prec
     results = [torch.empty(full.shape, dtype=torch.float32, device=full.device)
                for full, _, _ in jobs]
-    pieces = []             # (job, the part as held, its [k, m, n] view, transposed, target)
+    pieces = []             # (job, its [k, m, n] view, the part's shape, its place in O)
     groups: dict[tuple[int, int], list[int]] = {}
     for j, (full, _, parts) in enumerate(jobs):
         cut = list(parts) if parts is not None else [full.shape[0]]
         for x, target in zip(full.float().split(cut, dim=0), results[j].split(cut, dim=0)):
-            turned = x.shape[-2] > x.shape[-1]
-            y = x.mT if turned else x
-            y = y.reshape(-1, *y.shape[-2:])
+            y = x.reshape(-1, *x.shape[-2:])
             groups.setdefault(tuple(y.shape[-2:]), []).append(len(pieces))
-            pieces.append((j, x, y, turned, target))
+            pieces.append((j, y, x.shape, target))
     for members in groups.values():
-        for batch in _batches(members, [pieces[i][2].numel() * 4 for i in members]):
-            o = orthogonalize_stack([pieces[i][2] for i in batch], steps, kind, prec)
-            for i, oi in zip(batch, o.split([pieces[i][2].shape[0] for i in batch])):
-                j, x, _, turned, target = pieces[i]
-                oi = oi.reshape(x.mT.shape if turned else x.shape)
-                target.copy_(oi.mT if turned else oi)     # to fp32, in x's layout
-                target.mul_(_factor(x.shape, jobs[j][1].expert, ocfg))
+        for batch in _batches(members, [pieces[i][1].numel() * 4 for i in members]):
+            o = orthogonalize_stack([pieces[i][1] for i in batch], steps, kind, prec)
+            for i, oi in zip(batch, o.split([pieces[i][1].shape[0] for i in batch])):
+                j, _, shape, target = pieces[i]
+                target.copy_(oi.reshape(shape))           # to fp32
+                target.mul_(_factor(shape, jobs[j][1].expert, ocfg))
             del o
     return results
 

@@ -9,7 +9,12 @@ One step on ``X`` ``[m, n]`` (``m <= n``, so that the Gram matrix is the small o
 after ``X`` was divided by its Frobenius norm (so every singular value is at most 1).
 Each step maps every singular value ``s`` to ``a s + b s^3 + c s^5`` and leaves the
 singular vectors alone, which is why orthogonalising ``X^T`` gives the transpose of the
-result, and orthogonalising ``P X`` (rows permuted) gives ``P`` times it.
+result, and orthogonalising ``P X`` (rows permuted) gives ``P`` times it. A tall ``X``
+(``m > n``) takes the same step on its transpose, written without transposing anything
+(``A`` and the polynomial are symmetric)::
+
+    A = X^T X                  [n, n]
+    X <- a X + X (b A + c A A)
 
 Coefficient sets (``--muon-coefficient-type``), with the meanings of Megatron-LM's flag
 (the tables of NVIDIA's Emerging-Optimizers, which Megatron-LM calls):
@@ -141,21 +146,25 @@ def normalize(x: torch.Tensor, group=None, out: torch.Tensor | None = None,
     return (x / norm).to(dtype)
 
 
-def polynomial_steps(x: torch.Tensor, steps: int, kind: str, group=None) -> torch.Tensor:
+def polynomial_steps(x: torch.Tensor, steps: int, kind: str, group=None,
+                     right: bool = False) -> torch.Tensor:
     """The ``steps`` polynomial steps on normalised ``x`` ``[m, n]`` or ``[B, m, n]``, in
     ``x``'s dtype: each step's two products with a scaled addend are single ``addmm`` /
-    ``baddbmm`` calls, whose fp32 epilogue rounds a bf16 result once. ``group``: as in
-    :func:`normalize`, the Gram matrices ``[..., m, m]`` all-reduced in fp32 (SUM)."""
+    ``baddbmm`` calls, whose fp32 epilogue rounds a bf16 result once. ``right``: the
+    tall form (``A = X^T X`` ``[..., n, n]``, ``X <- a X + X P``; module docstring).
+    ``group``: as in :func:`normalize`, the Gram matrices ``[..., m, m]`` all-reduced in
+    fp32 (SUM)."""
     dtype = x.dtype
     add_product = torch.addmm if x.dim() == 2 else torch.baddbmm
     for a, b, c in coefficients(kind, steps):
-        gram = x @ x.mT
+        gram = x.mT @ x if right else x @ x.mT
         if group is not None:       # partial sums over the column blocks, added in fp32
             gram = gram.float()
             collectives.all_reduce(gram, group)
             gram = gram.to(dtype)
         poly = add_product(gram, gram, gram, beta=b, alpha=c)       # b A + c A A
-        x = add_product(x, poly, x, beta=a)                         # a X + poly X
+        x = add_product(x, x, poly, beta=a) if right \
+            else add_product(x, poly, x, beta=a)                    # a X + poly X
     return x
 
 
@@ -172,12 +181,13 @@ def iterate(x: torch.Tensor, steps: int, kind: str, group=None,
 
 def orthogonalize_stack(views: list[torch.Tensor], steps: int, kind: str,
                         precision: str | None = None) -> torch.Tensor:
-    """Whole matrices ``views`` (each ``[k_i, m, n]``, fp32, ``m <= n``, any strides: a
-    transposed view is read as it is) normalised straight into one ``[sum k_i, m, n]``
-    stack of the iteration's dtype (:func:`iteration_dtype`: bf16 for ``precision``
-    ``medium`` on a GPU) and iterated together. Returns the stack in that dtype (the
-    caller scales each part out of it). On the CPU a view's result is bitwise the same
-    alone or stacked with others. No collectives."""
+    """Whole matrices ``views`` (each ``[k_i, m, n]``, fp32, of one ``(m, n)``)
+    normalised straight into one ``[sum k_i, m, n]`` stack of the iteration's dtype
+    (:func:`iteration_dtype`: bf16 for ``precision`` ``medium`` on a GPU) and iterated
+    together, on the side of the smaller Gram matrix (the tall form when ``m > n``: no
+    transposed copy anywhere). Returns the stack in that dtype (the caller scales each
+    part out of it). On the CPU a view's result is bitwise the same alone or stacked
+    with others. No collectives."""
     first = views[0]
     dtype = iteration_dtype(first, precision)
     stack = torch.empty((sum(v.shape[0] for v in views), *first.shape[-2:]), dtype=dtype,
@@ -187,20 +197,17 @@ def orthogonalize_stack(views: list[torch.Tensor], steps: int, kind: str,
         normalize(v, out=stack[offset:offset + v.shape[0]])
         offset += v.shape[0]
     with matmul_precision(first, precision):
-        return polynomial_steps(stack, steps, kind)
+        return polynomial_steps(stack, steps, kind, right=stack.shape[-2] > stack.shape[-1])
 
 
 def orthogonalize(x: torch.Tensor, steps: int, kind: str = "quintic",
                   precision: str | None = None) -> torch.Tensor:
     """Whole matrices ``x`` ``[..., m, n]`` orthogonalised on one rank, on the side with
-    the smaller Gram matrix (the iteration reads ``x``'s transpose when ``m > n``) as
-    :func:`megalite.optim.muon_layout.orthogonalize_batched` does for a stack of such
-    matrices, so that the result does not depend on being batched; fp32 out."""
-    turned = x.shape[-2] > x.shape[-1]
-    y = x.mT if turned else x
-    o = orthogonalize_stack([y.reshape(-1, *y.shape[-2:])], steps, kind, precision)
-    o = o.float().reshape(y.shape)
-    return o.mT if turned else o
+    the smaller Gram matrix, as :func:`megalite.optim.muon_layout.orthogonalize_batched`
+    does for a stack of such matrices (:func:`orthogonalize_stack`), so that the result
+    does not depend on being batched; fp32 out."""
+    o = orthogonalize_stack([x.reshape(-1, *x.shape[-2:])], steps, kind, precision)
+    return o.float().reshape(x.shape)
 
 
 def scale_factor(size_out: int, size_in: int, mode: str) -> float:

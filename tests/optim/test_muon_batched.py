@@ -3,8 +3,8 @@ the matrices a rank orthogonalises whole are iterated in stacks of equal part sh
 on the CPU every result is bitwise the one-matrix-at-a-time result
 (:func:`orthogonalize_full` below), for a model's worth of shapes:
 a Llama-style GQA MoE model (Q, K, V apart with --muon-split-qkv, SwiGLU, expert stacks
-``[E, in, out]``, the first layer dense) and a GPT-style one (``fc1 [4h, h]`` and ``fc2
-[h, 4h]`` meet after the transpose), under each scale mode; one ``orthogonalize_stack``
+``[E, in, out]``, the first layer dense) and a GPT-style one (the tall ``fc1 [4h, h]``
+iterated on its small side without a transpose), under each scale mode; one ``orthogonalize_stack``
 call per shape group, more when :data:`MUON_BATCH_BYTES` cuts a group, a part above it
 alone."""
 
@@ -54,11 +54,11 @@ def _pairs(optim: dict):
 
 
 def _parts(pairs):
-    """Shape ``(m, n)``, ``m <= n``, and matrix count of every part iterated."""
+    """Shape ``(m, n)`` and matrix count of every part iterated."""
     out = []
     for mat, u in pairs:
         for x in u.split(list(mat.parts), dim=0) if mat.parts else [u]:
-            out.append((tuple(sorted(x.shape[-2:])), x.shape[0] if x.dim() == 3 else 1))
+            out.append((tuple(x.shape[-2:]), x.shape[0] if x.dim() == 3 else 1))
     return out
 
 
@@ -106,16 +106,16 @@ def test_the_byte_bound_cuts_a_group_and_a_large_part_runs_alone(monkeypatch, ca
     pairs, ocfg = _pairs({})
     want = [orthogonalize_full(u, mat, ocfg, mat.parts) for mat, u in pairs]
     # room for two [64, 64] matrices: Q, proj (x 2 layers) in two batches of two; the
-    # expert stacks [4, 64, 352] and [4, 64, 176] exceed it and run alone, as does a
-    # dense fc1 [352, 64]
+    # expert stacks [4, 64, 352] and [4, 176, 64] exceed it and run alone, as does a
+    # dense fc1 [352, 64] (tall: iterated on its small side as it is)
     monkeypatch.setattr(muon_layout, "MUON_BATCH_BYTES", 2 * 64 * 64 * 4)
     got = orthogonalize_local(pairs, ocfg)
     for (mat, _), w, g in zip(pairs, want, got):
         assert torch.equal(g, w), mat.name
     assert calls.count((2, 64, 64)) == 2 and (4, 64, 64) not in calls
-    assert (4, 64, 352) in calls and (1, 64, 352) in calls
+    assert (4, 64, 352) in calls and (1, 352, 64) in calls
     assert all(b * m * n * 4 <= 2 * 64 * 64 * 4 or b == 1 or (b, m, n) in
-               {(4, 64, 352), (4, 64, 176)} for b, m, n in calls)
+               {(4, 64, 352), (4, 176, 64)} for b, m, n in calls)
     assert len(calls) > len({s for s, _ in _parts(pairs)})
 
 
@@ -129,9 +129,9 @@ def test_batches_keep_order_and_bound():
 
 def test_large_parts_bitwise():
     """Parts large enough that the CPU splits a reduction's work by the batch's size (the
-    squared norm is taken as row sums, then their sum, to stay exact): five ``[256,
-    2048]`` matrices, one held as ``[2048, 256]``, and a 2-expert stack ``[2, 2048, 256]``
-    iterated together."""
+    squared norm is taken as row sums, then their sum, to stay exact): four ``[256,
+    2048]`` matrices iterated together, a tall ``[2048, 256]`` one and a 2-expert stack
+    ``[2, 2048, 256]`` iterated in the tall form."""
     cfg = tiny_config(1, optim={"optimizer": "muon"})
     gen = torch.Generator().manual_seed(5)
     shapes = [(256, 2048)] * 3 + [(2048, 256), (256, 2048)]
