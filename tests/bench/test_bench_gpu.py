@@ -104,3 +104,23 @@ def test_gpu_checks_script_smoke(tmp_path):
     for name in ("env", "test-gpu", "fp8", "step", "muon-accum"):
         assert f"--- {name} rc=0" in log, log
     assert "Muon's theory" in (tmp_path / "muon-accum.txt").read_text()
+
+
+def test_graph_breaks_line_counts_and_names_the_commonest_reason():
+    """A compiled row's line under it: the breaks dynamo counted, and the commonest
+    reason's first two lines (how a skipped ``torch._scaled_mm`` showed on torch 2.11)."""
+    breaks = bench.counters["graph_break"]
+    saved = dict(breaks)
+    try:
+        breaks.clear()
+        assert bench.graph_breaks("megalite+compile").endswith("graph breaks 0")
+        breaks["Attempted to call function marked as skipped\n  Explanation: Dynamo does "
+               "not know how to trace the builtin `torch._scaled_mm`.\n  Hint: ..."] = 29
+        breaks["another reason"] = 1
+        line = bench.graph_breaks("fp8")
+        assert "graph breaks 30, 29 of them: Attempted to call function marked as " \
+               "skipped / Explanation: Dynamo does not know how to trace the builtin " \
+               "`torch._scaled_mm`." in line and "Hint" not in line
+    finally:
+        breaks.clear()
+        breaks.update(saved)

@@ -26,7 +26,9 @@ tiny shape for smoke runs. In one run, on the same weights and inputs:
 Printed: tokens/s (median step), MFU against the device's table peak
 (:data:`megalite.hardware.GPU_PEAK_FLOPS`) and against the ``torch.mm`` peak of the
 model's dtype (bf16) measured here (:class:`megalite.hardware.MatmulPeak`), the peak memory
-of each, and megalite's top kernels (torch.profiler). Model FLOPs per token are the
+of each, the graph breaks of each compiled row (with the commonest reason: a break cuts a
+layer's compiled code, and the cut-off part runs eagerly), and megalite's top kernels
+(torch.profiler). Model FLOPs per token are the
 training loop's ``6 N + 6 h V + 12 L h s`` (:func:`megalite.config.shapes.flops_per_token`,
 read from the resolved layout), as in ``tools/bench/model.py``. Without CUDA (and no
 ``--device cpu``) it prints one line and exits 0.
@@ -41,6 +43,7 @@ import statistics
 import time
 
 import torch
+from torch._dynamo.utils import counters
 
 from megalite import hardware
 
@@ -234,6 +237,19 @@ def top_kernels(step, ids, labels, dev: Device, top: int) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60)
 
 
+def graph_breaks(name: str) -> str:
+    """The graph breaks dynamo counted since they were cleared (a compiled row's warm-up
+    and steps): their number, and the commonest reason's first two lines where there are
+    any (a break splits a layer's compiled code, and what it cuts off runs eagerly)."""
+    breaks = counters["graph_break"]
+    total = sum(breaks.values())
+    if not total:
+        return f"{name:>30}: graph breaks 0"
+    reason, count = max(breaks.items(), key=lambda kv: kv[1])
+    lines = [line.strip() for line in reason.splitlines() if line.strip()][:2]
+    return f"{name:>30}: graph breaks {total}, {count} of them: {' / '.join(lines)[:240]}"
+
+
 def tflops(rate: float) -> str:
     return f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e11 else f"{rate / 1e9:.1f} GFLOP/s"
 
@@ -286,6 +302,7 @@ def main(argv=None) -> None:
               flush=True)
 
     for i, (name, variant) in enumerate(variants):   # the same initial weights (one seed)
+        counters["graph_break"].clear()
         model, step, ns_flops = make_megalite(variant, dev, compiled, args.compile_mode,
                                               accum)
         if ns_flops:
@@ -297,6 +314,8 @@ def main(argv=None) -> None:
         if state is None and not args.no_hf:
             state = {k: v.cpu() for k, v in model.full_state_dict().items()}
         report(name, *time_steps(step, ids, labels, dev, args.warmup, args.steps))
+        if compiled:
+            print(graph_breaks(name), flush=True)
         if i == 0 and args.top:
             profile = top_kernels(step, ids, labels, dev, args.top)
         del model, step
