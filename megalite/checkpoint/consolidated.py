@@ -112,6 +112,8 @@ def save_full_model(cfg: MegaliteConfig, state: dict[str, torch.Tensor], root: s
     optimizer.load_state_dict_per_param({"step": s.step, "params": {
         name: {k: _pad_rows(x, shapes[name].shape) for k, x in s.params[name].items()}
         for name in optimizer.names}})
+    if s.loss_scaler is not None and hasattr(optimizer.scaler, "clean_steps"):
+        optimizer.scaler.load_state_dict(s.loss_scaler)   # an fp16 run's dynamic scale
     scheduler = LRScheduler.for_run(cfg, resolve_layout(cfg, 1).batch_schedule)
     scheduler.num_steps = (s.scheduler_samples if scheduler.unit == "samples"
                            and s.scheduler_samples is not None else s.iteration)
@@ -126,7 +128,8 @@ def load_full_training_state(root: str, iteration: int | None = None):
     ``optimizer state`` ``{"step", "iteration", "consumed_samples", "params": {name:
     {state name: full fp32 tensor}}}`` (the per-parameter form of
     :mod:`megalite.optim.optimizer_state`: ``exp_avg`` / ``exp_avg_sq``, ``momentum_buffer``,
-    ``master`` for a bf16 / fp16 model's fp32 weights; vocabulary padding rows dropped)
+    ``master`` for a bf16 / fp16 model's fp32 weights; vocabulary padding rows dropped;
+    and ``"loss_scaler"``, the loss scaler's state)
     and the lr ``scheduler`` at its saved position; the last two None where the
     checkpoint holds no optimizer state."""
     import dataclasses
@@ -156,5 +159,6 @@ def load_full_training_state(root: str, iteration: int | None = None):
                      for k, t in entry.items()}
               for name, entry in per["params"].items()}
     state = {"step": int(per["step"]), "iteration": loaded.iteration,
-             "consumed_samples": loaded.consumed_samples, "params": params}
+             "consumed_samples": loaded.consumed_samples, "params": params,
+             "loss_scaler": optimizer.scaler.state_dict()}
     return cfg, weights, state, scheduler

@@ -241,3 +241,34 @@ def test_transformer_engine_export_names_the_norms_as_its_spec_does(tmp_path, na
     assert all(torch.equal(a[k], b[te_name(k)]) for k in a)
     back, first = read_megatron(mt).state, read_megatron(os.path.dirname(theirs.directory)).state
     assert back.keys() == first.keys() and all(torch.equal(back[k], first[k]) for k in first)
+
+
+@pytest.mark.parametrize("parallel", [{}, {"data_parallel_sharding_strategy": "optim_grads"}],
+                         ids=["plain", "distributed"])
+def test_fp16_loss_scale_crosses_to_megatron_and_back(tmp_path, parallel):
+    """An fp16 run's dynamic loss scale: its scale, clean steps and hysteresis budget go
+    into the ``grad_scaler`` Megatron-Core's fp16 optimizer (plain or distributed) keeps
+    beside its torch optimizer, and an import of that checkpoint resumes with them
+    instead of --initial-loss-scale (2^32 by default: a dozen skipped steps)."""
+    from megalite.checkpoint.consolidated import load_full_training_state
+
+    save, mt, back = (str(tmp_path / d) for d in ("run", "megatron", "back"))
+    # a window of 2 clean steps: the scale doubles once in 3 steps, one clean step after
+    optim = {"initial_loss_scale": 1024.0, "loss_scale_window": 2}
+    run_training(tiny_config(model={"fp16": True}, optim=optim, parallel=parallel,
+                             train={"train_iters": 3}, checkpoint={"save": save}))
+    scaler = load_full_training_state(save)[2]["loss_scaler"]
+    assert (scaler["scale"], scaler["clean_steps"], scaler["hysteresis_left"]) == \
+        (2048.0, 1, 2)
+    assert convert("--source", "megalite", "--target", "megatron", "--load-dir", save,
+                   "--save-dir", mt) == 0
+    saved = read_common(find_checkpoint(mt))["optimizer"]["grad_scaler"]
+    assert torch.equal(saved["scale"], torch.tensor([2048.0]))
+    assert (saved["growth_tracker"], saved["hysteresis_tracker"]) == (1, 2)
+    assert read_megatron(mt).optimizer.loss_scaler == \
+        {"scale": 2048.0, "clean_steps": 1, "hysteresis_left": 2}
+    assert convert("--source", "megatron", "--target", "megalite", "--load-dir", mt,
+                   "--save-dir", back) == 0
+    again = load_full_training_state(back)[2]["loss_scaler"]
+    assert {k: again[k] for k in ("scale", "clean_steps", "hysteresis_left")} == \
+        {"scale": 2048.0, "clean_steps": 1, "hysteresis_left": 2}

@@ -138,8 +138,22 @@ def model_kwargs(args: Namespace) -> dict:
 OPTIM_SAME = ("optimizer", "lr", "min_lr", "lr_decay_style", "lr_decay_iters",
               "lr_decay_samples", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction",
               "lr_warmup_init", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
-              "sgd_momentum", "clip_grad")
+              "sgd_momentum", "clip_grad", "loss_scale", "initial_loss_scale", "min_loss_scale",
+              "loss_scale_window", "hysteresis")
 TRAIN_SAME = ("micro_batch_size", "global_batch_size", "train_iters", "train_samples", "seed")
+
+
+def run_args(cfg) -> dict:
+    """The optimizer, schedule, loss-scale and batch flags of megalite's run ``cfg`` under
+    Megatron-LM's names (:data:`OPTIM_SAME`, :data:`TRAIN_SAME`, the Lion betas, the loss
+    normalisation): what an export with the optimizer state records in ``args``, so that
+    its import (or Megatron-LM's) resumes the same run."""
+    o, t = cfg.optim, cfg.train
+    kw = {n: getattr(o, n) for n in OPTIM_SAME}
+    kw.update({n: getattr(t, n) for n in TRAIN_SAME})
+    kw.update(lion_beta1=o.lion_beta1, lion_beta2=o.lion_beta2,
+              calculate_per_token_loss=not t.per_microbatch_loss)
+    return kw
 
 
 def optim_kwargs(args: Namespace, lion_betas: tuple[float, float] | None = None) -> dict:

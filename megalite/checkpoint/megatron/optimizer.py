@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.checkpoint.files import CheckpointError
-from megalite.checkpoint.megatron import buckets, mapping
+from megalite.checkpoint.megatron import arguments, buckets, mapping
 
 PREFIX = "optimizer.state."
 # [chained_<i>.]optimizer.state.<state>.<model key> (the chained optimizers' prefix where
@@ -50,14 +50,17 @@ ALGORITHMS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",),
 @dataclass
 class MegatronOptimizerState:
     """Megatron's optimizer state in megalite's names: ``params`` ``{parameter name: {state
-    name: full fp32 tensor}}``, the optimizer's step count, and where training stood
-    (``iteration``, ``consumed_samples``, the scheduler's ``num_steps`` in samples)."""
+    name: full fp32 tensor}}``, the optimizer's step count, where training stood
+    (``iteration``, ``consumed_samples``, the scheduler's ``num_steps`` in samples) and an
+    fp16 run's dynamic loss scale (``loss_scaler``: the fields of
+    :class:`megalite.optim.loss_scaler.DynamicLossScaler` it sets; None: none saved)."""
 
     step: int
     params: dict[str, dict[str, torch.Tensor]]
     iteration: int
     consumed_samples: int
     scheduler_samples: int | None
+    loss_scaler: dict | None = None
 
 
 def _parts(key: str) -> tuple[str, str] | None:
@@ -88,6 +91,44 @@ def _optimizers(common: dict) -> list[dict]:
         return [inner for key in sorted(k for k in saved if isinstance(k, int))
                 for inner in walk(saved[key])]
     return walk(common.get("optimizer"))
+
+
+def _grad_scalers(common: dict) -> list[dict]:
+    """Each saved ``grad_scaler`` of the common state's optimizers: an fp16 run's mixed
+    precision (or distributed) optimizer keeps its scaler's ``{"scale": [1] fp32,
+    "growth_tracker", "hysteresis_tracker"}`` beside its torch optimizer's state (a
+    constant scaler saves ``{}``); a chained optimizer has one per part."""
+    def walk(saved) -> list[dict]:
+        if not isinstance(saved, dict) or "param_groups" in saved:
+            return []
+        if "optimizer" in saved:
+            found = saved.get("grad_scaler")
+            return ([found] if found else []) + walk(saved["optimizer"])
+        return [inner for key in sorted(k for k in saved if isinstance(k, int))
+                for inner in walk(saved[key])]
+    return walk(common.get("optimizer"))
+
+
+def loss_scaler(common: dict) -> dict | None:
+    """An fp16 Megatron run's dynamic loss scale as megalite's
+    :class:`~megalite.optim.loss_scaler.DynamicLossScaler` fields (``scale``,
+    ``clean_steps``: Megatron's growth tracker, ``hysteresis_left``: its hysteresis
+    tracker; the two count the same things), from the first saved scaler (a chained
+    optimizer's parts step on the same overflows); None where none is saved."""
+    for saved in _grad_scalers(common):
+        if "scale" in saved:
+            return {"scale": float(torch.as_tensor(saved["scale"]).reshape(-1)[0]),
+                    "clean_steps": int(saved["growth_tracker"]),
+                    "hysteresis_left": int(saved["hysteresis_tracker"])}
+    return None
+
+
+def megatron_grad_scaler(state: dict) -> dict:
+    """megalite's :class:`~megalite.optim.loss_scaler.DynamicLossScaler` state as the
+    ``grad_scaler`` entry Megatron-Core's DynamicGradScaler loads."""
+    return {"scale": torch.tensor([float(state["scale"])]),
+            "growth_tracker": int(state["clean_steps"]),
+            "hysteresis_tracker": int(state["hysteresis_left"])}
 
 
 def _saved_groups(common: dict) -> list[dict]:
@@ -178,7 +219,7 @@ def read_optimizer_state(common: dict, tensors: dict[str, torch.Tensor],
     return MegatronOptimizerState(
         step=_step(common, groups), params=params, iteration=int(common.get("iteration", 0)),
         consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
-        scheduler_samples=scheduler.get("num_steps"))
+        scheduler_samples=scheduler.get("num_steps"), loss_scaler=loss_scaler(common))
 
 
 # -- megalite -> Megatron ----------------------------------------------------------------------
@@ -250,11 +291,13 @@ def _megatron_schedule(cfg, scheduler) -> dict:
 
 
 def _saved_optimizer(cfg, scheduler, step: int, distributed: bool, experts: bool,
-                     wd_mults, algorithm: str | None = None) -> dict:
+                     wd_mults, algorithm: str | None = None,
+                     scaler: dict | None = None) -> dict:
     """One Megatron optimizer's common state: its parameter groups (weight-decayed
     weights, then the norms and biases Megatron does not decay: ``wd_mult`` 1 and 0; the
     expert optimizer's marked ``is_expert_parallel``), which Megatron pairs with its own
-    by those marks, and the step count. ``algorithm``: the torch optimizer's, default the
+    by those marks, the step count, and an fp16 run's ``grad_scaler`` (``scaler``: its
+    :func:`megatron_grad_scaler`). ``algorithm``: the torch optimizer's, default the
     run's (the Adam that Megatron chains after a Lion marks its groups so)."""
     o = cfg.optim
     algorithm = algorithm or o.optimizer
@@ -264,14 +307,15 @@ def _saved_optimizer(cfg, scheduler, step: int, distributed: bool, experts: bool
                **mark, "lr": scheduler.lr_at(scheduler.num_steps),
                "weight_decay": o.weight_decay * wd_mult, **TORCH_GROUP[algorithm](o)}
               for wd_mult in wd_mults]
+    scaled = {"grad_scaler": scaler} if scaler is not None else {}
     if distributed:
         return {"optimizer": {"param_groups": [{**g, "step": float(step)} for g in groups]},
-                "param_state_sharding_type": "fully_reshardable"}
+                **scaled, "param_state_sharding_type": "fully_reshardable"}
     saved = {"param_groups": groups}
     if algorithm == "adam":
         saved["state"] = {"common_step": torch.tensor(float(step))}
     # a bf16 / fp16 model's optimizer keeps the torch optimizer's state one level down
-    return {"optimizer": saved} if cfg.model.bf16 or cfg.model.fp16 else saved
+    return {"optimizer": saved, **scaled} if cfg.model.bf16 or cfg.model.fp16 else saved
 
 
 def to_megatron_optimizer(cfg, weights: dict[str, torch.Tensor], state: dict, scheduler,
@@ -308,23 +352,27 @@ def to_megatron_optimizer(cfg, weights: dict[str, torch.Tensor], state: dict, sc
     metadata = ({"distrib_optim_sharding_type": "fully_reshardable",
                  "distrib_optim_fully_reshardable_mem_efficient": False} if distributed
                 else {})
+    # an fp16 run's dynamic loss scale, in each optimizer Megatron chains
+    dynamic = m.fp16 and "clean_steps" in (state.get("loss_scaler") or {})
+    scaler = megatron_grad_scaler(state["loss_scaler"]) if dynamic else None
     if expert_parallel and m.num_experts:
         # the expert optimizer's groups: its weights', and its biases' where it has them
         saved = {0: _saved_optimizer(cfg, scheduler, state["step"], distributed, False,
-                                     (1.0, 0.0)),
+                                     (1.0, 0.0), scaler=scaler),
                  1: _saved_optimizer(cfg, scheduler, state["step"], distributed, True,
-                                     (1.0, 0.0) if m.add_bias_linear else (1.0,))}
+                                     (1.0, 0.0) if m.add_bias_linear else (1.0,),
+                                     scaler=scaler)}
     elif lion:   # Lion's weights are all decayed; Adam's embedding and output layer are
-        saved = {0: _saved_optimizer(cfg, scheduler, state["step"], False, False, (1.0,)),
+        saved = {0: _saved_optimizer(cfg, scheduler, state["step"], False, False, (1.0,),
+                                     scaler=scaler),
                  1: _saved_optimizer(cfg, scheduler, state["step"], False, False,
-                                     (1.0, 0.0), "adam")}
+                                     (1.0, 0.0), "adam", scaler=scaler)}
     else:
         saved = _saved_optimizer(cfg, scheduler, state["step"], distributed, False,
-                                 (1.0, 0.0))
-    o = cfg.optim
+                                 (1.0, 0.0), scaler=scaler)
     return MegatronOptimizerOut(
         tensors=tensors,
         common={"optimizer": saved, "opt_param_scheduler": _megatron_schedule(cfg, scheduler)},
         metadata=metadata,
-        args={"consumed_train_samples": state["consumed_samples"], "no_save_optim": False,
-              "use_distributed_optimizer": requested, "optimizer": o.optimizer})
+        args={**arguments.run_args(cfg), "consumed_train_samples": state["consumed_samples"],
+              "no_save_optim": False, "use_distributed_optimizer": requested})
