@@ -46,7 +46,8 @@ def imported(tmp_path_factory):
 
 def _next_step(root: str, name: str):
     """megalite's step after ``root``'s iteration on the batch of Megatron's next step:
-    (StepResult, full weights after it, Megatron's record, the resumed state)."""
+    (StepResult, full weights after it, Megatron's record, the resumed state: iteration,
+    samples, optimizer steps and, after the step, the loss scaler's state)."""
     cfg, iteration = checkpoint_config(root)
     cfg.checkpoint.load, cfg.checkpoint.no_load_rng = root, True
     cfg.data.mock_data = True
@@ -60,6 +61,7 @@ def _next_step(root: str, name: str):
     try:
         state = (c.state.iteration, c.state.consumed_train_samples, c.optimizer.num_steps)
         result = train_step(c, batches, iteration + 1)
+        state += (c.optimizer.scaler.state_dict(),)
         weights = c.model.full_state_dict()
     finally:
         c.close()
@@ -93,7 +95,8 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
     assert TRAINED == ["deepseek_v3_mtp_trained", "llama_adam_trained", "llama_bf16_trained",
                        "llama_distopt_bf16_trained", "llama_distopt_buckets_trained",
                        "llama_distopt_dp2_trained", "llama_distopt_pp2_buckets_trained",
-                       "llama_distopt_tp2_buckets_trained", "llama_lion_bf16_trained",
+                       "llama_distopt_tp2_buckets_trained", "llama_fp16_trained",
+                       "llama_lion_bf16_trained",
                        "llama_lion_distopt_dp2_trained", "llama_lion_trained",
                        "llama_sgd_trained",
                        "mixtral_distopt_ep2_buckets_trained", "mixtral_trained"]
@@ -130,7 +133,7 @@ def test_resumed_step_equals_megatrons_next_step(imported, name):
         ["momentum_buffer"] if "sgd" in name else ["exp_avg", "exp_avg_sq"])
     result, weights, want, megatron, state = _next_step(root, name)
     dp = want["tokens"].shape[0]
-    assert state == (STEPS, STEPS * 2 * dp, STEPS)   # iteration, samples (mbs 2), steps
+    assert state[:3] == (STEPS, STEPS * 2 * dp, STEPS)   # iteration, samples (mbs 2), steps
     assert result.lr == pytest.approx(want["lr"], rel=1e-12) and result.lr < 1e-3  # decaying
     assert result.lm_loss == pytest.approx(want["loss"], abs=2e-6)
     if "mtp" in name:   # the depth's loss joined the step, and the expert biases moved
@@ -145,11 +148,14 @@ def test_resumed_step_equals_megatrons_next_step(imported, name):
 
 @pytest.mark.parametrize("name,main", [("llama_bf16_trained", "fp32_param"),
                                        ("llama_distopt_bf16_trained", "param"),
-                                       ("llama_lion_bf16_trained", "fp32_param")])
-def test_bf16_run_resumes_with_its_fp32_main_weights(imported, name, main):
-    """The masters are Megatron's fp32 main copies (not the bf16 weights widened; the
-    plain optimizer's ``fp32_param``, the distributed one's ``param``), and the resumed
-    bf16 step lands within one bf16 rounding of Megatron's."""
+                                       ("llama_lion_bf16_trained", "fp32_param"),
+                                       ("llama_fp16_trained", "fp32_param")])
+def test_half_precision_run_resumes_with_its_fp32_main_weights(imported, name, main):
+    """The masters are Megatron's fp32 main copies (not the bf16 / fp16 weights widened;
+    the plain optimizer's ``fp32_param``, the distributed one's ``param``), an fp16 run's
+    dynamic loss scale comes along (Megatron's ``grad_scaler``: 1024, two clean steps of
+    its window of 3, the hysteresis untouched), and the resumed step lands within one
+    bf16 rounding of Megatron's."""
     root = imported[name]
     ckpt = find_checkpoint(os.path.join(FIXTURES, name))
     shapes = tensor_shapes(ckpt)
@@ -158,7 +164,15 @@ def test_bf16_run_resumes_with_its_fp32_main_weights(imported, name, main):
     saved = read_tensors(ckpt, keys)
     chunks = {k[len(prefix):]: shapes[k][1] for k in keys}
     cfg, _ = checkpoint_config(root)
-    assert cfg.model.bf16 and keys
+    fp16 = "fp16" in name
+    assert (cfg.model.fp16 if fp16 else cfg.model.bf16) and keys
+    half = torch.float16 if fp16 else torch.bfloat16
+    if fp16:
+        from megalite.checkpoint.consolidated import load_full_training_state
+
+        scaler = load_full_training_state(root)[2]["loss_scaler"]
+        assert (scaler["scale"], scaler["clean_steps"], scaler["hysteresis_left"],
+                scaler["window"]) == (1024.0, 2, 2, 3)
     masters = mapping.to_megalite({k[len(prefix):]: v for k, v in saved.items()}, chunks,
                                   cfg.model)
     from megalite.checkpoint.consolidated import load_full_model
@@ -168,10 +182,15 @@ def test_bf16_run_resumes_with_its_fp32_main_weights(imported, name, main):
     widened = 0
     for key, master in masters.items():
         assert torch.equal(stored[key]["master"], master), key
-        widened += not torch.equal(master, model.full_state_dict()[key].bfloat16().float())
-    assert widened == len(masters)   # every master carries bits its bf16 weight lacks
+        widened += not torch.equal(master, model.full_state_dict()[key].to(half).float())
+    assert widened == len(masters)   # every master carries bits its half weight lacks
     before = model.full_state_dict()
-    result, weights, want, megatron, _ = _next_step(root, name)
+    result, weights, want, megatron, state = _next_step(root, name)
+    if fp16:   # the scale doubled at the window's third clean step, as Megatron's did
+        after = want["grad_scaler"]
+        assert (state[3]["scale"], state[3]["clean_steps"], state[3]["hysteresis_left"]) \
+            == (after["scale"], after["growth_tracker"], after["hysteresis_tracker"]) \
+            == (2048.0, 0, 2)
     assert result.lr == pytest.approx(want["lr"], rel=1e-12)
     # bf16 products round otherwise here than in Megatron: the loss agrees to 1.6e-4
     # relative, the weights to 8e-4 relative, and each update points the same way (cosine
@@ -381,11 +400,12 @@ def _same(a, b) -> bool:
                                   "llama_bf16_trained", "llama_distopt_bf16_trained",
                                   "llama_sgd_trained", "llama_lion_trained",
                                   "llama_lion_bf16_trained", "mixtral_trained",
-                                  "deepseek_v3_mtp_trained"])
+                                  "deepseek_v3_mtp_trained", "llama_fp16_trained"])
 def test_export_writes_the_optimizer_state_megatron_saved(imported, tmp_path, capsys, name):
     """Megatron -> megalite -> Megatron: the export holds what Megatron-Core saved, bit for
     bit: every per-parameter state tensor (moments, momentum, fp32 main weights), the
-    optimizer's parameter groups and step, the lr scheduler's state, the content metadata
+    optimizer's parameter groups and step (and an fp16 run's loss scaler), the lr
+    scheduler's state, the content metadata
     naming the format, the iteration and consumed samples. (Megatron-LM resuming from such
     exports takes its own next step exactly: ``make_fixtures.py --check-resume``.)"""
     save = str(tmp_path / "megatron")

@@ -447,7 +447,8 @@ def check_resume(name: str, directory: str) -> int:
     export of iteration 2 with the optimizer state: ``convert_checkpoint.py --target
     megatron`` of the fixture's import) and compare its next step with the fixture's
     ``next_step.pt``; prints the comparison and exits 1 when the loss differs by more
-    than 2e-6 or a weight by more than 1e-6."""
+    than 2e-6, a weight by more than 1e-6, or an fp16 run's loss scale after the step
+    from the one Megatron's own run reached (so the export's ``grad_scaler`` was loaded)."""
     trained = _trained()
     corpus = trained.small_vocab_corpus(os.path.join(tempfile.mkdtemp(), "corpus"))
     _torchrun(name, "--train", name, os.path.join(OUT, name), corpus,
@@ -457,7 +458,8 @@ def check_resume(name: str, directory: str) -> int:
     print(f"{name}: Megatron-LM resumed {directory}: {got}")
     worst = got["max_weight_difference"]
     ok = (abs(got["loss"] - got["want_loss"]) <= 2e-6 and got["lr"] == got["want_lr"]
-          and (worst is None or worst <= 1e-6))
+          and (worst is None or worst <= 1e-6)
+          and got.get("grad_scaler") == got.get("want_grad_scaler"))
     return 0 if ok else 1
 
 

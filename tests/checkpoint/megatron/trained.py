@@ -87,6 +87,11 @@ TRAINED = {
     "llama_lion_distopt_dp2_trained": ([*fx.LLAMA, *TRAIN, *LION,
                                         "--use-distributed-optimizer"], 2),
     "llama_lion_bf16_trained": ([*fx.LLAMA, *TRAIN, *LION, "--bf16"], 1),
+    # fp16 with a dynamic loss scale: the mixed precision optimizer's grad_scaler (scale,
+    # growth and hysteresis trackers) beside its state; 1024 does not overflow here, and a
+    # window of 3 leaves the growth tracker at 2 after the two steps
+    "llama_fp16_trained": ([*fx.LLAMA, *TRAIN, "--fp16", "--initial-loss-scale", "1024",
+                            "--loss-scale-window", "3"], 1),
     # experts: Megatron chains a dense and an expert optimizer
     "mixtral_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1"], 1),
     # DeepSeek-V3's step: multi-latent attention, a dense layer then routed and shared
@@ -218,7 +223,7 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     model = fx._build(args, name)
     fx._perturb(model, mpu.get_tensor_model_parallel_rank())
-    if args.bf16:
+    if args.bf16 or args.fp16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(core_transformer_config_from_args(args), model)
@@ -234,7 +239,10 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         lion_beta1=args.lion_beta1, lion_beta2=args.lion_beta2,
         clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-        bf16=args.bf16, params_dtype=args.params_dtype), [ddp])
+        bf16=args.bf16, fp16=args.fp16, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        params_dtype=args.params_dtype), [ddp])
     scheduler = get_optimizer_param_scheduler(optimizer)
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
@@ -268,7 +276,8 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
         if pp == 1:
             losses = ddp(tokens, positions, mask, labels=labels, loss_mask=loss_mask).float()
             loss = (losses * loss_mask).sum() / loss_mask.sum()
-            loss.backward()
+            # fp16: the loss times the scale, as Megatron's schedules do (grad_scale_func)
+            (optimizer.scale_loss(loss) if args.fp16 else loss).backward()
             loss = loss.detach()
         else:   # Megatron's 1F1B schedule over the stages, one micro-batch
             loss = _pipelined_step(ddp, tokens, positions, mask, labels, loss_mask, args)
@@ -298,7 +307,8 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
     dist.all_gather(everyone, batch, group=dp_group)
     if dist.get_rank() == 0:
         batches = torch.stack(everyone)   # [dp, 2 (tokens, labels), b, s]
-        record = {"tokens": batches[:, 0], "labels": batches[:, 1], "lr": lr, "loss": loss}
+        record = {"tokens": batches[:, 0], "labels": batches[:, 1], "lr": lr, "loss": loss,
+                  "grad_scaler": _scaler_state(optimizer)}
         if tp * ep * pp == 1:   # (model-parallel runs: the checkpoint after_next_step/)
             record["params"] = {k.removeprefix("module."): v.detach().clone()
                                 for k, v in model.state_dict().items()
@@ -354,6 +364,8 @@ def _resumed_step(args, ddp, optimizer, scheduler, step, dest: str, resume: str)
                 state["step"] = state["step"].clone()
     _, lr, loss = step(iteration + 1)
     want = torch.load(os.path.join(dest, "next_step.pt"))
+    scalers = {"grad_scaler": _scaler_state(optimizer),
+               "want_grad_scaler": want.get("grad_scaler")}
     if dist.get_rank() == 0:   # (weights: where rank 0 holds them whole)
         got = {k.removeprefix("module."): v for k, v in ddp.module.state_dict().items()
                if "_extra_state" not in k}
@@ -362,7 +374,19 @@ def _resumed_step(args, ddp, optimizer, scheduler, step, dest: str, resume: str)
         with open(os.path.join(resume, "resumed.json"), "w") as f:
             json.dump({"iteration": iteration, "consumed_samples": args.consumed_train_samples,
                        "lr": lr, "want_lr": want["lr"], "loss": loss,
-                       "want_loss": want["loss"], "max_weight_difference": worst}, f, indent=1)
+                       "want_loss": want["loss"], "max_weight_difference": worst, **scalers},
+                      f, indent=1)
+
+
+def _scaler_state(optimizer) -> dict | None:
+    """An fp16 run's dynamic loss scale after a step (the first of a chained optimizer's
+    scalers), None without one: the resume compares its own with the fixture run's."""
+    first = getattr(optimizer, "chained_optimizers", [optimizer])[0]
+    scaler = getattr(first, "grad_scaler", None)
+    if scaler is None or not hasattr(scaler, "_growth_tracker"):
+        return None
+    return {"scale": float(scaler.scale.item()), "growth_tracker": scaler._growth_tracker,
+            "hysteresis_tracker": scaler._hysteresis_tracker}
 
 
 def _sgd_state(opt, config=None) -> None:
