@@ -97,12 +97,14 @@ def megalite_to_megatron(args) -> None:
         distributed = (args.target_optimizer_format == "distributed"
                        if args.target_optimizer_format
                        else cfg.parallel.data_parallel_sharding_strategy != "no_shard")
-        why = None if state is None else optimizer.not_exportable(cfg, distributed)
+        expert_parallel = args.target_expert_model_parallel_size > 1
+        why = None if state is None else optimizer.not_exportable(cfg, distributed,
+                                                                  expert_parallel)
         out = None
         if state is not None and why is None:
             out = optimizer.to_megatron_optimizer(
                 cfg, full, state, scheduler, cfg.model.padded_vocab_size(tp), impl,
-                distributed, expert_parallel=args.target_expert_model_parallel_size > 1)
+                distributed, expert_parallel=expert_parallel)
         directory = write_megatron(cfg, full, args.save_dir, iteration, tp, pp, impl, out,
                                    args.target_expert_model_parallel_size)
         bar.update(1)

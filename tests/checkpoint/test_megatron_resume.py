@@ -99,7 +99,8 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
                        "llama_lion_bf16_trained",
                        "llama_lion_distopt_dp2_trained", "llama_lion_trained",
                        "llama_sgd_trained",
-                       "mixtral_distopt_ep2_buckets_trained", "mixtral_trained"]
+                       "mixtral_distopt_ep2_buckets_trained", "mixtral_lion_ep2_trained",
+                       "mixtral_lion_trained", "mixtral_trained"]
     for name in TRAINED:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
         assert ckpt.iteration == STEPS
@@ -125,7 +126,8 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
                                   "llama_distopt_pp2_buckets_trained", "llama_sgd_trained",
                                   "mixtral_trained", "mixtral_distopt_ep2_buckets_trained",
                                   "deepseek_v3_mtp_trained", "llama_lion_trained",
-                                  "llama_lion_distopt_dp2_trained"])
+                                  "llama_lion_distopt_dp2_trained", "mixtral_lion_trained",
+                                  "mixtral_lion_ep2_trained"])
 def test_resumed_step_equals_megatrons_next_step(imported, name):
     root = imported[name]
     meta = read_metadata(iteration_dir(root, STEPS))
@@ -400,7 +402,8 @@ def _same(a, b) -> bool:
                                   "llama_bf16_trained", "llama_distopt_bf16_trained",
                                   "llama_sgd_trained", "llama_lion_trained",
                                   "llama_lion_bf16_trained", "mixtral_trained",
-                                  "deepseek_v3_mtp_trained", "llama_fp16_trained"])
+                                  "deepseek_v3_mtp_trained", "llama_fp16_trained",
+                                  "mixtral_lion_trained"])
 def test_export_writes_the_optimizer_state_megatron_saved(imported, tmp_path, capsys, name):
     """Megatron -> megalite -> Megatron: the export holds what Megatron-Core saved, bit for
     bit: every per-parameter state tensor (moments, momentum, fp32 main weights), the
@@ -479,6 +482,29 @@ def test_export_for_expert_parallel_megatron_runs_chains_two_optimizers(imported
     assert {k.split(".")[2] for k in keys} == {"param", "exp_avg", "exp_avg_sq"}
     assert written.keys() == source.keys()
     assert all(torch.equal(written[p][s], source[p][s]) for p in source for s in source[p])
+
+
+def test_lion_moe_export_for_expert_parallel_chains_an_expert_lion(imported, tmp_path):
+    """A Lion MoE run for a Megatron run at --expert-model-parallel-size 2: what Megatron
+    saved, bit for bit: a dense Lion, the experts' Lion (groups marked expert-parallel),
+    then the Adam of the rest, each per-parameter state tensor unprefixed. At ep 1 the
+    experts share the dense Lion (``mixtral_lion_trained`` in the test above)."""
+    name = "mixtral_lion_ep2_trained"
+    save = str(tmp_path / "megatron")
+    assert convert("--source", "megalite", "--target", "megatron", "--load-dir",
+                   imported[name], "--save-dir", save, "--transformer-impl", "local",
+                   "--target-expert-model-parallel-size", "2") == 0
+    theirs, ours = (find_checkpoint(p) for p in (os.path.join(FIXTURES, name), save))
+    a, b = read_common(theirs), read_common(ours)
+    assert sorted(b["optimizer"]) == [0, 1, 2]
+    assert [{g["is_expert_parallel"] for g in b["optimizer"][i]["param_groups"]}
+            for i in range(3)] == [{False}, {True}, {False}]
+    for key in ("optimizer", "opt_param_scheduler", "content_metadata", "iteration"):
+        assert _same(a[key], b[key]), key
+    keys = [k for k in tensor_shapes(theirs) if k.startswith("optimizer.")]
+    assert sorted(keys) == sorted(k for k in tensor_shapes(ours) if k.startswith("optimizer."))
+    saved, written = read_tensors(theirs, keys), read_tensors(ours, keys)
+    assert all(torch.equal(saved[k], written[k]) for k in keys)
 
 
 def test_export_without_optimizer_state_says_why(imported, tmp_path, capsys):

@@ -249,16 +249,18 @@ class MegatronOptimizerOut:
     args: dict
 
 
-def not_exportable(cfg, distributed: bool) -> str | None:
+def not_exportable(cfg, distributed: bool, expert_parallel: bool = False) -> str | None:
     """Why the optimizer state of a run with ``cfg`` is not written for a Megatron-LM run
-    with (``distributed``) or without the distributed optimizer (None: it is)."""
-    o = cfg.optim
+    with (``distributed``) or without the distributed optimizer, with experts over
+    several ranks or not (``expert_parallel``) (None: it is)."""
+    o, m = cfg.optim, cfg.model
     if o.optimizer not in TORCH_GROUP:
         return (f"its optimizer is --optimizer {o.optimizer}; megalite writes Megatron-LM's "
                 "Adam, SGD and Lion state")
-    if o.optimizer == "lion" and cfg.model.num_experts:
-        return ("Megatron-LM chains a Lion and an Adam optimizer for the dense and the "
-                "expert parameters apart; megalite writes Lion state for dense models")
+    if o.optimizer == "lion" and m.num_experts and expert_parallel and m.add_bias_linear:
+        return ("at --expert-model-parallel-size above 1 Megatron-LM gives a Lion run's "
+                "expert biases an Adam of their own, which megalite does not write; export "
+                "for --target-expert-model-parallel-size 1")
     if o.optimizer == "sgd" and distributed:
         return ("Megatron-Core's distributed optimizer takes Adam, not SGD; export with "
                 "--target-optimizer-format plain")
@@ -330,8 +332,10 @@ def to_megatron_optimizer(cfg, weights: dict[str, torch.Tensor], state: dict, sc
     optimizer, each with its own saved state. Call :func:`not_exportable` first.
 
     Lion is written as Megatron-Core 0.19.2 keeps it, with or without
-    ``--use-distributed-optimizer``: a plain Lion over the linear weights chained before a
-    plain Adam over the rest."""
+    ``--use-distributed-optimizer``: a plain Lion over the linear weights (experts
+    included) chained before a plain Adam over the rest; with ``expert_parallel`` the
+    experts' Lion is a second one, between the two (its groups marked
+    ``is_expert_parallel``)."""
     lion = cfg.optim.optimizer == "lion"
     requested, distributed = distributed, distributed and not lion
     by_state: dict[str, dict[str, torch.Tensor]] = {}
@@ -355,18 +359,21 @@ def to_megatron_optimizer(cfg, weights: dict[str, torch.Tensor], state: dict, sc
     # an fp16 run's dynamic loss scale, in each optimizer Megatron chains
     dynamic = m.fp16 and "clean_steps" in (state.get("loss_scaler") or {})
     scaler = megatron_grad_scaler(state["loss_scaler"]) if dynamic else None
-    if expert_parallel and m.num_experts:
+    if lion:   # Lion's weights are all decayed; Adam's embedding and output layer are
+        lions = [_saved_optimizer(cfg, scheduler, state["step"], False, experts, (1.0,),
+                                  scaler=scaler)
+                 for experts in ((False, True) if expert_parallel and m.num_experts
+                                 else (False,))]
+        adam = _saved_optimizer(cfg, scheduler, state["step"], False, False, (1.0, 0.0),
+                                "adam", scaler=scaler)
+        saved = dict(enumerate([*lions, adam]))
+    elif expert_parallel and m.num_experts:
         # the expert optimizer's groups: its weights', and its biases' where it has them
         saved = {0: _saved_optimizer(cfg, scheduler, state["step"], distributed, False,
                                      (1.0, 0.0), scaler=scaler),
                  1: _saved_optimizer(cfg, scheduler, state["step"], distributed, True,
                                      (1.0, 0.0) if m.add_bias_linear else (1.0,),
                                      scaler=scaler)}
-    elif lion:   # Lion's weights are all decayed; Adam's embedding and output layer are
-        saved = {0: _saved_optimizer(cfg, scheduler, state["step"], False, False, (1.0,),
-                                     scaler=scaler),
-                 1: _saved_optimizer(cfg, scheduler, state["step"], False, False,
-                                     (1.0, 0.0), "adam", scaler=scaler)}
     else:
         saved = _saved_optimizer(cfg, scheduler, state["step"], distributed, False,
                                  (1.0, 0.0), scaler=scaler)

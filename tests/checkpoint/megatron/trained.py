@@ -94,6 +94,10 @@ TRAINED = {
                             "--loss-scale-window", "3"], 1),
     # experts: Megatron chains a dense and an expert optimizer
     "mixtral_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1"], 1),
+    # and with Lion, each of those a Lion over its linear weights and an Adam over the rest
+    "mixtral_lion_trained": ([*fx.MIXTRAL, *TRAIN, *LION, "--num-layers", "1"], 1),
+    "mixtral_lion_ep2_trained": ([*fx.MIXTRAL, *TRAIN, *LION, "--num-layers", "1",
+                                  "--expert-model-parallel-size", "2"], 2),
     # DeepSeek-V3's step: multi-latent attention, a dense layer then routed and shared
     # experts with group-limited sigmoid routing whose expert bias moves every step, and a
     # prediction depth whose loss joins the objective
