@@ -68,10 +68,11 @@ CPU kernel and the fp32 emulation have no such mode: CPU results do not change."
 SCALED_MM = torch.ops.aten._scaled_mm.default
 """The kernel, called as the aten operator ``(a, b, scale_a, scale_b, bias, scale_result,
 out_dtype, use_fast_accum)`` rather than through ``torch._scaled_mm``: ``--compile``
-traces an operator into the layer's graph under every torch version, whereas dynamo
-traces the ``torch._scaled_mm`` binding only where its trace rules allow it (torch
-2.11's dynamo skipped it, so on an H200 every fp8 linear broke the compiled layer's
-graph: 29 breaks in the 2-layer model of ``tests/gpu``; torch 2.13's traces it)."""
+traces an operator into the layer's graph whatever happens to the ``torch._scaled_mm``
+binding (on an H200 with torch 2.11, a test that had replaced the binding for a while
+before the process's first compile left dynamo treating the real one as an untraceable
+builtin: a graph break at every fp8 linear). Tests that count the kernel's calls
+replace this name instead."""
 
 
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
