@@ -140,10 +140,8 @@ class LossScaledOptimizer:
     def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
         """Divide ``grads`` by the loss scale in place; True when any rank holds an inf/nan
         (collective over the world); the scaler backs off or grows accordingly."""
-        scale = float(self.scaler.scale)
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        found_inf = found_non_finite(grads, None, self.ps.device)
+        found_inf = found_non_finite(grads, None, self.ps.device,
+                                     1.0 / float(self.scaler.scale))
         self.scaler.update(found_inf)
         return found_inf
 
