@@ -95,7 +95,8 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
     assert TRAINED == ["deepseek_v3_mtp_trained", "llama_adam_trained", "llama_bf16_trained",
                        "llama_distopt_bf16_trained", "llama_distopt_buckets_trained",
                        "llama_distopt_dp2_trained", "llama_distopt_pp2_buckets_trained",
-                       "llama_distopt_tp2_buckets_trained", "llama_fp16_trained",
+                       "llama_distopt_tp2_buckets_trained", "llama_distopt_tp2_fully_trained",
+                       "llama_fp16_trained",
                        "llama_lion_bf16_trained",
                        "llama_lion_distopt_dp2_trained", "llama_lion_trained",
                        "llama_sgd_trained",
@@ -210,6 +211,30 @@ def test_half_precision_run_resumes_with_its_fp32_main_weights(imported, name, m
         if b.norm() > 0:
             assert torch.nn.functional.cosine_similarity(a, b, dim=0) >= (
                 0.98 if lion else 0.99), key
+
+
+def test_misplaced_optimizer_state_is_not_imported(tmp_path, capsys):
+    """Megatron-Core 0.19.2's --dist-ckpt-optim-fully-reshardable at tp 2 with several
+    buckets writes its optimizer state misplaced: the same run saved in the default format
+    (``llama_distopt_tp2_buckets_trained``) has the same weights, but here most main
+    parameters differ from them (and the moments from that run's). The import keeps the
+    weights, drops the state with one note naming the first misplaced parameter, and the
+    result continues with --finetune."""
+    name = "llama_distopt_tp2_fully_trained"
+    got = read_megatron(os.path.join(FIXTURES, name))
+    twin = read_megatron(os.path.join(FIXTURES, "llama_distopt_tp2_buckets_trained"))
+    assert got.optimizer is None and twin.optimizer is not None
+    assert got.state.keys() == twin.state.keys()
+    assert all(torch.equal(got.state[k], twin.state[k]) for k in got.state)
+    (note,) = got.notes
+    assert note.startswith("the optimizer state is not imported: its main parameters are "
+                           "not the saved weights (embedding.word_embeddings.weight")
+    assert "of 15 parameters" in note and "--finetune" in note
+    save = str(tmp_path / "weights")
+    assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
+                   os.path.join(FIXTURES, name), "--save-dir", save) == 0
+    assert "main parameters are not the saved weights" in capsys.readouterr().out
+    assert read_metadata(iteration_dir(save, 0))["optimizer_state"] is None
 
 
 def test_no_load_optim_imports_the_weights_alone(tmp_path, capsys):

@@ -122,6 +122,17 @@ def read_megatron(root: str, step: int | None = None, load_optim: bool = True
             odd = sorted(set(state_of_optimizer.params) ^ trained)
             raise CheckpointError(f"{ckpt.directory}: the optimizer state's parameters are "
                                   f"not the model's (e.g. {', '.join(odd[:3])})")
+        dtype = (torch.bfloat16 if model.bf16 else torch.float16 if model.fp16
+                 else torch.float32)
+        misplaced = optimizer.misplaced_masters(state_of_optimizer.params, state, dtype)
+        if misplaced:
+            state_of_optimizer = None
+            notes.append(f"the optimizer state is not imported: its main parameters are not "
+                         f"the saved weights ({misplaced}), so its moments are misplaced too "
+                         f"(Megatron-Core 0.19.2 writes --dist-ckpt-optim-fully-reshardable "
+                         f"so at tensor parallel 2 with several gradient buckets, and resumes "
+                         f"wrongly from it itself); save the run again without that flag, or "
+                         f"continue from the weights with --finetune")
     elif saved:
         notes.append("the optimizer state is not imported "
                      f"({'--no-load-optim' if why is None else why}): continue with "

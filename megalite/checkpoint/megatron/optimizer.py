@@ -222,6 +222,32 @@ def read_optimizer_state(common: dict, tensors: dict[str, torch.Tensor],
         scheduler_samples=scheduler.get("num_steps"), loss_scaler=loss_scaler(common))
 
 
+def misplaced_masters(params: dict[str, dict[str, torch.Tensor]],
+                      weights: dict[str, torch.Tensor], model_dtype: torch.dtype
+                      ) -> str | None:
+    """Where the saved fp32 main parameters (``master``: the distributed optimizer's
+    ``param``, a bf16 / fp16 run's ``fp32_param``) are not the saved weights (Megatron
+    copies each main parameter into its model weight after every step, cast to the
+    model's dtype ``model_dtype``): ``"<name>, largest difference <d>; <n> of <m>
+    parameters"``, or None where every one matches (or none is saved). ``params`` in
+    megalite's names, as :func:`read_optimizer_state` gives them; ``weights`` the imported
+    full weights (in any dtype that holds the model's values)."""
+    bad = []
+    for name, entry in params.items():
+        master, weight = entry.get("master"), weights.get(name)
+        if master is None or weight is None:
+            continue
+        cast = master.to(model_dtype).to(weight.dtype)
+        if cast.shape != weight.shape or not torch.equal(cast, weight):
+            diff = ((cast.float() - weight.float()).abs().max().item()
+                    if cast.shape == weight.shape else float("nan"))
+            bad.append((name, diff))
+    if not bad:
+        return None
+    total = sum("master" in entry for entry in params.values())
+    return f"{bad[0][0]}, largest difference {bad[0][1]:.3g}; {len(bad)} of {total} parameters"
+
+
 # -- megalite -> Megatron ----------------------------------------------------------------------
 # the torch optimizer's own settings in each of Megatron's saved parameter groups
 TORCH_GROUP = {

@@ -98,6 +98,15 @@ TRAINED = {
     "mixtral_lion_trained": ([*fx.MIXTRAL, *TRAIN, *LION, "--num-layers", "1"], 1),
     "mixtral_lion_ep2_trained": ([*fx.MIXTRAL, *TRAIN, *LION, "--num-layers", "1",
                                   "--expert-model-parallel-size", "2"], 2),
+    # --dist-ckpt-optim-fully-reshardable at tp 2 x dp 2 in several buckets: Megatron-Core
+    # 0.19.2 writes its optimizer state misplaced (the main parameters are not the weights,
+    # and Megatron's own resume from it takes another step than next_step.pt's), which the
+    # import detects and refuses
+    "llama_distopt_tp2_fully_trained": ([*fx.LLAMA, *TRAIN, "--use-distributed-optimizer",
+                                         "--dist-ckpt-optim-fully-reshardable",
+                                         "--overlap-grad-reduce", "--ddp-bucket-size", "3000",
+                                         "--tensor-model-parallel-size", "2",
+                                         "--make-vocab-size-divisible-by", "8"], 2),
     # DeepSeek-V3's step: multi-latent attention, a dense layer then routed and shared
     # experts with group-limited sigmoid routing whose expert bias moves every step, and a
     # prediction depth whose loss joins the objective
