@@ -104,12 +104,13 @@ class MuonOptimizer(torch.optim.Optimizer):
             if group.get("rule") != "muon":
                 continue
             lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if id(p) not in outputs:
-                    continue
-                if wd:
-                    p.mul_(1 - lr * wd)
-                p.add_(outputs[id(p)].to(p.dtype), alpha=-lr)
+            params = [p for p in group["params"] if id(p) in outputs]
+            if not params:
+                continue
+            if wd:      # (multi-tensor kernels: the per-tensor ops' bits, fewer launches)
+                torch._foreach_mul_(params, 1 - lr * wd)
+            torch._foreach_add_(params, [outputs[id(p)].to(p.dtype) for p in params],
+                                alpha=-lr)
         if self.scalar is not None:
             self.scalar.step()
 
