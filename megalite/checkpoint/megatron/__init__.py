@@ -129,10 +129,11 @@ def read_megatron(root: str, step: int | None = None, load_optim: bool = True
             state_of_optimizer = None
             notes.append(f"the optimizer state is not imported: its main parameters are not "
                          f"the saved weights ({misplaced}), so its moments are misplaced too "
-                         f"(Megatron-Core 0.19.2 writes --dist-ckpt-optim-fully-reshardable "
-                         f"so at tensor parallel 2 with several gradient buckets, and resumes "
-                         f"wrongly from it itself); save the run again without that flag, or "
-                         f"continue from the weights with --finetune")
+                         f"(Megatron-Core 0.19.2 writes such files with "
+                         f"--dist-ckpt-optim-fully-reshardable at tensor parallel 2 with "
+                         f"several gradient buckets, and resumes wrongly from them itself); "
+                         f"save the run again without that flag, or continue from the weights "
+                         f"with --finetune")
     elif saved:
         notes.append("the optimizer state is not imported "
                      f"({'--no-load-optim' if why is None else why}): continue with "
