@@ -12,7 +12,7 @@ from tools.bench import gpu as bench
 
 def test_smoke_mode_on_cpu_times_both_and_profiles(capsys):
     bench.main(["--device", "cpu", "--small", "--no-compile", "--seq-length", "32",
-                       "--steps", "1", "--warmup", "1", "--top", "3"])
+                       "--steps", "1", "--warmup", "1", "--top", "20"])
     out = capsys.readouterr().out
     first = {m[0]: float(m[1]) for m in re.findall(
         r"^\s*(megalite|transformers): .* first loss ([0-9.]+)", out, re.M)}
@@ -21,7 +21,9 @@ def test_smoke_mode_on_cpu_times_both_and_profiles(capsys):
     assert abs(first["megalite"] - first["transformers"]) < 0.05
     assert abs(first["megalite"] - torch.log(torch.tensor(1024.0)).item()) < 0.5
     assert re.search(r"megalite / transformers: [0-9.]+x tokens/s", out)
-    assert "top 3 kernels of megalite's step" in out and "aten::mm" in out
+    # (the top 20 by self CPU time: the matmuls are among them however loaded the host is;
+    # in a top 3 other ops could outrank them on a busy machine)
+    assert "top 20 kernels of megalite's step" in out and "aten::mm" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host runs the real benchmark")
