@@ -3,7 +3,8 @@ before any work, and the once-per-step update of delayed scaling.
 
 megalite's own fp8 GEMMs (:mod:`megalite.layers.fp8`) run on the CPU (``torch._scaled_mm``
 takes per-tensor fp8 scales there; block scales are emulated) and on CUDA GPUs of compute
-capability 8.9 or newer (Ada, Hopper, Blackwell); an older GPU has no fp8 GEMMs and is
+capability 8.9 or newer (Ada, Hopper, Blackwell; ``blockwise`` scales go to torch's
+block-scaled kernel on Hopper and are emulated elsewhere); an older GPU has no fp8 GEMMs and is
 refused with the alternative (``--bf16``). The flags themselves are parsed and validated
 in :class:`megalite.config.ModelConfig` (fp16, untileable shapes).
 

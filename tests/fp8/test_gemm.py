@@ -92,6 +92,54 @@ def test_scaled_mm_equals_its_fp32_emulation():
     torch.testing.assert_close(scaled_mm(qa, qb, da, db), emulated, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["mxfp8", "blockwise"])
+def test_block_gemms_go_to_the_block_kernel_in_its_layouts(monkeypatch, name):
+    """Where torch's block-scaled kernel runs (1 x 128 fp32 scales on a Hopper GPU), each of
+    a blockwise linear's three GEMMs calls it with ``a`` row-major, ``b`` column-major and
+    both scales ``[rows, K / 128]`` outer-dimension-major, as cuBLAS reads them. A stand-in
+    kernel checks those layouts and multiplies what it was given: the results are the
+    emulation's, bit for bit (``tests/gpu`` checks the real kernel). mxfp8 never calls
+    it (its kernel is not for this GPU and takes other scales)."""
+    from megalite.layers.fp8 import gemm
+
+    x, w, dy = _operands(False)
+    x, w = torch.cat([x, x], 1), torch.cat([w, w], 1)        # K = 256: two blocks of 128
+    recipe = Fp8Recipe("hybrid", name)
+    emulated = _run(recipe, x, w, dy)
+    calls = []
+
+    def kernel(a, b, sa, recipe_a, sb, recipe_b, output_dtype):
+        (m, k), n = a.shape, b.shape[1]
+        one_by = torch.nn.functional.ScalingType.BlockWise1x128
+        assert recipe_a == recipe_b == one_by and b.shape[0] == k
+        assert a.dtype in (E4M3, E5M2) and b.dtype in (E4M3, E5M2)
+        assert a.stride() == (k, 1) and b.stride() == (1, k)
+        for s, rows in ((sa, m), (sb, n)):     # a single column's stride does not matter
+            assert s.shape == (rows, k // 128) and s.dtype == torch.float32
+            assert s.stride(0) == 1 and (k == 128 or s.stride(1) == rows)
+        calls.append((m, n, k, a.dtype, b.dtype))
+        return (block_dequantize(a, sa) @ block_dequantize(b.t(), sb).t()).to(output_dtype)
+
+    monkeypatch.setattr(gemm, "BLOCK_SCALED_MM", kernel)
+    monkeypatch.setattr(gemm, "block_kernel_takes", lambda a, b, block, mx: block == 128)
+    got = _run(recipe, x, w, dy)
+    for a, b in zip(got, emulated):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if name == "mxfp8":
+        assert calls == []
+    else:   # fprop over K, dgrad over N (dy, w^T), wgrad over the 256 tokens (dy^T, x^T)
+        assert calls == [(256, 128, 256, E4M3, E4M3), (256, 256, 128, E5M2, E4M3),
+                         (128, 256, 256, E5M2, E4M3)]
+
+
+def test_the_block_kernel_is_not_taken_on_the_cpu_nor_for_mx_scales():
+    from megalite.layers.fp8.gemm import block_kernel_takes
+
+    a = torch.zeros(256, 256).to(E4M3)
+    assert not block_kernel_takes(a, a, 128, False)
+    assert not block_kernel_takes(a, a, 32, True)
+
+
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_mx_scales_follow_the_ocp_rule(dtype):
     g = torch.Generator().manual_seed(2)

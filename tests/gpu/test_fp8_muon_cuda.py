@@ -5,6 +5,9 @@
   cores add with fewer bits than fp32: 2.8e-4 of the output's scale was measured on an
   H200 at K = 128), also when its epilogue writes bf16;
 * the forward GEMM runs that kernel with fast accumulation, the gradient GEMMs without;
+* on Hopper (compute capability 9.0, CUDA 12.9+) ``blockwise`` runs torch's block-scaled
+  kernel, which equals the product of the dequantised blocks, and a blockwise run follows
+  the CPU's emulated one;
 * an fp8 run on CUDA (per-tensor recipes through that kernel) follows the same fp8 run on
   the CPU, and differs from the fp32 run (the fp8 path ran);
 * a compiled fp8 run on CUDA (the fp8 linears inside the layers' graphs) follows the
@@ -21,7 +24,8 @@ import pytest
 import torch
 
 from megalite.layers.fp8 import gemm
-from megalite.layers.fp8.recipes import E4M3, E5M2, dequant_scale, quantize
+from megalite.layers.fp8.recipes import (E4M3, E5M2, block_dequantize, block_quantize,
+                                         dequant_scale, quantize)
 from megalite.optim.newton_schulz import iterate, iteration_dtype, newton_schulz
 from tests.gpu.common import CPU, CUDA, config_on
 from tests.training.common import run_training
@@ -59,23 +63,72 @@ def test_scaled_mm_kernel_equals_its_fp32_emulation():
     assert float((out.float() - emulated).abs().max()) <= 2e-3 * scale + 2 ** -8 * scale
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_fp8_on_cuda_follows_cpu(monkeypatch, recipe):
+def _needs_block_kernel():
     _needs_fp8_kernel()
+    a = torch.zeros(16, 128, device=CUDA).to(E4M3)
+    if not gemm.block_kernel_takes(a, a, 128, False):
+        pytest.skip("torch's 1 x 128 block-scaled kernel needs compute capability 9.0, "
+                    f"CUDA 12.9+ and torch 2.10+ (here {torch.cuda.get_device_capability()}, "
+                    f"CUDA {torch.version.cuda}, torch {torch.__version__})")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_block_kernel_equals_its_fp32_emulation(out_dtype):
+    """``blockwise`` on Hopper: torch's block-scaled kernel (fp32 accumulation, each 128
+    block's scales applied as it goes) equals the product of the dequantised blocks, with
+    outliers that only block scales keep (a per-tensor scale would flush the rest)."""
+    _needs_block_kernel()
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(256, 512, generator=g), torch.randn(384, 512, generator=g) * 1e-3
+    a[:, 7] *= 1e4
+    qa, sa = block_quantize(a.to(CUDA), 128, E5M2, mx=False)
+    qb, sb = block_quantize(b.to(CUDA), 128, E4M3, mx=False)
+    # on the CPU: IEEE fp32 whatever the GPU's fp32 matmul precision is set to
+    emulated = block_dequantize(qa.cpu(), sa.cpu()) @ block_dequantize(qb.cpu(), sb.cpu()).t()
     calls = []
-    real = gemm.SCALED_MM
+    real = gemm.BLOCK_SCALED_MM
 
-    def counted(a, *args):
+    def counted(*args, **kwargs):
+        calls.append(args[3])
+        return real(*args, **kwargs)
+
+    gemm.BLOCK_SCALED_MM = counted
+    try:
+        out = gemm.block_mm(qa, sa, qb, sb, out_dtype, False)
+    finally:
+        gemm.BLOCK_SCALED_MM = real
+    assert len(calls) == 1 and out.dtype == out_dtype
+    scale = float(emulated.abs().max())
+    rounding = 2 ** -8 * scale if out_dtype == torch.bfloat16 else 0.0
+    # the bound of test_scaled_mm_kernel_equals_its_fp32_emulation (the tensor cores add
+    # within a block with fewer bits than fp32); a scale applied to the wrong block is off
+    # by O(1) of the scale here, where one column is 1e4 times the rest
+    assert float((out.cpu().float() - emulated).abs().max()) <= 2e-3 * scale + rounding
+
+
+BLOCKWISE = {"fp8_recipe": "blockwise", "hidden_size": 128, "seq_length": 64}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+def test_fp8_on_cuda_follows_cpu(monkeypatch, recipe):
+    _needs_block_kernel() if recipe == "blockwise" else _needs_fp8_kernel()
+    calls = []
+    name = "BLOCK_SCALED_MM" if recipe == "blockwise" else "SCALED_MM"
+    real = getattr(gemm, name)
+
+    def counted(a, *args, **kwargs):
         calls.append(a.device.type)
-        return real(a, *args)
+        return real(a, *args, **kwargs)
 
-    monkeypatch.setattr(gemm, "SCALED_MM", counted)
-    fp8 = {"fp8_format": "hybrid", "fp8_recipe": recipe}
+    monkeypatch.setattr(gemm, name, counted)
+    fp8 = {"fp8_format": "hybrid", "fp8_recipe": recipe,
+           **(BLOCKWISE if recipe == "blockwise" else {})}
     train = {"train_iters": ITERS}
     ref, _ = run_training(config_on(CPU, model=fp8, train=train))
     calls.clear()
     cuda, _ = run_training(config_on(CUDA, model=fp8, train=train))
-    plain, _ = run_training(config_on(CUDA, train=train))
+    plain, _ = run_training(config_on(CUDA, model={k: v for k, v in fp8.items()
+                                                   if not k.startswith("fp8")}, train=train))
     assert calls and set(calls) == {"cuda"}   # the GPU kernel ran every fp8 GEMM
     assert list(cuda.losses) == list(ref.losses) == list(range(1, ITERS + 1))
     worst = max(abs(cuda.losses[i] - ref.losses[i]) for i in ref.losses)

@@ -23,7 +23,9 @@ output projection, fc1, fc2; ``tokens = micro-batch x seq``) in the same run:
 The default shape is ``benchmark.py gpu``'s ~1.1B Llama (hidden 2048, ffn 8192, 32/8
 heads, seq 2048, micro-batch 4); ``--small`` a tiny one. On a CPU the fp8 GEMMs are the
 CPU's ``_scaled_mm`` or an fp32 emulation (block recipes), so the times there are the
-emulation's cost, printed for completeness: CPU speed is not what fp8 is for.
+emulation's cost, printed for completeness: CPU speed is not what fp8 is for. On a GPU
+it says which block recipes run a kernel (``blockwise`` on Hopper) and which the
+emulation.
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ def main(argv=None) -> None:
     if device.type == "cpu":
         print("on the CPU fp8 GEMMs are the CPU's _scaled_mm or an fp32 emulation: these "
               "times are the emulation's cost; CPU speed is not what fp8 is for")
+    else:
+        print(f"block recipes here: {block_gemm_paths(device)}")
     cols = "".join(f" {r:>12}" for r in args.recipes)
     print(f"{'linear':>6} {'tokens x in x out':>22} {'bf16 ms':>9}{cols}   kernel fp8/bf16"
           "   fp8 error vs fp32")
@@ -228,6 +232,16 @@ def main(argv=None) -> None:
           f"{total['mm_bf16'] / total['mm_fp8']:13.2f}x   (speed-ups over bf16; n/a: the "
           "recipe's block does not tile a dimension)")
     print_work(work)
+
+
+def block_gemm_paths(device: torch.device) -> str:
+    """What multiplies each block recipe's operands on ``device`` (a CUDA GPU)."""
+    from megalite.layers.fp8.gemm import block_kernel_takes
+
+    probe = torch.zeros(16, 128, device=device).to(torch.float8_e4m3fn)
+    blockwise = ("torch's block-scaled kernel" if block_kernel_takes(probe, probe, 128, False)
+                 else "fp32 emulation (the kernel needs compute capability 9.0, CUDA 12.9+)")
+    return f"blockwise {blockwise}; mxfp8 fp32 emulation (no MX kernel called)"
 
 
 def print_work(work: dict) -> None:

@@ -28,10 +28,13 @@ the kernel's result up to the order of summation.
 Block recipes (mxfp8, blockwise) quantise each operand along the contraction dimension
 of each GEMM: ``x`` and ``dy`` twice per micro-batch (once per GEMM they enter), ``w``
 along K (fprop) and ``w^T`` along N (dgrad) once per training step each
-(:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.block_weight`); the dequantised blocks
-are multiplied in fp32: exact emulation of a block-scaled kernel accumulating in fp32.
-torch's MX kernel (block-scaled ``_scaled_mm`` with swizzled e8m0 scales) exists only on
-compute capability 10.0 and is not called yet.
+(:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.block_weight`); :func:`block_mm`
+multiplies them: ``blockwise`` on a GPU of compute capability 9.0 (Hopper) with torch's
+block-scaled kernel (``torch.nn.functional.scaled_mm`` with 1 x 128 fp32 scales on both
+operands, cuBLAS 12.9+, :func:`block_kernel_takes`), everywhere else the dequantised blocks
+in fp32: exact emulation of a block-scaled kernel accumulating in fp32. torch's MX kernel
+(e8m0 scales in a swizzled layout) exists only on compute capability 10.0 and is not
+called yet: ``mxfp8`` is emulated on every device.
 
 Outside training (evaluation) every operand, the weight included, is quantised afresh
 at every call and nothing is kept.
@@ -101,9 +104,43 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tens
     return y.to(out_dtype)
 
 
-def block_fp32(a: torch.Tensor, block: int, dtype, mx: bool) -> torch.Tensor:
-    """``a`` ``[M, K]`` (high precision) block-quantised along K and dequantised: fp32."""
-    return block_dequantize(*block_quantize(a, block, dtype, mx=mx))
+BLOCK_SCALED_MM = getattr(torch.nn.functional, "scaled_mm", None)
+"""torch's scaled GEMM that takes block scales (torch 2.10+; None before), called by
+:func:`block_mm` where :func:`block_kernel_takes`. Tests that count or check its calls
+replace this name."""
+
+
+def _cuda_version() -> tuple[int, ...]:
+    version = torch.version.cuda or "0"
+    return tuple(int(v) for v in version.split(".")[:2] if v.isdigit())
+
+
+def block_kernel_takes(a: torch.Tensor, b: torch.Tensor, block: int, mx: bool) -> bool:
+    """Whether :func:`block_mm` runs torch's block-scaled kernel for ``a`` ``[M, K]`` and
+    ``b`` ``[N, K]``: ``blockwise`` scales (fp32, 1 x 128; not MX) on a CUDA GPU of compute
+    capability 9.0 (cuBLAS has 1 x 128 block scaling only there, from CUDA 12.9), ``M`` and
+    ``N`` multiples of 16 as for the per-tensor kernel."""
+    if mx or block != 128 or a.device.type != "cuda" or BLOCK_SCALED_MM is None:
+        return False
+    if torch.cuda.get_device_capability(a.device) != (9, 0) or _cuda_version() < (12, 9):
+        return False
+    return a.shape[0] % 16 == 0 and b.shape[0] % 16 == 0
+
+
+def block_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
+             out_dtype: torch.dtype, mx: bool) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)^T`` in ``out_dtype``: ``qa`` ``[M, K]`` and ``qb`` ``[N, K]``
+    fp8 (row-major), block-quantised along K with scales ``sa`` ``[M, K / block]`` and
+    ``sb`` ``[N, K / block]`` (:func:`~megalite.layers.fp8.recipes.block_quantize`).
+    torch's kernel where :func:`block_kernel_takes` (``b`` given column-major as ``[K, N]``,
+    the scales outer-dimension-major, as cuBLAS reads them; fp32 accumulation, the block
+    scales applied in the main loop), else the fp32 product of the dequantised blocks."""
+    block = qa.shape[-1] // sa.shape[-1]
+    if block_kernel_takes(qa, qb, block, mx):
+        one_by = torch.nn.functional.ScalingType.BlockWise1x128
+        return BLOCK_SCALED_MM(qa, qb.t(), sa.t().contiguous().t(), one_by,
+                               sb.t().contiguous().t(), one_by, output_dtype=out_dtype)
+    return (block_dequantize(qa, sa) @ block_dequantize(qb, sb).t()).to(out_dtype)
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -130,9 +167,9 @@ class Fp8LinearFunction(torch.autograd.Function):
         fwd = recipe.forward_dtype
         block = recipe.block
         if block is not None:
-            qb = scaling.block_weight(weight, False, record)   # along K, once per step
-            y = block_fp32(x2, block, fwd, recipe.recipe == "mxfp8") @ \
-                block_dequantize(*qb).t()
+            mx = recipe.recipe == "mxfp8"
+            qw, sw = scaling.block_weight(weight, False, record)   # along K, once per step
+            y = block_mm(*block_quantize(x2, block, fwd, mx=mx), qw, sw, x.dtype, mx)
             ctx.save_for_backward(x2, weight)
         else:
             dx = scaling.scale(INPUT, x2, fwd, record)
@@ -163,11 +200,12 @@ class Fp8LinearFunction(torch.autograd.Function):
         if recipe.block is not None:
             x2, weight = ctx.saved_tensors
             mx = recipe.recipe == "mxfp8"
+            block = recipe.block
             qw_t = scaling.block_weight(weight, True, ctx.record)  # w^T along N, once per step
-            gx = block_fp32(g2, recipe.block, gdt, mx) @ block_dequantize(*qw_t).t()
-            if ctx.needs_input_grad[1] and recipe.wgrad:
-                gw = block_fp32(g2.t(), recipe.block, gdt, mx) @ \
-                    block_fp32(x2.t(), recipe.block, fwd, mx).t()
+            gx = block_mm(*block_quantize(g2, block, gdt, mx=mx), *qw_t, ctx.x_dtype, mx)
+            if ctx.needs_input_grad[1] and recipe.wgrad:   # both along M, the tokens
+                gw = block_mm(*block_quantize(g2.t(), block, gdt, mx=mx),
+                              *block_quantize(x2.t(), block, fwd, mx=mx), ctx.w_dtype, mx)
         else:
             qx_t, dx, x2, weight, qw, dw, qw_t = ctx.saved_tensors
             if qw_t is None:

@@ -120,12 +120,13 @@ def block_quantize(x: torch.Tensor, block: int, dtype: torch.dtype, *, mx: bool
     """``x`` ``[..., K]`` -> (fp8 values ``[..., K]``, scales ``[..., K / block]``), one scale
     per ``block`` consecutive elements of the last dimension (``K`` a multiple of
     ``block``). ``mx``: power-of-two scales as ``float8_e8m0fnu`` (OCP MX); otherwise fp32
-    ``amax / fp8_max``."""
+    ``amax / fp8_max``. Both row-major whatever ``x``'s strides (a transposed view is read
+    once into row-major blocks), as a block-scaled kernel takes them."""
     k = x.shape[-1]
     if k % block:
         raise ValueError(f"fp8 block scaling: dimension {k} is not a multiple of the "
                          f"block size {block}")
-    blocks = x.float().reshape(*x.shape[:-1], k // block, block)
+    blocks = x.contiguous().float().reshape(*x.shape[:-1], k // block, block)
     amax = blocks.abs().amax(-1)
     if mx:
         tiny = torch.finfo(torch.float32).tiny
