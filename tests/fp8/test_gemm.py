@@ -177,6 +177,37 @@ def test_delayed_scale_comes_from_the_history_not_the_tensor():
     assert float(scaling.amax_history[0, 1]) == 1.0 and float(scaling.step_amax.sum()) == 0
 
 
+@pytest.mark.parametrize("lengths", [(3, 3, 3), (3, 1, 3)], ids=["stacked", "one-by-one"])
+def test_pushing_all_histories_at_once_equals_pushing_each(lengths):
+    """The end of a delayed step pushes every linear's amaxes in a few stacked kernels:
+    the histories and cleared step maxima of pushing them one by one (also where the
+    histories' lengths differ and they are pushed one by one)."""
+    from megalite.layers.fp8.scaling import push_all
+
+    g = torch.Generator().manual_seed(5)
+    amax = torch.rand(len(lengths), 3, generator=g)
+
+    def scalings():
+        out = []
+        for i, n in enumerate(lengths):
+            s = Fp8Scaling(Fp8Recipe("hybrid", "delayed", history_len=n), ((), (), ()))
+            s.amax_history.copy_(torch.arange(3 * n, dtype=torch.float32).view(3, n) + i)
+            s.step_amax.fill_(7.0)
+            s.step_copy("fp8", True, lambda: "a step's copy")
+            out.append(s)
+        return out
+
+    one, every = scalings(), scalings()
+    for s, a in zip(one, amax):
+        s.push(a)
+    push_all(every, amax)
+    for a, b in zip(one, every):
+        torch.testing.assert_close(b.amax_history, a.amax_history, rtol=0, atol=0)
+        assert float(b.step_amax.abs().sum()) == 0 and b._step == {}
+    assert float(every[0].amax_history[1, 0]) == float(amax[0, 1])
+    assert float(every[0].amax_history[1, 1]) == 3.0        # the old newest, shifted
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_no_fp8_wgrad_keeps_the_weight_gradient_in_the_training_precision(name):
     """--no-fp8-wgrad: dw is dy^T x of the unquantised operands (fp32 here, exactly),

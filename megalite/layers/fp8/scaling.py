@@ -231,5 +231,23 @@ def finish_step(model_chunks, ps) -> None:
     amax = torch.stack([s.step_amax for s in scalings])
     C.all_reduce(amax, ps.tp, ReduceOp.MAX)
     C.all_reduce(amax, ps.dp_cp, ReduceOp.MAX)
-    for s, a in zip(scalings, amax):
-        s.push(a)
+    push_all(scalings, amax)
+
+
+def push_all(scalings: list[Fp8Scaling], amax: torch.Tensor) -> None:
+    """:meth:`Fp8Scaling.push` of ``amax[i]`` (``[L, 3]``) into ``scalings[i]`` for all L at
+    once: the histories shifted in one stacked copy and written back and the step's
+    amaxes cleared by multi-tensor kernels (a handful of launches a step instead of
+    several per linear); the same values as pushing one by one. Histories of different
+    lengths or devices are pushed one by one."""
+    histories = [s.amax_history for s in scalings]
+    if len({(h.shape, h.device) for h in histories}) != 1:
+        for s, a in zip(scalings, amax):
+            s.push(a)
+        return
+    for s in scalings:
+        s.forget_weight()
+    stacked = torch.stack(histories)                             # [L, 3, history_len]
+    shifted = torch.cat([amax.to(stacked.dtype).unsqueeze(-1), stacked[..., :-1]], -1)
+    torch._foreach_copy_(histories, list(shifted.unbind(0)))
+    torch._foreach_zero_([s.step_amax for s in scalings])

@@ -79,21 +79,25 @@ class MuonOptimizer(torch.optim.Optimizer):
     def updates(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Advance the momentum of every Muon tensor with a gradient; ``[(tensor, U)]``.
         Without --muon-nesterov ``U`` is the momentum buffer itself, which the
-        orthogonalisation only reads."""
+        orthogonalisation only reads. ``M <- lerp(M, G, 1 - beta)`` and Nesterov's
+        ``U = lerp(G, M, beta)`` run as multi-tensor kernels per group (the per-tensor
+        ``lerp``'s bits, one launch for all of a group's tensors)."""
         out = []
         for group in self.param_groups:
             if group.get("rule") != "muon":
                 continue
             beta = group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - beta)
-                out.append((p, p.grad.lerp(buf, beta) if group["nesterov"] else buf))
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            grads = [p.grad for p in params]
+            torch._foreach_lerp_(bufs, grads, 1 - beta)
+            us = torch._foreach_lerp(grads, bufs, beta) if group["nesterov"] else bufs
+            out.extend(zip(params, us))
         return out
 
     @torch.no_grad()
