@@ -17,6 +17,13 @@
 #              and Muon rows, one micro-batch per step
 #   muon-accum the bf16 and Muon rows at 16 micro-batches per optimizer step (Muon's
 #              Newton-Schulz is fixed per step: its share at a realistic batch)
+#   blockwise  the bf16 and fp8 blockwise rows (torch's block-scaled kernel on Hopper)
+#   autotune   the bf16 and fp8 tensorwise rows under --compile-mode
+#              max-autotune-no-cudagraphs (inductor's tuned GEMMs and fusions)
+# Every step row prints its profiled split (GPU busy / idle, GEMMs, the rest).
+# The sections' limits sum past one device call's 600 s: SECTIONS picks some, in order,
+#   SECTIONS="env test-gpu fp8 step" bash scripts/gpu_checks.sh         # 510 s at most
+#   SECTIONS="muon-accum blockwise autotune" bash scripts/gpu_checks.sh  # 570 s at most
 set -uo pipefail
 
 OUT=${OUT:-/tmp/gpu_checks}
@@ -29,15 +36,22 @@ if [[ -n "${SMOKE:-}" ]]; then
     BENCH=(--device cpu --small --no-compile --seq-length 32 --steps 1 --warmup 1 --top 0)
     FP8=(--device cpu --small --repeat 1)
     ACCUM=2
+    AUTOTUNE=default      # no compile in the smoke run
+    BLOCK=(--ffn-hidden-size 384 --seq-length 64 --num-query-groups 4)   # 128-blocks tile
 else
     BENCH=(--steps 5 --warmup 3 --top 10)
     FP8=(--repeat 10)
     ACCUM=16
+    AUTOTUNE=max-autotune-no-cudagraphs
+    BLOCK=()
 fi
+
+SECTIONS=${SECTIONS:-env test-gpu fp8 step muon-accum blockwise autotune}
 
 section() {   # section NAME LIMIT_SECONDS COMMAND...: run under a limit, log, keep going
     local name=$1 limit=$2
     shift 2
+    [[ " $SECTIONS " == *" $name "* ]] || return 0
     echo "=== [$((SECONDS - start))s] $name (limit ${limit}s)" | tee -a "$OUT/log.txt"
     timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
     local rc=$?
@@ -54,4 +68,8 @@ section fp8 90 "$PY" tools/benchmark.py fp8 "${FP8[@]}"
 section step 240 "$PY" tools/benchmark.py gpu "${BENCH[@]}" --fp8-recipe tensorwise,delayed --muon
 section muon-accum 180 "$PY" tools/benchmark.py gpu "${BENCH[@]}" --no-hf --muon \
     --grad-accum "$ACCUM"
+section blockwise 150 "$PY" tools/benchmark.py gpu "${BENCH[@]}" "${BLOCK[@]}" --no-hf \
+    --top 0 --fp8-recipe blockwise
+section autotune 240 "$PY" tools/benchmark.py gpu "${BENCH[@]}" --no-hf --top 0 \
+    --fp8-recipe tensorwise --compile-mode "$AUTOTUNE"
 echo "=== [$((SECONDS - start))s] done; logs in $OUT" | tee -a "$OUT/log.txt"

@@ -48,6 +48,17 @@ def test_smoke_mode_times_fp8_and_muon_rows_against_bf16(capsys):
         assert 0 < abs(first[f"megalite+fp8-{recipe}"] - first["megalite"]) < 0.02
         assert re.search(rf"megalite\+fp8-{recipe} / megalite: [0-9.]+x tokens/s", out)
     assert re.search(r"megalite\+muon / megalite: [0-9.]+x tokens/s", out)
+    # each row's split of a profiled step: the GEMMs' share of the ops' time
+    for name in first:
+        op, gemm = re.search(rf"^\s*{re.escape(name)}: per step ([0-9.]+) ms of CPU op time, "
+                             r"GEMMs ([0-9.]+) ms", out, re.M).groups()
+        assert 0 < float(gemm) < float(op)
+
+
+def test_split_line_on_a_gpu_names_the_idle_time():
+    line = bench.split_line("fp8", {"span": 134e3, "busy": 114e3, "gemm": 38e3}, True)
+    assert line.endswith("fp8: per step (profiled) GPU busy 114.0 of 134.0 ms (idle 20.0 ms), "
+                         "GEMMs 38.0 ms, the rest 76.0 ms")
 
 
 def test_grad_accum_shares_muons_fixed_newton_schulz(capsys):
@@ -103,9 +114,15 @@ def test_gpu_checks_script_smoke(tmp_path):
     subprocess.run(["bash", "scripts/gpu_checks.sh"], cwd=root, env=env, check=True,
                    timeout=600)
     log = (tmp_path / "log.txt").read_text()
-    for name in ("env", "test-gpu", "fp8", "step", "muon-accum"):
+    for name in ("env", "test-gpu", "fp8", "step", "muon-accum", "blockwise", "autotune"):
         assert f"--- {name} rc=0" in log, log
     assert "Muon's theory" in (tmp_path / "muon-accum.txt").read_text()
+    assert "megalite+fp8-blockwise / megalite" in (tmp_path / "blockwise.txt").read_text()
+    # SECTIONS picks sections: the others are not run
+    picked = tmp_path / "picked"
+    subprocess.run(["bash", "scripts/gpu_checks.sh"], cwd=root, check=True, timeout=300,
+                   env={**env, "OUT": str(picked), "SECTIONS": "env blockwise"})
+    assert sorted(p.name for p in picked.iterdir()) == ["blockwise.txt", "env.txt", "log.txt"]
 
 
 def test_graph_breaks_line_counts_and_names_the_commonest_reason():

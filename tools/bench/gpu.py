@@ -27,8 +27,10 @@ Printed: tokens/s (median step), MFU against the device's table peak
 (:data:`megalite.hardware.GPU_PEAK_FLOPS`) and against the ``torch.mm`` peak of the
 model's dtype (bf16) measured here (:class:`megalite.hardware.MatmulPeak`), the peak memory
 of each, the graph breaks of each compiled row (with the commonest reason: a break cuts a
-layer's compiled code, and the cut-off part runs eagerly), and megalite's top kernels
-(torch.profiler). Model FLOPs per token are the
+layer's compiled code, and the cut-off part runs eagerly), each row's split of a profiled
+step (the GPU's busy time against the span of its kernels, so its idle time waiting on
+the host; the GEMMs' share and the rest's; :func:`time_split`), and megalite's top
+kernels (torch.profiler). Model FLOPs per token are the
 training loop's ``6 N + 6 h V + 12 L h s`` (:func:`megalite.config.shapes.flops_per_token`,
 read from the resolved layout), as in ``tools/bench/model.py``. Without CUDA (and no
 ``--device cpu``) it prints one line and exits 0.
@@ -79,6 +81,9 @@ def parse(argv):
     p.add_argument("--no-bf16", action="store_true",
                    help="skip megalite's bf16 AdamW row (the reference of the extra rows)")
     p.add_argument("--top", type=int, default=10, help="kernels in the profile (0: none)")
+    p.add_argument("--no-split", dest="split", action="store_false",
+                   help="skip each row's profiled split of the step (GPU busy / idle, "
+                        "GEMMs, the rest)")
     args = p.parse_args(argv)
     base = SHAPES["small" if args.small else "default"]
     for name, value in zip(FIELDS, base):
@@ -237,6 +242,46 @@ def top_kernels(step, ids, labels, dev: Device, top: int) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60)
 
 
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
+            "aten::_scaled_mm_v2", "aten::_grouped_mm", "aten::_scaled_grouped_mm")
+
+
+def time_split(step, ids, labels, dev: Device) -> dict:
+    """Where two profiled steps' time goes. On a GPU (microseconds, kernels on the one
+    stream): ``span`` first kernel start to last kernel end, ``busy`` the kernels' summed
+    time (``span - busy``: the GPU idle, waiting on the host's launches and syncs),
+    ``gemm`` the GEMM operators' kernels (:data:`GEMM_OPS`, fp8's ``_scaled_mm``
+    included). On a CPU the same from the operators' self CPU time (no idle measured)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step(ids, labels)
+        dev.sync()
+    averages = prof.key_averages()
+    if dev.cuda:
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        starts = [e.time_range.start for e in kernels]
+        span = max(e.time_range.end for e in kernels) - min(starts) if kernels else 0.0
+        busy = sum(e.time_range.elapsed_us() for e in kernels)
+        gemm = sum(e.device_time_total for e in averages if e.key in GEMM_OPS)
+    else:
+        busy = sum(e.self_cpu_time_total for e in averages)
+        span = busy
+        gemm = sum(e.self_cpu_time_total for e in averages if e.key in GEMM_OPS)
+    return {"span": span / 2, "busy": busy / 2, "gemm": gemm / 2}
+
+
+def split_line(name: str, split: dict, cuda: bool) -> str:
+    """``name``'s :func:`time_split` per step, in ms."""
+    span, busy, gemm = (split[k] / 1e3 for k in ("span", "busy", "gemm"))
+    if not cuda:
+        return f"{name:>30}: per step {busy:.1f} ms of CPU op time, GEMMs {gemm:.1f} ms"
+    return (f"{name:>30}: per step (profiled) GPU busy {busy:.1f} of {span:.1f} ms "
+            f"(idle {span - busy:.1f} ms), GEMMs {gemm:.1f} ms, the rest {busy - gemm:.1f} ms")
+
+
 def graph_breaks(name: str) -> str:
     """The graph breaks dynamo counted since they were cleared (a compiled row's warm-up
     and steps): their number, and the commonest reason's first two lines where there are
@@ -316,6 +361,8 @@ def main(argv=None) -> None:
         report(name, *time_steps(step, ids, labels, dev, args.warmup, args.steps))
         if compiled:
             print(graph_breaks(name), flush=True)
+        if args.split:
+            print(split_line(name, time_split(step, ids, labels, dev), dev.cuda), flush=True)
         if i == 0 and args.top:
             profile = top_kernels(step, ids, labels, dev, args.top)
         del model, step
