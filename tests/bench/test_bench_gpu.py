@@ -94,12 +94,24 @@ def test_gpu_checks_script_parses_and_its_flags_exist():
     script = pathlib.Path(__file__).parents[2] / "scripts" / "gpu_checks.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
-    arrays = dict(re.findall(r"^\s*(BENCH|FP8)=\((.*)\)$", text, re.M)[-2:])
-    bench.parse(shlex.split(arrays["BENCH"]) + ["--fp8-recipe", "tensorwise", "--muon",
-                                                "--no-hf", "--grad-accum", "16"])
-    fp8_bench.parse(shlex.split(arrays["FP8"]))
-    for line in re.findall(r'benchmark\.py gpu "\$\{BENCH\[@\]\}"([^\n\\]*)', text):
-        bench.parse([f for f in shlex.split(line) if not f.startswith('"$')])
+    arrays = re.findall(r"^\s*(BENCH|FP8|BLOCK)=\((.*)\)$", text, re.M)
+    assert {name for name, _ in arrays} == {"BENCH", "FP8", "BLOCK"}
+    for name, value in arrays:     # the smoke run's and the GPU's
+        if name == "FP8":
+            fp8_bench.parse(shlex.split(value))
+        else:
+            bench.parse(shlex.split(value) + ["--fp8-recipe", "tensorwise", "--muon",
+                                              "--no-hf", "--grad-accum", "16"])
+    # each benchmark gpu command, its continuation lines joined, its scalars given values
+    # and its arrays (checked above) left out
+    commands = re.findall(r'benchmark\.py gpu "\$\{BENCH\[@\]\}"((?:[^\n]*\\\n)*[^\n]*)',
+                          text)
+    assert len(commands) == 4
+    values = {'"$ACCUM"': "16", '"$AUTOTUNE"': "max-autotune-no-cudagraphs", "\\\n": " "}
+    for line in commands:
+        for var, value in values.items():
+            line = line.replace(var, value)
+        bench.parse([f for f in shlex.split(line) if not f.startswith("$")])
 
 
 @pytest.mark.slow
