@@ -22,6 +22,13 @@ Per rank and step:
   iterates every matrix. Owners are balanced by FLOPs, so a rank's share is the total over
   its owners, but never less than the largest single matrix. The busiest pipeline stage
   counts (the last, which holds the prediction depths).
+* **element-wise passes** -- the momentum, normalisation, result and update passes over
+  the matrices (:func:`elementwise_bytes`: 66 bytes an element with Nesterov and bf16,
+  54 without) replace the ``16 + 2 x dtype`` bytes every parameter is charged at memory
+  bandwidth (:func:`megalite.planner.time.optimizer_seconds`). A lower bound: at the
+  1.1B shape of ``tools/benchmark.py gpu`` (0.97 billion matrix elements) it is 11 ms on
+  an H200's 4.8 TB/s, where a profile there measured about 30 ms of such passes before a
+  copy of the momentum and the strided reads of the tall matrices were removed.
 * **rate** -- on a GPU ``--muon-fp32-matmul-prec medium`` / ``low`` iterate in bf16 at
   ``peak_flops``, ``high`` in TF32 at half of it; a CPU cluster (no ``fp32_flops``) runs
   IEEE fp32 at ``peak_flops``; times ``matmul_efficiency``.
@@ -188,6 +195,29 @@ def iteration_rate(precision: str, cluster) -> float:
     if cluster.fp32_flops and precision == "high":     # a GPU's TF32: half its bf16 rate
         rate /= 2
     return rate * cluster.matmul_efficiency
+
+
+def elementwise_bytes(nesterov: bool, dtype_bytes: int) -> int:
+    """Memory traffic per Muon matrix element per step outside the Newton-Schulz GEMMs
+    (fp32 masters, gradients and momentum, the iteration in bf16), pass by pass
+    (:meth:`megalite.optim.algorithms.muon.MuonOptimizer.step`): the momentum's lerp 12
+    (reads M and G, writes M), Nesterov's 12 more (reads G and M, writes U), the
+    normalisation into the iteration's stack 10 (the norm's read, the scaled read and a
+    bf16 write), the result into the fp32 ``O`` 6, the masters' weight decay 8 and update
+    12, the model's copy ``4 + dtype_bytes``."""
+    return 12 + (12 if nesterov else 0) + 10 + 6 + 8 + 12 + 4 + dtype_bytes
+
+
+def elementwise_elements(cfg, lay) -> float:
+    """Muon matrix elements whose element-wise passes the busiest rank runs per step: its
+    tp (etp) shards of its stage's matrices, divided over their owners under a sharded
+    optimizer (each rank steps its shard of the momentum and the masters)."""
+    busiest = 0.0
+    for stage in range(lay.pp):
+        dense, expert = stage_elements(cfg, lay, stage)
+        busiest = max(busiest, dense / _groups(cfg, lay, False)[1]
+                      + expert / _groups(cfg, lay, True)[1])
+    return busiest
 
 
 def step_bytes(cfg, lay) -> tuple[float, float]:

@@ -70,8 +70,9 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
 * **optimizer** -- the step reads and writes the local optimizer state at memory bandwidth;
   with ``--optimizer-cpu-offload`` the offloaded fraction's gradients go to the host and
   its parameters come back (8 bytes each at ``host_bw``) and the host steps Adam (36 bytes
-  of traffic each at ``host_memory_bw``). Under ``--optimizer muon`` the busiest rank's
-  Newton-Schulz FLOPs at the iteration's rate and its exchanges' bytes over tp and dp x cp
+  of traffic each at ``host_memory_bw``). Under ``--optimizer muon`` the matrices'
+  element-wise passes at their own bytes per element, the busiest rank's Newton-Schulz
+  FLOPs at the iteration's rate and its exchanges' bytes over tp and dp x cp
   (:mod:`megalite.planner.muon`).
 
 The group a collective runs on is on NVLink or the network by its size and stride in
@@ -466,6 +467,10 @@ def optimizer_seconds(ctx: StepContext) -> float:
         moved = offload * local / shard
         seconds += moved * 8 / cluster.host_bw + moved * 36 / cluster.host_memory_bw
     if o.optimizer == "muon":   # Newton-Schulz and its exchanges (megalite.planner.muon)
+        extra = muon.elementwise_bytes(o.muon_nesterov, lay.dtype_bytes) - 16 \
+            - 2 * lay.dtype_bytes
+        seconds += (1 - offload) * muon.elementwise_elements(ctx.cfg, lay) * extra \
+            / cluster.memory_bw
         seconds += muon.step_flops(ctx.cfg, lay) / muon.iteration_rate(
             o.muon_fp32_matmul_prec, cluster)
         tp_bytes, dp_bytes = muon.step_bytes(ctx.cfg, lay)

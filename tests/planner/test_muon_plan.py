@@ -128,9 +128,33 @@ def test_precision_sets_the_rate_and_muon_shows_in_the_step():
     medium = estimate_time(cfg, 1, h100)
     high = estimate_time(_cfg("--muon-fp32-matmul-prec", "high")[0], 1, h100)
     ns = _flops() / muon.iteration_rate("medium", h100)
-    assert medium.optimizer - adam.optimizer == pytest.approx(ns, rel=1e-9)
-    assert high.optimizer - adam.optimizer == pytest.approx(2 * ns, rel=1e-9)
-    assert medium.step - adam.step == pytest.approx(ns, rel=1e-9)
+    # the matrices' element-wise passes: 54 bytes an element (no Nesterov, bf16) where
+    # every parameter is charged 16 + 2 x 2
+    h, f, n, g, d = 1024, 2816, 16, 4, 64
+    elements = 8 * (h * (n + 2 * g) * d + n * d * h + 3 * f * h)
+    assert muon.elementwise_bytes(False, 2) == 54 and muon.elementwise_bytes(True, 2) == 66
+    passes = elements * (54 - 20) / h100.memory_bw
+    assert medium.optimizer - adam.optimizer == pytest.approx(ns + passes, rel=1e-9)
+    assert high.optimizer - adam.optimizer == pytest.approx(2 * ns + passes, rel=1e-9)
+    assert medium.step - adam.step == pytest.approx(ns + passes, rel=1e-9)
+    nesterov = estimate_time(_cfg("--muon-nesterov")[0], 1, h100)
+    assert nesterov.optimizer - medium.optimizer == pytest.approx(
+        elements * 12 / h100.memory_bw, rel=1e-9)
+
+
+def test_elementwise_passes_are_divided_over_the_owners_and_tp():
+    """Each rank steps its tp shard of the matrices, and under the distributed optimizer
+    its 1/dp of them: the element count halves with each."""
+    h, f, n, g, d = 1024, 2816, 16, 4, 64
+    elements = 8 * (h * (n + 2 * g) * d + n * d * h + 3 * f * h)
+    assert muon.elementwise_elements(*_cfg()) == elements
+    assert muon.elementwise_elements(*_cfg("--use-distributed-optimizer", world=2)) \
+        == elements / 2
+    assert muon.elementwise_elements(*_cfg(world=2)) == elements      # dp2, replicated
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert muon.elementwise_elements(*_cfg(*tp2, world=2)) == elements / 2
+    assert muon.elementwise_elements(*_cfg(*tp2, "--use-distributed-optimizer",
+                                           world=4)) == elements / 4
 
 
 def test_exchange_bytes():
