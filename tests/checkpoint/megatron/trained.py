@@ -78,6 +78,14 @@ TRAINED = {
     "llama_distopt_pp2_buckets_trained": ([*fx.LLAMA, *TRAIN, "--use-distributed-optimizer",
                                            "--overlap-grad-reduce", "--ddp-bucket-size",
                                            "3000", "--pipeline-model-parallel-size", "2"], 2),
+    # and with virtual pipelining (4 layers, 2 stages x 2 chunks of one layer, the
+    # interleaved schedule over 2 micro-batches per rank and step): each stage's two model
+    # chunks have their gradient buffers, the first in several buckets
+    "llama_distopt_vpp2_buckets_trained": ([*fx.LLAMA, *TRAIN, "--use-distributed-optimizer",
+                                            "--overlap-grad-reduce", "--ddp-bucket-size",
+                                            "1500", "--pipeline-model-parallel-size", "2",
+                                            "--num-layers", "4",
+                                            "--num-layers-per-virtual-pipeline-stage", "1"], 2),
     "llama_sgd_trained": ([*fx.LLAMA, *TRAIN, "--optimizer", "sgd", "--sgd-momentum", "0.9"], 1),
     # Lion (NVIDIA Emerging-Optimizers' Lion, which Megatron-Core 0.19.2 builds for
     # --optimizer lion with --adam-beta1/2 as its betas): Lion's exp_avg for the linear
@@ -209,12 +217,14 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
 
     flags, dp = TRAINED[name]
     common = [f for f in fx.COMMON if f not in ("--no-save-optim", "--no-save-rng")]
+    # micro-batches per rank and step: the interleaved schedule wants at least pp of them
+    m = 2 if "--num-layers-per-virtual-pipeline-stage" in flags else 1
     sys.argv = [sys.argv[0], *common, *flags, "--no-save-rng", "--global-batch-size",
-                str(2 * dp), "--data-path", corpus, "--save", dest, "--load", resume or dest]
+                str(2 * dp * m), "--data-path", corpus, "--save", dest, "--load",
+                resume or dest]
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.training.arguments import (
         core_transformer_config_from_args,
@@ -230,22 +240,26 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
     set_global_variables(args, build_tokenizer=True)
     dist.init_process_group("gloo")
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
-    pp = args.pipeline_model_parallel_size
-    mpu.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    mpu.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp,
+                                  expert_model_parallel_size=ep)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    model = fx._build(args, name)
-    fx._perturb(model, mpu.get_tensor_model_parallel_rank())
-    if args.bf16 or args.fp16:
-        from megatron.core.transformer.module import Float16Module
+    chunks = []
+    for v in range(vpp) if vpp else [None]:   # (Megatron-LM's get_model: one bucketed chunk)
+        model = fx._build(args, name, v)
+        fx._perturb(model, mpu.get_tensor_model_parallel_rank())
+        if args.bf16 or args.fp16:
+            from megatron.core.transformer.module import Float16Module
 
-        model = Float16Module(core_transformer_config_from_args(args), model)
-    ddp = DistributedDataParallel(
-        core_transformer_config_from_args(args),
-        DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
-                                      grad_reduce_in_fp32=True,
-                                      overlap_grad_reduce=args.overlap_grad_reduce,
-                                      bucket_size=args.ddp_bucket_size), model)
+            model = Float16Module(core_transformer_config_from_args(args), model)
+        chunks.append(DistributedDataParallel(
+            core_transformer_config_from_args(args),
+            DistributedDataParallelConfig(
+                use_distributed_optimizer=args.use_distributed_optimizer,
+                grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+                bucket_size=args.ddp_bucket_size), model, disable_bucketing=bool(v)))
+    ddp = chunks[0]
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer=args.optimizer, sgd_momentum=args.sgd_momentum, lr=args.lr,
         min_lr=args.min_lr, weight_decay=args.weight_decay,
@@ -255,7 +269,7 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
         bf16=args.bf16, fp16=args.fp16, loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        params_dtype=args.params_dtype), [ddp])
+        params_dtype=args.params_dtype), chunks)
     scheduler = get_optimizer_param_scheduler(optimizer)
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
@@ -276,16 +290,30 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
     rank, s, dp_group = mpu.get_data_parallel_rank(), args.seq_length, mpu.get_data_parallel_group()
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
 
+    def micro_batch(i, j):
+        """(tokens, labels, loss_mask, positions) of iteration ``i``'s ``j``-th micro-batch
+        on this rank: Megatron's sampler gives it the ``b`` samples from ``j b dp + r b``
+        on in global batch ``i``."""
+        b = args.micro_batch_size
+        first = (i - 1) * gbs + j * b * dp + rank * b
+        rows = [train[k] for k in range(first, first + b)]
+        return tuple(torch.stack([r[k] for r in rows])
+                     for k in ("tokens", "labels", "loss_mask", "position_ids"))
+
     def step(i):
-        """Iteration ``i``'s step on this rank's micro-batch: (tokens, lr, dp-mean loss)."""
-        first = (i - 1) * gbs + rank * args.micro_batch_size
-        rows = [train[j] for j in range(first, first + args.micro_batch_size)]
-        tokens, labels, loss_mask, positions = (
-            torch.stack([r[k] for r in rows])
-            for k in ("tokens", "labels", "loss_mask", "position_ids"))
+        """Iteration ``i``'s step on this rank's micro-batches: (tokens and labels ``[2, m,
+        b, s]``, lr, dp-mean loss)."""
+        tokens, labels, loss_mask, positions = micro_batch(i, 0)
         lr = optimizer.param_groups[0]["lr"]
-        ddp.zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
+        if m > 1:   # the interleaved schedule over the chunks and micro-batches
+            batches = [micro_batch(i, j) for j in range(m)]
+            loss = _interleaved_step(chunks, batches, mask, args)
+            return (torch.stack([torch.stack([t, lab]) for t, lab, _, _ in batches], 1),
+                    lr, _finish_step(chunks, optimizer, scheduler, args, loss, dp_group, pp)
+                    / dp)
         if pp == 1:
             losses = ddp(tokens, positions, mask, labels=labels, loss_mask=loss_mask).float()
             loss = (losses * loss_mask).sum() / loss_mask.sum()
@@ -294,33 +322,29 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
             loss = loss.detach()
         else:   # Megatron's 1F1B schedule over the stages, one micro-batch
             loss = _pipelined_step(ddp, tokens, positions, mask, labels, loss_mask, args)
-        finalize_model_grads([ddp])   # the grads' reductions and the expert bias update
-        assert optimizer.step()[0]
-        scheduler.step(increment=args.global_batch_size)
-        mean = loss.clone()
-        dist.all_reduce(mean, group=dp_group)
-        if pp > 1:   # the last stage's loss, to every stage
-            dist.all_reduce(mean, group=mpu.get_pipeline_model_parallel_group())
-        return torch.stack([tokens, labels]), lr, mean.item() / dp
+        mean = _finish_step(chunks, optimizer, scheduler, args, loss, dp_group, pp)
+        return torch.stack([tokens, labels])[:, None], lr, mean / dp
 
     if resume is not None:
-        _resumed_step(args, ddp, optimizer, scheduler, step, dest, resume)
+        _resumed_step(args, chunks, optimizer, scheduler, step, dest, resume)
         dist.destroy_process_group()
         return
     for i in range(1, TRAIN_STEPS + 1):
         step(i)
     args.consumed_train_samples = TRAIN_STEPS * args.global_batch_size
-    save_checkpoint(TRAIN_STEPS, [ddp], optimizer, scheduler, 0)
+    save_checkpoint(TRAIN_STEPS, chunks, optimizer, scheduler, 0)
     dist.barrier()
     batch, lr, loss = step(TRAIN_STEPS + 1)
     if tp * ep * pp > 1:   # the weights after the step, whole only in a checkpoint: weights alone
         args.save = os.path.join(dest, "after_next_step")
-        save_checkpoint(TRAIN_STEPS + 1, [ddp], None, None, 0)
+        save_checkpoint(TRAIN_STEPS + 1, chunks, None, None, 0)
     everyone = [torch.empty_like(batch) for _ in range(dp)]
     dist.all_gather(everyone, batch, group=dp_group)
     if dist.get_rank() == 0:
-        batches = torch.stack(everyone)   # [dp, 2 (tokens, labels), b, s]
-        record = {"tokens": batches[:, 0], "labels": batches[:, 1], "lr": lr, "loss": loss,
+        # [dp, 2 (tokens, labels), m, b, s] -> [2, m dp, b, s]: the global batch's
+        # micro-batches in sample order (micro-batch j of rank r is the (j dp + r)-th)
+        batches = torch.stack(everyone).permute(1, 2, 0, 3, 4).flatten(1, 2)
+        record = {"tokens": batches[0], "labels": batches[1], "lr": lr, "loss": loss,
                   "grad_scaler": _scaler_state(optimizer)}
         if tp * ep * pp == 1:   # (model-parallel runs: the checkpoint after_next_step/)
             record["params"] = {k.removeprefix("module."): v.detach().clone()
@@ -335,7 +359,7 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
     dist.destroy_process_group()
 
 
-def _resumed_step(args, ddp, optimizer, scheduler, step, dest: str, resume: str) -> None:
+def _resumed_step(args, chunks, optimizer, scheduler, step, dest: str, resume: str) -> None:
     """Megatron-LM's resume of ``resume`` and its next step, against ``next_step.pt``."""
     import torch
     import torch.distributed as dist
@@ -370,7 +394,7 @@ def _resumed_step(args, ddp, optimizer, scheduler, step, dest: str, resume: str)
             state["step"] = step
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
-    iteration, _ = load_checkpoint([ddp], optimizer, scheduler)
+    iteration, _ = load_checkpoint(chunks, optimizer, scheduler)
     for inner in inners:   # that path gives all parameters one step tensor, which torch's
         for state in inner.state.values():   # Adam would then advance once per parameter
             if isinstance(state.get("step"), torch.Tensor):
@@ -380,7 +404,7 @@ def _resumed_step(args, ddp, optimizer, scheduler, step, dest: str, resume: str)
     scalers = {"grad_scaler": _scaler_state(optimizer),
                "want_grad_scaler": want.get("grad_scaler")}
     if dist.get_rank() == 0:   # (weights: where rank 0 holds them whole)
-        got = {k.removeprefix("module."): v for k, v in ddp.module.state_dict().items()
+        got = {k.removeprefix("module."): v for k, v in chunks[0].module.state_dict().items()
                if "_extra_state" not in k}
         worst = max(((got[k].float() - w.float()).abs().max().item()
                      for k, w in want.get("params", {}).items()), default=None)
@@ -410,6 +434,52 @@ def _sgd_state(opt, config=None) -> None:
         for p in group["params"]:
             if not opt.state[p]:
                 opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+
+def _finish_step(chunks, optimizer, scheduler, args, loss, dp_group, pp) -> float:
+    """The step after the backward: the gradients' reductions (and the expert bias update),
+    the optimizer and scheduler; the loss summed over dp (the last stage's, on every
+    stage)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    finalize_model_grads(chunks)
+    assert optimizer.step()[0]
+    scheduler.step(increment=args.global_batch_size)
+    total = loss.clone()
+    dist.all_reduce(total, group=dp_group)
+    if pp > 1:
+        dist.all_reduce(total, group=mpu.get_pipeline_model_parallel_group())
+    return total.item()
+
+
+def _interleaved_step(chunks, batches, mask, args):
+    """Forward and backward of ``batches`` (this rank's micro-batches, each ``(tokens,
+    labels, loss_mask, positions)``) through Megatron-Core's interleaved schedule over the
+    model ``chunks``: the mean loss over them on the last stage (zero elsewhere). Each
+    chunk reads its micro-batches in order from its own iterator."""
+    import torch
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        tokens, labels, loss_mask, positions = next(data_iterator)
+        output = model(tokens, positions, mask, labels=labels, loss_mask=loss_mask)
+
+        def loss_func(losses):   # (a copy: the schedule divides the loss in place by m)
+            loss = (losses.float() * loss_mask).sum() / loss_mask.sum()
+            return loss, {"loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    reduced = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
+        model=chunks, num_microbatches=len(batches), seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
+    if mpu.is_pipeline_last_stage(ignore_virtual=True):
+        return torch.stack([r["loss"].float() for r in reduced]).mean()
+    return torch.zeros(())
 
 
 def _pipelined_step(ddp, tokens, positions, mask, labels, loss_mask, args):
