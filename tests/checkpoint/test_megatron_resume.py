@@ -22,7 +22,7 @@ import torch
 from megalite.checkpoint.consolidated import checkpoint_config
 from megalite.checkpoint.files import iteration_dir, read_metadata
 from megalite.checkpoint.megatron import buckets, mapping, read_megatron
-from megalite.checkpoint.megatron.files import _Opaque, find_checkpoint, read_common
+from megalite.checkpoint.megatron.files import _Opaque, find_checkpoint, load_pickled, read_common
 from megalite.checkpoint.megatron.files import read_tensors, tensor_shapes
 from megalite.parallel.state import ParallelState
 from megalite.training.build import build_components
@@ -97,6 +97,7 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
                        "llama_distopt_dp2_trained", "llama_distopt_pp2_buckets_trained",
                        "llama_distopt_tp2_buckets_trained", "llama_distopt_tp2_fully_trained",
                        "llama_distopt_vpp2_buckets_trained", "llama_fp16_trained",
+                       "llama_legacy_adam_trained", "llama_legacy_bf16_tp2_pp2_trained",
                        "llama_lion_bf16_trained",
                        "llama_lion_distopt_dp2_trained", "llama_lion_trained",
                        "llama_sgd_trained",
@@ -105,6 +106,14 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
     for name in TRAINED:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
         assert ckpt.iteration == STEPS
+        assert (ckpt.format == "legacy") == ("legacy" in name)
+        if ckpt.format == "legacy":   # each rank's torch optimizer state, by index
+            saved = _rank_optimizer(name, "mp_rank_00" if "tp2" not in name else
+                                    "mp_rank_01_001")
+            inner = saved.get("optimizer", saved)
+            assert set(inner) == {"state", "param_groups"} and len(inner["state"]) > 1
+            assert ("fp32_from_fp16_params" in saved) == ("bf16" in name)
+            continue
         keys = list(tensor_shapes(ckpt))
         flat = buckets.bucket_keys(keys)
         assert bool(flat) == ("buckets" in name)   # Megatron-LM's default: dp_reshardable
@@ -121,11 +130,18 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
     assert len(sizes) == 5 and any(n % 64 for n in sizes.values()) is False
 
 
+def _rank_optimizer(name: str, rank: str) -> dict:
+    """The optimizer entry of one rank file of legacy fixture ``name``."""
+    path = os.path.join(FIXTURES, name, f"iter_{STEPS:07d}", rank, "model_optim_rng.pt")
+    return load_pickled(path)["optimizer"]
+
+
 @pytest.mark.parametrize("name", ["llama_adam_trained", "llama_distopt_dp2_trained",
                                   "llama_distopt_buckets_trained",
                                   "llama_distopt_tp2_buckets_trained",
                                   "llama_distopt_pp2_buckets_trained",
                                   "llama_distopt_vpp2_buckets_trained", "llama_sgd_trained",
+                                  "llama_legacy_adam_trained",
                                   "mixtral_trained", "mixtral_distopt_ep2_buckets_trained",
                                   "deepseek_v3_mtp_trained", "llama_lion_trained",
                                   "llama_lion_distopt_dp2_trained", "mixtral_lion_trained",
@@ -214,6 +230,44 @@ def test_half_precision_run_resumes_with_its_fp32_main_weights(imported, name, m
                 0.98 if lion else 0.99), key
 
 
+def test_legacy_bf16_run_at_tp2_pp2_resumes_with_its_rank_files_state(imported):
+    """A legacy (``--ckpt-format torch``) bf16 run at tp 2 x pp 2: each rank's Adam state,
+    kept by parameter index, and its fp32 main weights (``fp32_from_fp16_params``) are
+    placed by name, merged over the ranks like the weights, and the step resumes within
+    bf16's rounding of Megatron's (the bounds of
+    test_half_precision_run_resumes_with_its_fp32_main_weights)."""
+    name = "llama_legacy_bf16_tp2_pp2_trained"
+    root = imported[name]
+    meta = read_metadata(iteration_dir(root, STEPS))
+    assert meta["optimizer_state"] == ["exp_avg", "exp_avg_sq", "master"]
+    stored = read_megatron(os.path.join(FIXTURES, name)).optimizer.params
+    # tp rank 1 of the last stage: its first weight-decayed parameter (the first group's
+    # first) is its half of the columns of layer 1's output projection (the stage's layer)
+    saved = _rank_optimizer(name, "mp_rank_01_001")
+    proj = stored["decoder.layers.1.self_attention.linear_proj.weight"]
+    first = saved["fp32_from_fp16_params"][0][0]
+    assert torch.equal(proj["master"][:, 16:], first)
+    assert torch.equal(proj["exp_avg"][:, 16:], saved["optimizer"]["state"][0]["exp_avg"])
+    from megalite.checkpoint.consolidated import load_full_model
+
+    _, model = load_full_model(root)
+    before = model.full_state_dict()
+    for key, entry in stored.items():   # the masters carry bits the bf16 weights lack
+        assert torch.equal(entry["master"].to(torch.bfloat16).float(), before[key].float())
+    assert sum(not torch.equal(e["master"], before[k].float()) for k, e in stored.items()) \
+        == len(stored)
+    result, weights, want, megatron, state = _next_step(root, name)
+    assert state[:3] == (STEPS, STEPS * 2, STEPS)
+    assert result.lr == pytest.approx(want["lr"], rel=1e-12)
+    assert result.lm_loss == pytest.approx(want["loss"], rel=1e-3)
+    for key, w in megatron.items():
+        ours, theirs = weights[key].float(), w.float()
+        assert (ours - theirs).norm() <= 1e-3 * theirs.norm(), key
+        a, b = (ours - before[key]).flatten(), (theirs - before[key]).flatten()
+        if b.norm() > 0:
+            assert torch.nn.functional.cosine_similarity(a, b, dim=0) >= 0.99, key
+
+
 def test_misplaced_optimizer_state_is_not_imported(tmp_path, capsys):
     """Megatron-Core 0.19.2's --dist-ckpt-optim-fully-reshardable at tp 2 with several
     buckets writes its optimizer state misplaced: the same run saved in the default format
@@ -269,6 +323,48 @@ def test_unread_distributed_optimizer_format_imports_the_weights_with_a_note(tmp
     assert "saved as 'fully_sharded_model_space'" in out
     assert "--dist-ckpt-optim-fully-reshardable" in out
     assert read_metadata(iteration_dir(save, 0))["optimizer_state"] is None
+
+
+def _edited_legacy(tmp_path, edit) -> str:
+    """A copy of ``llama_legacy_adam_trained`` whose one rank file ``edit(state)`` changed
+    (its args without the values only Megatron can unpickle)."""
+    root = tmp_path / "legacy"
+    shutil.copytree(os.path.join(FIXTURES, "llama_legacy_adam_trained"), root)
+    path = root / f"iter_{STEPS:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+    state = load_pickled(str(path))
+    state["args"] = argparse.Namespace(**{k: v for k, v in vars(state["args"]).items()
+                                          if not isinstance(v, _Opaque)})
+    edit(state)
+    torch.save(state, path)
+    return str(root)
+
+
+@pytest.mark.parametrize("case", ["distributed", "miscounted"])
+def test_legacy_optimizer_state_that_cannot_be_placed_imports_the_weights(tmp_path, capsys,
+                                                                          case):
+    """A legacy file whose optimizer state megalite cannot place by name (a distributed
+    optimizer's, kept in distrib_optim.pt; a parameter group that does not count the
+    rank's weights) imports the weights with one note saying why."""
+    def edit(state):
+        if case == "distributed":
+            state["args"].use_distributed_optimizer = True
+        else:   # the no-weight-decay group loses its last parameter
+            index = state["optimizer"]["param_groups"][1]["params"].pop()
+            del state["optimizer"]["state"][index]
+
+    root = _edited_legacy(tmp_path, edit)
+    save = str(tmp_path / "out")
+    assert convert("--source", "megatron", "--target", "megalite", "--load-dir", root,
+                   "--save-dir", save) == 0
+    out = capsys.readouterr().out
+    why = ("a distributed optimizer's legacy state lives in distrib_optim.pt" if
+           case == "distributed" else
+           "its parameter group 1 holds 4 parameters where the rank's weights give 5")
+    assert f"the optimizer state is not imported ({why}" in out, out
+    assert read_metadata(iteration_dir(save, 0))["optimizer_state"] is None
+    got = read_megatron(root).state
+    want = read_megatron(os.path.join(FIXTURES, "llama_legacy_adam_trained")).state
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 
 
 def _bucket_inputs(name: str):

@@ -4,8 +4,9 @@
 (:mod:`.files`) or of a legacy per-rank one (:mod:`.legacy`), saved at any tp / pp / ep,
 in this process (no torch.distributed): the model configuration from the saved ``args``
 (:mod:`.arguments`), every weight as one full (tp = pp = 1) tensor in megalite's names
-(:mod:`.mapping`), and the optimizer state where Megatron saved it per parameter or in the
-distributed optimizer's buckets (:mod:`.optimizer`, :mod:`.buckets`). The converter
+(:mod:`.mapping`), and the optimizer state where Megatron saved it per parameter, in the
+distributed optimizer's buckets or by index in legacy rank files (:mod:`.optimizer`,
+:mod:`.buckets`, :mod:`.legacy_optimizer`). The converter
 (``tools/convert_checkpoint.py --source megatron``) writes the result as a megalite
 checkpoint with :func:`megalite.checkpoint.consolidated.save_full_model`; :mod:`.writer`
 writes the other way (``--target megatron``), with the optimizer state
@@ -108,15 +109,17 @@ def read_megatron(root: str, step: int | None = None, load_optim: bool = True
         tensors = read_tensors(ckpt, keys)
     state = mapping.to_megalite({k: tensors[k] for k in keys}, chunks, model)
     saved = common.get("optimizer_saved", "optimizer" in common) or bool(optim_keys)
-    why = ("legacy rank files keep it by parameter index" if ckpt.format == "legacy"
-           else optimizer.unreadable(common, optim_keys))
+    why = common.get("optimizer_unreadable") or optimizer.unreadable(common, optim_keys)
     state_of_optimizer = None
     if saved and load_optim and why is None:
-        groups = [g for saved_groups in read_objects(ckpt, buckets.GROUPS)
-                  for part in saved_groups for g in part.get("param_groups", [])]
+        if ckpt.format == "legacy":   # (placed by name and merged by legacy.read_legacy)
+            groups, optim_tensors = [], {k: tensors[k] for k in optim_keys}
+        else:
+            groups = [g for saved_groups in read_objects(ckpt, buckets.GROUPS)
+                      for part in saved_groups for g in part.get("param_groups", [])]
+            optim_tensors = read_tensors(ckpt, optim_keys)
         state_of_optimizer = optimizer.read_optimizer_state(
-            common, read_tensors(ckpt, optim_keys), chunks, model, tensors, groups,
-            ckpt.directory)
+            common, optim_tensors, chunks, model, tensors, groups, ckpt.directory)
         trained = {k for k in state if not k.endswith("expert_bias")}   # buffers: none
         if set(state_of_optimizer.params) != trained:
             odd = sorted(set(state_of_optimizer.params) ^ trained)

@@ -153,11 +153,15 @@ class _Opaque:
 
 _SAFE = {("collections", "OrderedDict"), ("argparse", "Namespace"),
          ("types", "SimpleNamespace"), ("torch", "Size"), ("torch", "device"),
-         ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path")} | {
+         ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
+         # a tensor saved with attributes of its own (Megatron's fp32 main weights carry
+         # their tensor-parallel attributes): rebuilt as a plain tensor
+         ("torch._tensor", "_rebuild_from_type_v2"), ("torch", "Tensor"),
+         ("torch._tensor", "Tensor")} | {
     ("builtins", n) for n in ("set", "frozenset", "slice", "complex", "range", "bytearray",
                               "tuple", "list", "dict", "int", "float", "str", "bool")}
 _MODULES = {"collections": collections, "argparse": argparse, "types": types,
-            "pathlib": pathlib, "torch": torch}
+            "pathlib": pathlib, "torch": torch, "torch._tensor": torch._tensor}
 
 
 class _RestrictedUnpickler(pickle.Unpickler):

@@ -34,6 +34,7 @@ import re
 import torch
 
 from megalite.checkpoint.files import CheckpointError
+from megalite.checkpoint.megatron import legacy_optimizer
 from megalite.checkpoint.megatron.files import LEGACY_FILE, MegatronCheckpoint, load_pickled
 from megalite.checkpoint.megatron.mapping import LAYERS, MTP_LAYER, PER_LAYER, mtp_key
 
@@ -131,43 +132,70 @@ def read_legacy(ckpt: MegatronCheckpoint) -> tuple[dict, dict, dict]:
     common["optimizer_saved"] = "optimizer" in states[(0, 0, 0)]
     if "args" not in common:
         raise CheckpointError(f"{ckpt.directory}: the rank files hold no Megatron args")
-    gated = bool(getattr(common["args"], "swiglu", False))
-    local = getattr(common["args"], "transformer_impl", "transformer_engine") == "local"
-    column = COLUMN + MLA_DOWN if local else COLUMN
-    num_chunks = len(_chunks(states[(0, 0, 0)]))
-    # global layer number of (stage, chunk, local layer): chunk-major, then stage
-    offsets, start = {}, 0
-    for v in range(num_chunks):
-        for p in range(pps):
-            local = {int(m[1]) for k in _chunks(states[(0, p, 0)])[v]
-                     if (m := PER_LAYER.match(k))}
-            offsets[(p, v)] = start
-            start += len(local)
-    num_layers = start
-    merged: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    for p in range(pps):
-        for v in range(num_chunks):
-            names = [k for k in _chunks(states[(0, p, 0)])[v] if "_extra_state" not in k]
-            for e in range(eps):
-                per_tp = [_chunks(states[(t, p, e)])[v] for t in range(tps)]
-                for key in names:
-                    prefix, suffix = _split(key, offsets[(p, v)])
-                    x = EXPERT_KEY.match(suffix)
-                    if x is None and e > 0:
-                        continue   # non-expert tensors: ep rank 0's
-                    shards = [s[key] for s in per_tp]
-                    if x is None:
-                        merged[prefix + suffix] = _merge_tp(suffix, shards, gated, column)
-                        continue
-                    j, which = (int(x[1]), x[2]) if x[1] is not None else (int(x[4]), x[3])
-                    experts.setdefault((prefix, which), {})[(e, j)] = \
-                        _merge_tp(which, shards, gated)
-    for (prefix, which), by_rank in experts.items():
-        per_rank = 1 + max(j for _, j in by_rank)
-        stacked = [by_rank[(e, j)] for e in range(eps) for j in range(per_rank)]
-        merged[f"{prefix}mlp.experts.experts.{which}.weight"] = torch.stack(stacked)
-    return common, *_stack_layers(merged, num_layers)
+    args = common["args"]
+    local = getattr(args, "transformer_impl", "transformer_engine") == "local"
+    merge = _Merge(tps, pps, eps, {r: _chunks(s) for r, s in states.items()},
+                   bool(getattr(args, "swiglu", False)), COLUMN + MLA_DOWN if local else COLUMN)
+    tensors, chunks = _stack_layers(merge(merge.ranks), merge.num_layers)
+    if common["optimizer_saved"]:   # the plain optimizer's state, merged as the weights
+        try:
+            by_state, common["optimizer"] = legacy_optimizer.rank_states(
+                {r: s["optimizer"] for r, s in states.items()}, merge.ranks, args)
+        except legacy_optimizer.Unplaced as why:
+            common["optimizer_unreadable"] = str(why)
+        else:
+            for name, ranks in by_state.items():
+                merged, _ = _stack_layers(merge(ranks), merge.num_layers)
+                tensors.update({f"optimizer.state.{name}.{k}": t for k, t in merged.items()})
+    return common, tensors, chunks
+
+
+class _Merge:
+    """The merge of per-rank tensors named as a model's state dict (the weights, or one
+    optimizer state per parameter) into global tensors by sharded key (module
+    docstring). ``ranks``: (tp, pp, ep) rank -> its model chunks' dicts."""
+
+    def __init__(self, tps: int, pps: int, eps: int, ranks: dict, gated: bool, column):
+        self.tps, self.pps, self.eps, self.ranks = tps, pps, eps, ranks
+        self.gated, self.column = gated, column
+        self.num_chunks = len(ranks[(0, 0, 0)])
+        # global layer number of (stage, chunk, local layer): chunk-major, then stage
+        self.offsets, start = {}, 0
+        for v in range(self.num_chunks):
+            for p in range(pps):
+                held = {int(m[1]) for k in ranks[(0, p, 0)][v] if (m := PER_LAYER.match(k))}
+                self.offsets[(p, v)] = start
+                start += len(held)
+        self.num_layers = start
+
+    def __call__(self, ranks: dict) -> dict[str, torch.Tensor]:
+        """``ranks`` (as :attr:`ranks`, any subset of each chunk's keys) merged: global
+        key (layers not yet stacked) -> tensor."""
+        merged: dict[str, torch.Tensor] = {}
+        experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        for p in range(self.pps):
+            for v in range(self.num_chunks):
+                names = [k for k in ranks[(0, p, 0)][v] if "_extra_state" not in k]
+                for e in range(self.eps):
+                    per_tp = [ranks[(t, p, e)][v] for t in range(self.tps)]
+                    for key in names:
+                        prefix, suffix = _split(key, self.offsets[(p, v)])
+                        x = EXPERT_KEY.match(suffix)
+                        if x is None and e > 0:
+                            continue   # non-expert tensors: ep rank 0's
+                        shards = [s[key] for s in per_tp]
+                        if x is None:
+                            merged[prefix + suffix] = _merge_tp(suffix, shards, self.gated,
+                                                                self.column)
+                            continue
+                        j, which = (int(x[1]), x[2]) if x[1] is not None else (int(x[4]), x[3])
+                        experts.setdefault((prefix, which), {})[(e, j)] = \
+                            _merge_tp(which, shards, self.gated)
+        for (prefix, which), by_rank in experts.items():
+            per_rank = 1 + max(j for _, j in by_rank)
+            stacked = [by_rank[(e, j)] for e in range(self.eps) for j in range(per_rank)]
+            merged[f"{prefix}mlp.experts.experts.{which}.weight"] = torch.stack(stacked)
+        return merged
 
 
 def _split(key: str, offset: int) -> tuple[str, str]:

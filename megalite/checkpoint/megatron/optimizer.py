@@ -16,7 +16,10 @@ sharded key with a prefix, in the formats read here::
 * the distributed optimizer saved ``fully_reshardable``
   (``--dist-ckpt-optim-fully-reshardable``): the step count is in each parameter group;
 * the distributed optimizer saved ``dp_reshardable`` (Megatron-LM's default): flat
-  per-bucket buffers, turned into this per-parameter form by :mod:`.buckets`.
+  per-bucket buffers, turned into this per-parameter form by :mod:`.buckets`;
+* legacy rank files (``--ckpt-format torch``): each rank's plain optimizer state by
+  parameter index, placed by name and merged into this form by :mod:`.legacy_optimizer`
+  and :mod:`.legacy` (the step count as ``common_step``).
 
 Each state maps to megalite's names as the weights do (:func:`.mapping.to_megalite`: the
 stacked layers split, q/k/v regrouped, experts transposed, vocabulary padding dropped).

@@ -87,6 +87,13 @@ TRAINED = {
                                             "--num-layers", "4",
                                             "--num-layers-per-virtual-pipeline-stage", "1"], 2),
     "llama_sgd_trained": ([*fx.LLAMA, *TRAIN, "--optimizer", "sgd", "--sgd-momentum", "0.9"], 1),
+    # the legacy per-rank format (--ckpt-format torch): each rank's torch optimizer state,
+    # its tensors keyed by parameter index; bf16 with its fp32 main copies, at tp 2 x pp 2
+    "llama_legacy_adam_trained": ([*fx.LLAMA, *TRAIN, "--ckpt-format", "torch"], 1),
+    "llama_legacy_bf16_tp2_pp2_trained": ([*fx.LLAMA, *TRAIN, "--ckpt-format", "torch",
+                                           "--bf16", "--tensor-model-parallel-size", "2",
+                                           "--pipeline-model-parallel-size", "2",
+                                           "--make-vocab-size-divisible-by", "8"], 1),
     # Lion (NVIDIA Emerging-Optimizers' Lion, which Megatron-Core 0.19.2 builds for
     # --optimizer lion with --adam-beta1/2 as its betas): Lion's exp_avg for the linear
     # weights, a chained Adam for the rest. Its emerging-optimizer path keeps both plain
@@ -222,6 +229,8 @@ def train_worker(name: str, dest: str, corpus: str, resume: str | None = None) -
     sys.argv = [sys.argv[0], *common, *flags, "--no-save-rng", "--global-batch-size",
                 str(2 * dp * m), "--data-path", corpus, "--save", dest, "--load",
                 resume or dest]
+    if resume is not None:   # megalite's exports are torch_dist, as the converter says
+        sys.argv += ["--ckpt-format", "torch_dist"]
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

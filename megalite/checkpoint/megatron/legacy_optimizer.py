@@ -1,0 +1,130 @@
+"""The plain optimizer's state in Megatron-LM's legacy per-rank files (``--ckpt-format
+torch``), placed by parameter name, so that :mod:`.legacy` merges it across ranks as it
+merges the weights and :mod:`.optimizer` reads it as it reads ``torch_dist`` state.
+
+Each rank's ``model_optim_rng.pt`` holds its torch optimizer's ``state_dict()``: per-parameter
+state keyed by an index, and ``param_groups`` whose ``params`` list those indices (a bf16 /
+fp16 run wraps it as ``{"optimizer": ..., "fp32_from_fp16_params": [[main weights of each
+group]], "grad_scaler": ...}``). Megatron-Core numbers the parameters group by group: a
+group is every parameter with the same overrides (``wd_mult``, ``lr_mult``,
+``is_decoupled_lr``) and expert flag, taken in the model chunks' ``named_parameters()``
+order, which is the order of the rank's saved model state dict. So the index of each
+parameter follows from its name and shape alone: its weight decay is off for biases and
+1-D tensors (Megatron's default), its lr decoupled for the embedding and output layer
+under ``--decoupled-lr``; every group's count and every state's shape are checked against
+the saved weights, and a file that does not fit is not imported (:class:`Unplaced`).
+
+Not placed: the distributed optimizer's legacy state (``distrib_optim.pt``, flat per-rank
+buffers) and chained optimizers (Megatron chains a dense and an expert optimizer for
+MoE models, a Lion and an Adam for ``--optimizer lion``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+PER_PARAMETER = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+BUFFERS = ("expert_bias", "local_tokens_per_expert")   # saved beside parameters, not trained
+EXPERT = re.compile(r"\.mlp\.experts\.")
+EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+class Unplaced(Exception):
+    """Why a legacy file's optimizer state cannot be placed (the import keeps the weights)."""
+
+
+def _is_parameter(key: str) -> bool:
+    return "_extra_state" not in key and not key.endswith(BUFFERS)
+
+
+def _group_of(key: str, tensor: torch.Tensor, args) -> tuple:
+    """(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) of parameter ``key``."""
+    no_decay = key.endswith(".bias") or tensor.dim() == 1
+    decoupled = getattr(args, "decoupled_lr", None) is not None and \
+        key.endswith(EMBEDDING_OR_OUTPUT)
+    return (0.0 if no_decay else 1.0, 1.0, bool(EXPERT.search(key)), decoupled)
+
+
+def _saved_group(group: dict) -> tuple:
+    return (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)),
+            bool(group.get("is_expert_parallel", False)),
+            bool(group.get("is_decoupled_lr", False)))
+
+
+def _unwrap(saved) -> tuple[dict, list | None]:
+    """(the torch optimizer's state dict, the fp32 main weights per group or None)."""
+    if isinstance(saved, dict) and "param_groups" in saved:
+        return saved, None
+    if isinstance(saved, dict) and isinstance(saved.get("optimizer"), dict) \
+            and "param_groups" in saved["optimizer"]:
+        return saved["optimizer"], saved.get("fp32_from_fp16_params")
+    raise Unplaced("its rank files hold chained optimizers (experts, or Lion with Adam)")
+
+
+def _rank(saved, chunks: list[dict], args) -> dict[str, list[dict]]:
+    """One rank's state: {state name: per model chunk {model key: tensor}}."""
+    torch_state, masters = _unwrap(saved)
+    members: dict[tuple, list[tuple[int, str, torch.Tensor]]] = {}
+    for v, chunk in enumerate(chunks):
+        for key, weight in chunk.items():
+            if _is_parameter(key):
+                members.setdefault(_group_of(key, weight, args), []).append((v, key, weight))
+    out: dict[str, list[dict]] = {}
+    placed = 0
+    for g, group in enumerate(torch_state["param_groups"]):
+        params = members.get(_saved_group(group), [])
+        if len(params) != len(group["params"]):
+            raise Unplaced(f"its parameter group {g} holds {len(group['params'])} parameters "
+                           f"where the rank's weights give {len(params)}")
+        for j, ((v, key, weight), index) in enumerate(zip(params, group["params"])):
+            entry = dict(torch_state["state"].get(index, {}))
+            if masters is not None:
+                entry["fp32_param"] = masters[g][j]
+            for name, t in entry.items():
+                if name not in (*PER_PARAMETER, "fp32_param"):
+                    continue
+                if not isinstance(t, torch.Tensor) or t.shape != weight.shape:
+                    raise Unplaced(f"its {name} of parameter index {index} does not have the "
+                                   f"shape of {key} {tuple(weight.shape)}")
+                out.setdefault(name, [{} for _ in chunks])[v][key] = t.float()
+        placed += len(params)
+    if placed != sum(len(m) for m in members.values()):
+        raise Unplaced("its parameter groups do not cover every saved weight")
+    return out
+
+
+def _step(saved) -> int:
+    """The optimizer's step count: any parameter's ``step`` (0 with none, as SGD's)."""
+    torch_state, _ = _unwrap(saved)
+    for entry in torch_state["state"].values():
+        if "step" in entry:
+            return int(torch.as_tensor(entry["step"]).item())
+    return 0
+
+
+def rank_states(saved: dict, ranks: dict, args) -> tuple[dict[str, dict], dict]:
+    """({state name: {(tp, pp, ep) rank: per chunk {model key: tensor}}}, the common state's
+    ``optimizer`` entry as :mod:`.optimizer` reads it: the parameter groups, the step count
+    as ``common_step`` and an fp16 run's ``grad_scaler``) from every rank's saved optimizer
+    ``saved`` and model chunks ``ranks``. :class:`Unplaced` where it does not fit."""
+    if getattr(args, "use_distributed_optimizer", False):
+        raise Unplaced("a distributed optimizer's legacy state lives in distrib_optim.pt "
+                       "buffers, which megalite does not read")
+    by_state: dict[str, dict] = {}
+    for rank, chunks in ranks.items():
+        for name, per_chunk in _rank(saved[rank], chunks, args).items():
+            by_state.setdefault(name, {})[rank] = per_chunk
+    for name, per_rank in by_state.items():
+        if per_rank.keys() != ranks.keys():
+            raise Unplaced(f"its {name} is missing on some ranks")
+    first = saved[(0, 0, 0)]
+    torch_state, _ = _unwrap(first)
+    inner = {"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                              for g in torch_state["param_groups"]],
+             "state": {"common_step": _step(first)}}
+    common = {"optimizer": inner}
+    if isinstance(first, dict) and "grad_scaler" in first:
+        common["grad_scaler"] = first["grad_scaler"]
+    return by_state, common
