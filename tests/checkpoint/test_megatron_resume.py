@@ -101,18 +101,23 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
                        "llama_lion_bf16_trained",
                        "llama_lion_distopt_dp2_trained", "llama_lion_trained",
                        "llama_sgd_trained",
-                       "mixtral_distopt_ep2_buckets_trained", "mixtral_lion_ep2_trained",
-                       "mixtral_lion_trained", "mixtral_trained"]
+                       "mixtral_distopt_ep2_buckets_trained", "mixtral_legacy_ep2_trained",
+                       "mixtral_lion_ep2_trained", "mixtral_lion_trained", "mixtral_trained"]
     for name in TRAINED:
         ckpt = find_checkpoint(os.path.join(FIXTURES, name))
         assert ckpt.iteration == STEPS
         assert (ckpt.format == "legacy") == ("legacy" in name)
         if ckpt.format == "legacy":   # each rank's torch optimizer state, by index
-            saved = _rank_optimizer(name, "mp_rank_00" if "tp2" not in name else
-                                    "mp_rank_01_001")
-            inner = saved.get("optimizer", saved)
-            assert set(inner) == {"state", "param_groups"} and len(inner["state"]) > 1
-            assert ("fp32_from_fp16_params" in saved) == ("bf16" in name)
+            rank = "mp_rank_01_001" if "tp2" in name else "mp_rank_00_001" if "ep2" in name \
+                else "mp_rank_00"
+            saved = _rank_optimizer(name, rank)
+            # a Mixtral's chained dense and expert optimizers: a list of the two
+            parts = saved if "mixtral" in name else [saved]
+            assert len(parts) == (2 if "mixtral" in name else 1)
+            for part in parts:
+                inner = part.get("optimizer", part)
+                assert set(inner) == {"state", "param_groups"} and len(inner["state"]) > 1
+                assert ("fp32_from_fp16_params" in part) == ("bf16" in name)
             continue
         keys = list(tensor_shapes(ckpt))
         flat = buckets.bucket_keys(keys)
@@ -141,7 +146,7 @@ def _rank_optimizer(name: str, rank: str) -> dict:
                                   "llama_distopt_tp2_buckets_trained",
                                   "llama_distopt_pp2_buckets_trained",
                                   "llama_distopt_vpp2_buckets_trained", "llama_sgd_trained",
-                                  "llama_legacy_adam_trained",
+                                  "llama_legacy_adam_trained", "mixtral_legacy_ep2_trained",
                                   "mixtral_trained", "mixtral_distopt_ep2_buckets_trained",
                                   "deepseek_v3_mtp_trained", "llama_lion_trained",
                                   "llama_lion_distopt_dp2_trained", "mixtral_lion_trained",

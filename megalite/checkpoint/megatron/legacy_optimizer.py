@@ -14,9 +14,11 @@ parameter follows from its name and shape alone: its weight decay is off for bia
 under ``--decoupled-lr``; every group's count and every state's shape are checked against
 the saved weights, and a file that does not fit is not imported (:class:`Unplaced`).
 
-Not placed: the distributed optimizer's legacy state (``distrib_optim.pt``, flat per-rank
-buffers) and chained optimizers (Megatron chains a dense and an expert optimizer for
-MoE models, a Lion and an Adam for ``--optimizer lion``).
+A chained optimizer (Megatron chains a dense and an expert optimizer for MoE models)
+saves a list of those, each numbering its own parameters: its groups' expert flag tells
+which parameters are whose. Not placed: the distributed optimizer's legacy state
+(``distrib_optim.pt``, flat per-rank buffers) and ``--optimizer lion``'s chained Lion and
+Adam (whose groups the overrides do not tell apart).
 """
 
 from __future__ import annotations
@@ -54,24 +56,41 @@ def _saved_group(group: dict) -> tuple:
 
 
 def _unwrap(saved) -> tuple[dict, list | None]:
-    """(the torch optimizer's state dict, the fp32 main weights per group or None)."""
+    """(the torch optimizer's state dict, the fp32 main weights per group or None) of one
+    optimizer."""
     if isinstance(saved, dict) and "param_groups" in saved:
         return saved, None
     if isinstance(saved, dict) and isinstance(saved.get("optimizer"), dict) \
             and "param_groups" in saved["optimizer"]:
         return saved["optimizer"], saved.get("fp32_from_fp16_params")
-    raise Unplaced("its rank files hold chained optimizers (experts, or Lion with Adam)")
+    raise Unplaced("its rank files hold an optimizer state of an unknown layout")
+
+
+def _parts(saved) -> list:
+    """The optimizers of one rank's saved state: one, or a chained optimizer's list."""
+    return list(saved) if isinstance(saved, (list, tuple)) else [saved]
 
 
 def _rank(saved, chunks: list[dict], args) -> dict[str, list[dict]]:
     """One rank's state: {state name: per model chunk {model key: tensor}}."""
-    torch_state, masters = _unwrap(saved)
     members: dict[tuple, list[tuple[int, str, torch.Tensor]]] = {}
     for v, chunk in enumerate(chunks):
         for key, weight in chunk.items():
             if _is_parameter(key):
                 members.setdefault(_group_of(key, weight, args), []).append((v, key, weight))
     out: dict[str, list[dict]] = {}
+    placed = 0
+    for part in _parts(saved):
+        placed += _place(part, members, out, len(chunks))
+    if placed != sum(len(m) for m in members.values()):
+        raise Unplaced("its parameter groups do not cover every saved weight")
+    return out
+
+
+def _place(saved, members: dict, out: dict, num_chunks: int) -> int:
+    """Put one optimizer's per-parameter state into ``out`` (as :func:`_rank` returns it)
+    by its groups' ``members``; the number of parameters placed."""
+    torch_state, masters = _unwrap(saved)
     placed = 0
     for g, group in enumerate(torch_state["param_groups"]):
         params = members.get(_saved_group(group), [])
@@ -88,11 +107,9 @@ def _rank(saved, chunks: list[dict], args) -> dict[str, list[dict]]:
                 if not isinstance(t, torch.Tensor) or t.shape != weight.shape:
                     raise Unplaced(f"its {name} of parameter index {index} does not have the "
                                    f"shape of {key} {tuple(weight.shape)}")
-                out.setdefault(name, [{} for _ in chunks])[v][key] = t.float()
+                out.setdefault(name, [{} for _ in range(num_chunks)])[v][key] = t.float()
         placed += len(params)
-    if placed != sum(len(m) for m in members.values()):
-        raise Unplaced("its parameter groups do not cover every saved weight")
-    return out
+    return placed
 
 
 def _step(saved) -> int:
@@ -104,6 +121,18 @@ def _step(saved) -> int:
     return 0
 
 
+def _common(saved) -> dict:
+    """One optimizer's entry of the common state :mod:`.optimizer` reads: its parameter
+    groups, its step as ``common_step`` and an fp16 run's ``grad_scaler``."""
+    torch_state, _ = _unwrap(saved)
+    inner = {"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                              for g in torch_state["param_groups"]],
+             "state": {"common_step": _step(saved)}}
+    if isinstance(saved, dict) and "grad_scaler" in saved:
+        return {"optimizer": inner, "grad_scaler": saved["grad_scaler"]}
+    return inner
+
+
 def rank_states(saved: dict, ranks: dict, args) -> tuple[dict[str, dict], dict]:
     """({state name: {(tp, pp, ep) rank: per chunk {model key: tensor}}}, the common state's
     ``optimizer`` entry as :mod:`.optimizer` reads it: the parameter groups, the step count
@@ -112,6 +141,9 @@ def rank_states(saved: dict, ranks: dict, args) -> tuple[dict[str, dict], dict]:
     if getattr(args, "use_distributed_optimizer", False):
         raise Unplaced("a distributed optimizer's legacy state lives in distrib_optim.pt "
                        "buffers, which megalite does not read")
+    if getattr(args, "optimizer", "adam") == "lion":
+        raise Unplaced("--optimizer lion chains a Lion and an Adam, whose parameters its "
+                       "legacy files do not tell apart")
     by_state: dict[str, dict] = {}
     for rank, chunks in ranks.items():
         for name, per_chunk in _rank(saved[rank], chunks, args).items():
@@ -119,12 +151,5 @@ def rank_states(saved: dict, ranks: dict, args) -> tuple[dict[str, dict], dict]:
     for name, per_rank in by_state.items():
         if per_rank.keys() != ranks.keys():
             raise Unplaced(f"its {name} is missing on some ranks")
-    first = saved[(0, 0, 0)]
-    torch_state, _ = _unwrap(first)
-    inner = {"param_groups": [{k: v for k, v in g.items() if k != "params"}
-                              for g in torch_state["param_groups"]],
-             "state": {"common_step": _step(first)}}
-    common = {"optimizer": inner}
-    if isinstance(first, dict) and "grad_scaler" in first:
-        common["grad_scaler"] = first["grad_scaler"]
-    return by_state, common
+    parts = [_common(part) for part in _parts(saved[(0, 0, 0)])]
+    return by_state, parts[0] if len(parts) == 1 else dict(enumerate(parts))

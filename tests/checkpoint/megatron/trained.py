@@ -90,6 +90,8 @@ TRAINED = {
     # the legacy per-rank format (--ckpt-format torch): each rank's torch optimizer state,
     # its tensors keyed by parameter index; bf16 with its fp32 main copies, at tp 2 x pp 2
     "llama_legacy_adam_trained": ([*fx.LLAMA, *TRAIN, "--ckpt-format", "torch"], 1),
+    "mixtral_legacy_ep2_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1", "--ckpt-format",
+                                    "torch", "--expert-model-parallel-size", "2"], 2),
     "llama_legacy_bf16_tp2_pp2_trained": ([*fx.LLAMA, *TRAIN, "--ckpt-format", "torch",
                                            "--bf16", "--tensor-model-parallel-size", "2",
                                            "--pipeline-model-parallel-size", "2",
