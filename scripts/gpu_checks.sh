@@ -17,7 +17,7 @@
 #              and Muon rows, one micro-batch per step
 #   muon-accum the bf16 and Muon rows at 16 micro-batches per optimizer step (Muon's
 #              Newton-Schulz is fixed per step: its share at a realistic batch)
-#   blockwise  the bf16 and fp8 blockwise rows (torch's block-scaled kernel on Hopper)
+#   blockwise  the bf16 and fp8 blockwise rows, e4m3 (torch's block-scaled kernel on Hopper)
 #   autotune   the bf16 and fp8 tensorwise rows under --compile-mode
 #              max-autotune-no-cudagraphs (inductor's tuned GEMMs and fusions)
 # Every step row prints its profiled split (GPU busy / idle, GEMMs, the rest).
@@ -69,7 +69,7 @@ section step 240 "$PY" tools/benchmark.py gpu "${BENCH[@]}" --fp8-recipe tensorw
 section muon-accum 180 "$PY" tools/benchmark.py gpu "${BENCH[@]}" --no-hf --muon \
     --grad-accum "$ACCUM"
 section blockwise 150 "$PY" tools/benchmark.py gpu "${BENCH[@]}" "${BLOCK[@]}" --no-hf \
-    --top 0 --fp8-recipe blockwise
+    --top 0 --fp8-recipe blockwise --fp8-format e4m3
 section autotune 240 "$PY" tools/benchmark.py gpu "${BENCH[@]}" --no-hf --top 0 \
     --fp8-recipe tensorwise --compile-mode "$AUTOTUNE"
 echo "=== [$((SECONDS - start))s] done; logs in $OUT" | tee -a "$OUT/log.txt"

@@ -104,7 +104,7 @@ def test_block_gemms_go_to_the_block_kernel_in_its_layouts(monkeypatch, name):
 
     x, w, dy = _operands(False)
     x, w = torch.cat([x, x], 1), torch.cat([w, w], 1)        # K = 256: two blocks of 128
-    recipe = Fp8Recipe("hybrid", name)
+    recipe = Fp8Recipe("e4m3", name)
     emulated = _run(recipe, x, w, dy)
     calls = []
 
@@ -122,22 +122,33 @@ def test_block_gemms_go_to_the_block_kernel_in_its_layouts(monkeypatch, name):
 
     monkeypatch.setattr(gemm, "BLOCK_SCALED_MM", kernel)
     monkeypatch.setattr(gemm, "block_kernel_takes", lambda a, b, block, mx: block == 128)
+    # (on a GPU the kernel also wants e4m3 operands: the e4m3 format, as DeepSeek-V3 runs)
     got = _run(recipe, x, w, dy)
     for a, b in zip(got, emulated):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     if name == "mxfp8":
         assert calls == []
     else:   # fprop over K, dgrad over N (dy, w^T), wgrad over the 256 tokens (dy^T, x^T)
-        assert calls == [(256, 128, 256, E4M3, E4M3), (256, 256, 128, E5M2, E4M3),
-                         (128, 256, 256, E5M2, E4M3)]
+        assert calls == [(256, 128, 256, E4M3, E4M3), (256, 256, 128, E4M3, E4M3),
+                         (128, 256, 256, E4M3, E4M3)]
 
 
-def test_the_block_kernel_is_not_taken_on_the_cpu_nor_for_mx_scales():
-    from megalite.layers.fp8.gemm import block_kernel_takes
+def test_the_block_kernel_is_not_taken_on_the_cpu_nor_for_mx_scales_nor_e5m2(monkeypatch):
+    from megalite.layers.fp8 import gemm
 
     a = torch.zeros(256, 256).to(E4M3)
-    assert not block_kernel_takes(a, a, 128, False)
-    assert not block_kernel_takes(a, a, 32, True)
+    assert not gemm.block_kernel_takes(a, a, 128, False)
+    assert not gemm.block_kernel_takes(a, a, 32, True)
+    # as if on a Hopper GPU: e4m3 operands only
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gemm, "_cuda_version", lambda: (12, 9))
+    fake = type("FakeCuda", (), {"device": torch.device("cuda"), "shape": (256, 256),
+                                 "dtype": E4M3})
+    e5m2 = type("FakeCuda", (), {"device": torch.device("cuda"), "shape": (256, 256),
+                                 "dtype": E5M2})
+    assert gemm.block_kernel_takes(fake, fake, 128, False)
+    assert not gemm.block_kernel_takes(e5m2, fake, 128, False)
+    assert not gemm.block_kernel_takes(fake, fake, 32, True)
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])

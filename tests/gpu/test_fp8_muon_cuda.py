@@ -5,9 +5,10 @@
   cores add with fewer bits than fp32: 2.8e-4 of the output's scale was measured on an
   H200 at K = 128), also when its epilogue writes bf16;
 * the forward GEMM runs that kernel with fast accumulation, the gradient GEMMs without;
-* on Hopper (compute capability 9.0, CUDA 12.9+) ``blockwise`` runs torch's block-scaled
-  kernel, which equals the product of the dequantised blocks, and a blockwise run follows
-  the CPU's emulated one;
+* on Hopper (compute capability 9.0, CUDA 12.9+) ``blockwise`` with e4m3 operands runs
+  torch's block-scaled kernel, which equals the product of the dequantised blocks, and a
+  blockwise e4m3 run follows the CPU's emulated one (whether the kernel takes e5m2 is
+  reported);
 * an fp8 run on CUDA (per-tensor recipes through that kernel) follows the same fp8 run on
   the CPU, and differs from the fp32 run (the fp8 path ran);
 * a compiled fp8 run on CUDA (the fp8 linears inside the layers' graphs) follows the
@@ -81,7 +82,7 @@ def test_block_kernel_equals_its_fp32_emulation(out_dtype):
     g = torch.Generator().manual_seed(4)
     a, b = torch.randn(256, 512, generator=g), torch.randn(384, 512, generator=g) * 1e-3
     a[:, 7] *= 1e4
-    qa, sa = block_quantize(a.to(CUDA), 128, E5M2, mx=False)
+    qa, sa = block_quantize(a.to(CUDA), 128, E4M3, mx=False)
     qb, sb = block_quantize(b.to(CUDA), 128, E4M3, mx=False)
     # on the CPU: IEEE fp32 whatever the GPU's fp32 matmul precision is set to
     emulated = block_dequantize(qa.cpu(), sa.cpu()) @ block_dequantize(qb.cpu(), sb.cpu()).t()
@@ -106,7 +107,29 @@ def test_block_kernel_equals_its_fp32_emulation(out_dtype):
     assert float((out.cpu().float() - emulated).abs().max()) <= 2e-3 * scale + rounding
 
 
-BLOCKWISE = {"fp8_recipe": "blockwise", "hidden_size": 128, "seq_length": 64}
+def test_block_kernel_with_e5m2_gradients_is_reported():
+    """Whether cuBLAS's 1 x 128 kernel takes an e5m2 operand (``hybrid``'s gradients, kept
+    emulated by block_kernel_takes until seen): skipped with the kernel's own message
+    where it refuses, checked against the emulation where it takes it."""
+    _needs_block_kernel()
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(256, 256, generator=g), torch.randn(128, 256, generator=g)
+    qa, sa = block_quantize(a.to(CUDA), 128, E5M2, mx=False)
+    qb, sb = block_quantize(b.to(CUDA), 128, E4M3, mx=False)
+    one_by = torch.nn.functional.ScalingType.BlockWise1x128
+    try:
+        out = gemm.BLOCK_SCALED_MM(qa, qb.t(), sa.t().contiguous().t(), one_by,
+                                   sb.t().contiguous().t(), one_by, output_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError, ValueError) as exc:
+        pytest.skip(f"e5m2 x e4m3 refused: {str(exc).splitlines()[0][:200]}")
+    emulated = block_dequantize(qa.cpu(), sa.cpu()) @ block_dequantize(qb.cpu(), sb.cpu()).t()
+    scale = float(emulated.abs().max())
+    assert float((out.cpu() - emulated).abs().max()) <= 2e-3 * scale
+
+
+# the e4m3 format: the one whose GEMMs all go to the block kernel
+BLOCKWISE = {"fp8_recipe": "blockwise", "fp8_format": "e4m3", "hidden_size": 128,
+             "seq_length": 64}
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])

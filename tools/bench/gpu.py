@@ -75,6 +75,9 @@ def parse(argv):
                    help="comma-separated fp8 recipes (tensorwise, delayed, mxfp8, blockwise) "
                         "timed as extra megalite rows against the bf16 row (--fp8-format "
                         "hybrid); empty: none")
+    p.add_argument("--fp8-format", default="hybrid", choices=("hybrid", "e4m3"),
+                   help="the fp8 rows' format (e4m3: every GEMM's operands in e4m3, which "
+                        "blockwise's block-scaled kernel takes on Hopper)")
     p.add_argument("--muon", action="store_true",
                    help="an extra megalite row with --optimizer muon (its step's cost "
                         "against AdamW's)")
@@ -94,7 +97,7 @@ def parse(argv):
 
 def build_config(args, fp8_recipe: str | None = None, optimizer: str = "adam"):
     """The benchmarked run's config: the bf16 model (its linears in fp8 with ``fp8_recipe``,
-    hybrid format), AdamW (or ``optimizer``), ``--grad-accum`` micro-batches per step on
+    ``--fp8-format``), AdamW (or ``optimizer``), ``--grad-accum`` micro-batches per step on
     one rank."""
     from megalite.config import MegaliteConfig, ModelConfig, OptimConfig, TrainConfig
 
@@ -109,7 +112,7 @@ def build_config(args, fp8_recipe: str | None = None, optimizer: str = "adam"):
                         attention_dropout=0.0, attention_backend="auto", bf16=True,
                         cross_entropy_loss_fusion=True)
     if fp8_recipe:
-        model = dataclasses.replace(model, fp8_format="hybrid", fp8_recipe=fp8_recipe)
+        model = dataclasses.replace(model, fp8_format=args.fp8_format, fp8_recipe=fp8_recipe)
     batch = args.micro_batch_size
     optim = OptimConfig(optimizer=optimizer, lr=1e-4, weight_decay=0.01)
     return MegaliteConfig(model=model, optim=optim,

@@ -31,7 +31,7 @@ along K (fprop) and ``w^T`` along N (dgrad) once per training step each
 (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.block_weight`); :func:`block_mm`
 multiplies them: ``blockwise`` on a GPU of compute capability 9.0 (Hopper) with torch's
 block-scaled kernel (``torch.nn.functional.scaled_mm`` with 1 x 128 fp32 scales on both
-operands, cuBLAS 12.9+, :func:`block_kernel_takes`), everywhere else the dequantised blocks
+e4m3 operands, cuBLAS 12.9+, :func:`block_kernel_takes`), everywhere else the dequantised blocks
 in fp32: exact emulation of a block-scaled kernel accumulating in fp32. torch's MX kernel
 (e8m0 scales in a swizzled layout) exists only on compute capability 10.0 and is not
 called yet: ``mxfp8`` is emulated on every device.
@@ -117,10 +117,14 @@ def _cuda_version() -> tuple[int, ...]:
 
 def block_kernel_takes(a: torch.Tensor, b: torch.Tensor, block: int, mx: bool) -> bool:
     """Whether :func:`block_mm` runs torch's block-scaled kernel for ``a`` ``[M, K]`` and
-    ``b`` ``[N, K]``: ``blockwise`` scales (fp32, 1 x 128; not MX) on a CUDA GPU of compute
-    capability 9.0 (cuBLAS has 1 x 128 block scaling only there, from CUDA 12.9), ``M`` and
-    ``N`` multiples of 16 as for the per-tensor kernel."""
+    ``b`` ``[N, K]``: ``blockwise`` scales (fp32, 1 x 128; not MX) of e4m3 operands (as
+    DeepSeek-V3 and Megatron-LM's blockwise recipe run every GEMM; ``hybrid``'s e5m2
+    gradient GEMMs stay emulated) on a CUDA GPU of compute capability 9.0 (cuBLAS has 1 x
+    128 block scaling only there, from CUDA 12.9), ``M`` and ``N`` multiples of 16 as for
+    the per-tensor kernel."""
     if mx or block != 128 or a.device.type != "cuda" or BLOCK_SCALED_MM is None:
+        return False
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
         return False
     if torch.cuda.get_device_capability(a.device) != (9, 0) or _cuda_version() < (12, 9):
         return False
