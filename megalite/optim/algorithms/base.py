@@ -93,3 +93,12 @@ def foreach_or_fused(groups: list[dict]) -> dict:
     single-tensor update's formula."""
     devices = {p.device.type for group in groups for p in group["params"]}
     return {"fused": True} if devices == {"cuda"} else {"foreach": True}
+
+
+def state_tensors(optimizer: torch.optim.Optimizer, params: list, key: str) -> list:
+    """``optimizer.state[p][key]`` of each of ``params``, made as zeros like ``p`` where
+    the step is its first (the multi-tensor updates' state lists)."""
+    for p in params:
+        if key not in optimizer.state[p]:
+            optimizer.state[p][key] = torch.zeros_like(p)
+    return [optimizer.state[p][key] for p in params]

@@ -44,6 +44,7 @@ from megalite.optim.algorithms.base import (
     is_embedding_or_output,
     is_weight_matrix,
     shared_optimizer,
+    state_tensors,
 )
 
 LION_KEYS = ("exp_avg",)
@@ -92,11 +93,8 @@ class LionOptimizer(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            for p in params:
-                if "exp_avg" not in self.state[p]:
-                    self.state[p]["exp_avg"] = torch.zeros_like(p)
             grads = [p.grad for p in params]
-            moments = [self.state[p]["exp_avg"] for p in params]
+            moments = state_tensors(self, params, "exp_avg")
             lr, wd = group["lr"], group["weight_decay"]
             beta1, beta2 = group["betas"]
             if wd:

@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from megalite.optim.algorithms import adam, lion
-from megalite.optim.algorithms.base import Algorithm, is_weight_matrix, shared_optimizer
+from megalite.optim.algorithms.base import (Algorithm, is_weight_matrix, shared_optimizer,
+                                            state_tensors)
 
 MUON_KEYS = ("momentum_buffer",)
 # --muon-scalar-optimizer: the algorithm of the parameters Muon does not orthogonalise
@@ -90,10 +91,7 @@ class MuonOptimizer(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            for p in params:
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            bufs = state_tensors(self, params, "momentum_buffer")
             grads = [p.grad for p in params]
             torch._foreach_lerp_(bufs, grads, 1 - beta)
             us = torch._foreach_lerp(grads, bufs, beta) if group["nesterov"] else bufs
