@@ -98,6 +98,8 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
                        "llama_distopt_tp2_buckets_trained", "llama_distopt_tp2_fully_trained",
                        "llama_distopt_vpp2_buckets_trained", "llama_fp16_trained",
                        "llama_legacy_adam_trained", "llama_legacy_bf16_tp2_pp2_trained",
+                       "llama_legacy_distopt_bf16_tp2_trained",
+                       "llama_legacy_distopt_dp2_trained",
                        "llama_lion_bf16_trained",
                        "llama_lion_distopt_dp2_trained", "llama_lion_trained",
                        "llama_sgd_trained",
@@ -108,9 +110,19 @@ def test_trained_fixtures_hold_megatrons_optimizer_state():
         assert ckpt.iteration == STEPS
         assert (ckpt.format == "legacy") == ("legacy" in name)
         if ckpt.format == "legacy":   # each rank's torch optimizer state, by index
-            rank = "mp_rank_01_001" if "tp2" in name else "mp_rank_00_001" if "ep2" in name \
-                else "mp_rank_00"
+            rank = "mp_rank_01_001" if "pp2" in name else "mp_rank_01" if "tp2" in name \
+                else "mp_rank_00_001" if "ep2" in name else "mp_rank_00"
             saved = _rank_optimizer(name, rank)
+            beside = os.path.join(FIXTURES, name, f"iter_{STEPS:07d}", rank,
+                                  "distrib_optim.pt")
+            assert os.path.exists(beside) == ("distopt" in name)
+            if "distopt" in name:   # the state in distrib_optim.pt, the groups here
+                assert set(saved["optimizer"]) == {"param_groups"}
+                flat = load_pickled(beside)
+                (states,) = flat[0].values()   # {(param dtype, grad dtype): states}
+                assert flat["buckets_coalesced"] and set(states) == {
+                    "param", "exp_avg", "exp_avg_sq", "numel_unpadded"}
+                continue
             # a Mixtral's chained dense and expert optimizers: a list of the two
             parts = saved if "mixtral" in name else [saved]
             assert len(parts) == (2 if "mixtral" in name else 1)
@@ -147,6 +159,7 @@ def _rank_optimizer(name: str, rank: str) -> dict:
                                   "llama_distopt_pp2_buckets_trained",
                                   "llama_distopt_vpp2_buckets_trained", "llama_sgd_trained",
                                   "llama_legacy_adam_trained", "mixtral_legacy_ep2_trained",
+                                  "llama_legacy_distopt_dp2_trained",
                                   "mixtral_trained", "mixtral_distopt_ep2_buckets_trained",
                                   "deepseek_v3_mtp_trained", "llama_lion_trained",
                                   "llama_lion_distopt_dp2_trained", "mixtral_lion_trained",
@@ -235,24 +248,27 @@ def test_half_precision_run_resumes_with_its_fp32_main_weights(imported, name, m
                 0.98 if lion else 0.99), key
 
 
-def test_legacy_bf16_run_at_tp2_pp2_resumes_with_its_rank_files_state(imported):
-    """A legacy (``--ckpt-format torch``) bf16 run at tp 2 x pp 2: each rank's Adam state,
-    kept by parameter index, and its fp32 main weights (``fp32_from_fp16_params``) are
-    placed by name, merged over the ranks like the weights, and the step resumes within
-    bf16's rounding of Megatron's (the bounds of
+@pytest.mark.parametrize("name", ["llama_legacy_bf16_tp2_pp2_trained",
+                                  "llama_legacy_distopt_bf16_tp2_trained"])
+def test_legacy_bf16_run_resumes_with_its_rank_files_state(imported, name):
+    """Legacy (``--ckpt-format torch``) bf16 runs: at tp 2 x pp 2 each rank's Adam state,
+    kept by parameter index, and its fp32 main weights (``fp32_from_fp16_params``); at tp
+    2 x dp 2 the distributed optimizer's flat buffers (``distrib_optim.pt``, several
+    buckets coalesced). Each is placed by name, merged over the ranks like the weights,
+    and the step resumes within bf16's rounding of Megatron's (the bounds of
     test_half_precision_run_resumes_with_its_fp32_main_weights)."""
-    name = "llama_legacy_bf16_tp2_pp2_trained"
     root = imported[name]
     meta = read_metadata(iteration_dir(root, STEPS))
     assert meta["optimizer_state"] == ["exp_avg", "exp_avg_sq", "master"]
     stored = read_megatron(os.path.join(FIXTURES, name)).optimizer.params
-    # tp rank 1 of the last stage: its first weight-decayed parameter (the first group's
-    # first) is its half of the columns of layer 1's output projection (the stage's layer)
-    saved = _rank_optimizer(name, "mp_rank_01_001")
-    proj = stored["decoder.layers.1.self_attention.linear_proj.weight"]
-    first = saved["fp32_from_fp16_params"][0][0]
-    assert torch.equal(proj["master"][:, 16:], first)
-    assert torch.equal(proj["exp_avg"][:, 16:], saved["optimizer"]["state"][0]["exp_avg"])
+    if "pp2" in name:
+        # tp rank 1 of the last stage: its first weight-decayed parameter (the first
+        # group's first) is its half of the columns of layer 1's output projection
+        saved = _rank_optimizer(name, "mp_rank_01_001")
+        proj = stored["decoder.layers.1.self_attention.linear_proj.weight"]
+        first = saved["fp32_from_fp16_params"][0][0]
+        assert torch.equal(proj["master"][:, 16:], first)
+        assert torch.equal(proj["exp_avg"][:, 16:], saved["optimizer"]["state"][0]["exp_avg"])
     from megalite.checkpoint.consolidated import load_full_model
 
     _, model = load_full_model(root)
@@ -262,7 +278,7 @@ def test_legacy_bf16_run_at_tp2_pp2_resumes_with_its_rank_files_state(imported):
     assert sum(not torch.equal(e["master"], before[k].float()) for k, e in stored.items()) \
         == len(stored)
     result, weights, want, megatron, state = _next_step(root, name)
-    assert state[:3] == (STEPS, STEPS * 2, STEPS)
+    assert state[:3] == (STEPS, STEPS * 2 * want["tokens"].shape[0], STEPS)
     assert result.lr == pytest.approx(want["lr"], rel=1e-12)
     assert result.lm_loss == pytest.approx(want["loss"], rel=1e-3)
     for key, w in megatron.items():
@@ -348,7 +364,7 @@ def _edited_legacy(tmp_path, edit) -> str:
 def test_legacy_optimizer_state_that_cannot_be_placed_imports_the_weights(tmp_path, capsys,
                                                                           case):
     """A legacy file whose optimizer state megalite cannot place by name (a distributed
-    optimizer's, kept in distrib_optim.pt; a parameter group that does not count the
+    optimizer's without its distrib_optim.pt; a parameter group that does not count the
     rank's weights) imports the weights with one note saying why."""
     def edit(state):
         if case == "distributed":
@@ -362,7 +378,7 @@ def test_legacy_optimizer_state_that_cannot_be_placed_imports_the_weights(tmp_pa
     assert convert("--source", "megatron", "--target", "megalite", "--load-dir", root,
                    "--save-dir", save) == 0
     out = capsys.readouterr().out
-    why = ("a distributed optimizer's legacy state lives in distrib_optim.pt" if
+    why = ("its distributed optimizer's distrib_optim.pt files are missing" if
            case == "distributed" else
            "its parameter group 1 holds 4 parameters where the rank's weights give 5")
     assert f"the optimizer state is not imported ({why}" in out, out

@@ -3,6 +3,7 @@ process into the global, layer-stacked tensors a ``torch_dist`` checkpoint holds
 same key mapping (:mod:`.mapping`) applies::
 
     iter_0001000/mp_rank_TT[_PPP[_EEE]]/model_optim_rng.pt    tp rank, pp rank, ep rank
+    iter_0001000/mp_rank_TT[_PPP[_EEE]]/distrib_optim.pt      (--use-distributed-optimizer)
 
 Each file holds its rank's ``model`` state dict (``model0``, ``model1``, ... under virtual
 pipelining) with stage-local layer numbers and its tensor-parallel shards, next to
@@ -38,6 +39,7 @@ from megalite.checkpoint.megatron import legacy_optimizer
 from megalite.checkpoint.megatron.files import LEGACY_FILE, MegatronCheckpoint, load_pickled
 from megalite.checkpoint.megatron.mapping import LAYERS, MTP_LAYER, PER_LAYER, mtp_key
 
+DISTRIBUTED_FILE = "distrib_optim.pt"   # the distributed optimizer's state beside it
 RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 EXPERT_KEY = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|"
                         r"(linear_fc[12])\.weight(\d+))$")
@@ -137,10 +139,13 @@ def read_legacy(ckpt: MegatronCheckpoint) -> tuple[dict, dict, dict]:
     merge = _Merge(tps, pps, eps, {r: _chunks(s) for r, s in states.items()},
                    bool(getattr(args, "swiglu", False)), COLUMN + MLA_DOWN if local else COLUMN)
     tensors, chunks = _stack_layers(merge(merge.ranks), merge.num_layers)
-    if common["optimizer_saved"]:   # the plain optimizer's state, merged as the weights
+    if common["optimizer_saved"]:   # the optimizer's state, merged as the weights
+        distributed = {r: _load(os.path.join(os.path.dirname(path), DISTRIBUTED_FILE))
+                       for r, path in files.items()
+                       if os.path.exists(os.path.join(os.path.dirname(path), DISTRIBUTED_FILE))}
         try:
             by_state, common["optimizer"] = legacy_optimizer.rank_states(
-                {r: s["optimizer"] for r, s in states.items()}, merge.ranks, args)
+                {r: s["optimizer"] for r, s in states.items()}, merge.ranks, args, distributed)
         except legacy_optimizer.Unplaced as why:
             common["optimizer_unreadable"] = str(why)
         else:

@@ -16,9 +16,15 @@ the saved weights, and a file that does not fit is not imported (:class:`Unplace
 
 A chained optimizer (Megatron chains a dense and an expert optimizer for MoE models)
 saves a list of those, each numbering its own parameters: its groups' expert flag tells
-which parameters are whose. Not placed: the distributed optimizer's legacy state
-(``distrib_optim.pt``, flat per-rank buffers) and ``--optimizer lion``'s chained Lion and
-Adam (whose groups the overrides do not tell apart).
+which parameters are whose.
+
+The distributed optimizer keeps its state beside, in each model-parallel rank's
+``distrib_optim.pt``: ``{gbuf index: {(param dtype, grad dtype): {"param", "exp_avg",
+"exp_avg_sq": one flat fp32 tensor over the gradient buffer, its buckets coalesced}}}``
+(gathered over dp). Its parameters are found in the buffer by their values, the main
+weights ``param`` being the rank's saved weights in fp32, as :mod:`.buckets` finds them
+in ``torch_dist``'s per-bucket tensors. Not placed: ``--optimizer lion``'s chained Lion
+and Adam (whose groups the overrides do not tell apart).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import re
 
 import torch
+
+from megalite.checkpoint.files import CheckpointError
 
 PER_PARAMETER = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 BUFFERS = ("expert_bias", "local_tokens_per_expert")   # saved beside parameters, not trained
@@ -133,14 +141,56 @@ def _common(saved) -> dict:
     return inner
 
 
-def rank_states(saved: dict, ranks: dict, args) -> tuple[dict[str, dict], dict]:
+def _distributed_rank(saved: dict, chunks: list[dict], where: str) -> dict[str, list[dict]]:
+    """One rank's distributed-optimizer state (its ``distrib_optim.pt``, ``saved``) as
+    {state name: per model chunk {model key: tensor}}, each parameter found in the flat
+    buffers by its values (:func:`.buckets.read_bucket_state`)."""
+    from megalite.checkpoint.megatron import buckets
+
+    weights = {f"{v}/{key}": w for v, chunk in enumerate(chunks) for key, w in chunk.items()
+               if _is_parameter(key)}
+    local = {k: [((0,) * w.dim(), tuple(w.shape))] for k, w in weights.items()}
+    flat = {}
+    for g, by_dtype in saved.items():
+        if not isinstance(g, int):
+            continue   # ("buckets_coalesced")
+        for (param_dtype, grad_dtype), states in by_dtype.items():
+            bucket = (f"optimizer.distributed.dp_group_idx_0.gbuf_idx_{g}.dtype_"
+                      f"({param_dtype}, {grad_dtype}).bucket_idx_0")
+            flat.update({f"{bucket}.{name}": t for name, t in states.items()
+                         if isinstance(t, torch.Tensor)})
+    try:
+        found = buckets.read_bucket_state(flat, weights, local, where)
+    except CheckpointError as exc:
+        raise Unplaced(str(exc).split(": ", 1)[-1]) from None
+    out: dict[str, list[dict]] = {}
+    for name, by_key in found.items():
+        per_chunk = out.setdefault("fp32_param" if name == "param" else name,
+                                   [{} for _ in chunks])
+        for tagged, t in by_key.items():
+            v, key = tagged.split("/", 1)
+            per_chunk[int(v)][key] = t
+    return out
+
+
+def rank_states(saved: dict, ranks: dict, args, distributed: dict | None = None
+                ) -> tuple[dict[str, dict], dict]:
     """({state name: {(tp, pp, ep) rank: per chunk {model key: tensor}}}, the common state's
     ``optimizer`` entry as :mod:`.optimizer` reads it: the parameter groups, the step count
     as ``common_step`` and an fp16 run's ``grad_scaler``) from every rank's saved optimizer
-    ``saved`` and model chunks ``ranks``. :class:`Unplaced` where it does not fit."""
+    ``saved`` and model chunks ``ranks`` (``distributed``: each rank's
+    ``distrib_optim.pt``, under the distributed optimizer). :class:`Unplaced` where it
+    does not fit."""
     if getattr(args, "use_distributed_optimizer", False):
-        raise Unplaced("a distributed optimizer's legacy state lives in distrib_optim.pt "
-                       "buffers, which megalite does not read")
+        if not distributed or distributed.keys() != ranks.keys():
+            raise Unplaced("its distributed optimizer's distrib_optim.pt files are missing")
+        by_state = {}
+        for rank, chunks in ranks.items():
+            for name, per_chunk in _distributed_rank(distributed[rank], chunks,
+                                                     f"rank {rank}").items():
+                by_state.setdefault(name, {})[rank] = per_chunk
+        groups = [dict(g) for g in _unwrap(saved[(0, 0, 0)])[0]["param_groups"]]
+        return by_state, {"optimizer": {"param_groups": groups}}
     if getattr(args, "optimizer", "adam") == "lion":
         raise Unplaced("--optimizer lion chains a Lion and an Adam, whose parameters its "
                        "legacy files do not tell apart")
