@@ -5,8 +5,9 @@
 in this process (no torch.distributed): the model configuration from the saved ``args``
 (:mod:`.arguments`), every weight as one full (tp = pp = 1) tensor in megalite's names
 (:mod:`.mapping`), and the optimizer state where Megatron saved it per parameter, in the
-distributed optimizer's buckets or by index in legacy rank files (:mod:`.optimizer`,
-:mod:`.buckets`, :mod:`.legacy_optimizer`). The converter
+distributed optimizer's buckets, or in legacy rank files (by index, or in their
+``distrib_optim.pt`` buffers) (:mod:`.optimizer`, :mod:`.buckets`,
+:mod:`.legacy_optimizer`). The converter
 (``tools/convert_checkpoint.py --source megatron``) writes the result as a megalite
 checkpoint with :func:`megalite.checkpoint.consolidated.save_full_model`; :mod:`.writer`
 writes the other way (``--target megatron``), with the optimizer state

@@ -1,6 +1,6 @@
-"""The plain optimizer's state in Megatron-LM's legacy per-rank files (``--ckpt-format
-torch``), placed by parameter name, so that :mod:`.legacy` merges it across ranks as it
-merges the weights and :mod:`.optimizer` reads it as it reads ``torch_dist`` state.
+"""The optimizer state in Megatron-LM's legacy per-rank files (``--ckpt-format torch``),
+placed by parameter name, so that :mod:`.legacy` merges it across ranks as it merges the
+weights and :mod:`.optimizer` reads it as it reads ``torch_dist`` state.
 
 Each rank's ``model_optim_rng.pt`` holds its torch optimizer's ``state_dict()``: per-parameter
 state keyed by an index, and ``param_groups`` whose ``params`` list those indices (a bf16 /
@@ -181,20 +181,21 @@ def rank_states(saved: dict, ranks: dict, args, distributed: dict | None = None
     ``saved`` and model chunks ``ranks`` (``distributed``: each rank's
     ``distrib_optim.pt``, under the distributed optimizer). :class:`Unplaced` where it
     does not fit."""
-    if getattr(args, "use_distributed_optimizer", False):
-        if not distributed or distributed.keys() != ranks.keys():
-            raise Unplaced("its distributed optimizer's distrib_optim.pt files are missing")
-        by_state = {}
-        for rank, chunks in ranks.items():
-            for name, per_chunk in _distributed_rank(distributed[rank], chunks,
-                                                     f"rank {rank}").items():
-                by_state.setdefault(name, {})[rank] = per_chunk
-        groups = [dict(g) for g in _unwrap(saved[(0, 0, 0)])[0]["param_groups"]]
-        return by_state, {"optimizer": {"param_groups": groups}}
     if getattr(args, "optimizer", "adam") == "lion":
         raise Unplaced("--optimizer lion chains a Lion and an Adam, whose parameters its "
                        "legacy files do not tell apart")
     by_state: dict[str, dict] = {}
+    if getattr(args, "use_distributed_optimizer", False):
+        if not distributed or distributed.keys() != ranks.keys():
+            raise Unplaced("its distributed optimizer's distrib_optim.pt files are missing")
+        for rank, chunks in ranks.items():
+            for name, per_chunk in _distributed_rank(distributed[rank], chunks,
+                                                     f"rank {rank}").items():
+                by_state.setdefault(name, {})[rank] = per_chunk
+        first = saved[(0, 0, 0)]   # the groups with their step, an fp16 run's scaler
+        groups = [dict(g) for g in _unwrap(first)[0]["param_groups"]]
+        scaler = {"grad_scaler": first["grad_scaler"]} if "grad_scaler" in first else {}
+        return by_state, {"optimizer": {"param_groups": groups}, **scaler}
     for rank, chunks in ranks.items():
         for name, per_chunk in _rank(saved[rank], chunks, args).items():
             by_state.setdefault(name, {})[rank] = per_chunk
