@@ -313,10 +313,17 @@ def test_misplaced_optimizer_state_is_not_imported(tmp_path, capsys):
     assert read_metadata(iteration_dir(save, 0))["optimizer_state"] is None
 
 
-def test_no_load_optim_imports_the_weights_alone(tmp_path, capsys):
+@pytest.mark.parametrize("name", ["llama_adam_trained", "llama_legacy_distopt_dp2_trained"])
+def test_no_load_optim_imports_the_weights_alone(tmp_path, capsys, monkeypatch, name):
+    from megalite.checkpoint.megatron import legacy_optimizer
+
+    def unread(*args, **kwargs):   # (legacy files: their optimizer state is not even placed)
+        raise AssertionError("the optimizer state was read")
+
+    monkeypatch.setattr(legacy_optimizer, "rank_states", unread)
     save = str(tmp_path / "weights")
     assert convert("--source", "megatron", "--target", "megalite", "--load-dir",
-                   os.path.join(FIXTURES, "llama_adam_trained"), "--save-dir", save,
+                   os.path.join(FIXTURES, name), "--save-dir", save,
                    "--no-load-optim") == 0
     out = capsys.readouterr().out
     assert "note: the optimizer state is not imported (--no-load-optim)" in out

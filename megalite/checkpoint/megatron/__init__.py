@@ -70,7 +70,7 @@ def read_megatron(root: str, step: int | None = None, load_optim: bool = True
     if ckpt.format == "legacy":
         from megalite.checkpoint.megatron.legacy import read_legacy
 
-        common, tensors, chunks = read_legacy(ckpt)
+        common, tensors, chunks = read_legacy(ckpt, load_optim)
         keys = list(tensors)
     else:
         common = read_common(ckpt)
@@ -110,7 +110,8 @@ def read_megatron(root: str, step: int | None = None, load_optim: bool = True
         tensors = read_tensors(ckpt, keys)
     state = mapping.to_megalite({k: tensors[k] for k in keys}, chunks, model)
     saved = common.get("optimizer_saved", "optimizer" in common) or bool(optim_keys)
-    why = common.get("optimizer_unreadable") or optimizer.unreadable(common, optim_keys)
+    why = (common.get("optimizer_unreadable") or optimizer.unreadable(common, optim_keys)
+           if load_optim else None)
     state_of_optimizer = None
     if saved and load_optim and why is None:
         if ckpt.format == "legacy":   # (placed by name and merged by legacy.read_legacy)

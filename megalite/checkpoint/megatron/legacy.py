@@ -117,9 +117,13 @@ def _chunks(state: dict) -> list[dict]:
     return [state[k] for k in keys]
 
 
-def read_legacy(ckpt: MegatronCheckpoint) -> tuple[dict, dict, dict]:
+def read_legacy(ckpt: MegatronCheckpoint, load_optim: bool = True
+                ) -> tuple[dict, dict, dict]:
     """(common state, global tensors by torch_dist sharded key, their chunks) of a legacy
-    checkpoint; layer-stacked keys ``[L, ...]`` with chunks naming the layers held."""
+    checkpoint; layer-stacked keys ``[L, ...]`` with chunks naming the layers held. With
+    ``load_optim`` the optimizer state too (:mod:`.legacy_optimizer`), as
+    ``optimizer.state.<state>.<key>`` tensors, or why not as the common state's
+    ``optimizer_unreadable``."""
     files = _rank_files(ckpt.directory)
     tps, pps, eps = (1 + max(r[i] for r in files) for i in range(3))
     missing = [(t, p, e) for t in range(tps) for p in range(pps) for e in range(eps)
@@ -139,7 +143,7 @@ def read_legacy(ckpt: MegatronCheckpoint) -> tuple[dict, dict, dict]:
     merge = _Merge(tps, pps, eps, {r: _chunks(s) for r, s in states.items()},
                    bool(getattr(args, "swiglu", False)), COLUMN + MLA_DOWN if local else COLUMN)
     tensors, chunks = _stack_layers(merge(merge.ranks), merge.num_layers)
-    if common["optimizer_saved"]:   # the optimizer's state, merged as the weights
+    if common["optimizer_saved"] and load_optim:   # merged as the weights are
         distributed = {r: _load(os.path.join(os.path.dirname(path), DISTRIBUTED_FILE))
                        for r, path in files.items()
                        if os.path.exists(os.path.join(os.path.dirname(path), DISTRIBUTED_FILE))}
