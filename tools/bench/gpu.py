@@ -254,7 +254,8 @@ def time_split(step, ids, labels, dev: Device) -> dict:
     stream): ``span`` first kernel start to last kernel end, ``busy`` the kernels' summed
     time (``span - busy``: the GPU idle, waiting on the host's launches and syncs),
     ``gemm`` the GEMM operators' kernels (:data:`GEMM_OPS`, fp8's ``_scaled_mm``
-    included). On a CPU the same from the operators' self CPU time (no idle measured)."""
+    included; GEMMs inductor writes itself, as under max-autotune, count in the rest).
+    On a CPU the same from the operators' self CPU time (no idle measured)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
