@@ -123,6 +123,13 @@ def megalite_to_megatron(args) -> None:
     else:
         flag = (", with --use-distributed-optimizer" if distributed
                 else ", without --use-distributed-optimizer")
+    ep = args.target_expert_model_parallel_size
+    if cfg.model.num_experts and ep == 1:   # the optimizer chain depends on ep > 1
+        flag += (", at --expert-model-parallel-size 1 (for a run at expert parallel N > 1 "
+                 "convert with --target-expert-model-parallel-size N: Megatron gives its "
+                 "experts an optimizer of their own there)")
+    elif cfg.model.num_experts:
+        flag += f", at --expert-model-parallel-size {ep}"
     print(f"resume the run in Megatron-LM with its flags and --ckpt-format torch_dist --load "
           f"{args.save_dir}, without --finetune" + flag
           + f": the optimizer state, the lr schedule's position and the data position "

@@ -570,6 +570,10 @@ def test_export_writes_the_optimizer_state_megatron_saved(imported, tmp_path, ca
         "--use-distributed-optimizer" if distributed else "the plain optimizer") in out
     assert "without --finetune, with" + (" or without" if "lion" in name else "" if distributed
                                          else "out") + " --use-distributed-optimizer" in out
+    # an MoE run's state is written for ep 1, and the line says how to write it for more
+    assert ("at --expert-model-parallel-size 1 (for a run at expert parallel N > 1 convert "
+            "with --target-expert-model-parallel-size N" in out) == (
+        "mixtral" in name or "deepseek" in name)
     theirs, ours = (find_checkpoint(p) for p in (os.path.join(FIXTURES, name), save))
     assert ours.iteration == theirs.iteration == STEPS
     a, b = read_common(theirs), read_common(ours)
@@ -608,7 +612,8 @@ def test_lion_runs_carry_the_betas_their_lion_took(imported, tmp_path, capsys):
     assert _same(read_common(theirs)["optimizer"], read_common(ours)["optimizer"])
 
 
-def test_export_for_expert_parallel_megatron_runs_chains_two_optimizers(imported, tmp_path):
+def test_export_for_expert_parallel_megatron_runs_chains_two_optimizers(imported, tmp_path,
+                                                                         capsys):
     """For a Megatron run at --expert-model-parallel-size 2, the dense and the expert
     optimizer each get their saved state (Megatron's chained layout: entries 0 and 1, the
     expert groups marked); the default-format import of such a run round-trips to it."""
@@ -617,6 +622,7 @@ def test_export_for_expert_parallel_megatron_runs_chains_two_optimizers(imported
     assert convert("--source", "megalite", "--target", "megatron", "--load-dir",
                    imported[name], "--save-dir", save, "--transformer-impl", "local",
                    "--target-expert-model-parallel-size", "2") == 0
+    assert ", at --expert-model-parallel-size 2:" in capsys.readouterr().out
     common = read_common(find_checkpoint(save))
     chained = common["optimizer"]
     assert sorted(chained) == [0, 1] and common["args"].expert_model_parallel_size == 2
