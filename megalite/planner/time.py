@@ -462,13 +462,13 @@ def optimizer_seconds(ctx: StepContext) -> float:
     local = _rank_params(ctx)
     shard = lay.dp * lay.cp if p.use_distributed_optimizer else 1
     offload = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
-    seconds = (1 - offload) * local * (16 + 2 * lay.dtype_bytes) / shard / cluster.memory_bw
+    per_element = 16 + 2 * lay.dtype_bytes   # every parameter's bytes of traffic
+    seconds = (1 - offload) * local * per_element / shard / cluster.memory_bw
     if offload:  # gradients to the host, parameters back (fp32), Adam on the host
         moved = offload * local / shard
         seconds += moved * 8 / cluster.host_bw + moved * 36 / cluster.host_memory_bw
     if o.optimizer == "muon":   # Newton-Schulz and its exchanges (megalite.planner.muon)
-        extra = muon.elementwise_bytes(o.muon_nesterov, lay.dtype_bytes) - 16 \
-            - 2 * lay.dtype_bytes
+        extra = muon.elementwise_bytes(o.muon_nesterov, lay.dtype_bytes) - per_element
         seconds += (1 - offload) * muon.elementwise_elements(ctx.cfg, lay) * extra \
             / cluster.memory_bw
         seconds += muon.step_flops(ctx.cfg, lay) / muon.iteration_rate(

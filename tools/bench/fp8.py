@@ -239,7 +239,8 @@ def block_gemm_paths(device: torch.device) -> str:
     from megalite.layers.fp8.gemm import block_kernel_takes
 
     probe = torch.zeros(16, 128, device=device).to(torch.float8_e4m3fn)
-    blockwise = ("torch's block-scaled kernel" if block_kernel_takes(probe, probe, 128, False)
+    blockwise = ("torch's block-scaled kernel for the e4m3 forward (hybrid's e5m2 gradient "
+                 "GEMMs emulated)" if block_kernel_takes(probe, probe, 128, False)
                  else "fp32 emulation (the kernel needs compute capability 9.0, CUDA 12.9+)")
     return f"blockwise {blockwise}; mxfp8 fp32 emulation (no MX kernel called)"
 

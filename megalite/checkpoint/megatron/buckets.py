@@ -129,15 +129,23 @@ def read_bucket_state(tensors: dict[str, torch.Tensor], weights: dict[str, torch
     """``{state: {weight key: full fp32 tensor}}`` from the flat bucket ``tensors``
     (:func:`bucket_keys`, read whole) for the saved ``weights`` (full, the model's dtype,
     the trained ones: no buffers) whose saved ``chunks`` are each rank's pieces."""
+    buckets: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = KEY.match(key)
+        buckets.setdefault(m["bucket"], {})[m["state"]] = t
+    return place_buckets(buckets, weights, chunks, where)
+
+
+def place_buckets(buckets: dict[str, dict[str, torch.Tensor]], weights: dict[str, torch.Tensor],
+                  chunks: dict[str, list], where: str) -> dict[str, dict[str, torch.Tensor]]:
+    """:func:`read_bucket_state` of ``buckets`` ``{bucket name: {state: flat fp32 tensor}}``
+    (walked in name order; each holds ``param``, the main weights): every piece of every
+    weight found by its values, or :class:`CheckpointError`."""
     pieces = _pieces(weights, chunks)
     by_first: dict = {}   # (dtype, first value) -> pieces; "dtypes": those dtypes
     for i, (_, _, _, values) in enumerate(pieces):
         by_first.setdefault((values.dtype, values[0].item()), []).append(i)
     by_first["dtypes"] = sorted({values.dtype for *_, values in pieces}, key=str)
-    buckets: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        m = KEY.match(key)
-        buckets.setdefault(m["bucket"], {})[m["state"]] = t
     out: dict[str, dict[str, torch.Tensor]] = {}
     found: set[int] = set()
     for bucket, states in sorted(buckets.items()):

@@ -144,9 +144,9 @@ def read_legacy(ckpt: MegatronCheckpoint, load_optim: bool = True
                    bool(getattr(args, "swiglu", False)), COLUMN + MLA_DOWN if local else COLUMN)
     tensors, chunks = _stack_layers(merge(merge.ranks), merge.num_layers)
     if common["optimizer_saved"] and load_optim:   # merged as the weights are
-        distributed = {r: _load(os.path.join(os.path.dirname(path), DISTRIBUTED_FILE))
-                       for r, path in files.items()
-                       if os.path.exists(os.path.join(os.path.dirname(path), DISTRIBUTED_FILE))}
+        beside = {r: os.path.join(os.path.dirname(path), DISTRIBUTED_FILE)
+                  for r, path in files.items()}
+        distributed = {r: _load(path) for r, path in beside.items() if os.path.exists(path)}
         try:
             by_state, common["optimizer"] = legacy_optimizer.rank_states(
                 {r: s["optimizer"] for r, s in states.items()}, merge.ranks, args, distributed)

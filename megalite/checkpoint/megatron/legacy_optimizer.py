@@ -144,23 +144,18 @@ def _common(saved) -> dict:
 def _distributed_rank(saved: dict, chunks: list[dict], where: str) -> dict[str, list[dict]]:
     """One rank's distributed-optimizer state (its ``distrib_optim.pt``, ``saved``) as
     {state name: per model chunk {model key: tensor}}, each parameter found in the flat
-    buffers by its values (:func:`.buckets.read_bucket_state`)."""
+    buffers by its values (:func:`.buckets.place_buckets`, each buffer one bucket)."""
     from megalite.checkpoint.megatron import buckets
 
     weights = {f"{v}/{key}": w for v, chunk in enumerate(chunks) for key, w in chunk.items()
                if _is_parameter(key)}
     local = {k: [((0,) * w.dim(), tuple(w.shape))] for k, w in weights.items()}
-    flat = {}
-    for g, by_dtype in saved.items():
-        if not isinstance(g, int):
-            continue   # ("buckets_coalesced")
-        for (param_dtype, grad_dtype), states in by_dtype.items():
-            bucket = (f"optimizer.distributed.dp_group_idx_0.gbuf_idx_{g}.dtype_"
-                      f"({param_dtype}, {grad_dtype}).bucket_idx_0")
-            flat.update({f"{bucket}.{name}": t for name, t in states.items()
-                         if isinstance(t, torch.Tensor)})
+    flat = {f"gbuf {g} {dtypes}": {name: t for name, t in states.items()
+                                   if isinstance(t, torch.Tensor)}
+            for g, by_dtype in saved.items() if isinstance(g, int)   # (not "buckets_coalesced")
+            for dtypes, states in by_dtype.items()}
     try:
-        found = buckets.read_bucket_state(flat, weights, local, where)
+        found = buckets.place_buckets(flat, weights, local, where)
     except CheckpointError as exc:
         raise Unplaced(str(exc).split(": ", 1)[-1]) from None
     out: dict[str, list[dict]] = {}
