@@ -94,8 +94,8 @@ def test_gpu_checks_script_parses_and_its_flags_exist():
     script = pathlib.Path(__file__).parents[2] / "scripts" / "gpu_checks.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
-    arrays = re.findall(r"^\s*(BENCH|FP8|BLOCK)=\((.*)\)$", text, re.M)
-    assert {name for name, _ in arrays} == {"BENCH", "FP8", "BLOCK"}
+    arrays = re.findall(r"^\s*(BENCH|FP8|BLOCK|WIDE)=\((.*)\)$", text, re.M)
+    assert {name for name, _ in arrays} == {"BENCH", "FP8", "BLOCK", "WIDE"}
     for name, value in arrays:     # the smoke run's and the GPU's
         if name == "FP8":
             fp8_bench.parse(shlex.split(value))
@@ -106,7 +106,7 @@ def test_gpu_checks_script_parses_and_its_flags_exist():
     # and its arrays (checked above) left out
     commands = re.findall(r'benchmark\.py gpu "\$\{BENCH\[@\]\}"((?:[^\n]*\\\n)*[^\n]*)',
                           text)
-    assert len(commands) == 4
+    assert len(commands) == 6
     values = {'"$ACCUM"': "16", '"$AUTOTUNE"': "max-autotune-no-cudagraphs", "\\\n": " "}
     for line in commands:
         for var, value in values.items():
@@ -122,12 +122,15 @@ def test_gpu_checks_script_smoke(tmp_path):
     import sys
 
     root = pathlib.Path(__file__).parents[2]
-    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "PY": sys.executable}
+    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "PY": sys.executable,
+           "BUDGET": "3000"}
     subprocess.run(["bash", "scripts/gpu_checks.sh"], cwd=root, env=env, check=True,
                    timeout=600)
     log = (tmp_path / "log.txt").read_text()
-    for name in ("env", "test-gpu", "fp8", "step", "muon-accum", "blockwise", "autotune"):
+    for name in ("env", "test-gpu", "step", "muon-accum", "wide", "fp8", "blockwise",
+                 "autotune", "transformers"):
         assert f"--- {name} rc=0" in log, log
+    assert log.rstrip().endswith("skipped: none"), log
     assert "Muon's theory" in (tmp_path / "muon-accum.txt").read_text()
     assert "megalite+fp8-blockwise / megalite" in (tmp_path / "blockwise.txt").read_text()
     # SECTIONS picks sections: the others are not run
@@ -135,6 +138,13 @@ def test_gpu_checks_script_smoke(tmp_path):
     subprocess.run(["bash", "scripts/gpu_checks.sh"], cwd=root, check=True, timeout=300,
                    env={**env, "OUT": str(picked), "SECTIONS": "env blockwise"})
     assert sorted(p.name for p in picked.iterdir()) == ["blockwise.txt", "env.txt", "log.txt"]
+    # a budget too small for a section skips it and names it last
+    tight = tmp_path / "tight"
+    subprocess.run(["bash", "scripts/gpu_checks.sh"], cwd=root, check=True, timeout=300,
+                   env={**env, "OUT": str(tight), "SECTIONS": "env step", "BUDGET": "59"})
+    log = (tight / "log.txt").read_text()
+    assert "env skipped (59s of the budget left)" in log and "rc=" not in log, log
+    assert log.rstrip().endswith("skipped: env step"), log
 
 
 def test_graph_breaks_line_counts_and_names_the_commonest_reason():
@@ -155,3 +165,20 @@ def test_graph_breaks_line_counts_and_names_the_commonest_reason():
     finally:
         breaks.clear()
         breaks.update(saved)
+
+
+def test_fp8_ceiling_swaps_only_the_linears_gemms():
+    """The H200's profile of 2026-11-27 in round numbers: bf16 138 ms (busy 125, GEMMs 65),
+    fp8 134 ms (busy 114, fp8 GEMMs 30 plus the output layer's 4 in bf16): bf16's step
+    with its linears' 61 ms of GEMMs at fp8's 30 is 107 ms, 1.29x; the fp8 row is 27 ms
+    over that, 20 of them more kernels and 7 more idle."""
+    bf16 = {"span": 138e3, "busy": 125e3, "gemm": 65e3, "ops": {"aten::mm": 65e3}}
+    fp8 = {"span": 134e3, "busy": 114e3, "gemm": 34e3,
+           "ops": {"aten::mm": 4e3, "aten::_scaled_mm": 30e3}}
+    line = bench.fp8_ceiling("fp8", bf16, fp8)
+    assert line.endswith(
+        "fp8: ceiling: bf16's profiled step 138.0 ms with its linears' GEMMs (61.0 ms) at "
+        "this row's fp8 GEMM time (30.0 ms) = 107.0 ms, 1.29x; this row (profiled) 134.0 "
+        "ms, 1.03x: +27.0 ms over the ceiling (other kernels +20.0 ms, idle +7.0 ms)")
+    # an emulated block recipe ran no fp8 kernel: nothing to say
+    assert bench.fp8_ceiling("fp8", bf16, {**fp8, "ops": {"aten::mm": 34e3}}) is None

@@ -7,8 +7,11 @@
 Default shape (Llama ~1.1B): 16 layers, hidden 2048, 32 heads / 8 query groups, SwiGLU ffn
 8192, RoPE, RMSNorm, untied, vocab 32000, seq 2048, micro-batch 4, one micro-batch per step
 (``--grad-accum N``: N micro-batches per optimizer step, so that the step's fixed costs,
-Muon's Newton-Schulz above all, are shared as at a real global batch); ``--small`` is a
-tiny shape for smoke runs. In one run, on the same weights and inputs:
+Muon's Newton-Schulz above all, are shared as at a real global batch); ``--wide``: eight of
+Llama-3 8B's layers (hidden 4096, 32 heads / 8 groups, SwiGLU ffn 14336), vocab 32000,
+seq 4096 x micro-batch 2, the same 8,192 tokens a micro-batch with the GEMMs a larger
+share of the step; ``--small`` is a tiny shape for smoke runs. In one run, on the same
+weights and inputs:
 
 * megalite: GPTModel in bf16 with fp32 master weights (``MixedPrecisionOptimizer``, its
   fused AdamW), per-layer ``torch.compile`` (unless ``--no-compile``), the chunked
@@ -29,8 +32,10 @@ model's dtype (bf16) measured here (:class:`megalite.hardware.MatmulPeak`), the 
 of each, the graph breaks of each compiled row (with the commonest reason: a break cuts a
 layer's compiled code, and the cut-off part runs eagerly), each row's split of a profiled
 step (the GPU's busy time against the span of its kernels, so its idle time waiting on
-the host; the GEMMs' share and the rest's; :func:`time_split`), and megalite's top
-kernels (torch.profiler). Model FLOPs per token are the
+the host; the GEMMs' share and the rest's; :func:`time_split`), under each fp8 row its
+ceiling at this shape (bf16's step with only the fp8 linears' GEMMs at the fp8 row's GEMM
+time, against the fp8 row's step: what quantisation and host work cost;
+:func:`fp8_ceiling`), and megalite's top kernels (torch.profiler). Model FLOPs per token are the
 training loop's ``6 N + 6 h V + 12 L h s`` (:func:`megalite.config.shapes.flops_per_token`,
 read from the resolved layout), as in ``tools/bench/model.py``. Without CUDA (and no
 ``--device cpu``) it prints one line and exits 0.
@@ -51,6 +56,7 @@ from megalite import hardware
 
 SHAPES = {  # name: the values of FIELDS
     "default": (16, 2048, 32, 8, 8192, 32000, 2048, 4),
+    "wide": (8, 4096, 32, 8, 14336, 32000, 4096, 2),
     "small": (2, 128, 4, 2, 352, 1024, 128, 2),
 }
 FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -59,7 +65,13 @@ FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups"
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="benchmark.py gpu", description=__doc__.split("\n")[0])
-    p.add_argument("--small", action="store_true", help="a tiny shape (smoke runs)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--small", action="store_true", help="a tiny shape (smoke runs)")
+    shape.add_argument("--wide", action="store_true",
+                       help="Llama-3 8B's layer (hidden 4096, 32 heads / 8 groups, SwiGLU "
+                            "ffn 14336), 8 layers, vocab 32000, seq 4096 x batch 2: the "
+                            "GEMMs' share of the step, and so fp8's ceiling, of a larger "
+                            "model")
     for name in FIELDS:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                        help=f"default {SHAPES['default'][FIELDS.index(name)]}")
@@ -88,7 +100,7 @@ def parse(argv):
                    help="skip each row's profiled split of the step (GPU busy / idle, "
                         "GEMMs, the rest)")
     args = p.parse_args(argv)
-    base = SHAPES["small" if args.small else "default"]
+    base = SHAPES["small" if args.small else "wide" if args.wide else "default"]
     for name, value in zip(FIELDS, base):
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -254,8 +266,9 @@ def time_split(step, ids, labels, dev: Device) -> dict:
     stream): ``span`` first kernel start to last kernel end, ``busy`` the kernels' summed
     time (``span - busy``: the GPU idle, waiting on the host's launches and syncs),
     ``gemm`` the GEMM operators' kernels (:data:`GEMM_OPS`, fp8's ``_scaled_mm``
-    included; GEMMs inductor writes itself, as under max-autotune, count in the rest).
-    On a CPU the same from the operators' self CPU time (no idle measured)."""
+    included; GEMMs inductor writes itself, as under max-autotune, count in the rest) and
+    ``ops`` the same by operator. On a CPU the same from the operators' self CPU time (no
+    idle measured)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
@@ -269,12 +282,12 @@ def time_split(step, ids, labels, dev: Device) -> dict:
         starts = [e.time_range.start for e in kernels]
         span = max(e.time_range.end for e in kernels) - min(starts) if kernels else 0.0
         busy = sum(e.time_range.elapsed_us() for e in kernels)
-        gemm = sum(e.device_time_total for e in averages if e.key in GEMM_OPS)
+        ops = {e.key: e.device_time_total / 2 for e in averages if e.key in GEMM_OPS}
     else:
         busy = sum(e.self_cpu_time_total for e in averages)
         span = busy
-        gemm = sum(e.self_cpu_time_total for e in averages if e.key in GEMM_OPS)
-    return {"span": span / 2, "busy": busy / 2, "gemm": gemm / 2}
+        ops = {e.key: e.self_cpu_time_total / 2 for e in averages if e.key in GEMM_OPS}
+    return {"span": span / 2, "busy": busy / 2, "gemm": sum(ops.values()), "ops": ops}
 
 
 def split_line(name: str, split: dict, cuda: bool) -> str:
@@ -284,6 +297,32 @@ def split_line(name: str, split: dict, cuda: bool) -> str:
         return f"{name:>30}: per step {busy:.1f} ms of CPU op time, GEMMs {gemm:.1f} ms"
     return (f"{name:>30}: per step (profiled) GPU busy {busy:.1f} of {span:.1f} ms "
             f"(idle {span - busy:.1f} ms), GEMMs {gemm:.1f} ms, the rest {busy - gemm:.1f} ms")
+
+
+FP8_GEMM_OPS = ("aten::_scaled_mm", "aten::_scaled_mm_v2", "aten::_scaled_grouped_mm")
+
+
+def fp8_ceiling(name: str, bf16: dict, fp8: dict) -> str | None:
+    """What fp8 can give at this shape, from two rows' :func:`time_split`: the bf16 row's
+    step with only its fp8 linears' GEMMs changed to the fp8 row's fp8 GEMM time (the
+    fp8 row's remaining bf16 GEMMs, the output layer's, are the bf16 row's too), every
+    other kernel and the idle time as in bf16; against it the fp8 row's own step, and
+    what its quantisation (more kernel time) and host work (more idle) cost over bf16.
+    None when the fp8 row ran no fp8 kernel (an emulated block recipe)."""
+    scaled = sum(fp8["ops"].get(op, 0.0) for op in FP8_GEMM_OPS)
+    if not scaled or not bf16["span"] or not fp8["span"]:
+        return None
+    linears = bf16["gemm"] - (fp8["gemm"] - scaled)   # bf16's time in the fp8 linears' GEMMs
+    ceiling = bf16["span"] - linears + scaled
+    kernels = (fp8["busy"] - fp8["gemm"]) - (bf16["busy"] - bf16["gemm"])
+    idle = (fp8["span"] - fp8["busy"]) - (bf16["span"] - bf16["busy"])
+    ms = 1e-3
+    return (f"{name:>30}: ceiling: bf16's profiled step {bf16['span'] * ms:.1f} ms with its "
+            f"linears' GEMMs ({linears * ms:.1f} ms) at this row's fp8 GEMM time "
+            f"({scaled * ms:.1f} ms) = {ceiling * ms:.1f} ms, "
+            f"{bf16['span'] / ceiling:.2f}x; this row (profiled) {fp8['span'] * ms:.1f} ms, "
+            f"{bf16['span'] / fp8['span']:.2f}x: {(fp8['span'] - ceiling) * ms:+.1f} ms over "
+            f"the ceiling (other kernels {kernels * ms:+.1f} ms, idle {idle * ms:+.1f} ms)")
 
 
 def graph_breaks(name: str) -> str:
@@ -339,7 +378,7 @@ def main(argv=None) -> None:
     table = tflops(table_peak) if table_peak else "n/a"
     print(f"peaks: table {table}; measured bf16 torch.mm {tflops(measured_peak)}; first "
           "losses should agree to bf16 rounding (same weights and inputs)", flush=True)
-    rates, state, profile = {}, None, ""
+    rates, splits, state, profile = {}, {}, None, ""
 
     def report(name, first, warm, times, memory):   # a row as soon as it is timed
         med = statistics.median(times)
@@ -366,7 +405,14 @@ def main(argv=None) -> None:
         if compiled:
             print(graph_breaks(name), flush=True)
         if args.split:
-            print(split_line(name, time_split(step, ids, labels, dev), dev.cuda), flush=True)
+            splits[name] = time_split(step, ids, labels, dev)
+            print(split_line(name, splits[name], dev.cuda), flush=True)
+            # against the bf16 row (on a CPU the fp8 kernel's own fp32 matmuls count as
+            # bf16 GEMMs: no ceiling there)
+            if "fp8" in name and not args.no_bf16 and dev.cuda:
+                line = fp8_ceiling(name, splits[variants[0][0]], splits[name])
+                print(line or f"{name:>30}: no fp8 kernel ran (emulated): no ceiling",
+                      flush=True)
         if i == 0 and args.top:
             profile = top_kernels(step, ids, labels, dev, args.top)
         del model, step
