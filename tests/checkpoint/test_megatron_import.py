@@ -50,6 +50,19 @@ def convert_fixtures(names, tmp_path_factory) -> dict[str, str]:
     return out
 
 
+class Imported(dict):
+    """{fixture name: the megalite checkpoint converted from it}, each converted the first
+    time it is asked for (a test module's share of the fixtures, not all of them)."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, name: str) -> str:
+        self[name] = convert_fixtures([name], self.tmp_path_factory)[name]
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     return convert_fixtures(NAMES, tmp_path_factory)
