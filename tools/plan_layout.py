@@ -12,7 +12,8 @@ works there too), or from a launch script (``--megatron-script train.sh``: every
 in it; layout flags are ignored, unknown ones skipped with a note). The cluster is a preset
 (``--preset h100|h800|h200|a100`` x ``--nodes``) or given in full (``--gpus-per-node``,
 ``--gpu-memory-gib``, ``--peak-tflops``, ``--peak-fp8-tflops``, ``--peak-fp32-tflops``,
-``--intra-node-gbps``, ``--inter-node-gbps``, GB/s per GPU one way).
+``--fp8-block-kernel`` / ``--no-fp8-block-kernel``, ``--intra-node-gbps``,
+``--inter-node-gbps``, GB/s per GPU one way).
 ``--tp/--pp/--vpp/--cp/--ep N ...``, ``--strategies``, ``--recompute``,
 ``--micro-batch-sizes``, ``--offload-fractions`` and
 ``--pipeline-schedules`` (1f1b, zb_h1: tried with one model chunk per pipeline rank; zbv,
@@ -239,6 +240,8 @@ CLUSTER_FLAGS = {"gpus_per_node": ("gpus_per_node", 1, "an integer >= 1"),
                  "intra_node_gbps": ("intra_node_bw", 1e9, "a positive number"),
                  "inter_node_gbps": ("inter_node_bw", 1e9, "a positive number"),
                  "matmul_efficiency": ("matmul_efficiency", 1, "in (0, 1]")}
+# the cluster's yes/no flags (--flag / --no-flag; unset: the preset's): flag -> Cluster field
+CLUSTER_SWITCHES = {"fp8_block_kernel": "fp8_block_kernel"}
 
 
 def check_args(args) -> None:
@@ -277,6 +280,8 @@ def build_cluster(args) -> Cluster:
     over = {field: getattr(args, flag) * scale
             for flag, (field, scale, _) in CLUSTER_FLAGS.items()
             if getattr(args, flag) is not None}
+    over.update({field: getattr(args, flag) for flag, field in CLUSTER_SWITCHES.items()
+                 if getattr(args, flag) is not None})
     return replace(base, **over)
 
 
@@ -290,8 +295,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak-fp8-tflops", type=float, help="dense fp8 rate (used under "
                         "--fp8-format; the presets know theirs, the A100 has none)")
     parser.add_argument("--peak-fp32-tflops", type=float, help="fp32 matmul rate (the "
-                        "--qk-clip score pass; the presets know theirs, default the bf16 "
-                        "peak)")
+                        "--qk-clip score pass, the emulated fp8 GEMMs; the presets know "
+                        "theirs, default the bf16 peak)")
+    parser.add_argument("--fp8-block-kernel", action=argparse.BooleanOptionalAction,
+                        help="the GPU has the 1 x 128 block-scaled fp8 GEMM (Hopper; the "
+                        "h100, h800 and h200 presets): --fp8-recipe blockwise runs its e4m3 "
+                        "GEMMs with it; without, they are emulated in fp32")
     parser.add_argument("--intra-node-gbps", type=float)
     parser.add_argument("--inter-node-gbps", type=float)
     parser.add_argument("--matmul-efficiency", type=float)

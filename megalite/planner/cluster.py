@@ -23,6 +23,10 @@ queue behind the compute on their own stream).
 ``--qk-clip`` score pass, :mod:`megalite.planner.qk_clip`): the GPU's non-tensor-core
 fp32 rate, as torch runs fp32 matmuls at its default precision.
 
+``fp32_flops`` also times the fp8 GEMMs megalite emulates (the dequantised operands
+multiplied in fp32: ``mxfp8`` everywhere, ``blockwise`` where ``fp8_block_kernel`` is
+False and its e5m2 gradient GEMMs everywhere; :mod:`megalite.planner.fp8_time`).
+
 ``host_bw`` (bytes/s per GPU, one direction, PCIe) and ``host_memory_bw`` (each GPU's
 share of the host's memory bandwidth) time ``--optimizer-cpu-offload``: the offloaded
 gradients go to the host and the parameters come back, and the host steps Adam.
@@ -67,6 +71,9 @@ class Cluster:
     fp8_flops: float = 0.0     # dense fp8 FLOP/s per GPU; 0: the GPU has no fp8 GEMMs
     fp32_flops: float = 0.0    # fp32 matmul FLOP/s per GPU (torch's default "highest"
                                # precision: no TF32); 0: peak_flops (a CPU run in fp32)
+    fp8_block_kernel: bool = False  # the GPU has torch's 1 x 128 block-scaled fp8 GEMM
+                                    # (compute capability 9.0, Hopper): --fp8-recipe
+                                    # blockwise runs its e4m3 GEMMs there, not in fp32
 
     def __post_init__(self) -> None:
         """Refuse sizes below one and non-positive or NaN rates (a step time from them
@@ -107,11 +114,11 @@ class Cluster:
 # cut to 200 GB/s one way (400 GB/s both ways)
 PRESETS = {
     "h100": Cluster(8, 1, 80 * GIB, 989e12, 450e9, 50e9, memory_bw=3.35e12, name="H100 SXM",
-                    fp8_flops=1979e12, fp32_flops=67e12),
+                    fp8_flops=1979e12, fp32_flops=67e12, fp8_block_kernel=True),
     "h800": Cluster(8, 1, 80 * GIB, 989e12, 200e9, 50e9, memory_bw=3.35e12, name="H800 SXM",
-                    fp8_flops=1979e12, fp32_flops=67e12),
+                    fp8_flops=1979e12, fp32_flops=67e12, fp8_block_kernel=True),
     "h200": Cluster(8, 1, 141 * GIB, 989e12, 450e9, 50e9, memory_bw=4.8e12, name="H200 SXM",
-                    fp8_flops=1979e12, fp32_flops=67e12),
+                    fp8_flops=1979e12, fp32_flops=67e12, fp8_block_kernel=True),
     "a100": Cluster(8, 1, 80 * GIB, 312e12, 300e9, 25e9, memory_bw=2.0e12,
                     name="A100 SXM 80GB", fp32_flops=19.5e12),
 }

@@ -13,10 +13,19 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   experts, not all) divided over the ``world`` ranks, plus what recomputation adds
   (full: the forward again, 2N per token of the layers; selective: the attention core's
   forward, 4 L h s per token), at ``peak_flops x matmul_efficiency``; under
-  ``--fp8-format`` the GEMMs megalite runs in fp8 (:func:`fp8_gemm_flops_per_token`: the
-  column- and row-parallel linears of the layers not kept in bf16 -- attention, dense
-  MLP, shared expert; not the routed experts, the output layer or the attention core) at
-  ``fp8_flops x matmul_efficiency`` instead.
+  ``--fp8-format`` (:mod:`megalite.planner.fp8_time`) the GEMMs megalite runs in fp8
+  (:func:`~megalite.planner.fp8_time.fp8_gemm_flops_per_token`: the column- and
+  row-parallel linears of the layers not kept in bf16 -- attention, dense MLP, shared
+  expert; not the routed experts, the output layer or the attention core; fprop, dgrad
+  and, unless ``--no-fp8-wgrad``, wgrad, a third of ``6 N`` each; fprop again under full
+  recomputation) at ``fp8_flops x matmul_efficiency`` instead, or at ``fp32_flops`` those
+  megalite emulates (the dequantised operands multiplied in fp32: every mxfp8 GEMM; the
+  blockwise GEMMs without the GPU's block-scaled kernel, ``Cluster.fp8_block_kernel``,
+  and its e5m2 gradient GEMMs under hybrid). Plus the quantisation passes at
+  ``memory_bw``: per micro-batch each fp8 linear's input and output gradient (an amax pass
+  and a cast pass under tensorwise, the cast alone under delayed, a pass per GEMM under
+  the block recipes), per step its weight (quantised and transposed once; under ZeRO-3
+  after every gather).
   Plus the memory-bound work (norms, activation functions, softmax, copies): ``4 x`` the
   bytes the layers save for backward (:func:`layer_activation_elements`) at
   ``memory_bw``. Plus the fixed costs: ``layer_overhead_s`` per layer and micro-batch
@@ -95,9 +104,9 @@ from megalite.config.shapes import (
     moe_layer_count,
     moe_mlp_params,
 )
-from megalite.planner import muon, qk_clip
+from megalite.planner import fp8_time, muon, qk_clip
 from megalite.planner.cluster import Cluster
-from megalite.planner.fp8_memory import fp8_linear_weights, fp8_weight_elements
+from megalite.planner.fp8_memory import fp8_weight_elements
 from megalite.planner.memory import layer_activation_elements, stage_param_counts
 from megalite.planner.schedule import bubble_fraction, paired_backward_share
 
@@ -178,18 +187,6 @@ def _ring(bytes_: float, size: int, bw: float, latency: float, steps: int = 1) -
     return steps * (2.0 * (size - 1) / size * bytes_ / bw + 2 * (size - 1) * latency)
 
 
-def fp8_gemm_flops_per_token(m) -> float:
-    """Training FLOPs per token (forward and backward: 6 per weight) of the GEMMs that
-    ``--fp8-format`` runs in fp8: each transformer layer's tensor-parallel linears
-    (attention's qkv and output projections, or multi-latent attention's up and output
-    projections; the dense MLP or the shared expert), the layers kept in bf16
-    (``--first-last-layers-bf16``) excepted; 0 without fp8."""
-    if m.fp8_format is None:
-        return 0.0
-    return 6.0 * sum(fp8_linear_weights(m, layer) for layer in range(m.num_layers)
-                     if fp8_layer(m, layer))
-
-
 def compute_seconds(ctx: StepContext) -> float:
     """Matmuls (model FLOPs plus recomputation) at the cluster's rate, the memory-bound
     work, and the fixed per-layer and per-micro-batch costs (module docstring)."""
@@ -215,10 +212,11 @@ def compute_seconds(ctx: StepContext) -> float:
             per_token = experts // m.num_experts * m.moe_router_topk + (
                 dense_mlp_params(m, 1, shared) if shared else 0)
             extra += 2.0 * moe_layer_count(m) * per_token * all_tokens
-    fp8 = fp8_gemm_flops_per_token(m) * all_tokens if cluster.fp8_flops else 0.0
-    compute = ((lay.model_flops_per_step + extra - fp8) / cluster.peak_flops
-               + fp8 / (cluster.fp8_flops or 1.0)) / lay.world_size / cluster.matmul_efficiency
-    compute += max_logit_seconds(ctx)
+    # the fp8 GEMMs at the fp8 rate, or emulated in fp32 (megalite.planner.fp8_time)
+    fp8, fp8_seconds = fp8_time.gemm_seconds(ctx)
+    compute = (lay.model_flops_per_step + extra - fp8) / cluster.peak_flops \
+        / lay.world_size / cluster.matmul_efficiency + fp8_seconds
+    compute += max_logit_seconds(ctx) + fp8_time.quantize_seconds(ctx)
     # memory-bound work (norms, activations, softmax, residual adds, copies): each element
     # the layers keep for backward is written and read in forward and backward
     per_layer = [layer_activation_elements(m, p, lay.micro_batch_size, moe=moe,
