@@ -82,11 +82,17 @@ def _rank_files(directory: str) -> dict[tuple[int, int, int], str]:
     return {((t, g, 0) if pipelined else (t, 0, g)): p for (t, g), p in found.items()}
 
 
-def _load(path: str) -> dict:
+def _load(path: str, chained: bool = False) -> dict | list:
+    """The pickled dict at ``path`` (``chained``: or a list, as a chained distributed
+    optimizer's ``distrib_optim.pt`` holds one dict per optimizer, None for one whose
+    state another rank saved)."""
     try:
         state = load_pickled(path)
     except Exception as exc:  # truncated or foreign: one line, not an unpickling traceback
         raise CheckpointError(f"{path} cannot be read: {type(exc).__name__}: {exc}") from None
+    if chained and isinstance(state, list) and all(isinstance(s, (dict, type(None)))
+                                                   for s in state):
+        return state
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a Megatron "
                               f"checkpoint dict")
@@ -146,7 +152,8 @@ def read_legacy(ckpt: MegatronCheckpoint, load_optim: bool = True
     if common["optimizer_saved"] and load_optim:   # merged as the weights are
         beside = {r: os.path.join(os.path.dirname(path), DISTRIBUTED_FILE)
                   for r, path in files.items()}
-        distributed = {r: _load(path) for r, path in beside.items() if os.path.exists(path)}
+        distributed = {r: _load(path, chained=True) for r, path in beside.items()
+                       if os.path.exists(path)}
         try:
             by_state, common["optimizer"] = legacy_optimizer.rank_states(
                 {r: s["optimizer"] for r, s in states.items()}, merge.ranks, args, distributed)

@@ -21,10 +21,13 @@ which parameters are whose.
 The distributed optimizer keeps its state beside, in each model-parallel rank's
 ``distrib_optim.pt``: ``{gbuf index: {(param dtype, grad dtype): {"param", "exp_avg",
 "exp_avg_sq": one flat fp32 tensor over the gradient buffer, its buckets coalesced}}}``
-(gathered over dp). Its parameters are found in the buffer by their values, the main
-weights ``param`` being the rank's saved weights in fp32, as :mod:`.buckets` finds them
-in ``torch_dist``'s per-bucket tensors. Not placed: ``--optimizer lion``'s chained Lion
-and Adam (whose groups the overrides do not tell apart).
+(gathered over dp; an MoE run's chained optimizers save a list of two, the dense
+buffers', gathered over dp, and the experts', over the expert data-parallel group), and
+its ``model_optim_rng.pt`` only the parameter groups (with their ``step``). Its
+parameters are found in the buffers by their values, the main weights ``param`` being the
+rank's saved weights in fp32, as :mod:`.buckets` finds them in ``torch_dist``'s
+per-bucket tensors. Not placed: ``--optimizer lion``'s chained Lion and Adam (whose
+groups the overrides do not tell apart).
 """
 
 from __future__ import annotations
@@ -141,18 +144,56 @@ def _common(saved) -> dict:
     return inner
 
 
-def _distributed_rank(saved: dict, chunks: list[dict], where: str) -> dict[str, list[dict]]:
-    """One rank's distributed-optimizer state (its ``distrib_optim.pt``, ``saved``) as
-    {state name: per model chunk {model key: tensor}}, each parameter found in the flat
-    buffers by its values (:func:`.buckets.place_buckets`, each buffer one bucket)."""
+def _distributed_common(saved) -> dict:
+    """One distributed optimizer's entry of the common state (as :func:`_common`): its
+    saved parameter groups, which carry the step, and an fp16 run's ``grad_scaler``."""
+    groups = [dict(g) for g in _unwrap(saved)[0]["param_groups"]]
+    scaler = {"grad_scaler": saved["grad_scaler"]} if "grad_scaler" in saved else {}
+    return {"optimizer": {"param_groups": groups}, **scaler}
+
+
+def _held(saved, optimizers) -> set[bool] | None:
+    """Whose parameters a rank's ``distrib_optim.pt`` (``saved``) holds state for, as the
+    expert flags of its optimizers (None: every parameter's). A chained optimizer's list
+    has None where this rank saved none of that optimizer's state: each optimizer's
+    buffers are saved by the first rank of its data-parallel group, so an ep rank > 0
+    holds the experts' alone (the dense state is ep rank 0's)."""
+    parts = _parts(saved)
+    if len(parts) == 1 and parts[0] is not None:
+        return None
+    groups = [_unwrap(part)[0]["param_groups"] for part in _parts(optimizers)]
+    if len(groups) != len(parts):
+        raise Unplaced(f"its distrib_optim.pt holds {len(parts)} optimizers where "
+                       f"model_optim_rng.pt has {len(groups)}")
+    held = set()
+    for part, part_groups in zip(parts, groups):
+        flags = {bool(g.get("is_expert_parallel", False)) for g in part_groups}
+        if len(flags) != 1:
+            raise Unplaced("a chained optimizer mixes expert and dense parameter groups")
+        if part is not None:
+            held |= flags
+    return held
+
+
+def _distributed_rank(saved, optimizers, chunks: list[dict], where: str
+                      ) -> dict[str, list[dict]]:
+    """One rank's distributed-optimizer state (its ``distrib_optim.pt``, ``saved``: one
+    optimizer's buffers, or a chained optimizer's list of them; ``optimizers``: its
+    ``model_optim_rng.pt``'s optimizer entry, the groups) as {state name: per model chunk
+    {model key: tensor}} of the parameters it holds state for (:func:`_held`), each found
+    in the flat buffers by its values (:func:`.buckets.place_buckets`, each buffer one
+    bucket)."""
     from megalite.checkpoint.megatron import buckets
 
+    held = _held(saved, optimizers)
     weights = {f"{v}/{key}": w for v, chunk in enumerate(chunks) for key, w in chunk.items()
-               if _is_parameter(key)}
+               if _is_parameter(key)
+               and (held is None or bool(EXPERT.search(key)) in held)}
     local = {k: [((0,) * w.dim(), tuple(w.shape))] for k, w in weights.items()}
-    flat = {f"gbuf {g} {dtypes}": {name: t for name, t in states.items()
-                                   if isinstance(t, torch.Tensor)}
-            for g, by_dtype in saved.items() if isinstance(g, int)   # (not "buckets_coalesced")
+    flat = {f"optimizer {i} gbuf {g} {dtypes}": {name: t for name, t in states.items()
+                                                 if isinstance(t, torch.Tensor)}
+            for i, part in enumerate(_parts(saved)) if part is not None   # (chained: a list)
+            for g, by_dtype in part.items() if isinstance(g, int)   # (not "buckets_coalesced")
             for dtypes, states in by_dtype.items()}
     try:
         found = buckets.place_buckets(flat, weights, local, where)
@@ -184,13 +225,12 @@ def rank_states(saved: dict, ranks: dict, args, distributed: dict | None = None
         if not distributed or distributed.keys() != ranks.keys():
             raise Unplaced("its distributed optimizer's distrib_optim.pt files are missing")
         for rank, chunks in ranks.items():
-            for name, per_chunk in _distributed_rank(distributed[rank], chunks,
+            for name, per_chunk in _distributed_rank(distributed[rank], saved[rank], chunks,
                                                      f"rank {rank}").items():
                 by_state.setdefault(name, {})[rank] = per_chunk
-        first = saved[(0, 0, 0)]   # the groups with their step, an fp16 run's scaler
-        groups = [dict(g) for g in _unwrap(first)[0]["param_groups"]]
-        scaler = {"grad_scaler": first["grad_scaler"]} if "grad_scaler" in first else {}
-        return by_state, {"optimizer": {"param_groups": groups}, **scaler}
+        # each optimizer's groups with their step, an fp16 run's scaler
+        parts = [_distributed_common(part) for part in _parts(saved[(0, 0, 0)])]
+        return by_state, parts[0] if len(parts) == 1 else dict(enumerate(parts))
     for rank, chunks in ranks.items():
         for name, per_chunk in _rank(saved[rank], chunks, args).items():
             by_state.setdefault(name, {})[rank] = per_chunk

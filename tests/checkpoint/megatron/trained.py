@@ -101,6 +101,13 @@ TRAINED = {
                                                "--make-vocab-size-divisible-by", "8"], 2),
     "mixtral_legacy_ep2_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1", "--ckpt-format",
                                     "torch", "--expert-model-parallel-size", "2"], 2),
+    # and with the distributed optimizer: each rank's distrib_optim.pt holds the dense and
+    # the expert optimizer's flat buffers (the experts' over their expert data-parallel
+    # group, here the rank alone)
+    "mixtral_legacy_distopt_ep2_trained": ([*fx.MIXTRAL, *TRAIN, "--num-layers", "1",
+                                            "--ckpt-format", "torch",
+                                            "--use-distributed-optimizer",
+                                            "--expert-model-parallel-size", "2"], 2),
     "llama_legacy_bf16_tp2_pp2_trained": ([*fx.LLAMA, *TRAIN, "--ckpt-format", "torch",
                                            "--bf16", "--tensor-model-parallel-size", "2",
                                            "--pipeline-model-parallel-size", "2",
