@@ -50,15 +50,17 @@ def test_smoke_mode_times_fp8_and_muon_rows_against_bf16(capsys):
     assert re.search(r"megalite\+muon / megalite: [0-9.]+x tokens/s", out)
     # each row's split of a profiled step: the GEMMs' share of the ops' time
     for name in first:
-        op, gemm = re.search(rf"^\s*{re.escape(name)}: per step ([0-9.]+) ms of CPU op time, "
-                             r"GEMMs ([0-9.]+) ms", out, re.M).groups()
-        assert 0 < float(gemm) < float(op)
+        op, gemm, ops = re.search(rf"^\s*{re.escape(name)}: per step ([0-9.]+) ms of CPU op "
+                                  r"time, GEMMs ([0-9.]+) ms, ([0-9]+) ops", out, re.M).groups()
+        assert 0 < float(gemm) < float(op) and int(ops) > 100
 
 
 def test_split_line_on_a_gpu_names_the_idle_time():
-    line = bench.split_line("fp8", {"span": 134e3, "busy": 114e3, "gemm": 38e3}, True)
+    line = bench.split_line("fp8", {"span": 134e3, "busy": 114e3, "gemm": 38e3,
+                                    "kernels": 2400, "short": 900}, True)
     assert line.endswith("fp8: per step (profiled) GPU busy 114.0 of 134.0 ms (idle 20.0 ms), "
-                         "GEMMs 38.0 ms, the rest 76.0 ms")
+                         "GEMMs 38.0 ms, the rest 76.0 ms; 2400 kernels, 900 of them under "
+                         "10 us")
 
 
 def test_grad_accum_shares_muons_fixed_newton_schulz(capsys):

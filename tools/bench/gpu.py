@@ -257,6 +257,7 @@ def top_kernels(step, ids, labels, dev: Device, top: int) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60)
 
 
+SHORT_US = 10   # a kernel shorter than this is about as long as the host's launch of it
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
             "aten::_scaled_mm_v2", "aten::_grouped_mm", "aten::_scaled_grouped_mm")
 
@@ -267,8 +268,11 @@ def time_split(step, ids, labels, dev: Device) -> dict:
     time (``span - busy``: the GPU idle, waiting on the host's launches and syncs),
     ``gemm`` the GEMM operators' kernels (:data:`GEMM_OPS`, fp8's ``_scaled_mm``
     included; GEMMs inductor writes itself, as under max-autotune, count in the rest) and
-    ``ops`` the same by operator. On a CPU the same from the operators' self CPU time (no
-    idle measured)."""
+    ``ops`` the same by operator, ``kernels`` the kernels launched and ``short`` those
+    that ran under :data:`SHORT_US` (where the host's launch of each, some microseconds,
+    takes longer than the kernel, a stretch of them leaves the GPU idle). On a CPU the
+    same from the operators' self CPU time (no idle measured; ``kernels`` the operators
+    called)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
@@ -283,20 +287,26 @@ def time_split(step, ids, labels, dev: Device) -> dict:
         span = max(e.time_range.end for e in kernels) - min(starts) if kernels else 0.0
         busy = sum(e.time_range.elapsed_us() for e in kernels)
         ops = {e.key: e.device_time_total / 2 for e in averages if e.key in GEMM_OPS}
+        count = len(kernels)
+        short = sum(e.time_range.elapsed_us() < SHORT_US for e in kernels)
     else:
         busy = sum(e.self_cpu_time_total for e in averages)
         span = busy
         ops = {e.key: e.self_cpu_time_total / 2 for e in averages if e.key in GEMM_OPS}
-    return {"span": span / 2, "busy": busy / 2, "gemm": sum(ops.values()), "ops": ops}
+        count, short = sum(e.count for e in averages), 0
+    return {"span": span / 2, "busy": busy / 2, "gemm": sum(ops.values()), "ops": ops,
+            "kernels": count // 2, "short": short // 2}
 
 
 def split_line(name: str, split: dict, cuda: bool) -> str:
     """``name``'s :func:`time_split` per step, in ms."""
     span, busy, gemm = (split[k] / 1e3 for k in ("span", "busy", "gemm"))
     if not cuda:
-        return f"{name:>30}: per step {busy:.1f} ms of CPU op time, GEMMs {gemm:.1f} ms"
+        return (f"{name:>30}: per step {busy:.1f} ms of CPU op time, GEMMs {gemm:.1f} ms, "
+                f"{split['kernels']} ops")
     return (f"{name:>30}: per step (profiled) GPU busy {busy:.1f} of {span:.1f} ms "
-            f"(idle {span - busy:.1f} ms), GEMMs {gemm:.1f} ms, the rest {busy - gemm:.1f} ms")
+            f"(idle {span - busy:.1f} ms), GEMMs {gemm:.1f} ms, the rest {busy - gemm:.1f} ms; "
+            f"{split['kernels']} kernels, {split['short']} of them under {SHORT_US} us")
 
 
 FP8_GEMM_OPS = ("aten::_scaled_mm", "aten::_scaled_mm_v2", "aten::_scaled_grouped_mm")
