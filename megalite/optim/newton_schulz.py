@@ -132,12 +132,14 @@ def normalize(x: torch.Tensor, group=None, out: torch.Tensor | None = None,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x`` ``[..., m, n]`` (fp32, any strides) divided by each matrix's Frobenius norm,
     written in ``dtype``, or into ``out`` (``[..., m, n]`` of the iteration's dtype: one
-    pass that reads fp32 and writes, say, bf16). The squared norm is summed in fp32 as row
-    sums, then their sum: on the CPU one reduction over both dimensions splits its work
-    (and its float rounding) by the size of the batch, these two do not, so a matrix
-    normalised alone or in a stack gives the same bits. ``group``: ``x`` holds this rank's
-    columns; the squared norms ``[..., 1, 1]`` are all-reduced (SUM) over it."""
-    sq = x.square().sum(dim=-1, keepdim=True).sum(dim=-2, keepdim=True)
+    pass that reads fp32 and writes, say, bf16). The squared norm is summed in fp32 as the
+    rows' squared norms (one reduction pass over ``x``, no squared copy of it), then their
+    sum: on the CPU one reduction over both dimensions splits its work (and its float
+    rounding) by the size of the batch, these two do not, so a matrix normalised alone or
+    in a stack gives the same bits. ``group``: ``x`` holds this rank's columns; the
+    squared norms ``[..., 1, 1]`` are all-reduced (SUM) over it."""
+    rows = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    sq = rows.square().sum(dim=-2, keepdim=True)
     if group is not None:
         collectives.all_reduce(sq, group)
     norm = sq.sqrt().clamp_min(EPS)
