@@ -367,10 +367,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iteration", type=int, dest="ckpt_step", help=argparse.SUPPRESS)
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--target-expert-model-parallel-size", type=int, default=1,
+    p.add_argument("--target-expert-model-parallel-size", type=int, default=None,
                    help="megalite -> Megatron, MoE: the Megatron run's "
                    "--expert-model-parallel-size; above 1 its experts have an optimizer of "
-                   "their own, whose state is written apart.")
+                   "their own, whose state is written apart (default: the megalite run's; an "
+                   "import of a Megatron run keeps none: give it).")
     p.add_argument("--no-load-optim", action="store_true",
                    help="Megatron <-> megalite: the weights alone (continue with "
                    "--finetune), not the optimizer state the source saved.")

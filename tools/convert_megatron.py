@@ -97,7 +97,10 @@ def megalite_to_megatron(args) -> None:
         distributed = (args.target_optimizer_format == "distributed"
                        if args.target_optimizer_format
                        else cfg.parallel.data_parallel_sharding_strategy != "no_shard")
-        expert_parallel = args.target_expert_model_parallel_size > 1
+        # the megalite run's own expert parallel size unless given (an import's is 1)
+        ep = args.target_expert_model_parallel_size or (
+            cfg.parallel.expert_model_parallel_size if cfg.model.num_experts else 1)
+        expert_parallel = ep > 1
         why = None if state is None else optimizer.not_exportable(cfg, distributed,
                                                                   expert_parallel)
         out = None
@@ -105,8 +108,7 @@ def megalite_to_megatron(args) -> None:
             out = optimizer.to_megatron_optimizer(
                 cfg, full, state, scheduler, cfg.model.padded_vocab_size(tp), impl,
                 distributed, expert_parallel=expert_parallel)
-        directory = write_megatron(cfg, full, args.save_dir, iteration, tp, pp, impl, out,
-                                   args.target_expert_model_parallel_size)
+        directory = write_megatron(cfg, full, args.save_dir, iteration, tp, pp, impl, out, ep)
         bar.update(1)
     print(f"wrote {directory} (Megatron-Core torch_dist, iteration {iteration}, vocabulary "
           f"padded to {cfg.model.padded_vocab_size(tp)}, names of --transformer-impl "
@@ -123,7 +125,6 @@ def megalite_to_megatron(args) -> None:
     else:
         flag = (", with --use-distributed-optimizer" if distributed
                 else ", without --use-distributed-optimizer")
-    ep = args.target_expert_model_parallel_size
     if cfg.model.num_experts and ep == 1:   # the optimizer chain depends on ep > 1
         flag += (", at --expert-model-parallel-size 1 (for a run at expert parallel N > 1 "
                  "convert with --target-expert-model-parallel-size N: Megatron gives its "

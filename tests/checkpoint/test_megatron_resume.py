@@ -481,8 +481,9 @@ def test_bucket_state_that_matches_no_weight_is_refused():
     ("llama_distopt_dp2_trained", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("llama_distopt_tp2_buckets_trained", ["--sequence-parallel"]),
     ("llama_lion_trained", []),
+    ("mixtral_distopt_ep2_buckets_trained", ["--expert-model-parallel-size", "2"]),
 ], ids=["llama", "deepseek-v3-mtp", "llama-at-tp2-sp", "llama-tp2-buckets-at-tp2-sp",
-        "llama-lion"])
+        "llama-lion", "mixtral-at-ep2"])
 def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys, name, layout):
     """The whole move: the Megatron run's own flags verbatim (``fixture.json``), its data
     (the same corpus, seed and split), ``--load`` of the import and ``--no-load-rng``:
@@ -538,3 +539,11 @@ def test_pretrain_resumes_an_import_where_megatron_stopped(tmp_path, capsys, nam
     assert row["iteration"] == 3 and row["lr"] == pytest.approx(want["lr"], rel=1e-9)
     assert row["lm_loss"] == pytest.approx(want["loss"], abs=2e-6)
     assert os.path.exists(tmp_path / "ck" / "iter_0000003")
+    if "mixtral" in name:   # megalite's run at ep 2 exports for a Megatron run at ep 2
+        capsys.readouterr()
+        out = str(tmp_path / "megatron")
+        assert convert("--source", "megalite", "--target", "megatron", "--load-dir",
+                       str(tmp_path / "ck"), "--save-dir", out,
+                       "--transformer-impl", "local") == 0
+        assert ", at --expert-model-parallel-size 2:" in capsys.readouterr().out
+        assert sorted(read_common(find_checkpoint(out))["optimizer"]) == [0, 1]
