@@ -40,6 +40,7 @@ from megalite.arguments import build_parser, parse_args  # noqa: E402
 from megalite.config import shapes  # noqa: E402
 from megalite.config.fields import ConfigError  # noqa: E402
 from megalite.errors import EXIT_CONFIG, report_tool_error  # noqa: E402
+from megalite.planner import fp8_time  # noqa: E402
 from megalite.planner.cluster import GIB, PRESETS, Cluster, preset  # noqa: E402
 from megalite.planner.search import (  # noqa: E402
     RECOMPUTE,
@@ -196,6 +197,7 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int,
              "layout: tp/pp/vpp/cp/ep, sharding strategy, --overlap-grad-reduce and "
              "--overlap-param-gather, recomputation, micro-batch size, optimizer offload "
              "(the model's own values of these are set aside)",
+             *_fp8_lines(model, cluster),
              "",
              f"{'#':>3} {'layout':<60} {'step s':>8} {'MFU':>6} {'mem GiB':>8} "
              f"{'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'trans':>6} {'comm':>5} "
@@ -229,6 +231,33 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int,
         lines += ["", f"infeasible (first {len(bad)}):"]
         lines += [f"  {c.name():<60} {c.error}" for c in bad]
     return "\n".join(lines)
+
+
+def _fp8_lines(model, cluster: Cluster) -> list[str]:
+    """Under ``--fp8-format``: the rate the fp8 GEMMs are timed at and, where megalite has
+    no fp8 kernel for some of them on this cluster, a note naming them (they are timed as
+    the fp32 products of the dequantised operands megalite runs instead) and the recipe
+    that avoids it."""
+    if model is None or model.fp8_format is None:
+        return []
+    out = [f"fp8 ({model.fp8_recipe}, {model.fp8_format}): GEMMs at "
+           f"{cluster.fp8_flops / 1e12:.0f} TFLOP/s, the quantisation passes at memory "
+           "bandwidth"]
+    emulated = [g for g in fp8_time.GEMMS if g in fp8_time.emulated_gemms(model, cluster)]
+    if emulated:
+        fp32 = (cluster.fp32_flops or cluster.peak_flops) / 1e12
+        if model.fp8_recipe == "blockwise" and cluster.fp8_block_kernel:
+            better = "--fp8-format e4m3 (every blockwise GEMM on the block-scaled kernel)"
+        elif cluster.fp8_block_kernel:
+            better = ("--fp8-recipe blockwise --fp8-format e4m3 (block scales, on the "
+                      "block-scaled kernel), tensorwise or delayed")
+        else:
+            better = "--fp8-recipe tensorwise or delayed"
+        out.append(f"note: megalite has no fp8 kernel for --fp8-recipe {model.fp8_recipe}'s "
+                   f"{', '.join(emulated)} GEMMs on the {cluster.name}: they are emulated "
+                   f"(the dequantised operands multiplied in fp32, {fp32:.0f} TFLOP/s), as "
+                   f"timed here; {better} runs them in fp8")
+    return out
 
 
 # the cluster flags: (Cluster field, scale to the field's unit, what the value must be)

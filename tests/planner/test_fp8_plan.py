@@ -90,3 +90,32 @@ def test_a_gpu_without_fp8_is_refused(capsys):
         tool.plan(["--preset", "a100", "--tp", "2", "--pp", "1", "--", *flags, *FP8])
     err = capsys.readouterr().err
     assert "--fp8-format hybrid: the A100 SXM 80GB GPU has no fp8 GEMMs" in err
+
+
+@pytest.mark.parametrize("recipe, fmt, cluster, emulated, better", [
+    ("tensorwise", "hybrid", ["--preset", "h100"], None, None),
+    ("blockwise", "e4m3", ["--preset", "h100"], None, None),
+    ("blockwise", "hybrid", ["--preset", "h100"], "dgrad, wgrad", "--fp8-format e4m3 ("),
+    ("mxfp8", "e4m3", ["--preset", "h200"], "fprop, dgrad, wgrad",
+     "--fp8-recipe blockwise --fp8-format e4m3 ("),
+    ("blockwise", "e4m3", ["--preset", "h100", "--no-fp8-block-kernel"],
+     "fprop, dgrad, wgrad", "--fp8-recipe tensorwise or delayed runs"),
+])
+def test_the_report_names_the_fp8_gemms_it_times_as_emulated(capsys, recipe, fmt, cluster,
+                                                             emulated, better):
+    """The report's fp8 line gives the rate the fp8 GEMMs are timed at; a note names the
+    GEMMs megalite has no fp8 kernel for on the cluster (timed as the fp32 products it runs
+    instead) and the recipe that runs them in fp8."""
+    tool = load_tool("plan_layout")
+    flags = [f for f in LLAMA if f not in ("--mock-data", "--tokenizer-type", "NullTokenizer")]
+    assert tool.main([*cluster, "--tp", "2", "--pp", "1", "--top", "1", "--", *flags,
+                      "--fp8-format", fmt, "--fp8-recipe", recipe]) == 0
+    out = capsys.readouterr().out
+    assert f"fp8 ({recipe}, {fmt}): GEMMs at 1979 TFLOP/s, the quantisation passes" in out
+    notes = [line for line in out.splitlines() if line.startswith("note: megalite has no fp8")]
+    if emulated is None:
+        assert notes == []
+    else:
+        (note,) = notes
+        assert f"--fp8-recipe {recipe}'s {emulated} GEMMs on the H" in note
+        assert "multiplied in fp32, 67 TFLOP/s" in note and better in note
