@@ -168,12 +168,10 @@ def orthogonalize_batched(jobs: list, ocfg) -> list[torch.Tensor]:
             o = orthogonalize_stack([pieces[i][1] for i in batch], steps, kind, prec)
             for i, oi in zip(batch, o.split([pieces[i][1].shape[0] for i in batch])):
                 j, _, shape, target = pieces[i]
-                # one pass into fp32: an fp32 factor (a 1-element tensor takes part in
-                # the type promotion where a Python float would not) multiplies in fp32,
-                # the bits of copying to fp32 and then scaling
-                factor = torch.full((1,), _factor(shape, jobs[j][1].expert, ocfg),
-                                    dtype=torch.float32, device=target.device)
-                torch.mul(oi.reshape(shape), factor, out=target)
+                # (two passes: one mixed-dtype multiply into fp32 reads less but takes
+                # torch's unvectorised casting path, 8x slower than these on the CPU)
+                target.copy_(oi.reshape(shape))           # to fp32
+                target.mul_(_factor(shape, jobs[j][1].expert, ocfg))
             del o
     return results
 

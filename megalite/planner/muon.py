@@ -23,10 +23,10 @@ Per rank and step:
   its owners, but never less than the largest single matrix. The busiest pipeline stage
   counts (the last, which holds the prediction depths).
 * **element-wise passes** -- the momentum, normalisation, result and update passes over
-  the matrices (:func:`elementwise_bytes`: 66 bytes an element with Nesterov and bf16,
-  54 without) replace the ``16 + 2 x dtype`` bytes every parameter is charged at memory
+  the matrices (:func:`elementwise_bytes`: 74 bytes an element with Nesterov and bf16,
+  62 without) replace the ``16 + 2 x dtype`` bytes every parameter is charged at memory
   bandwidth (:func:`megalite.planner.time.optimizer_seconds`). A lower bound: at the
-  1.1B shape of ``tools/benchmark.py gpu`` (0.97 billion matrix elements) it is 11 ms on
+  1.1B shape of ``tools/benchmark.py gpu`` (0.97 billion matrix elements) it is 13 ms on
   an H200's 4.8 TB/s, where a profile there measured about 30 ms of such passes before a
   copy of the momentum and the strided reads of the tall matrices were removed.
 * **rate** -- on a GPU ``--muon-fp32-matmul-prec medium`` / ``low`` iterate in bf16 at
@@ -203,9 +203,9 @@ def elementwise_bytes(nesterov: bool, dtype_bytes: int) -> int:
     (:meth:`megalite.optim.algorithms.muon.MuonOptimizer.step`): the momentum's lerp 12
     (reads M and G, writes M), Nesterov's 12 more (reads G and M, writes U), the
     normalisation into the iteration's stack 10 (the norm's read, the scaled read and a
-    bf16 write), the result into the fp32 ``O`` 6, the masters' weight decay 8 and update
-    12, the model's copy ``4 + dtype_bytes``."""
-    return 12 + (12 if nesterov else 0) + 10 + 6 + 8 + 12 + 4 + dtype_bytes
+    bf16 write), the result into the fp32 ``O`` 14 (copied from bf16, then scaled), the
+    masters' weight decay 8 and update 12, the model's copy ``4 + dtype_bytes``."""
+    return 12 + (12 if nesterov else 0) + 10 + 14 + 8 + 12 + 4 + dtype_bytes
 
 
 def elementwise_elements(cfg, lay) -> float:
