@@ -48,6 +48,8 @@ def test_smoke_mode_times_fp8_and_muon_rows_against_bf16(capsys):
         assert 0 < abs(first[f"megalite+fp8-{recipe}"] - first["megalite"]) < 0.02
         assert re.search(rf"megalite\+fp8-{recipe} / megalite: [0-9.]+x tokens/s", out)
     assert re.search(r"megalite\+muon / megalite: [0-9.]+x tokens/s", out)
+    assert re.search(r"Muon's step overhead at 1 micro-batches per step: [+-][0-9.]+ ms, "
+                     r"[+-][0-9.]+% of its step", out)
     # each row's split of a profiled step: the GEMMs' share of the ops' time
     for name in first:
         op, gemm, ops = re.search(rf"^\s*{re.escape(name)}: per step ([0-9.]+) ms of CPU op "
@@ -184,3 +186,10 @@ def test_fp8_ceiling_swaps_only_the_linears_gemms():
         "ms, 1.03x: +27.0 ms over the ceiling (other kernels +20.0 ms, idle +7.0 ms)")
     # an emulated block recipe ran no fp8 kernel: nothing to say
     assert bench.fp8_ceiling("fp8", bf16, {**fp8, "ops": {"aten::mm": 34e3}}) is None
+
+
+def test_muon_overhead_is_a_share_of_its_step():
+    """The H200's 16-micro-batch rows of 2026-11-27: 1897.4 against 1799.6 ms."""
+    assert bench.overhead_line(1.8974, 1.7996, 16) == (
+        "Muon's step overhead at 16 micro-batches per step: +97.8 ms, +5.2% of its step "
+        "(1897.4 against AdamW's 1799.6 ms)")

@@ -22,7 +22,8 @@ weights and inputs:
   compute capability 8.9+, block recipes emulated) and ``--muon`` (``--optimizer muon``),
   each printed as a ratio to the bf16 AdamW row; with ``--muon`` also Muon's theory: the
   Newton-Schulz FLOPs of the step (every matrix, :meth:`megalite.optim.muon_layout.Matrix.
-  cost`) against the step's model FLOPs;
+  cost`) against the step's model FLOPs, and its step's overhead over AdamW's as a share
+  of its step (:func:`overhead_line`);
 * transformers: LlamaForCausalLM with fp32 weights under bf16 autocast, SDPA attention,
   ``torch.optim.AdamW(fused=True)``.
 
@@ -348,6 +349,15 @@ def graph_breaks(name: str) -> str:
     return f"{name:>30}: graph breaks {total}, {count} of them: {' / '.join(lines)[:240]}"
 
 
+def overhead_line(muon_s: float, adam_s: float, accum: int) -> str:
+    """Muon's step overhead (median steps, seconds) over the AdamW row's, as a share of
+    Muon's step: the measure of its < 5% target."""
+    extra = muon_s - adam_s
+    return (f"Muon's step overhead at {accum} micro-batches per step: {extra * 1e3:+.1f} ms, "
+            f"{extra / muon_s:+.1%} of its step ({muon_s * 1e3:.1f} against AdamW's "
+            f"{adam_s * 1e3:.1f} ms)")
+
+
 def tflops(rate: float) -> str:
     return f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e11 else f"{rate / 1e9:.1f} GFLOP/s"
 
@@ -439,6 +449,8 @@ def main(argv=None) -> None:
     for name, rate in rates.items():
         if reference and name not in (reference, "transformers"):
             print(f"{name} / {reference}: {rate / rates[reference]:.2f}x tokens/s")
+            if name.endswith("+muon"):   # what Muon's step costs over AdamW's
+                print(overhead_line(tokens / rate, tokens / rates[reference], accum))
     if profile:
         print(f"top {args.top} kernels of {variants[0][0]}'s step (2 steps, by self "
               f"{'CUDA' if dev.cuda else 'CPU'} time):")
