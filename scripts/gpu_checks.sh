@@ -27,8 +27,8 @@
 # Every step row prints its profiled split (GPU busy / idle, GEMMs, the rest).
 # BUDGET (seconds, default 560) bounds the whole run, to fit one device call (timeout_s
 # 590): a section gets its own limit or what is left of the budget, and one that would get
-# under a minute is skipped; the last line names the skipped ones, which SECTIONS then
-# runs in a second call if device time is left:
+# under two thirds of its limit (or a minute) is skipped, not cut short; the last line
+# names the skipped ones, which SECTIONS then runs in a second call if device time is left:
 #   bash scripts/gpu_checks.sh                                    # one call, 560 s at most
 #   BUDGET=200 SECTIONS="blockwise autotune" bash scripts/gpu_checks.sh
 set -uo pipefail
@@ -64,8 +64,9 @@ section() {   # section NAME LIMIT_SECONDS COMMAND...: run under a limit, log, k
     local name=$1 limit=$2
     shift 2
     [[ " $SECTIONS " == *" $name "* ]] || return 0
-    local left=$((BUDGET - (SECONDS - start)))
-    if ((left < 60)); then
+    local left=$((BUDGET - (SECONDS - start))) need=$((limit * 2 / 3))
+    ((need < 60)) && need=60
+    if ((left < need)); then
         skipped+=("$name")
         echo "=== [$((SECONDS - start))s] $name skipped (${left}s of the budget left)" \
             | tee -a "$OUT/log.txt"
