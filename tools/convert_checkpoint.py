@@ -351,6 +351,18 @@ def megalite_to_consolidated(args) -> None:
     print(f"wrote {path} ({len(full)} tensors) and megalite_config.json")
 
 
+def _size(text: str) -> int:
+    """A parallel size: an integer >= 1 (argparse turns the error into one usage line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parallel size: give an integer "
+                                         ">= 1")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """This tool's flags; a pair of --source and --target that is no conversion is a usage
     error (exit 2)."""
@@ -365,9 +377,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-step", type=int, help="megalite or Megatron source: this "
                    "iteration instead of the latest.")
     p.add_argument("--iteration", type=int, dest="ckpt_step", help=argparse.SUPPRESS)
-    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
-    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--target-expert-model-parallel-size", type=int, default=None,
+    p.add_argument("--target-tensor-parallel-size", type=_size, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=_size, default=1)
+    p.add_argument("--target-expert-model-parallel-size", type=_size, default=None,
                    help="megalite -> Megatron, MoE: the Megatron run's "
                    "--expert-model-parallel-size; above 1 its experts have an optimizer of "
                    "their own, whose state is written apart (default: the megalite run's; an "

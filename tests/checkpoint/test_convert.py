@@ -174,3 +174,20 @@ def test_converted_hf_model_continues_training(tmp_path):
     result = train(c)
     c.close()
     assert result.iteration == 3 and result.losses[3] < result.losses[1]
+
+
+@pytest.mark.parametrize("flag", ["--target-tensor-parallel-size",
+                                  "--target-pipeline-parallel-size",
+                                  "--target-expert-model-parallel-size"])
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_a_target_size_below_one_is_one_usage_line(tmp_path, capsys, flag, value):
+    """A target parallel size that is no integer >= 1: one usage error (exit 2) before
+    anything is read or written, not a division by zero in the writer."""
+    with pytest.raises(SystemExit) as exc:
+        _tool().main(["--source", "megalite", "--target", "megatron", "--load-dir",
+                      str(tmp_path / "in"), "--save-dir", str(tmp_path / "out"), flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"error: argument {flag}: {value!r} is not a parallel size: "
+                            "give an integer >= 1")
+    assert not (tmp_path / "out").exists()
