@@ -64,6 +64,13 @@ Tolerances (absolute, on losses about 4 and parameters about 0.02-1):
   from 0 takes the other sign in another layout (seed 388, tp2 x pp2 x vpp4 x ep2: 1 and
   4 of 131072 expert elements, 0.0033 and 0.006 apart, the losses equal). A gradient off
   by any factor still moves the other elements' signs or the grad norm.
+* Parameters whose gradient is zero in exact arithmetic (:data:`ZERO_GRADIENT`: the key
+  norm's bias under ``--qk-layernorm`` with LayerNorm, which adds the same ``q . b`` to
+  every logit of a query's row, and the softmax ignores that) get only the rounding noise
+  of the layout's sums, which AdamW normalises into steps of up to ``lr`` each: they may
+  differ by up to ``iterations x lr`` (seed 1795771944, tp2 + sp x cp2, Muon with its
+  AdamW: 1 of 16 elements 6.3e-5 apart, everything else within the fp32 tolerances). A
+  gradient that is not zero there shows in the grad norm.
 """
 
 from __future__ import annotations
@@ -111,6 +118,8 @@ FP8_MOE = dataclasses.replace(FP8, loss_abs=2e-3, bias_steps=2 * ITERS)
 
 
 LION_SIGN_FRACTION = 1e-4
+# parameters whose gradient is zero in exact arithmetic (module docstring)
+ZERO_GRADIENT = ("self_attention.k_layernorm.bias",)
 
 
 def tolerance(layout: Layout) -> Tolerance:
@@ -256,6 +265,8 @@ def compare(layout: Layout, ranks: list[tuple[dict, dict, dict]],
             if name.endswith("router.expert_bias") and tol.bias_steps:
                 rate = layout.model.get("moe_router_bias_update_rate", 1e-3)
                 allowed = allowed + tol.bias_steps * rate
+            if name.endswith(ZERO_GRADIENT):
+                allowed = allowed + ITERS * tiny(layout).optim.lr
             bad = ~(diff <= allowed)
             if bad.any() and tol.sign_step:
                 flipped = bad & (diff <= tol.sign_step)
