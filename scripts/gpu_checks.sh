@@ -2,7 +2,8 @@
 # The checks to run when a GPU is lent: the CUDA tests, then the throughput rows the open
 # work is measured by (docs/gpus.md), most wanted first, each section under its own time
 # limit and all of them under one budget, everything logged to $OUT (default
-# /tmp/gpu_checks).
+# /tmp/gpu_checks): log.txt (each section's last 150 lines) and sections.tgz (each
+# section's whole output).
 #
 #   bash scripts/gpu_checks.sh                 # on the GPU host, from the repository root
 #   SMOKE=1 bash scripts/gpu_checks.sh         # the same sections on a CPU, tiny shapes
@@ -35,7 +36,10 @@ set -uo pipefail
 
 OUT=${OUT:-/tmp/gpu_checks}
 PY=${PY:-python3}
-mkdir -p "$OUT"
+# each section's output goes to $SECTION_DIR/NAME.txt, packed after every section into
+# $OUT/sections.tgz; $OUT itself keeps two files (the device tool brings back at most 8)
+SECTION_DIR=${SECTION_DIR:-$OUT/sections}
+mkdir -p "$OUT" "$SECTION_DIR"
 export PYTHONPATH=${PYTHONPATH:-.}
 start=$SECONDS
 
@@ -74,10 +78,11 @@ section() {   # section NAME LIMIT_SECONDS COMMAND...: run under a limit, log, k
     fi
     ((limit > left)) && limit=$left
     echo "=== [$((SECONDS - start))s] $name (limit ${limit}s)" | tee -a "$OUT/log.txt"
-    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    timeout "$limit" "$@" > "$SECTION_DIR/$name.txt" 2>&1
     local rc=$?
-    tail -n 40 "$OUT/$name.txt" >> "$OUT/log.txt"
+    grep -v "^USDT:" "$SECTION_DIR/$name.txt" | tail -n 150 >> "$OUT/log.txt"
     echo "--- $name rc=$rc" | tee -a "$OUT/log.txt"
+    tar czf "$OUT/sections.tgz" -C "$SECTION_DIR" .
 }
 
 section env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version \
@@ -97,5 +102,6 @@ section blockwise 120 "$PY" tools/benchmark.py gpu "${BENCH[@]}" "${BLOCK[@]}" -
 section autotune 200 "$PY" tools/benchmark.py gpu "${BENCH[@]}" --no-hf --top 0 \
     --fp8-recipe tensorwise --compile-mode "$AUTOTUNE"
 section transformers 120 "$PY" tools/benchmark.py gpu "${BENCH[@]}" --top 0 --no-split
-echo "=== [$((SECONDS - start))s] done; logs in $OUT; skipped: ${skipped[*]:-none}" \
-    | tee -a "$OUT/log.txt"
+[[ "$SECTION_DIR" == "$OUT/sections" ]] && rm -rf "$SECTION_DIR"   # (packed)
+echo "=== [$((SECONDS - start))s] done; logs in $OUT (log.txt, sections.tgz); skipped: \
+${skipped[*]:-none}" | tee -a "$OUT/log.txt"

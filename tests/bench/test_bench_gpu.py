@@ -124,6 +124,7 @@ def test_gpu_checks_script_smoke(tmp_path):
     import pathlib
     import subprocess
     import sys
+    import tarfile
 
     root = pathlib.Path(__file__).parents[2]
     env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "PY": sys.executable,
@@ -135,13 +136,24 @@ def test_gpu_checks_script_smoke(tmp_path):
                  "autotune", "transformers"):
         assert f"--- {name} rc=0" in log, log
     assert log.rstrip().endswith("skipped: none"), log
-    assert "Muon's theory" in (tmp_path / "muon-accum.txt").read_text()
-    assert "megalite+fp8-blockwise / megalite" in (tmp_path / "blockwise.txt").read_text()
+    assert "Muon's theory" in log and "megalite+fp8-blockwise / megalite" in log
+    # two files come back (the device tool takes at most 8): the log and every section's
+    # whole output, packed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "sections.tgz"]
+    with tarfile.open(tmp_path / "sections.tgz") as tar:
+        names = sorted(n.removeprefix("./") for n in tar.getnames() if n != ".")
+        muon = tar.extractfile("./muon-accum.txt").read().decode()
+    assert names == sorted(f"{n}.txt" for n in ("env", "test-gpu", "step", "muon-accum",
+                                                 "wide", "fp8", "blockwise", "autotune",
+                                                 "transformers"))
+    assert "Muon's step overhead at 2 micro-batches per step" in muon
     # SECTIONS picks sections: the others are not run
     picked = tmp_path / "picked"
     subprocess.run(["bash", "scripts/gpu_checks.sh"], cwd=root, check=True, timeout=300,
                    env={**env, "OUT": str(picked), "SECTIONS": "env blockwise"})
-    assert sorted(p.name for p in picked.iterdir()) == ["blockwise.txt", "env.txt", "log.txt"]
+    with tarfile.open(picked / "sections.tgz") as tar:
+        assert sorted(n for n in tar.getnames() if n != ".") == ["./blockwise.txt",
+                                                                  "./env.txt"]
     # a budget too small for a section skips it and names it last
     tight = tmp_path / "tight"
     subprocess.run(["bash", "scripts/gpu_checks.sh"], cwd=root, check=True, timeout=300,
