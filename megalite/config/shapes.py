@@ -171,34 +171,39 @@ def flops_per_token(m, padded_vocab_size: int) -> float:
             + 6.0 * layers * m.seq_length * m.num_attention_heads * (d_qk + d_v))
 
 
-def attention_gemms(m, tokens: int, tp: int = 1) -> list[tuple[int, int, int]]:
+def attention_gemms(m, tokens: int, tp: int = 1, down: bool = True
+                    ) -> list[tuple[int, int, int]]:
     """``(tokens, in, out)`` of one layer's attention projections on one tp rank: qkv and
     the output projection; under multi-latent attention the query (down and up, or one)
-    and key/value (down, up) projections, then the output projection. The down
-    projections see this rank's tokens under sequence parallelism, counted here as the
-    whole ``tokens``."""
+    and key/value (down, up) projections, then the output projection (``down`` False: the
+    down projections left out, as ``--fp8-format`` keeps them in the training dtype). The
+    down projections see this rank's tokens under sequence parallelism, counted here as
+    the whole ``tokens``."""
     h, n = m.hidden_size, m.num_attention_heads
     if not m.multi_latent_attention:
         d = m.kv_channels
         return [(tokens, h, (n + 2 * m.num_query_groups) * d // tp),
                 (tokens, n * d // tp, h)]
-    q_out = n * m.mla_q_head_dim // tp
-    q = ([(tokens, h, q_out)] if m.q_lora_rank is None
-         else [(tokens, h, m.q_lora_rank), (tokens, m.q_lora_rank, q_out)])
-    return [*q, (tokens, h, m.kv_lora_rank + m.qk_pos_emb_head_dim),
+    lora = m.q_lora_rank is not None
+    q_down = [(tokens, h, m.q_lora_rank)] if lora and down else []
+    q_up = (tokens, m.q_lora_rank if lora else h, n * m.mla_q_head_dim // tp)
+    kv_down = [(tokens, h, m.kv_lora_rank + m.qk_pos_emb_head_dim)] if down else []
+    return [*q_down, q_up, *kv_down,
             (tokens, m.kv_lora_rank, n * (m.qk_head_dim + m.v_head_dim) // tp),
             (tokens, n * m.v_head_dim // tp, h)]
 
 
-def layer_gemms(m, tokens: int, tp: int = 1) -> list[tuple[int, int, int]]:
+def layer_gemms(m, tokens: int, tp: int = 1, ffn: int | None = None, down: bool = True
+                ) -> list[tuple[int, int, int]]:
     """``(tokens, in, out)`` of one dense transformer layer's linear layers on one tp rank
-    for ``tokens`` tokens: the attention's (:func:`attention_gemms`), then fc1, fc2
+    for ``tokens`` tokens: the attention's (:func:`attention_gemms`, ``down`` as there),
+    then fc1, fc2 of an MLP of width ``ffn`` (default ``--ffn-hidden-size``; 0: none)
     (``x [tokens, in] @ w [in, out]``; each also runs ``g @ w.T`` and ``x.T @ g`` in
     backward)."""
     h = m.hidden_size
-    fc1 = (2 if m.swiglu else 1) * m.ffn_hidden_size
-    return [*attention_gemms(m, tokens, tp),
-            (tokens, h, fc1 // tp), (tokens, m.ffn_hidden_size // tp, h)]
+    ffn = m.ffn_hidden_size if ffn is None else ffn
+    mlp = [(tokens, h, (2 if m.swiglu else 1) * ffn // tp), (tokens, ffn // tp, h)]
+    return [*attention_gemms(m, tokens, tp, down), *(mlp if ffn else [])]
 
 
 def model_params(m, padded_vocab_size: int) -> tuple[int, int]:

@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from megalite.config.shapes import attention_gemms, fp8_layer, is_moe_layer
+from megalite.config.shapes import fp8_layer, is_moe_layer, layer_gemms
 from megalite.layers.fp8.recipes import BLOCK_RECIPES
 from megalite.planner.fp8_memory import fp8_linear_weights
 
@@ -100,20 +100,9 @@ def fp8_linear_gemms(m, layer: int, tokens: int, tp: int = 1) -> list[tuple[int,
     empty for a layer kept in bf16."""
     if not fp8_layer(m, layer):
         return []
-    h, n = m.hidden_size, m.num_attention_heads
-    if m.multi_latent_attention:
-        q_in = h if m.q_lora_rank is None else m.q_lora_rank
-        gemms = [(tokens, q_in, n * m.mla_q_head_dim // tp),
-                 (tokens, m.kv_lora_rank, n * (m.qk_head_dim + m.v_head_dim) // tp),
-                 (tokens, n * m.v_head_dim // tp, h)]
-    else:
-        gemms = attention_gemms(m, tokens, tp)
     ffn = (m.moe_shared_expert_intermediate_size or 0) if is_moe_layer(m, layer) \
         else m.ffn_hidden_size
-    if ffn:
-        fc1 = (2 if m.swiglu else 1) * ffn
-        gemms += [(tokens, h, fc1 // tp), (tokens, ffn // tp, h)]
-    return gemms
+    return layer_gemms(m, tokens, tp, ffn=ffn, down=False)
 
 
 def _cast_read(m, dtype_bytes: int) -> float:
