@@ -149,9 +149,15 @@ class ResolvedLayout:
         return self.micro_batch_size * self.seq_length // self.cp
 
     @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one step of the final global batch: ``global_batch_size x
+        seq_length``."""
+        return self.global_batch_size * self.seq_length
+
+    @property
     def model_flops_per_step(self) -> float:
         """Model FLOPs of one step of the final global batch (whole model)."""
-        return self.flops_per_token * self.global_batch_size * self.seq_length
+        return self.flops_per_token * self.tokens_per_step
 
     def stage_layers(self, pp_rank: int) -> list[int]:
         """Global indices of the transformer layers of pipeline rank ``pp_rank`` (all its

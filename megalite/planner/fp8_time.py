@@ -79,7 +79,7 @@ def gemm_seconds(ctx) -> tuple[float, float]:
     m, lay, cluster = ctx.cfg.model, ctx.lay, ctx.cluster
     if m.fp8_format is None or not cluster.fp8_flops:
         return 0.0, 0.0
-    one = 2.0 * fp8_weights(m) * lay.global_batch_size * m.seq_length   # one GEMM kind
+    one = 2.0 * fp8_weights(m) * lay.tokens_per_step   # FLOPs of one GEMM kind
     emulated = emulated_gemms(m, cluster)
     fp32 = cluster.fp32_flops or cluster.peak_flops
     flops = seconds = 0.0

@@ -149,7 +149,7 @@ class StepContext:
     @property
     def tokens(self) -> int:
         """Tokens per rank per micro-batch."""
-        return self.cfg.model.seq_length // self.lay.cp * self.lay.micro_batch_size
+        return self.lay.tokens_per_microbatch
 
     @property
     def layers(self) -> int:
@@ -192,7 +192,7 @@ def compute_seconds(ctx: StepContext) -> float:
     work, and the fixed per-layer and per-micro-batch costs (module docstring)."""
     m, p, lay, cluster = ctx.cfg.model, ctx.cfg.parallel, ctx.lay, ctx.cluster
     extra = 0.0
-    all_tokens = lay.global_batch_size * m.seq_length
+    all_tokens = lay.tokens_per_step
     if m.recompute_granularity == "full":
         extra = 2.0 * active_layer_params(m) * all_tokens
     elif m.recompute_granularity == "selective":   # the forward of what is recomputed
@@ -355,7 +355,7 @@ def shared_expert_forward_seconds(ctx: StepContext) -> float:
     if not shared or m.num_experts is None:
         return 0.0
     flops = (2.0 * dense_mlp_params(m, 1, shared) * moe_layer_count(m)
-             * lay.global_batch_size * m.seq_length)
+             * lay.tokens_per_step)
     return flops / lay.world_size / cluster.peak_flops / cluster.matmul_efficiency
 
 
