@@ -429,7 +429,7 @@ def main(argv=None) -> None:
             print(split_line(name, splits[name], dev.cuda), flush=True)
             # against the bf16 row (on a CPU the fp8 kernel's own fp32 matmuls count as
             # bf16 GEMMs: no ceiling there)
-            if "fp8" in name and not args.no_bf16 and dev.cuda:
+            if variant.model.fp8_format and not args.no_bf16 and dev.cuda:
                 line = fp8_ceiling(name, splits[variants[0][0]], splits[name])
                 print(line or f"{name:>30}: no fp8 kernel ran (emulated): no ceiling",
                       flush=True)
@@ -449,7 +449,7 @@ def main(argv=None) -> None:
     for name, rate in rates.items():
         if reference and name not in (reference, "transformers"):
             print(f"{name} / {reference}: {rate / rates[reference]:.2f}x tokens/s")
-            if name.endswith("+muon"):   # what Muon's step costs over AdamW's
+            if dict(variants)[name].optim.optimizer == "muon":   # its cost over AdamW's
                 print(overhead_line(tokens / rate, tokens / rates[reference], accum))
     if profile:
         print(f"top {args.top} kernels of {variants[0][0]}'s step (2 steps, by self "
