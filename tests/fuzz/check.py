@@ -232,6 +232,7 @@ def compare(layout: Layout, ranks: list[tuple[dict, dict, dict]],
     """Differences between every rank's (losses, params, grad norms) and the reference's."""
     tol, (ref_losses, ref_params, ref_norms) = tolerance(layout), ref
     tied = not layout.model.get("untie_embeddings_and_output_weights", False)
+    zero_gradient_steps = ITERS * tiny(layout).optim.lr   # AdamW's largest steps
     problems, seen = [], set()
     if not any(norms for _, _, norms in ranks):
         problems.append("no rank logged grad_norm")
@@ -266,7 +267,7 @@ def compare(layout: Layout, ranks: list[tuple[dict, dict, dict]],
                 rate = layout.model.get("moe_router_bias_update_rate", 1e-3)
                 allowed = allowed + tol.bias_steps * rate
             if name.endswith(ZERO_GRADIENT):
-                allowed = allowed + ITERS * tiny(layout).optim.lr
+                allowed = allowed + zero_gradient_steps
             bad = ~(diff <= allowed)
             if bad.any() and tol.sign_step:
                 flipped = bad & (diff <= tol.sign_step)
