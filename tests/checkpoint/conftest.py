@@ -1,4 +1,5 @@
-"""Shared by the checkpoint tests: a one-process run's checkpoints to damage copies of."""
+"""Shared by the checkpoint tests: a one-process run's checkpoints to damage copies of,
+and the imports of the trained Megatron fixtures."""
 
 from __future__ import annotations
 
@@ -7,6 +8,15 @@ import shutil
 import pytest
 
 from tests.training.common import run_training, tiny_config
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """{trained Megatron fixture: the checkpoint its import wrote}, each imported at its
+    first use in the test module (test_megatron_resume.py, test_megatron_export_optimizer.py)."""
+    from tests.checkpoint.test_megatron_import import Imported
+
+    return Imported(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

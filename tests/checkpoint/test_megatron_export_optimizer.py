@@ -17,15 +17,8 @@ from megalite.checkpoint.consolidated import checkpoint_config
 from megalite.checkpoint.megatron import read_megatron
 from megalite.checkpoint.megatron.files import find_checkpoint, read_common, read_tensors
 from megalite.checkpoint.megatron.files import tensor_shapes
-from tests.checkpoint.test_megatron_import import FIXTURES, Imported, convert
-
-STEPS = 2   # Megatron's steps before the save (trained.TRAIN_STEPS)
-
-
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    """{fixture: the checkpoint its import wrote}, each imported at its first use."""
-    return Imported(tmp_path_factory)
+from tests.checkpoint.megatron.trained import TRAIN_STEPS as STEPS
+from tests.checkpoint.test_megatron_import import FIXTURES, convert
 
 
 def _same(a, b) -> bool:

@@ -27,16 +27,9 @@ from megalite.checkpoint.megatron.files import read_tensors, tensor_shapes
 from megalite.parallel.state import ParallelState
 from megalite.training.build import build_components
 from megalite.training.loop import train_step
-from tests.checkpoint.test_megatron_import import FIXTURES, TRAINED, Imported, convert
+from tests.checkpoint.megatron.trained import TRAIN_STEPS as STEPS
+from tests.checkpoint.test_megatron_import import FIXTURES, TRAINED, convert
 from tests.optim.common import DATASETS
-
-STEPS = 2   # Megatron's steps before the save (trained.TRAIN_STEPS)
-
-
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    """{fixture: the checkpoint its import wrote}, each imported at its first use."""
-    return Imported(tmp_path_factory)
 
 
 def _next_step(root: str, name: str):
