@@ -205,3 +205,12 @@ def test_muon_overhead_is_a_share_of_its_step():
     assert bench.overhead_line(1.8974, 1.7996, 16) == (
         "Muon's step overhead at 16 micro-batches per step: +97.8 ms, +5.2% of its step "
         "(1897.4 against AdamW's 1799.6 ms)")
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    """Kernels on two streams overlap (an H200's wide bf16 step summed to 219 ms of kernels
+    in a 207 ms span): busy is the union of their intervals, so idle is never negative."""
+    assert bench._covered([]) == 0.0
+    assert bench._covered([(0, 10), (20, 30)]) == 20
+    assert bench._covered([(0, 10), (5, 15), (6, 8), (40, 41)]) == 16
+    assert bench._covered([(5, 15), (0, 10)]) == 15

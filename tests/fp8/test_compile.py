@@ -6,7 +6,8 @@ its quantisations included, into one graph with no break, and inductor can fuse 
 quantisation (amax, scale, cast, transpose) with its neighbours. A break there runs the
 function eagerly, one kernel per elementwise step, which on a GPU costs more than the fp8
 GEMM saves. Delayed scaling's amax records are writes to the scaling's buffers, which
-the compiled graphs keep.
+the compiled graphs keep. Block recipes (blockwise, mxfp8) likewise: their weight copies
+are made before the function, and the block-scaled kernel is one operator in the graph.
 
 At tp 2 with sequence parallelism the layers' tp collectives (the all-gathers and
 reduce-scatters around the linears, the amax all-reduces) are torch's functional
@@ -34,13 +35,15 @@ from tests.model.common import batch, llama_config, single_process_state
 MICRO, STEPS = 2, 2
 
 
-def _train(recipe: str | None, compiled: bool, ps=None) -> tuple[list[float], torch.Tensor]:
+def _train(recipe: str | None, compiled: bool, ps=None, fmt: str = "hybrid",
+           **shape) -> tuple[list[float], torch.Tensor]:
     """Losses of STEPS optimizer steps of MICRO micro-batches of a 2-layer Llama (fp8 with
-    ``recipe``, fp32 with None) on ``ps`` (default: one process), and its linears' amax
-    histories stacked (delayed scaling; empty otherwise)."""
-    model_cfg = llama_config(hidden_size=64, ffn_hidden_size=128)
+    ``recipe`` in format ``fmt``, fp32 with None; ``shape`` overrides its sizes) on ``ps``
+    (default: one process), and its linears' amax histories stacked (delayed scaling;
+    empty otherwise)."""
+    model_cfg = llama_config(**{"hidden_size": 64, "ffn_hidden_size": 128, **shape})
     if recipe is not None:
-        model_cfg = dataclasses.replace(model_cfg, fp8_format="hybrid", fp8_recipe=recipe)
+        model_cfg = dataclasses.replace(model_cfg, fp8_format=fmt, fp8_recipe=recipe)
     run = MegaliteConfig(model=model_cfg, optim=OptimConfig(lr=1e-2),
                          train=TrainConfig(micro_batch_size=2, global_batch_size=2 * MICRO))
     ps = ps or single_process_state()
@@ -95,6 +98,37 @@ def test_delayed_scaling_compiles_and_records_the_amaxes_eager_records(dynamo):
     assert dict(dynamo["graph_break"]) == {}
     assert eager_history.shape == (8, 3, 1) and bool((eager_history[:, 2] > 0).all())
     torch.testing.assert_close(history, eager_history, rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_block_recipes_compile_without_breaks(dynamo, monkeypatch, recipe):
+    """Block recipes (e4m3) take both of the step's weight quantisations before the GEMMs'
+    autograd function, as the per-tensor ones do, so dynamo traces each layer whole. Where
+    the block-scaled kernel runs (``blockwise``; a stand-in here, as in
+    tests/fp8/test_gemm.py, that no tracer could follow) each GEMM is one
+    ``megalite::block_scaled_mm`` node: the compiled run calls the kernel as often as eager
+    does, with the same losses. ``mxfp8`` is emulated (no kernel)."""
+    from megalite.layers.fp8 import gemm
+    from megalite.layers.fp8.recipes import block_dequantize
+
+    calls = []
+
+    def kernel(a, b, sa, recipe_a, sb, recipe_b, output_dtype):
+        torch._dynamo.graph_break()     # a break, were dynamo to trace into the kernel
+        calls.append(a.shape)
+        return (block_dequantize(a, sa) @ block_dequantize(b.t(), sb).t()).to(output_dtype)
+
+    monkeypatch.setattr(gemm, "BLOCK_SCALED_MM", kernel)
+    monkeypatch.setattr(gemm, "block_kernel_takes", lambda a, b, block, mx: block == 128)
+    shape = {"hidden_size": 128, "ffn_hidden_size": 256, "seq_length": 64}
+    eager, _ = _train(recipe, False, fmt="e4m3", **shape)
+    eager_calls, calls[:] = len(calls), []
+    compiled, _ = _train(recipe, True, fmt="e4m3", **shape)
+    assert dict(dynamo["graph_break"]) == {}
+    # per micro-batch 2 layers x 4 linears x 3 GEMMs
+    expected = STEPS * MICRO * 2 * 4 * 3 if recipe == "blockwise" else 0
+    assert eager_calls == len(calls) == expected
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
 
 

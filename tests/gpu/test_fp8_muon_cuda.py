@@ -39,6 +39,13 @@ ITERS = 8
 # differ by up to 9e-4 over 8 iterations (loss 4.12 -> 3.72); the CUDA fp8 run must differ
 # from CUDA fp32 (the fp8 path ran) and stay within 2e-3 of the CPU fp8 run.
 FP8_LOSS_ATOL = 2e-3
+# blockwise e4m3 (BLOCKWISE below) at this lr moves further: on the CPU the same block
+# products summed in another order (each 128-block's partial sum first) move its curve
+# 1.5e-3, those partial sums truncated to a 13-bit mantissa (Hopper's fp8 tensor cores add
+# within a block with fewer bits than fp32) 5.6e-3 (and the first, forward-only, loss 4.6e-4;
+# an H200 gave 4.5e-4 and 3.4e-3 over the curve); fp8 against fp32 is 5.3e-3 there. A
+# scale applied to the wrong block is off by O(1) (the kernel test above bounds that).
+BLOCK_LOSS_ATOL = 6e-3
 MUON_LOSS_ATOL = {"high": 2e-3, "medium": 1e-2}
 
 
@@ -155,7 +162,8 @@ def test_fp8_on_cuda_follows_cpu(monkeypatch, recipe):
     assert calls and set(calls) == {"cuda"}   # the GPU kernel ran every fp8 GEMM
     assert list(cuda.losses) == list(ref.losses) == list(range(1, ITERS + 1))
     worst = max(abs(cuda.losses[i] - ref.losses[i]) for i in ref.losses)
-    assert worst <= FP8_LOSS_ATOL, (worst, cuda.losses, ref.losses)
+    bound = BLOCK_LOSS_ATOL if recipe == "blockwise" else FP8_LOSS_ATOL
+    assert worst <= bound, (worst, cuda.losses, ref.losses)
     assert max(abs(cuda.losses[i] - plain.losses[i]) for i in ref.losses) > 1e-4
 
 

@@ -263,17 +263,27 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_sca
             "aten::_scaled_mm_v2", "aten::_grouped_mm", "aten::_scaled_grouped_mm")
 
 
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def time_split(step, ids, labels, dev: Device) -> dict:
-    """Where two profiled steps' time goes. On a GPU (microseconds, kernels on the one
-    stream): ``span`` first kernel start to last kernel end, ``busy`` the kernels' summed
-    time (``span - busy``: the GPU idle, waiting on the host's launches and syncs),
-    ``gemm`` the GEMM operators' kernels (:data:`GEMM_OPS`, fp8's ``_scaled_mm``
-    included; GEMMs inductor writes itself, as under max-autotune, count in the rest) and
-    ``ops`` the same by operator, ``kernels`` the kernels launched and ``short`` those
-    that ran under :data:`SHORT_US` (where the host's launch of each, some microseconds,
-    takes longer than the kernel, a stretch of them leaves the GPU idle). On a CPU the
-    same from the operators' self CPU time (no idle measured; ``kernels`` the operators
-    called)."""
+    """Where two profiled steps' time goes. On a GPU (microseconds): ``span`` first kernel
+    start to last kernel end, ``busy`` the time at least one kernel runs (the union of
+    their intervals: kernels on different streams can overlap; ``span - busy``: the GPU
+    idle, waiting on the host's launches and syncs), ``gemm`` the GEMM operators' kernels
+    (:data:`GEMM_OPS`, fp8's ``_scaled_mm`` included; GEMMs inductor writes itself, as
+    under max-autotune, count in the rest) and ``ops`` the same by operator, ``kernels``
+    the kernels launched and ``short`` those that ran under :data:`SHORT_US` (where the
+    host's launch of each, some microseconds, takes longer than the kernel, a stretch of
+    them leaves the GPU idle). On a CPU the same from the operators' self CPU time (no
+    idle measured; ``kernels`` the operators called)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
@@ -286,7 +296,7 @@ def time_split(step, ids, labels, dev: Device) -> dict:
         kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
         starts = [e.time_range.start for e in kernels]
         span = max(e.time_range.end for e in kernels) - min(starts) if kernels else 0.0
-        busy = sum(e.time_range.elapsed_us() for e in kernels)
+        busy = _covered([(e.time_range.start, e.time_range.end) for e in kernels])
         ops = {e.key: e.device_time_total / 2 for e in averages if e.key in GEMM_OPS}
         count = len(kernels)
         short = sum(e.time_range.elapsed_us() < SHORT_US for e in kernels)

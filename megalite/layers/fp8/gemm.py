@@ -106,8 +106,28 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, da: torch.Tensor, db: torch.Tens
 
 BLOCK_SCALED_MM = getattr(torch.nn.functional, "scaled_mm", None)
 """torch's scaled GEMM that takes block scales (torch 2.10+; None before), called by
-:func:`block_mm` where :func:`block_kernel_takes`. Tests that count or check its calls
-replace this name."""
+:func:`block_mm` where :func:`block_kernel_takes`, through the operator
+``megalite::block_scaled_mm``. Tests that count or check its calls replace this name."""
+
+
+@torch.library.custom_op("megalite::block_scaled_mm", mutates_args=())
+def _block_scaled_mm(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """:data:`BLOCK_SCALED_MM` of ``qa`` ``[M, K]`` and ``qb`` ``[N, K]`` (row-major e4m3)
+    with 1 x 128 scales ``sa`` ``[M, K / 128]`` and ``sb`` ``[N, K / 128]`` -> ``[M, N]``
+    ``out_dtype``; ``b`` handed over column-major and the scales outer-dimension-major, as
+    cuBLAS reads them. An operator of its own, opaque to ``--compile``: dynamo traces it
+    into the layer's graph by its shapes (:func:`_block_scaled_mm_shape`) whether or not it
+    can trace torch's binding (on an H200 with torch 2.11 it could not: a graph break at
+    every blockwise linear)."""
+    one_by = torch.nn.functional.ScalingType.BlockWise1x128
+    return BLOCK_SCALED_MM(qa, qb.t(), sa.t().contiguous().t(), one_by,
+                           sb.t().contiguous().t(), one_by, output_dtype=out_dtype)
+
+
+@_block_scaled_mm.register_fake
+def _block_scaled_mm_shape(qa, qb, sa, sb, out_dtype):
+    return qa.new_empty((qa.shape[0], qb.shape[0]), dtype=out_dtype)
 
 
 def _cuda_version() -> tuple[int, ...]:
@@ -119,9 +139,10 @@ def block_kernel_takes(a: torch.Tensor, b: torch.Tensor, block: int, mx: bool) -
     """Whether :func:`block_mm` runs torch's block-scaled kernel for ``a`` ``[M, K]`` and
     ``b`` ``[N, K]``: ``blockwise`` scales (fp32, 1 x 128; not MX) of e4m3 operands (as
     DeepSeek-V3 and Megatron-LM's blockwise recipe run every GEMM; ``hybrid``'s e5m2
-    gradient GEMMs stay emulated) on a CUDA GPU of compute capability 9.0 (cuBLAS has 1 x
-    128 block scaling only there, from CUDA 12.9), ``M`` and ``N`` multiples of 16 as for
-    the per-tensor kernel."""
+    gradient GEMMs stay emulated: torch refuses an e5m2 operand with block scales, "Invalid scaling
+    configuration", on an H200 with torch 2.11 and CUDA 13.0) on a CUDA GPU of compute
+    capability 9.0 (cuBLAS has 1 x 128 block scaling only there, from CUDA 12.9), ``M`` and
+    ``N`` multiples of 16 as for the per-tensor kernel."""
     if mx or block != 128 or a.device.type != "cuda" or BLOCK_SCALED_MM is None:
         return False
     if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
@@ -141,19 +162,19 @@ def block_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Ten
     scales applied in the main loop), else the fp32 product of the dequantised blocks."""
     block = qa.shape[-1] // sa.shape[-1]
     if block_kernel_takes(qa, qb, block, mx):
-        one_by = torch.nn.functional.ScalingType.BlockWise1x128
-        return BLOCK_SCALED_MM(qa, qb.t(), sa.t().contiguous().t(), one_by,
-                               sb.t().contiguous().t(), one_by, output_dtype=out_dtype)
+        return torch.ops.megalite.block_scaled_mm(qa, qb, sa, sb, out_dtype)
     return (block_dequantize(qa, sa) @ block_dequantize(qb, sb).t()).to(out_dtype)
 
 
 class Fp8LinearFunction(torch.autograd.Function):
     """``x`` ``[..., K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` or None, ``scaling`` an
-    :class:`~megalite.layers.fp8.scaling.Fp8Scaling`, and for the per-tensor recipes the
-    weight's operands that :func:`fp8_linear` took from the scaling before the call:
-    ``dw`` (0-d fp32 scale), ``qw`` (fp8 ``[N, K]``) and ``qw_t`` (fp8 ``[K, N]``, or None
-    when backward asks the scaling for it) -> ``[..., N]``; collectives only those of
-    ``scaling`` (tensorwise amaxes).
+    :class:`~megalite.layers.fp8.scaling.Fp8Scaling`, and the weight's operands that
+    :func:`fp8_linear` took from the scaling before the call: ``qw`` (fp8 ``[N, K]``) with
+    its dequantisation scales ``dw`` (per-tensor recipes: 0-d fp32; block recipes: ``[N, K
+    / block]``), and ``qw_t`` (fp8 ``[K, N]``, or None when backward asks the scaling for
+    it) with its ``dw_t`` (block recipes: ``[K, N / block]``; per-tensor recipes: None, the
+    scale is ``dw``) -> ``[..., N]``; collectives only those of ``scaling`` (tensorwise
+    amaxes).
 
     Neither pass touches the scaling's Python state (the step's weight copies are read
     and made in :func:`fp8_linear`; delayed scaling's amax records are buffer writes,
@@ -164,7 +185,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     graph there, as they do for the layers' own tp collectives)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scaling, dw, qw, qw_t):
+    def forward(ctx, x, weight, bias, scaling, dw, qw, qw_t, dw_t):
         recipe = scaling.recipe
         record = scaling.training
         x2 = x.reshape(-1, x.shape[-1])
@@ -172,9 +193,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         block = recipe.block
         if block is not None:
             mx = recipe.recipe == "mxfp8"
-            qw, sw = scaling.block_weight(weight, False, record)   # along K, once per step
-            y = block_mm(*block_quantize(x2, block, fwd, mx=mx), qw, sw, x.dtype, mx)
-            ctx.save_for_backward(x2, weight)
+            y = block_mm(*block_quantize(x2, block, fwd, mx=mx), qw, dw, x.dtype, mx)
+            # backward's operand of the weight: w^T along N, or the weight to make it from
+            kept = (None, qw_t, dw_t) if qw_t is not None else (weight, None, None)
+            ctx.save_for_backward(x2, *kept)
         else:
             dx = scaling.scale(INPUT, x2, fwd, record)
             if recipe.wgrad:   # wgrad's operand: x^T [K, M], quantised with x itself
@@ -202,11 +224,12 @@ class Fp8LinearFunction(torch.autograd.Function):
         gdt, fwd = recipe.grad_dtype, recipe.forward_dtype
         gw = None
         if recipe.block is not None:
-            x2, weight = ctx.saved_tensors
+            x2, weight, qw_t, dw_t = ctx.saved_tensors
             mx = recipe.recipe == "mxfp8"
             block = recipe.block
-            qw_t = scaling.block_weight(weight, True, ctx.record)  # w^T along N, once per step
-            gx = block_mm(*block_quantize(g2, block, gdt, mx=mx), *qw_t, ctx.x_dtype, mx)
+            if qw_t is None:       # ZeRO-3: the step's copy, or one made after the gather
+                qw_t, dw_t = scaling.block_weight(weight, True, ctx.record)
+            gx = block_mm(*block_quantize(g2, block, gdt, mx=mx), qw_t, dw_t, ctx.x_dtype, mx)
             if ctx.needs_input_grad[1] and recipe.wgrad:   # both along M, the tokens
                 gw = block_mm(*block_quantize(g2.t(), block, gdt, mx=mx),
                               *block_quantize(x2.t(), block, fwd, mx=mx), ctx.w_dtype, mx)
@@ -230,15 +253,14 @@ class Fp8LinearFunction(torch.autograd.Function):
         gx = gx.to(ctx.x_dtype).view(ctx.x_shape)
         gw = None if gw is None else gw.to(ctx.w_dtype)
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                scaling) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its three GEMMs in fp8 (module docstring). The
-    per-tensor recipes' weight operands come from ``scaling`` here, before the autograd
-    function (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_operands`)."""
-    dw = qw = qw_t = None
-    if scaling.recipe.block is None:
-        dw, qw, qw_t = scaling.weight_operands(weight, scaling.training)
-    return Fp8LinearFunction.apply(x, weight, bias, scaling, dw, qw, qw_t)
+    weight's operands come from ``scaling`` here, before the autograd function
+    (:meth:`~megalite.layers.fp8.scaling.Fp8Scaling.weight_operands`), so that the
+    function touches no Python state and ``--compile`` traces it whole."""
+    dw, qw, qw_t, dw_t = scaling.weight_operands(weight, scaling.training)
+    return Fp8LinearFunction.apply(x, weight, bias, scaling, dw, qw, qw_t, dw_t)

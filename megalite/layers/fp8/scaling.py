@@ -20,14 +20,14 @@ the maximum over exactly the ranks that hold pieces of the same logical tensor:
 
 A weight is quantised once per training step (:class:`StepWeights`): per-tensor recipes
 quantise it at the step's first forward (its scale and fp8 values ``[N, K]``) and transpose
-that copy once, at the step's first backward, for the input-gradient GEMM (``[K, N]``);
-block recipes quantise it along K (forward) at the step's first forward and its transpose
-along N (input gradient) at its first backward. Every later micro-batch, recomputed forward and
-backward of the step reuses them (one fp8 copy of each layout kept through the step, not
-one per micro-batch in flight, and one tp reduction of a per-tensor weight amax per
-step). :func:`finish_step` forgets them before the optimizer changes the weights. The
-decision depends only on the step's calls, which every rank of a tp group makes alike,
-never on storage addresses (which a per-layer parameter gather changes on one rank and
+that copy once for the input-gradient GEMM (``[K, N]``); block recipes quantise it along K
+(forward) and its transpose along N (input gradient); all at the step's first forward (under
+ZeRO-3 the transposed copies at each backward after a gather). Every later micro-batch,
+recomputed forward and backward of the step reuses them (one fp8 copy of each layout kept
+through the step, not one per micro-batch in flight, and one tp reduction of a per-tensor weight
+amax per step). :func:`finish_step` forgets them before the optimizer changes the weights. The
+decision depends only on the step's calls, which every rank of a tp group makes alike, never on
+storage addresses (which a per-layer parameter gather changes on one rank and
 not another). Evaluation and inference quantise afresh every time and keep nothing.
 """
 
@@ -146,19 +146,25 @@ class Fp8Scaling(StepWeights):
         return out
 
     def weight_operands(self, weight: torch.Tensor, record: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Per-tensor recipes: what the fp8 GEMMs need of ``weight`` ``[N, K]``, as
-        (0-d fp32 scale, fp8 ``[N, K]`` for the forward, fp8 ``[K, N]`` for the input
-        gradient): the step's copies (:meth:`weight_fp8`, :meth:`weight_fp8_t`), both
-        made at the step's first forward. The transposed one is None where backward must
-        ask for it (outside training, where nothing is kept, and when the copies are
-        :attr:`freed_between_passes`). Not differentiated: the weight's gradient comes
-        from the GEMMs' autograd function."""
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                   torch.Tensor | None]:
+        """What the fp8 GEMMs need of ``weight`` ``[N, K]``, as (dequantisation scales, fp8
+        ``[N, K]`` for the forward, fp8 ``[K, N]`` for the input gradient, its scales):
+        per-tensor recipes (0-d fp32 scale, ..., None: the transposed copy shares the
+        scale), the step's copies :meth:`weight_fp8` and :meth:`weight_fp8_t`; block
+        recipes the two of :meth:`block_weight` (scales ``[N, K / block]`` and ``[K, N /
+        block]``). All made at the step's first forward. The transposed one is None where
+        backward must ask for it (outside training, where nothing is kept, and when the
+        copies are :attr:`freed_between_passes`). Not differentiated: the weight's
+        gradient comes from the GEMMs' autograd function."""
+        keep_t = record and not self.freed_between_passes
         with torch.no_grad():
+            if self.recipe.block is not None:
+                q, s = self.block_weight(weight, False, record)
+                q_t, s_t = self.block_weight(weight, True, record) if keep_t else (None, None)
+                return s, q, q_t, s_t
             d, q = self.weight_fp8(weight, self.recipe.forward_dtype, record)
-            if not record or self.freed_between_passes:
-                return d, q, None
-            return d, q, self.weight_fp8_t(q, record)
+            return d, q, self.weight_fp8_t(q, record) if keep_t else None, None
 
     def weight_fp8_t(self, qw: torch.Tensor, record: bool) -> torch.Tensor:
         """``qw`` ``[N, K]`` (the fp8 weight :meth:`weight_fp8` gave this call's forward)
@@ -188,7 +194,7 @@ class Fp8Scaling(StepWeights):
         as this step's fp8 weight: ``--fp8-param-gather`` quantised it on the ranks owning
         its shards with this scaling's scale (:mod:`megalite.optim.fp8_param_gather`),
         which also recorded the weight's amax under delayed scaling. The step's
-        transposed copy is made from it at the first backward, like the scaling's own."""
+        transposed copy is made from it with the step's first forward, like the scaling's own."""
         self._step["fp8"], self._given = (d, q), True
 
     def forget_weight(self) -> None:
