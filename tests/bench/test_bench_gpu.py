@@ -98,8 +98,8 @@ def test_gpu_checks_script_parses_and_its_flags_exist():
     script = pathlib.Path(__file__).parents[2] / "scripts" / "gpu_checks.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
-    arrays = re.findall(r"^\s*(BENCH|FP8|BLOCK|WIDE)=\((.*)\)$", text, re.M)
-    assert {name for name, _ in arrays} == {"BENCH", "FP8", "BLOCK", "WIDE"}
+    arrays = re.findall(r"^\s*(BENCH|FP8|BLOCK|WIDE|ACCUMS)=\((.*)\)$", text, re.M)
+    assert {name for name, _ in arrays} == {"BENCH", "FP8", "BLOCK", "WIDE", "ACCUMS"}
     for name, value in arrays:     # the smoke run's and the GPU's
         if name == "FP8":
             fp8_bench.parse(shlex.split(value))
@@ -110,7 +110,7 @@ def test_gpu_checks_script_parses_and_its_flags_exist():
     # and its arrays (checked above) left out
     commands = re.findall(r'benchmark\.py gpu "\$\{BENCH\[@\]\}"((?:[^\n]*\\\n)*[^\n]*)',
                           text)
-    assert len(commands) == 6
+    assert len(commands) == 7
     values = {'"$ACCUM"': "16", '"$AUTOTUNE"': "max-autotune-no-cudagraphs", "\\\n": " "}
     for line in commands:
         for var, value in values.items():
@@ -132,9 +132,11 @@ def test_gpu_checks_script_smoke(tmp_path):
     subprocess.run(["bash", "scripts/gpu_checks.sh"], cwd=root, env=env, check=True,
                    timeout=600)
     log = (tmp_path / "log.txt").read_text()
-    for name in ("env", "test-gpu", "step", "muon-accum", "wide", "fp8", "blockwise",
-                 "autotune", "transformers"):
+    default = ("env", "test-gpu", "step", "fp8-accum", "wide", "blockwise", "muon-accum",
+               "fp8", "transformers")
+    for name in default:
         assert f"--- {name} rc=0" in log, log
+    assert "autotune" not in log      # only where SECTIONS names it
     assert log.rstrip().endswith("skipped: none"), log
     assert "Muon's theory" in log and "megalite+fp8-blockwise / megalite" in log
     # two files come back (the device tool takes at most 8): the log and every section's
@@ -143,16 +145,15 @@ def test_gpu_checks_script_smoke(tmp_path):
     with tarfile.open(tmp_path / "sections.tgz") as tar:
         names = sorted(n.removeprefix("./") for n in tar.getnames() if n != ".")
         muon = tar.extractfile("./muon-accum.txt").read().decode()
-    assert names == sorted(f"{n}.txt" for n in ("env", "test-gpu", "step", "muon-accum",
-                                                 "wide", "fp8", "blockwise", "autotune",
-                                                 "transformers"))
+    assert names == sorted(f"{n}.txt" for n in default)
     assert "Muon's step overhead at 2 micro-batches per step" in muon
     # SECTIONS picks sections: the others are not run
     picked = tmp_path / "picked"
     subprocess.run(["bash", "scripts/gpu_checks.sh"], cwd=root, check=True, timeout=300,
-                   env={**env, "OUT": str(picked), "SECTIONS": "env blockwise"})
+                   env={**env, "OUT": str(picked), "SECTIONS": "env autotune"})
+    assert "--- autotune rc=0" in (picked / "log.txt").read_text()
     with tarfile.open(picked / "sections.tgz") as tar:
-        assert sorted(n for n in tar.getnames() if n != ".") == ["./blockwise.txt",
+        assert sorted(n for n in tar.getnames() if n != ".") == ["./autotune.txt",
                                                                   "./env.txt"]
     # a budget too small for a section skips it and names it last
     tight = tmp_path / "tight"
