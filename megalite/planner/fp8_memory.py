@@ -34,8 +34,8 @@ def fp8_linear_input(m, elements: int) -> tuple[int, int]:
 
 def fp8_weight_copies(m, p, pp_rank: int) -> int:
     """Bytes of the fp8 weights kept through a training step on pipeline rank ``pp_rank``
-    (:class:`megalite.layers.fp8.scaling.StepWeights`: quantised at the step's first
-    forward and at its first backward, dropped before the optimizer), per local weight
+    (:class:`megalite.layers.fp8.scaling.StepWeights`: both quantised at the step's first
+    forward, dropped before the optimizer), per local weight
     element of each fp8 layer's tensor-parallel linears: two bytes under the per-tensor
     recipes (``[N, K]`` and its transpose ``[K, N]``), two and two 32nds under the block
     recipes (along K and along N, each with one e8m0 byte per 32 elements under mxfp8 or
