@@ -192,7 +192,8 @@ def report(candidates, cluster: Cluster, top: int, show_infeasible: int,
              f"({cluster.gpu_memory / GIB:.0f} GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s "
              f"peak, {cluster.intra_node_bw / 1e9:.0f} / {cluster.inter_node_bw / 1e9:.0f} "
              f"GB/s intra / inter node); {len(candidates)} layouts, {len(feasible)} feasible",
-             f"assumed: GEMMs at {cluster.matmul_efficiency:.0%} of the peak; an overlapped "
+             f"assumed: GEMMs at {cluster.matmul_efficiency:.0%} of the peak, memory-bound "
+             f"work at {cluster.memory_efficiency:.0%} of the memory bandwidth; an overlapped "
              f"data-parallel collective {OVERLAP_EXPOSED:.0%} exposed; searched with the "
              "layout: tp/pp/vpp/cp/ep, sharding strategy, --overlap-grad-reduce and "
              "--overlap-param-gather, recomputation, micro-batch size, optimizer offload "
@@ -268,7 +269,8 @@ CLUSTER_FLAGS = {"gpus_per_node": ("gpus_per_node", 1, "an integer >= 1"),
                  "peak_fp32_tflops": ("fp32_flops", 1e12, "a positive number"),
                  "intra_node_gbps": ("intra_node_bw", 1e9, "a positive number"),
                  "inter_node_gbps": ("inter_node_bw", 1e9, "a positive number"),
-                 "matmul_efficiency": ("matmul_efficiency", 1, "in (0, 1]")}
+                 "matmul_efficiency": ("matmul_efficiency", 1, "in (0, 1]"),
+                 "memory_efficiency": ("memory_efficiency", 1, "in (0, 1]")}
 # the cluster's yes/no flags (--flag / --no-flag; unset: the preset's): flag -> Cluster field
 CLUSTER_SWITCHES = {"fp8_block_kernel": "fp8_block_kernel"}
 
@@ -285,7 +287,8 @@ def check_args(args) -> None:
         value = getattr(args, flag)
         if value is None:
             continue
-        if not value > 0 or (flag == "matmul_efficiency" and value > 1) or value == math.inf:
+        fraction = must == "in (0, 1]"
+        if not value > 0 or (fraction and value > 1) or value == math.inf:
             bad(flag, value, must)
         if flag == "gpus_per_node" and value < 1:
             bad(flag, value, must)
@@ -333,6 +336,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--intra-node-gbps", type=float)
     parser.add_argument("--inter-node-gbps", type=float)
     parser.add_argument("--matmul-efficiency", type=float)
+    parser.add_argument("--memory-efficiency", type=float, help="fraction of the memory "
+                        "bandwidth the memory-bound work reaches on what the planner counts "
+                        "of it (the GPU presets: 0.3, fitted to an H200's steps)")
     parser.add_argument("--megatron-script", help="a launch script whose --flags give the "
                         "model (flags after -- are added after them)")
     parser.add_argument("--top", type=int, default=10)

@@ -3,6 +3,17 @@
 Bandwidths are per GPU, bytes/s, one direction: ``intra_node_bw`` between GPUs of a node
 (NVLink), ``inter_node_bw`` of each GPU's share of the network (InfiniBand / RoCE NIC).
 ``matmul_efficiency`` is the fraction of ``peak_flops`` a large bf16 GEMM reaches;
+``memory_efficiency`` the same for ``memory_bw`` and the memory-bound work the planner
+counts (its activations' passes, the optimizer's state, fp8's quantisations,
+:mod:`megalite.planner.time`): the time of the step's memory-bound kernels is that traffic
+at ``memory_bw x memory_efficiency``. The count is a floor (each saved activation byte
+written and read in forward and backward, not every intermediate an element-wise kernel
+reads), so the fraction is also what the count leaves out. The GPU presets' 0.3 is fitted
+to an H200's compiled steps: with it the ``h200`` preset gives six measured steps (a 1.1B
+Llama at one and at 16 micro-batches a step, in bf16, fp8 tensorwise and with Muon, and
+eight of Llama-3 8B's layers in bf16 and fp8) within 3%, where 1.0 left them 18-42% short
+(``docs/planner.md``); the other GPUs are assumed alike. 1.0 elsewhere: a custom cluster,
+and the CPU check, which measures its layers' rate with their memory-bound work in it.
 ``latency_s`` the fixed cost of one collective (per ring hop).
 
 Fixed costs that do not shrink with the work, which dominate small models (on a GPU the
@@ -44,8 +55,9 @@ GIB = 2 ** 30
 # fields that must be positive numbers (bandwidths may be inf: no limit); the fractions
 # must also be at most 1
 _POSITIVE = ("gpu_memory", "peak_flops", "intra_node_bw", "inter_node_bw", "memory_bw",
-             "host_bw", "host_memory_bw", "matmul_efficiency", "memory_margin")
-_FRACTIONS = ("matmul_efficiency", "memory_margin")
+             "host_bw", "host_memory_bw", "matmul_efficiency", "memory_margin",
+             "memory_efficiency")
+_FRACTIONS = ("matmul_efficiency", "memory_margin", "memory_efficiency")
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,7 @@ class Cluster:
     fp8_block_kernel: bool = False  # the GPU has torch's 1 x 128 block-scaled fp8 GEMM
                                     # (compute capability 9.0, Hopper): --fp8-recipe
                                     # blockwise runs its e4m3 GEMMs there, not in fp32
+    memory_efficiency: float = 1.0  # fraction of memory_bw the memory-bound work reaches
 
     def __post_init__(self) -> None:
         """Refuse sizes below one and non-positive or NaN rates (a step time from them
@@ -96,6 +109,12 @@ class Cluster:
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
 
+    @property
+    def memory_rate(self) -> float:
+        """Bytes/s of the memory-bound work the planner counts: ``memory_bw x
+        memory_efficiency``."""
+        return self.memory_bw * self.memory_efficiency
+
     def group_bw(self, size: int, stride: int) -> float:
         """Bandwidth of a group of ``size`` ranks ``stride`` apart in the global rank order
         (ranks fill nodes in order): NVLink when the group fits in a node, else the
@@ -109,18 +128,25 @@ class Cluster:
         return replace(self, nodes=nodes)
 
 
+GPU_MEMORY_EFFICIENCY = 0.3   # fitted to an H200's compiled steps (module docstring)
+
+
 # per-GPU figures: NVLink 4 (H100/H200) 450 GB/s and NVLink 3 (A100) 300 GB/s one way;
 # one 400 Gb/s (H100/H200) or 200 Gb/s (A100) NIC per GPU; the H800 is an H100 with NVLink
 # cut to 200 GB/s one way (400 GB/s both ways)
 PRESETS = {
     "h100": Cluster(8, 1, 80 * GIB, 989e12, 450e9, 50e9, memory_bw=3.35e12, name="H100 SXM",
-                    fp8_flops=1979e12, fp32_flops=67e12, fp8_block_kernel=True),
+                    fp8_flops=1979e12, fp32_flops=67e12, fp8_block_kernel=True,
+                    memory_efficiency=GPU_MEMORY_EFFICIENCY),
     "h800": Cluster(8, 1, 80 * GIB, 989e12, 200e9, 50e9, memory_bw=3.35e12, name="H800 SXM",
-                    fp8_flops=1979e12, fp32_flops=67e12, fp8_block_kernel=True),
+                    fp8_flops=1979e12, fp32_flops=67e12, fp8_block_kernel=True,
+                    memory_efficiency=GPU_MEMORY_EFFICIENCY),
     "h200": Cluster(8, 1, 141 * GIB, 989e12, 450e9, 50e9, memory_bw=4.8e12, name="H200 SXM",
-                    fp8_flops=1979e12, fp32_flops=67e12, fp8_block_kernel=True),
+                    fp8_flops=1979e12, fp32_flops=67e12, fp8_block_kernel=True,
+                    memory_efficiency=GPU_MEMORY_EFFICIENCY),
     "a100": Cluster(8, 1, 80 * GIB, 312e12, 300e9, 25e9, memory_bw=2.0e12,
-                    name="A100 SXM 80GB", fp32_flops=19.5e12),
+                    name="A100 SXM 80GB", fp32_flops=19.5e12,
+                    memory_efficiency=GPU_MEMORY_EFFICIENCY),
 }
 
 

@@ -13,7 +13,7 @@
 * **quantisation traffic** (:func:`quantize_seconds`): per micro-batch the passes that
   turn each fp8 linear's input ``x`` and output gradient ``dy`` into fp8
   (:func:`activation_quantize_bytes`), per step the weights' (:func:`weight_quantize_bytes`),
-  at ``memory_bw``. The GEMMs' own reads of the fp8 operands are in the GEMM time.
+  at ``Cluster.memory_rate``. The GEMMs' own reads of the fp8 operands are in the GEMM time.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def weight_quantize_bytes(m, weights: float, dtype_bytes: int, microbatches: int
 
 
 def quantize_seconds(ctx) -> float:
-    """Seconds per step on one rank of the fp8 quantisation traffic at ``memory_bw``: the
+    """Seconds per step on one rank of the fp8 quantisation traffic at ``memory_rate``: the
     micro-batches' (:func:`activation_quantize_bytes`) and the step's weights'
     (:func:`weight_quantize_bytes`), over this rank's share of the layers (the model's
     over the pipeline stages, as the memory-bound term counts); 0 without fp8."""
@@ -194,4 +194,4 @@ def quantize_seconds(ctx) -> float:
     weights = weight_quantize_bytes(
         m, fp8_weights(m) / lay.tp, lay.dtype_bytes, lay.num_microbatches, ctx.passes,
         lay.strategy == "optim_grads_params", lay.dp * lay.cp)
-    return (act * lay.num_microbatches + weights) / lay.pp / ctx.cluster.memory_bw
+    return (act * lay.num_microbatches + weights) / lay.pp / ctx.cluster.memory_rate

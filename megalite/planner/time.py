@@ -22,13 +22,14 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   megalite emulates (the dequantised operands multiplied in fp32: every mxfp8 GEMM; the
   blockwise GEMMs without the GPU's block-scaled kernel, ``Cluster.fp8_block_kernel``,
   and its e5m2 gradient GEMMs under hybrid). Plus the quantisation passes at
-  ``memory_bw``: per micro-batch each fp8 linear's input and output gradient (an amax pass
+  ``Cluster.memory_rate`` (``memory_bw x memory_efficiency``, as all the memory-bound
+  work here): per micro-batch each fp8 linear's input and output gradient (an amax pass
   and a cast pass under tensorwise, the cast alone under delayed, a pass per GEMM under
   the block recipes), per step its weight (quantised and transposed once; under ZeRO-3
   after every gather).
   Plus the memory-bound work (norms, activation functions, softmax, copies): ``4 x`` the
   bytes the layers save for backward (:func:`layer_activation_elements`) at
-  ``memory_bw``. Plus the fixed costs: ``layer_overhead_s`` per layer and micro-batch
+  ``memory_rate``. Plus the fixed costs: ``layer_overhead_s`` per layer and micro-batch
   (and ``layer_forward_overhead_s`` again under full recomputation), and
   ``microbatch_overhead_s`` per micro-batch. Under ``--qk-clip`` (or
   ``--log-max-attention-logit``) the largest-logit pass (:mod:`megalite.planner.qk_clip`:
@@ -76,7 +77,7 @@ and the cluster): :func:`compute_seconds`, one cost function per parallelism in
   DualPipeV, once ``m >= pp``).
   Under optim_grads_params each unit's parameters are all-gathered before every forward
   and backward (``passes x m`` gathers of the stage's parameters), exposed.
-* **optimizer** -- the step reads and writes the local optimizer state at memory bandwidth;
+* **optimizer** -- the step reads and writes the local optimizer state at ``memory_rate``;
   with ``--optimizer-cpu-offload`` the offloaded fraction's gradients go to the host and
   its parameters come back (8 bytes each at ``host_bw``) and the host steps Adam (36 bytes
   of traffic each at ``host_memory_bw``). Under ``--optimizer muon`` the matrices'
@@ -224,7 +225,7 @@ def compute_seconds(ctx: StepContext) -> float:
                  for layer, moe in enumerate(m.moe_layer_pattern)]
     act_elems = sum(e["act"] * lay.dtype_bytes + e["fp32"] * 4 + e["fp8"]
                     for e in per_layer) / lay.pp
-    memory_bound = MEMORY_PASSES * act_elems * lay.num_microbatches / cluster.memory_bw
+    memory_bound = MEMORY_PASSES * act_elems * lay.num_microbatches / cluster.memory_rate
     # fixed costs per layer and micro-batch (dispatch / launches), the rank's layers
     layer_fixed = cluster.layer_overhead_s + (cluster.layer_forward_overhead_s
                                               if m.recompute_granularity == "full" else 0.0)
@@ -242,7 +243,7 @@ def max_logit_seconds(ctx: StepContext) -> float:
     flops = qk_clip.flops_per_sequence(m) * sequences
     traffic = qk_clip.SCORE_PASSES * 4 * qk_clip.score_elements_per_sequence(m) * sequences
     rate = (cluster.fp32_flops or cluster.peak_flops) * cluster.matmul_efficiency
-    return flops / rate + traffic / cluster.memory_bw
+    return flops / rate + traffic / cluster.memory_rate
 
 
 def tp_cost(ctx: StepContext) -> Cost:
@@ -461,14 +462,14 @@ def optimizer_seconds(ctx: StepContext) -> float:
     shard = lay.dp * lay.cp if p.use_distributed_optimizer else 1
     offload = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
     per_element = 16 + 2 * lay.dtype_bytes   # every parameter's bytes of traffic
-    seconds = (1 - offload) * local * per_element / shard / cluster.memory_bw
+    seconds = (1 - offload) * local * per_element / shard / cluster.memory_rate
     if offload:  # gradients to the host, parameters back (fp32), Adam on the host
         moved = offload * local / shard
         seconds += moved * 8 / cluster.host_bw + moved * 36 / cluster.host_memory_bw
     if o.optimizer == "muon":   # Newton-Schulz and its exchanges (megalite.planner.muon)
         extra = muon.elementwise_bytes(o.muon_nesterov, lay.dtype_bytes) - per_element
         seconds += (1 - offload) * muon.elementwise_elements(ctx.cfg, lay) * extra \
-            / cluster.memory_bw
+            / cluster.memory_rate
         seconds += muon.step_flops(ctx.cfg, lay) / muon.iteration_rate(
             o.muon_fp32_matmul_prec, cluster)
         tp_bytes, dp_bytes = muon.step_bytes(ctx.cfg, lay)

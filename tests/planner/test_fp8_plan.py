@@ -67,7 +67,7 @@ def test_fp8_gemms_run_at_the_fp8_rate():
     # copy beside the attention kernel's output); qkv's and fc1's gathered [s, b, h] in
     # fp8 are the bytes of their [s/tp, b, h] in bf16; 4 passes, 8 layers, 16
     # micro-batches (dp 4)
-    saved += 4 * 8 * 2048 * (2816 // 2 - 16 * 64 // 2) * 16 / cluster.memory_bw
+    saved += 4 * 8 * 2048 * (2816 // 2 - 16 * 64 // 2) * 16 / cluster.memory_rate
     # less the quantisation traffic. Per micro-batch and layer, the tp rank's linears
     # (M = 2048 tokens, gathered): qkv K 1024 N 768, proj K 512 N 1024, fc1 K 1024 N 2816,
     # fc2 K 1408 N 1024. Tensorwise in bf16: x read twice (amax, cast: 4 bytes), written as
@@ -77,10 +77,12 @@ def test_fp8_gemms_run_at_the_fp8_rate():
     per_micro_batch = 8 * 2048 * (5 * x_elements + 6 * dy_elements)
     # per step each local weight quantised once (amax 2, cast 2 + 1) and transposed (1 + 1)
     local_weights = 8 * (1024 * 24 * 64 + 16 * 64 * 1024 + 3 * 1024 * 2816) // 2
-    saved -= (16 * per_micro_batch + 7 * local_weights) / cluster.memory_bw
+    saved -= (16 * per_micro_batch + 7 * local_weights) / cluster.memory_rate
     assert bf16.compute - fp8.compute == pytest.approx(saved, rel=1e-9)
     assert fp8.model_flops == bf16.model_flops      # MFU: model FLOPs over the bf16 peak
-    assert fp8.mfu > bf16.mfu
+    # at hidden 1024 the quantisations, at the presets' memory efficiency, cost more than
+    # the fp8 GEMMs save: fp8 is the slower step here
+    assert saved < 0 and fp8.mfu < bf16.mfu
 
 
 def test_a_gpu_without_fp8_is_refused(capsys):

@@ -133,13 +133,13 @@ def test_precision_sets_the_rate_and_muon_shows_in_the_step():
     h, f, n, g, d = 1024, 2816, 16, 4, 64
     elements = 8 * (h * (n + 2 * g) * d + n * d * h + 3 * f * h)
     assert muon.elementwise_bytes(False, 2) == 62 and muon.elementwise_bytes(True, 2) == 74
-    passes = elements * (62 - 20) / h100.memory_bw
+    passes = elements * (62 - 20) / h100.memory_rate
     assert medium.optimizer - adam.optimizer == pytest.approx(ns + passes, rel=1e-9)
     assert high.optimizer - adam.optimizer == pytest.approx(2 * ns + passes, rel=1e-9)
     assert medium.step - adam.step == pytest.approx(ns + passes, rel=1e-9)
     nesterov = estimate_time(_cfg("--muon-nesterov")[0], 1, h100)
     assert nesterov.optimizer - medium.optimizer == pytest.approx(
-        elements * 12 / h100.memory_bw, rel=1e-9)
+        elements * 12 / h100.memory_rate, rel=1e-9)
 
 
 def test_elementwise_passes_are_divided_over_the_owners_and_tp():

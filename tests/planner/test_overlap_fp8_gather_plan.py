@@ -100,7 +100,7 @@ def test_fp8_param_gather_sends_one_byte_per_fp8_weight(strategy):
     # the step's gathers; with the flag each owner casts its eighth once, and the gathers
     # bring the fp8 bytes (the transposed copies alike in both)
     casts = fp8_weights * 5 * (gathers - 1 / 8)
-    assert plain.compute - fp8.compute == pytest.approx(casts / preset("h100").memory_bw)
+    assert plain.compute - fp8.compute == pytest.approx(casts / preset("h100").memory_rate)
 
 
 @pytest.mark.parametrize("shared", [8192, 64])

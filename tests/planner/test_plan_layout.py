@@ -147,6 +147,8 @@ MODEL = SMALL[:-4]   # the model and batch, without the tokenizer and data flags
     (["--gpu-memory-gib", "0"], "--gpu-memory-gib must be a positive number, got 0.0"),
     (["--matmul-efficiency", "nan"], "--matmul-efficiency must be in (0, 1], got nan"),
     (["--matmul-efficiency", "1.5"], "--matmul-efficiency must be in (0, 1], got 1.5"),
+    (["--memory-efficiency", "0"], "--memory-efficiency must be in (0, 1], got 0.0"),
+    (["--memory-efficiency", "2"], "--memory-efficiency must be in (0, 1], got 2.0"),
     (["--peak-tflops", "-100"], "--peak-tflops must be a positive number, got -100.0"),
     (["--peak-fp32-tflops", "0"], "--peak-fp32-tflops must be a positive number, got 0.0"),
     (["--inter-node-gbps", "nan"], "--inter-node-gbps must be a positive number, got nan"),
@@ -201,7 +203,8 @@ def test_a_config_file_with_data_paths_plans_on_mock_data(tmp_path, capsys):
 
 @pytest.mark.parametrize("field, value", [("nodes", 0), ("gpu_memory", -5 * GIB),
                                           ("peak_flops", float("nan")),
-                                          ("matmul_efficiency", 0.0), ("inter_node_bw", -1.0)])
+                                          ("matmul_efficiency", 0.0), ("inter_node_bw", -1.0),
+                                          ("memory_efficiency", 1.5)])
 def test_cluster_refuses_what_no_machine_has(field, value):
     from megalite.config import ConfigError
 
@@ -237,3 +240,28 @@ def test_search_ranks_zbv_beside_interleaved():
     assert "zbv" in zbv.name()
     assert parse_args(SMALL + zbv.launch_flags()).validate(8).parallel.pipeline_schedule \
         == "zbv"
+
+
+def test_memory_efficiency_scales_the_memory_bound_work():
+    """``--memory-efficiency`` sets the fraction of the memory bandwidth the memory-bound
+    terms run at (the GPU presets' 0.3 by default): halving it adds exactly that work
+    again to the step, and the GEMMs' time does not move."""
+    import dataclasses
+
+    from megalite.planner.cluster import GPU_MEMORY_EFFICIENCY
+    from megalite.planner.time import estimate_time
+
+    tool = load_tool("plan_layout")
+
+    def cluster(*flags):
+        return tool.build_cluster(tool._parser().parse_args(list(flags)))
+
+    assert cluster().memory_efficiency == GPU_MEMORY_EFFICIENCY
+    mine = cluster("--memory-efficiency", "0.6")
+    assert mine.memory_efficiency == 0.6 and mine.memory_rate == 0.6 * mine.memory_bw
+    cfg = parse_args(SMALL)
+    full = estimate_time(cfg, 8, mine)
+    half = estimate_time(cfg, 8, dataclasses.replace(mine, memory_efficiency=0.3))
+    gemms = estimate_time(cfg, 8, dataclasses.replace(mine, memory_bw=float("inf")))
+    assert half.step > full.step > gemms.step
+    assert half.step - gemms.step == pytest.approx(2 * (full.step - gemms.step), rel=1e-9)

@@ -18,12 +18,12 @@ from tests.tools import load_tool
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "planner"
 # script -> {recompute: (estimated GiB per GPU on the busiest stage, estimated MFU %)}
 ESTIMATES = {
-    "gpt_145b_a100": {"full": (40.6, 42.3)},
-    "llama2_70b_h100_maxtext": {"none": (205.5, 48.0), "full": (38.5, 37.4)},
-    "llama31_8b_h100_torchtitan": {"selective": (107.9, 60.1)},
-    "llama31_405b_h100": {"none": (83.5, 40.5), "full": (24.2, 31.1)},
-    "mixtral_8x7b_h100": {"none": (65.6, 54.5)},
-    "deepseek_v3_h800": {"none": (218.5, 25.0), "full": (22.9, 22.7)},
+    "gpt_145b_a100": {"full": (40.6, 41.2)},
+    "llama2_70b_h100_maxtext": {"none": (205.5, 44.8), "full": (38.5, 35.5)},
+    "llama31_8b_h100_torchtitan": {"selective": (107.9, 52.4)},
+    "llama31_405b_h100": {"none": (83.5, 38.8), "full": (24.2, 30.1)},
+    "mixtral_8x7b_h100": {"none": (65.6, 45.1)},
+    "deepseek_v3_h800": {"none": (218.5, 21.6), "full": (22.9, 19.9)},
 }
 # script -> the planner's (total, active per token) parameters in billions, as its report's
 # "model:" line prints them; each within 0.5% of the published count (the scripts' sources:
