@@ -35,9 +35,12 @@ def test_without_cuda_one_line_and_success(capsys):
 
 def test_smoke_mode_times_fp8_and_muon_rows_against_bf16(capsys):
     bench.main(["--device", "cpu", "--small", "--no-compile", "--no-hf", "--seq-length", "32",
-                "--steps", "1", "--warmup", "1", "--top", "0",
+                "--steps", "1", "--warmup", "1", "--top", "5", "--top-rows", "2",
                 "--fp8-recipe", "tensorwise,mxfp8", "--muon"])
     out = capsys.readouterr().out
+    # the first two rows' kernel profiles, and only theirs
+    tables = re.findall(r"^top 5 kernels of (\S+)'s step", out, re.M)
+    assert tables == ["megalite", "megalite+fp8-tensorwise"], out
     first = {m[0]: float(m[1]) for m in re.findall(
         r"^\s*(megalite\S*): .* first loss ([0-9.]+)", out, re.M)}
     assert set(first) == {"megalite", "megalite+fp8-tensorwise", "megalite+fp8-mxfp8",

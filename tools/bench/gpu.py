@@ -97,6 +97,8 @@ def parse(argv):
     p.add_argument("--no-bf16", action="store_true",
                    help="skip megalite's bf16 AdamW row (the reference of the extra rows)")
     p.add_argument("--top", type=int, default=10, help="kernels in the profile (0: none)")
+    p.add_argument("--top-rows", type=int, default=1, help="how many rows, from the first, "
+                   "print that profile")
     p.add_argument("--no-split", dest="split", action="store_false",
                    help="skip each row's profiled split of the step (GPU busy / idle, "
                         "GEMMs, the rest)")
@@ -408,7 +410,7 @@ def main(argv=None) -> None:
     table = tflops(table_peak) if table_peak else "n/a"
     print(f"peaks: table {table}; measured bf16 torch.mm {tflops(measured_peak)}; first "
           "losses should agree to bf16 rounding (same weights and inputs)", flush=True)
-    rates, splits, state, profile = {}, {}, None, ""
+    rates, splits, state, profiles = {}, {}, None, []
 
     def report(name, first, warm, times, memory):   # a row as soon as it is timed
         med = statistics.median(times)
@@ -443,8 +445,8 @@ def main(argv=None) -> None:
                 line = fp8_ceiling(name, splits[variants[0][0]], splits[name])
                 print(line or f"{name:>30}: no fp8 kernel ran (emulated): no ceiling",
                       flush=True)
-        if i == 0 and args.top:
-            profile = top_kernels(step, ids, labels, dev, args.top)
+        if i < args.top_rows and args.top:
+            profiles.append((name, top_kernels(step, ids, labels, dev, args.top)))
         del model, step
     if not args.no_hf and state is not None:
         hf_model, hf_step = make_transformers(cfg, state, dev, accum)
@@ -461,7 +463,7 @@ def main(argv=None) -> None:
             print(f"{name} / {reference}: {rate / rates[reference]:.2f}x tokens/s")
             if dict(variants)[name].optim.optimizer == "muon":   # its cost over AdamW's
                 print(overhead_line(tokens / rate, tokens / rates[reference], accum))
-    if profile:
-        print(f"top {args.top} kernels of {variants[0][0]}'s step (2 steps, by self "
+    for name, profile in profiles:
+        print(f"top {args.top} kernels of {name}'s step (2 steps, by self "
               f"{'CUDA' if dev.cuda else 'CPU'} time):")
         print(profile)
