@@ -139,10 +139,10 @@ def block_kernel_takes(a: torch.Tensor, b: torch.Tensor, block: int, mx: bool) -
     """Whether :func:`block_mm` runs torch's block-scaled kernel for ``a`` ``[M, K]`` and
     ``b`` ``[N, K]``: ``blockwise`` scales (fp32, 1 x 128; not MX) of e4m3 operands (as
     DeepSeek-V3 and Megatron-LM's blockwise recipe run every GEMM; ``hybrid``'s e5m2
-    gradient GEMMs stay emulated: torch refuses an e5m2 operand with block scales, "Invalid scaling
-    configuration", on an H200 with torch 2.11 and CUDA 13.0) on a CUDA GPU of compute
-    capability 9.0 (cuBLAS has 1 x 128 block scaling only there, from CUDA 12.9), ``M`` and
-    ``N`` multiples of 16 as for the per-tensor kernel."""
+    gradient GEMMs stay emulated: torch refuses an e5m2 operand with block scales,
+    "Invalid scaling configuration", on an H200 with torch 2.11 and CUDA 13.0) on a CUDA
+    GPU of compute capability 9.0 (cuBLAS has 1 x 128 block scaling only there, from CUDA
+    12.9), ``M`` and ``N`` multiples of 16 as for the per-tensor kernel."""
     if mx or block != 128 or a.device.type != "cuda" or BLOCK_SCALED_MM is None:
         return False
     if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:

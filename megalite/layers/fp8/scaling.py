@@ -194,7 +194,8 @@ class Fp8Scaling(StepWeights):
         as this step's fp8 weight: ``--fp8-param-gather`` quantised it on the ranks owning
         its shards with this scaling's scale (:mod:`megalite.optim.fp8_param_gather`),
         which also recorded the weight's amax under delayed scaling. The step's
-        transposed copy is made from it with the step's first forward, like the scaling's own."""
+        transposed copy is made from it with the step's first forward, like the scaling's
+        own."""
         self._step["fp8"], self._given = (d, q), True
 
     def forget_weight(self) -> None:
