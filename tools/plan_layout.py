@@ -41,7 +41,7 @@ from megalite.config import shapes  # noqa: E402
 from megalite.config.fields import ConfigError  # noqa: E402
 from megalite.errors import EXIT_CONFIG, report_tool_error  # noqa: E402
 from megalite.planner import fp8_time  # noqa: E402
-from megalite.planner.cluster import GIB, PRESETS, Cluster, preset  # noqa: E402
+from megalite.planner.cluster import FRACTIONS, GIB, PRESETS, Cluster, preset  # noqa: E402
 from megalite.planner.search import (  # noqa: E402
     RECOMPUTE,
     SCHEDULES,
@@ -283,12 +283,11 @@ def check_args(args) -> None:
 
     if args.nodes < 1:
         bad("nodes", args.nodes, "an integer >= 1")
-    for flag, (_, _, must) in CLUSTER_FLAGS.items():
+    for flag, (field, _, must) in CLUSTER_FLAGS.items():
         value = getattr(args, flag)
         if value is None:
             continue
-        fraction = must == "in (0, 1]"
-        if not value > 0 or (fraction and value > 1) or value == math.inf:
+        if not value > 0 or (field in FRACTIONS and value > 1) or value == math.inf:
             bad(flag, value, must)
         if flag == "gpus_per_node" and value < 1:
             bad(flag, value, must)

@@ -57,7 +57,7 @@ GIB = 2 ** 30
 _POSITIVE = ("gpu_memory", "peak_flops", "intra_node_bw", "inter_node_bw", "memory_bw",
              "host_bw", "host_memory_bw", "matmul_efficiency", "memory_margin",
              "memory_efficiency")
-_FRACTIONS = ("matmul_efficiency", "memory_margin", "memory_efficiency")
+FRACTIONS = ("matmul_efficiency", "memory_margin", "memory_efficiency")
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,8 @@ class Cluster:
                 raise ConfigError(f"cluster {name} must be an integer >= 1, got {value!r}")
         for name in _POSITIVE:
             value = getattr(self, name)
-            if not (value > 0) or (name in _FRACTIONS and value > 1):
-                limit = "in (0, 1]" if name in _FRACTIONS else "a positive number"
+            if not (value > 0) or (name in FRACTIONS and value > 1):
+                limit = "in (0, 1]" if name in FRACTIONS else "a positive number"
                 raise ConfigError(f"cluster {name} must be {limit}, got {value!r}")
         for name in ("latency_s", "layer_overhead_s", "layer_forward_overhead_s",
                      "microbatch_overhead_s", "collective_overhead_s"):

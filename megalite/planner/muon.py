@@ -24,11 +24,12 @@ Per rank and step:
   counts (the last, which holds the prediction depths).
 * **element-wise passes** -- the momentum, normalisation, result and update passes over
   the matrices (:func:`elementwise_bytes`: 74 bytes an element with Nesterov and bf16,
-  62 without) replace the ``16 + 2 x dtype`` bytes every parameter is charged at memory
-  bandwidth (:func:`megalite.planner.time.optimizer_seconds`). A lower bound: at the
-  1.1B shape of ``tools/benchmark.py gpu`` (0.97 billion matrix elements) it is 13 ms on
-  an H200's 4.8 TB/s, where a profile there measured about 30 ms of such passes before a
-  copy of the momentum and the strided reads of the tall matrices were removed.
+  62 without) replace the ``16 + 2 x dtype`` bytes every parameter is charged at
+  ``Cluster.memory_rate`` (:func:`megalite.planner.time.optimizer_seconds`). At the 1.1B
+  shape of ``tools/benchmark.py gpu`` (0.97 billion matrix elements) that traffic is 13
+  ms at an H200's full 4.8 TB/s (43 ms at the presets' 0.3 of it), where a profile there
+  measured about 30 ms of such passes before a copy of the momentum and the strided
+  reads of the tall matrices were removed.
 * **rate** -- on a GPU ``--muon-fp32-matmul-prec medium`` / ``low`` iterate in bf16 at
   ``peak_flops``, ``high`` in TF32 at half of it; a CPU cluster (no ``fp32_flops``) runs
   IEEE fp32 at ``peak_flops``; times ``matmul_efficiency``.

@@ -36,7 +36,8 @@ step (the GPU's busy time against the span of its kernels, so its idle time wait
 the host; the GEMMs' share and the rest's; :func:`time_split`), under each fp8 row its
 ceiling at this shape (bf16's step with only the fp8 linears' GEMMs at the fp8 row's GEMM
 time, against the fp8 row's step: what quantisation and host work cost;
-:func:`fp8_ceiling`), and megalite's top kernels (torch.profiler). Model FLOPs per token are the
+:func:`fp8_ceiling`), and the top kernels (torch.profiler) of the first row, or of the
+first ``--top-rows`` rows. Model FLOPs per token are the
 training loop's ``6 N + 6 h V + 12 L h s`` (:func:`megalite.config.shapes.flops_per_token`,
 read from the resolved layout), as in ``tools/bench/model.py``. Without CUDA (and no
 ``--device cpu``) it prints one line and exits 0.
